@@ -1,0 +1,27 @@
+# Two entry points: `make run` (the main job on the embedded default) and `make test`.
+# Both create .venv on first use and install everything the project needs into it.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test lint bench
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test,ray]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: setup
+	$(VENV)/bin/engine-core train
+
+lint: setup
+	$(VENV)/bin/ruff check engine_core roles tests benchmarks
+
+test: setup lint
+	RAY_AUTH_MODE=disabled $(PY) -m pytest -q
+
+bench: setup
+	for b in benchmarks/*.py; do $(PY) $$b; done

@@ -1,0 +1,165 @@
+"""The batch schema: a TensorDict whose batch dim is samples, plus typed batch-level metadata.
+
+Per-token tensors are ``[batch, seq_len]`` (right- or left-padded; ``attention_mask`` marks the
+real tokens, which must be contiguous in each row). Per-token outputs such as ``log_probs`` are
+aligned to ``input_ids``: ``log_probs[i, t] = log p(input_ids[i, t] | input_ids[i, :t])``, and 0
+at each sequence's first real token and at padding. Per-sample non-tensor data (e.g.
+``multi_modal_inputs``) rides as a ``NonTensorStack`` and follows its samples through indexing,
+splitting and concatenation. Batch-level metadata is a :class:`BatchMeta` stored under
+:data:`META_KEY`; it is shared by reference on indexing, so the micro-batch utilities deep-copy it.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from tensordict import NonTensorStack, TensorDict
+
+from engine_core.errors import BatchError
+
+__all__ = [
+    "INPUT_IDS",
+    "ATTENTION_MASK",
+    "POSITION_IDS",
+    "LOSS_MASK",
+    "LOG_PROBS",
+    "ENTROPY",
+    "VALUES",
+    "META_KEY",
+    "BatchMeta",
+    "make_batch",
+    "get_meta",
+    "set_meta",
+    "split_with_meta",
+    "require_keys",
+    "sequence_lengths",
+    "validate_batch",
+]
+
+INPUT_IDS = "input_ids"
+ATTENTION_MASK = "attention_mask"
+POSITION_IDS = "position_ids"
+LOSS_MASK = "loss_mask"
+LOG_PROBS = "log_probs"
+ENTROPY = "entropy"
+VALUES = "values"
+META_KEY = "meta"
+
+
+class BatchMeta(BaseModel):
+    """Typed batch-level metadata. Subclass it to add fields; never smuggle settings as strings."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    temperature: float = Field(1.0, gt=0, description="Logits are divided by this before log-softmax.")
+    compute_entropy: bool = Field(False, description="Also return per-token entropy.")
+    global_step: int = Field(0, ge=0, description="Trainer step that produced this batch.")
+
+
+M = TypeVar("M", bound=BatchMeta)
+
+
+def make_batch(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    meta: BatchMeta | None = None,
+    non_tensor: Mapping[str, Sequence[Any]] | None = None,
+    **tensors: torch.Tensor,
+) -> TensorDict:
+    """Build a validated batch from padded ``[B, L]`` tensors.
+
+    ``attention_mask`` defaults to all ones; ``position_ids`` are derived from it when absent.
+    ``non_tensor`` maps a key to one Python object per sample.
+    """
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    data: dict[str, torch.Tensor] = {INPUT_IDS: input_ids, ATTENTION_MASK: attention_mask}
+    if POSITION_IDS not in tensors:
+        data[POSITION_IDS] = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    data.update(tensors)
+    batch = TensorDict(data, batch_size=[input_ids.shape[0]])
+    for key, values in (non_tensor or {}).items():
+        if len(values) != input_ids.shape[0]:
+            raise BatchError(
+                f"non-tensor entry {key!r} has {len(values)} items but the batch has "
+                f"{input_ids.shape[0]} samples; pass exactly one item per sample."
+            )
+        batch[key] = NonTensorStack.from_list(list(values))
+    set_meta(batch, meta if meta is not None else BatchMeta())
+    validate_batch(batch)
+    return batch
+
+
+def get_meta(batch: TensorDict, cls: type[M] = BatchMeta) -> M:  # type: ignore[assignment]
+    """Return the batch's metadata, checking it is an instance of ``cls``."""
+    if META_KEY not in batch.keys():
+        return cls()
+    meta = batch.get_non_tensor(META_KEY)
+    if not isinstance(meta, cls):
+        raise BatchError(
+            f"batch metadata is {type(meta).__name__}, expected {cls.__name__}; build the batch "
+            f"with make_batch(..., meta={cls.__name__}(...))."
+        )
+    return meta
+
+
+def set_meta(batch: TensorDict, meta: BatchMeta) -> None:
+    """Attach ``meta`` to ``batch`` in place."""
+    if not isinstance(meta, BatchMeta):
+        raise BatchError(f"meta must be a BatchMeta, got {type(meta).__name__}.")
+    batch.set_non_tensor(META_KEY, meta)
+
+
+def split_with_meta(batch: TensorDict, indices: Iterable[torch.Tensor]) -> list[TensorDict]:
+    """Index ``batch`` once per index tensor, giving each part its own deep copy of the metadata."""
+    meta = get_meta(batch)
+    parts = []
+    for idx in indices:
+        part = batch[idx]
+        set_meta(part, copy.deepcopy(meta))
+        parts.append(part)
+    return parts
+
+
+def require_keys(
+    batch: TensorDict, keys: Iterable[str], *, method: str, producers: Mapping[str, str] | None = None
+) -> None:
+    """Refuse a batch missing any of ``keys``, naming the field and the method that produces it."""
+    present = set(batch.keys())
+    missing = [k for k in keys if k not in present]
+    if missing:
+        hints = []
+        for key in missing:
+            producer = (producers or {}).get(key)
+            hints.append(f"{key!r}" + (f" (produced by {producer})" if producer else ""))
+        raise BatchError(
+            f"{method} needs field(s) {', '.join(hints)} but the batch has only "
+            f"{sorted(present)}. Add them to the batch before calling {method}."
+        )
+
+
+def sequence_lengths(batch: TensorDict) -> torch.Tensor:
+    """Number of real tokens per sample (``attention_mask.sum(-1)``) as int64."""
+    return batch[ATTENTION_MASK].long().sum(-1)
+
+
+def validate_batch(batch: TensorDict) -> None:
+    """Check the shapes every engine relies on; raise :class:`BatchError` otherwise."""
+    require_keys(batch, [INPUT_IDS, ATTENTION_MASK], method="validate_batch")
+    ids, mask = batch[INPUT_IDS], batch[ATTENTION_MASK]
+    if ids.dim() != 2:
+        raise BatchError(f"input_ids must be [batch, seq_len], got shape {tuple(ids.shape)}.")
+    if mask.shape != ids.shape:
+        raise BatchError(
+            f"attention_mask shape {tuple(mask.shape)} differs from input_ids {tuple(ids.shape)}."
+        )
+    for key in (POSITION_IDS, LOSS_MASK):
+        if key in batch.keys() and batch[key].shape != ids.shape:
+            raise BatchError(
+                f"{key} shape {tuple(batch[key].shape)} differs from input_ids {tuple(ids.shape)}."
+            )

@@ -1,0 +1,56 @@
+"""Capabilities an engine or rollout may declare, and the check that refuses what it lacks."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+
+from engine_core.errors import CapabilityError
+
+if sys.version_info >= (3, 11):
+    from enum import StrEnum
+else:  # pragma: no cover - py3.10 fallback
+    from enum import Enum
+
+    class StrEnum(str, Enum):
+        def __str__(self) -> str:
+            return str(self.value)
+
+
+__all__ = ["Capability", "check_capabilities"]
+
+
+class Capability(StrEnum):
+    """A feature a backend supports. Engines list theirs in ``BaseEngine.capabilities``."""
+
+    VALUE_HEAD = "value_head"
+    LORA = "lora"
+    TENSOR_PARALLEL = "tensor_parallel"
+    PIPELINE_PARALLEL = "pipeline_parallel"
+    CONTEXT_PARALLEL = "context_parallel"
+    PACKING = "packing"
+    DYNAMIC_BATCH = "dynamic_batch"
+    OFFLOAD = "offload"
+    WEIGHT_EXPORT = "weight_export"
+    CPU = "cpu"
+    DATA_PARALLEL = "data_parallel"
+    GRADIENT_CHECKPOINTING = "gradient_checkpointing"
+    # rollout capabilities
+    SLEEP = "sleep"
+    LOGPROBS = "logprobs"
+
+
+def check_capabilities(
+    backend: str, declared: Iterable[Capability], required: Iterable[Capability]
+) -> None:
+    """Raise :class:`CapabilityError` naming every required capability ``backend`` lacks."""
+    declared_set = {Capability(c) for c in declared}
+    missing = sorted({Capability(c) for c in required} - declared_set)
+    if missing:
+        names = ", ".join(str(m) for m in missing)
+        raise CapabilityError(
+            f"backend {backend!r} does not support: {names}. It declares: "
+            f"{', '.join(sorted(str(c) for c in declared_set)) or '(nothing)'}. "
+            f"Turn the option off in the config or choose a backend that supports it "
+            f"(`engine-core plugins` lists each backend's capabilities)."
+        )

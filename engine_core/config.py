@@ -1,0 +1,129 @@
+"""Typed configuration shared by every engine: model, optimizer, micro-batching.
+
+Each backend subclasses :class:`EngineConfig` with its own fields (``extra="forbid"`` keeps typos
+out). Configs are frozen: derived values come from the resolve step in :mod:`engine_core.resolve`,
+never from mutating a config.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+
+from engine_core.capabilities import Capability
+
+__all__ = ["FrozenModel", "ModelConfig", "LoraConfig", "OptimConfig", "EngineConfig"]
+
+
+class FrozenModel(BaseModel):
+    """Base of every config model: immutable, unknown keys refused."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+
+class LoraConfig(FrozenModel):
+    """LoRA adapters (through ``peft``); only adapter weights train."""
+
+    rank: PositiveInt = 8
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+
+
+class ModelConfig(FrozenModel):
+    """Which transformers model to train: a local folder, or a config built from scratch."""
+
+    path: str | None = Field(None, description="Local folder or fsspec URL with an HF checkpoint.")
+    config: dict[str, Any] | None = Field(
+        None, description="transformers config kwargs (must include model_type) to build from scratch."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    value_head: bool = Field(False, description="Add a scalar value head (critic).")
+    gradient_checkpointing: bool = False
+    lora: LoraConfig | None = None
+    trust_remote_code: bool = False
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if (self.path is None) == (self.config is None):
+            raise ValueError(
+                "set exactly one of model.path (a saved HF folder) or model.config "
+                "(transformers config kwargs with model_type); got "
+                f"path={self.path!r}, config={'set' if self.config else None}"
+            )
+        if self.config is not None and "model_type" not in self.config:
+            raise ValueError("model.config must include 'model_type' (e.g. 'qwen2', 'llama').")
+        return self
+
+
+class OptimConfig(FrozenModel):
+    """AdamW with an optional warmup followed by a constant or cosine schedule."""
+
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    clip_grad: float | None = Field(1.0, gt=0, description="Max grad norm; None disables clipping.")
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["constant", "cosine"] = "constant"
+    total_steps: PositiveInt | None = Field(None, description="Needed by the cosine schedule.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _cosine_needs_total(self) -> OptimConfig:
+        if self.schedule == "cosine" and self.total_steps is None:
+            raise ValueError("optim.schedule='cosine' needs optim.total_steps (a positive int).")
+        return self
+
+
+class EngineConfig(FrozenModel):
+    """Fields every training engine understands. Backends subclass this with their own."""
+
+    backend: str = Field(..., description="Registered engine name, e.g. 'fsdp2'.")
+    model: ModelConfig
+    optim: OptimConfig = OptimConfig()
+    micro_batch_size: PositiveInt | None = Field(
+        None, description="Samples per micro-batch. Neither this nor a token budget: one micro-batch."
+    )
+    max_tokens_per_micro_batch: PositiveInt | None = Field(
+        None, description="Token budget per micro-batch (dynamic batching); a strict cap."
+    )
+    use_packing: bool = Field(True, description="Padding-free execution with packed sequences.")
+    offload: bool = Field(False, description="Offload params/optimizer outside train/eval mode.")
+    tensor_parallel_size: PositiveInt = 1
+    pipeline_parallel_size: PositiveInt = 1
+    context_parallel_size: PositiveInt = 1
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _one_batching_mode(self) -> EngineConfig:
+        if self.micro_batch_size is not None and self.max_tokens_per_micro_batch is not None:
+            raise ValueError(
+                "set micro_batch_size (fixed) or max_tokens_per_micro_batch (token budget), not "
+                f"both; got {self.micro_batch_size} and {self.max_tokens_per_micro_batch}."
+            )
+        return self
+
+    def required_capabilities(self) -> set[Capability]:
+        """Capabilities this config asks of its engine; checked when the config is resolved."""
+        need: set[Capability] = set()
+        if self.model.value_head:
+            need.add(Capability.VALUE_HEAD)
+        if self.model.lora is not None:
+            need.add(Capability.LORA)
+        if self.model.gradient_checkpointing:
+            need.add(Capability.GRADIENT_CHECKPOINTING)
+        if self.tensor_parallel_size > 1:
+            need.add(Capability.TENSOR_PARALLEL)
+        if self.pipeline_parallel_size > 1:
+            need.add(Capability.PIPELINE_PARALLEL)
+        if self.context_parallel_size > 1:
+            need.add(Capability.CONTEXT_PARALLEL)
+        if self.use_packing:
+            need.add(Capability.PACKING)
+        if self.max_tokens_per_micro_batch is not None:
+            need.add(Capability.DYNAMIC_BATCH)
+        if self.offload:
+            need.add(Capability.OFFLOAD)
+        return need

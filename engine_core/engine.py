@@ -1,0 +1,368 @@
+"""``BaseEngine``: the contract every training backend implements.
+
+The generic parts live here so every engine behaves the same: micro-batch preparation, the
+global-batch loss context, metric reduction and restoring outputs to input order
+(:meth:`BaseEngine.forward_backward_step`). A forward step is split in three overridable parts
+(:meth:`prepare_model_inputs`, :meth:`forward_model`, :meth:`prepare_model_outputs`) whose
+defaults serve transformers causal LMs and value heads, packed (padding-free) by default.
+
+Backends implement the abstract methods: model construction, optimizer steps, device moves,
+checkpoints and weight export.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from torch import nn
+
+from engine_core.batch import (
+    ATTENTION_MASK,
+    ENTROPY,
+    INPUT_IDS,
+    LOG_PROBS,
+    LOSS_MASK,
+    POSITION_IDS,
+    VALUES,
+    get_meta,
+    validate_batch,
+)
+from engine_core.capabilities import Capability
+from engine_core.config import EngineConfig
+from engine_core.errors import EngineCoreError
+from engine_core.loss import GlobalBatchContext, LossFn, MetricAccumulator
+from engine_core.microbatch import prepare_micro_batches
+from engine_core.packing import PackedSequences, pack, sequence_start_mask, unpack
+
+__all__ = [
+    "BaseEngine",
+    "EngineOutput",
+    "ModelInputs",
+    "loss_mask_of",
+    "predicted_mask",
+    "token_log_probs",
+]
+
+
+@dataclass
+class EngineOutput:
+    """What :meth:`BaseEngine.forward_backward_step` returns.
+
+    ``outputs`` holds per-sample, per-token tensors (``log_probs``, optional ``entropy`` and
+    ``values``) in the input order. ``loss`` is the global loss (summed over micro-batches and DP
+    ranks), ``None`` when no loss function is set. ``metrics`` are reduced as declared.
+    """
+
+    outputs: TensorDict
+    loss: float | None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ModelInputs:
+    """Model keyword arguments for one micro-batch, plus the packing layout when packed."""
+
+    kwargs: dict[str, Any]
+    packed: PackedSequences | None = None
+
+
+def predicted_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Real tokens that have a prefix: every real token but each sequence's first."""
+    mask = attention_mask.bool()
+    first = mask & ~torch.nn.functional.pad(mask, (1, 0))[:, :-1]
+    return mask & ~first
+
+
+def loss_mask_of(batch: TensorDict) -> torch.Tensor:
+    """``loss_mask`` if present, else :func:`predicted_mask` of the attention mask."""
+    if LOSS_MASK in batch.keys():
+        return batch[LOSS_MASK].bool()
+    return predicted_mask(batch[ATTENTION_MASK])
+
+
+def token_log_probs(
+    logits: torch.Tensor, next_ids: torch.Tensor, *, entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of ``next_ids`` under ``logits`` (fp32), and optionally the entropy."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    out = logp.gather(-1, next_ids.unsqueeze(-1)).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1) if entropy else None
+    return out, ent
+
+
+class BaseEngine(abc.ABC):
+    """A training backend for one model (actor, critic, reference or reward).
+
+    Subclasses set :attr:`capabilities` and :attr:`config_class`, and implement the abstract
+    methods. ``self.module`` is the model built by :meth:`init_model`.
+    """
+
+    capabilities: ClassVar[frozenset[Capability]] = frozenset()
+    config_class: ClassVar[type[EngineConfig]] = EngineConfig
+
+    def __init__(self, config: EngineConfig) -> None:
+        if not isinstance(config, self.config_class):
+            raise TypeError(
+                f"{type(self).__name__} needs a {self.config_class.__name__}, got "
+                f"{type(config).__name__}; resolve the config with resolve_engine_config()."
+            )
+        self.config = config
+        self.module: nn.Module | None = None
+        self._loss_fn: LossFn | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    @abc.abstractmethod
+    def init_model(self) -> None:
+        """Build or load the model, the optimizer and the LR scheduler."""
+
+    @contextlib.contextmanager
+    def train_mode(self) -> Iterator[None]:
+        """Model in train mode (loaded onto the device first when offloading is configured)."""
+        with self._mode(train=True):
+            yield
+
+    @contextlib.contextmanager
+    def eval_mode(self) -> Iterator[None]:
+        """Model in eval mode, no autograd (loaded onto the device first when offloading)."""
+        with self._mode(train=False), torch.no_grad():
+            yield
+
+    @contextlib.contextmanager
+    def _mode(self, *, train: bool) -> Iterator[None]:
+        module = self._require_module()
+        if self.config.offload:
+            self.to(self.device)
+        was_training = module.training
+        module.train(train)
+        try:
+            yield
+        finally:
+            module.train(was_training)
+            if self.config.offload:
+                self.to("cpu")
+
+    # ------------------------------------------------------------------ distributed layout
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """The data-parallel process group (``None``: the default group, if initialized)."""
+        return None
+
+    @property
+    def dp_rank(self) -> int:
+        return dist.get_rank(self.dp_group) if self._distributed else 0
+
+    @property
+    def dp_size(self) -> int:
+        return dist.get_world_size(self.dp_group) if self._distributed else 1
+
+    @property
+    def is_collect_rank(self) -> bool:
+        """Whether this rank's outputs are collected (one per DP rank; TP/PP engines override)."""
+        return True
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def _distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    def shard_data(self, batch: TensorDict) -> TensorDict:
+        """This DP rank's contiguous chunk of a global batch (SPMD use under ``torchrun``)."""
+        from engine_core.dispatch import split_for_dp
+
+        chunks, pad = split_for_dp(batch, self.dp_size)
+        if pad:
+            raise EngineCoreError(
+                f"shard_data: batch of {batch.batch_size[0]} samples does not divide by dp_size="
+                f"{self.dp_size}; pass a multiple of {self.dp_size} samples."
+            )
+        return chunks[self.dp_rank]
+
+    def unshard_data(self, outputs: TensorDict) -> TensorDict:
+        """Gather every DP rank's outputs into the global batch, ordered by DP rank."""
+        if self.dp_size == 1:
+            return outputs
+        parts: list[TensorDict | None] = [None] * self.dp_size
+        dist.all_gather_object(parts, outputs, group=self.dp_group)
+        return torch.cat([p for p in parts if p is not None])
+
+    # ------------------------------------------------------------------ forward / backward
+    def set_loss_fn(self, fn: LossFn | None) -> None:
+        """Set the loss ``fn(micro_batch, outputs, ctx) -> (loss, {name: Metric})``."""
+        self._loss_fn = fn
+
+    def global_context(self, batch: TensorDict, num_micro_batches: int) -> GlobalBatchContext:
+        """Loss-token and sample counts summed over every DP rank (one all-reduce)."""
+        mask = loss_mask_of(batch)
+        counts = torch.tensor([int(mask.sum()), int(mask.any(-1).sum())], dtype=torch.int64)
+        if self._distributed and self.dp_size > 1:
+            dist.all_reduce(counts, group=self.dp_group)
+        return GlobalBatchContext(
+            global_num_tokens=int(counts[0]),
+            global_num_samples=int(counts[1]),
+            dp_size=self.dp_size,
+            num_micro_batches=num_micro_batches,
+        )
+
+    def forward_backward_step(self, batch: TensorDict, forward_only: bool = False) -> EngineOutput:
+        """Run every micro-batch of this rank's ``batch``; accumulate gradients unless forward-only.
+
+        Gradients are the sum over micro-batches and DP ranks of each micro-batch's loss
+        gradient (see :mod:`engine_core.loss`), complete when this returns.
+        """
+        validate_batch(batch)
+        if not forward_only and self._loss_fn is None:
+            raise EngineCoreError(
+                "forward_backward_step(forward_only=False) needs a loss; call set_loss_fn() first."
+            )
+        self._require_module()
+        cfg = self.config
+        micro_batches, plan = prepare_micro_batches(
+            batch,
+            micro_batch_size=cfg.micro_batch_size,
+            max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
+            group=self.dp_group if self._distributed else None,
+        )
+        ctx = self.global_context(batch, len(micro_batches))
+        acc = MetricAccumulator()
+        outputs: list[TensorDict] = []
+        local_loss = torch.zeros((), dtype=torch.float64)
+        last = len(micro_batches) - 1
+        grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
+        for i, mb in enumerate(micro_batches):
+            sync = forward_only or i == last
+            with grad_ctx, (contextlib.nullcontext() if sync else self.no_sync()):
+                inputs = self.prepare_model_inputs(mb)
+                raw = self.forward_model(inputs)
+                out = self.prepare_model_outputs(raw, inputs, mb)
+                if self._loss_fn is not None:
+                    loss, metrics = self._loss_fn(mb, out, ctx)
+                    if not forward_only:
+                        self.backward(loss)
+                    local_loss += loss.detach().double().cpu()
+                    acc.update(metrics)
+            outputs.append(out.detach())
+        if not forward_only:
+            self.finish_backward()
+        total_loss: float | None = None
+        if self._loss_fn is not None:
+            if self._distributed and self.dp_size > 1:
+                dist.all_reduce(local_loss, group=self.dp_group)
+            total_loss = float(local_loss)
+        return EngineOutput(plan.restore(outputs), total_loss, acc.reduce(self.dp_group))
+
+    def no_sync(self) -> contextlib.AbstractContextManager[Any]:
+        """Context for non-final micro-batches: skip gradient sync where the backend can."""
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate one micro-batch's loss (already globally normalized)."""
+        loss.backward()
+
+    def finish_backward(self) -> None:
+        """Called once after the last micro-batch's backward: finish gradient reduction."""
+
+    def prepare_model_inputs(self, micro_batch: TensorDict) -> ModelInputs:
+        """Model kwargs: packed (padding-free) by default, padded when ``use_packing=False``.
+
+        Packed calls pass per-sequence ``position_ids`` and ``use_cache=False``: transformers
+        only detects packed sequences without a KV cache, else attention leaks across them.
+        """
+        ids, mask = micro_batch[INPUT_IDS], micro_batch[ATTENTION_MASK]
+        dev = self.device
+        if self.config.use_packing:
+            packed = pack(ids, mask)
+            kwargs = {
+                "input_ids": packed.input_ids.to(dev),
+                "position_ids": packed.position_ids.to(dev),
+                "use_cache": False,
+            }
+            return ModelInputs(kwargs, packed)
+        kwargs = {
+            "input_ids": ids.to(dev),
+            "attention_mask": mask.to(dev),
+            "position_ids": micro_batch[POSITION_IDS].to(dev),
+            "use_cache": False,
+        }
+        return ModelInputs(kwargs, None)
+
+    def forward_model(self, inputs: ModelInputs) -> Any:
+        """Call the model."""
+        return self._require_module()(**inputs.kwargs)
+
+    def prepare_model_outputs(
+        self, raw: Any, inputs: ModelInputs, micro_batch: TensorDict
+    ) -> TensorDict:
+        """Per-token ``log_probs`` (and ``entropy``), or ``values`` for a value head, as ``[b, L]``.
+
+        Outputs are aligned to ``input_ids``: position ``t`` holds the prediction of token ``t``
+        from positions ``< t``; the first token of each sequence and padding hold 0.
+        """
+        meta = get_meta(micro_batch)
+        logits = raw.logits
+        ids = inputs.kwargs["input_ids"]
+        b, seq_len = micro_batch[INPUT_IDS].shape
+        # prediction of token t comes from position t-1: shift logits right by one
+        prev = torch.nn.functional.pad(logits[:, :-1], (0, 0, 1, 0))
+        data: dict[str, torch.Tensor] = {}
+        if self.config.model.value_head:
+            data[VALUES] = prev[..., 0].float()
+        else:
+            lp, ent = token_log_probs(
+                prev / meta.temperature, ids, entropy=meta.compute_entropy
+            )
+            data[LOG_PROBS] = lp
+            if ent is not None:
+                data[ENTROPY] = ent
+        if inputs.packed is not None:
+            starts = sequence_start_mask(inputs.packed).to(logits.device)
+            result = {k: unpack(inputs.packed, v.masked_fill(starts, 0.0)) for k, v in data.items()}
+        else:
+            valid = predicted_mask(micro_batch[ATTENTION_MASK]).to(logits.device)
+            result = {k: v.masked_fill(~valid, 0.0) for k, v in data.items()}
+        return TensorDict({k: v.cpu() for k, v in result.items()}, batch_size=[b])
+
+    # ------------------------------------------------------------------ optimizer
+    @abc.abstractmethod
+    def optimizer_zero_grad(self) -> None:
+        """Clear gradients."""
+
+    @abc.abstractmethod
+    def optimizer_step(self) -> float:
+        """Clip, step and return the grad norm; on a non-finite norm skip the update."""
+
+    @abc.abstractmethod
+    def lr_scheduler_step(self) -> float:
+        """Advance the LR schedule and return the new learning rate."""
+
+    # ------------------------------------------------------------------ state
+    @abc.abstractmethod
+    def to(self, device: torch.device | str, *, model: bool = True, optimizer: bool = True) -> None:
+        """Move model and/or optimizer state (offload to ``"cpu"`` and back)."""
+
+    @abc.abstractmethod
+    def save_checkpoint(self, path: str, *, step: int, max_ckpt_to_keep: int | None = None) -> str:
+        """Save model, optimizer, scheduler, RNG and ``step`` under ``path``; return the folder."""
+
+    @abc.abstractmethod
+    def load_checkpoint(self, path: str) -> int:
+        """Restore everything :meth:`save_checkpoint` wrote; return the saved step."""
+
+    @abc.abstractmethod
+    def named_full_params(self, bucket_bytes: int = 512 << 20) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF parameter name, full tensor), materialising at most ``bucket_bytes`` at a time."""
+
+    # ------------------------------------------------------------------ helpers
+    def _require_module(self) -> nn.Module:
+        if self.module is None:
+            raise EngineCoreError(f"{type(self).__name__}: call init_model() before using the engine.")
+        return self.module

@@ -1,0 +1,78 @@
+"""The engine-core error hierarchy.
+
+Every error the SDK raises on bad input derives from :class:`EngineCoreError` and its message
+says what was received, what is allowed, and how to fix it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "EngineCoreError",
+    "ConfigError",
+    "PluginError",
+    "PluginLoadError",
+    "UnknownBackendError",
+    "DuplicateBackendError",
+    "CapabilityError",
+    "BatchError",
+    "TokenBudgetError",
+    "DispatchError",
+    "MeshRegistrationError",
+    "CheckpointError",
+    "WeightSyncError",
+]
+
+
+class EngineCoreError(Exception):
+    """Base class of every error raised by engine-core on bad input or misuse."""
+
+
+class ConfigError(EngineCoreError, ValueError):
+    """A configuration value is invalid or inconsistent with the chosen backend."""
+
+
+class PluginError(EngineCoreError):
+    """A plugin or backend could not be registered or selected."""
+
+
+class PluginLoadError(PluginError, ImportError):
+    """A plugin exists but failed to import; the message names the plugin, the error and the install hint."""
+
+
+class UnknownBackendError(PluginError, KeyError):
+    """A backend name is not registered; the message lists the available names."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class DuplicateBackendError(PluginError):
+    """Two plugins registered the same backend name without ``override=True``."""
+
+
+class CapabilityError(ConfigError):
+    """The config asks for a capability the selected engine does not declare."""
+
+
+class BatchError(EngineCoreError, ValueError):
+    """A batch is missing a field, has the wrong shape, or has inconsistent entries."""
+
+
+class TokenBudgetError(BatchError):
+    """A token-budget micro-batch plan cannot be made (e.g. one sample exceeds the budget)."""
+
+
+class DispatchError(EngineCoreError, RuntimeError):
+    """Dispatching to, or collecting from, a worker group failed a consistency check."""
+
+
+class MeshRegistrationError(DispatchError):
+    """A worker registered a mesh twice, or a mesh's collect ranks do not cover its dp ranks."""
+
+
+class CheckpointError(EngineCoreError, RuntimeError):
+    """A checkpoint could not be saved or loaded; nothing already on disk was changed."""
+
+
+class WeightSyncError(EngineCoreError, RuntimeError):
+    """Weights sent to a rollout did not match what it expected (names, shapes or checksums)."""

@@ -1,0 +1,181 @@
+"""``BaseRollout``: the contract every generation backend implements.
+
+A rollout turns a batch of prompts into responses with per-token log-probs of the sampled
+tokens, accepts fresh weights from a trainer as (HF name, tensor) pairs, and can release and
+resume its memory. Weight updates are verified by the caller-facing :meth:`BaseRollout.sync_weights`
+(names, shapes and a checksum per bucket) — never silent.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from pydantic import Field, PositiveInt, model_validator
+from tensordict import TensorDict
+
+from engine_core.capabilities import Capability
+from engine_core.config import FrozenModel
+from engine_core.errors import WeightSyncError
+
+__all__ = [
+    "SamplingParams",
+    "RolloutConfig",
+    "BaseRollout",
+    "WeightBucket",
+    "iter_buckets",
+    "tensor_checksum",
+    "PROMPT_IDS",
+    "PROMPT_MASK",
+    "RESPONSE_IDS",
+    "RESPONSE_MASK",
+    "ROLLOUT_LOG_PROBS",
+    "FINISH_REASON",
+]
+
+PROMPT_IDS = "prompt_ids"
+PROMPT_MASK = "prompt_mask"
+RESPONSE_IDS = "response_ids"
+RESPONSE_MASK = "response_mask"
+ROLLOUT_LOG_PROBS = "rollout_log_probs"
+FINISH_REASON = "finish_reason"
+
+
+class SamplingParams(FrozenModel):
+    """Sampling parameters every rollout honours (or refuses when it cannot)."""
+
+    temperature: float = Field(1.0, ge=0, description="0 means greedy.")
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1, description="-1 disables top-k.")
+    max_new_tokens: PositiveInt = 32
+    stop_token_ids: list[int] = Field(default_factory=list)
+    n: PositiveInt = Field(1, description="Samples per prompt.")
+    seed: int | None = None
+
+    @model_validator(mode="after")
+    def _top_k_nonzero(self) -> SamplingParams:
+        if self.top_k == 0:
+            raise ValueError("top_k=0 keeps no token; use -1 to disable top-k or a positive k.")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class RolloutConfig(FrozenModel):
+    """Fields every rollout understands. Backends subclass this with their own."""
+
+    backend: str = Field(..., description="Registered rollout name, e.g. 'hf' or 'vllm'.")
+    model_path: str | None = None
+    dtype: str = "float32"
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class WeightBucket:
+    """A bounded group of (name, tensor) pairs with the checksum both sides compare."""
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    checksum: str
+
+
+def tensor_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """A deterministic digest of names, shapes, dtypes and bytes (fp32 view of the values)."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, t in named:
+        h.update(name.encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def iter_buckets(
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group (name, tensor) pairs into lists of at most ``bucket_bytes`` (one big tensor alone)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}.")
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in named:
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+class BaseRollout(abc.ABC):
+    """A generation backend. Subclasses set :attr:`capabilities` and implement the abstract methods."""
+
+    capabilities: ClassVar[frozenset[Capability]] = frozenset()
+    config_class: ClassVar[type[RolloutConfig]] = RolloutConfig
+
+    def __init__(self, config: RolloutConfig) -> None:
+        self.config = config
+
+    @abc.abstractmethod
+    def generate(self, prompts: TensorDict, params: SamplingParams) -> TensorDict:
+        """Generate ``params.n`` responses per prompt.
+
+        ``prompts`` holds left-padded ``prompt_ids`` / ``prompt_mask`` ``[B, P]``. The result has
+        ``B * n`` samples (the ``n`` samples of a prompt adjacent) with ``prompt_ids``,
+        ``prompt_mask``, right-padded ``response_ids`` / ``response_mask`` ``[B*n, R]``,
+        ``rollout_log_probs`` ``[B*n, R]`` (log-prob of each sampled token, 0 at padding) and a
+        per-sample ``finish_reason`` ("stop" or "length").
+        """
+
+    @abc.abstractmethod
+    def expected_weights(self) -> dict[str, tuple[int, ...]]:
+        """The HF parameter names and shapes this rollout's model takes."""
+
+    @abc.abstractmethod
+    def load_weight_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> str:
+        """Load one bucket into the model and return :func:`tensor_checksum` of what was loaded."""
+
+    def release(self) -> None:
+        """Free weights and KV cache (no-op where the backend cannot)."""
+
+    def resume(self) -> None:
+        """Re-allocate what :meth:`release` freed."""
+
+    def sync_weights(
+        self, named: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int = 256 << 20
+    ) -> list[WeightBucket]:
+        """Load weights bucket by bucket and verify names, shapes and per-bucket checksums."""
+        expected = self.expected_weights()
+        seen: set[str] = set()
+        done: list[WeightBucket] = []
+        for bucket in iter_buckets(named, bucket_bytes):
+            wrong = [
+                f"{n}: got {tuple(t.shape)}, expected {expected.get(n, 'no such parameter')}"
+                for n, t in bucket
+                if tuple(t.shape) != expected.get(n)
+            ]
+            if wrong:
+                raise WeightSyncError("weight sync refused, mismatched parameters: " + "; ".join(wrong))
+            sent = tensor_checksum(bucket)
+            got = self.load_weight_bucket(bucket)
+            if got != sent:
+                names = ", ".join(n for n, _ in bucket)
+                raise WeightSyncError(f"checksum mismatch after loading bucket [{names}]")
+            seen.update(n for n, _ in bucket)
+            done.append(
+                WeightBucket(tuple(n for n, _ in bucket), tuple(tuple(t.shape) for _, t in bucket), sent)
+            )
+        missing = sorted(set(expected) - seen)
+        if missing:
+            raise WeightSyncError(
+                f"weight sync incomplete: {len(missing)} parameter(s) never sent: {missing[:10]}"
+                + (" ..." if len(missing) > 10 else "")
+            )
+        return done

@@ -1,0 +1,149 @@
+"""BaseEngine's shared forward/backward path, exercised through the reference engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from engine_core.batch import ATTENTION_MASK, INPUT_IDS, LOG_PROBS, BatchMeta, set_meta
+from engine_core.engine import predicted_mask
+from engine_core.errors import EngineCoreError, TokenBudgetError
+from engine_core.reference_engine import ReferenceEngine, ReferenceEngineConfig
+from tests._models import TINY_QWEN2, engine_config, flat_grad, nll_loss, random_batch
+
+
+def make_engine(**overrides: object) -> ReferenceEngine:
+    engine = ReferenceEngine(ReferenceEngineConfig(**engine_config(**overrides)))
+    engine.init_model()
+    return engine
+
+
+def hf_model() -> torch.nn.Module:
+    cfg = dict(TINY_QWEN2)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
+
+
+def per_sequence_log_probs(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each sequence alone through a plain transformers forward (no padding at all)."""
+    out = torch.zeros(ids.shape, dtype=torch.float32)
+    for i in range(ids.shape[0]):
+        real = mask[i].bool()
+        seq = ids[i][real].unsqueeze(0)
+        logits = model(input_ids=seq).logits.float()
+        lp = torch.log_softmax(logits[0, :-1], -1).gather(-1, seq[0, 1:, None]).squeeze(-1)
+        idx = real.nonzero().squeeze(-1)
+        out[i, idx[1:]] = lp
+    return out
+
+
+@pytest.mark.parametrize("left_pad", [False, True])
+@pytest.mark.parametrize("use_packing", [True, False])
+def test_log_probs_match_plain_transformers(use_packing: bool, left_pad: bool) -> None:
+    engine = make_engine(use_packing=use_packing, micro_batch_size=3)
+    batch = random_batch(7, left_pad=left_pad)
+    with engine.eval_mode():
+        got = engine.forward_backward_step(batch, forward_only=True).outputs[LOG_PROBS]
+    model = hf_model().eval()
+    with torch.no_grad():
+        want = per_sequence_log_probs(model, batch[INPUT_IDS], batch[ATTENTION_MASK])
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    # padding and each sequence's first token carry no prediction
+    assert (got[~predicted_mask(batch[ATTENTION_MASK])] == 0).all()
+
+
+def test_packed_needs_no_cache_or_attention_leaks() -> None:
+    """Packing relies on position ids and use_cache=False; the engine's output must not depend
+    on which other sequences share the packed row."""
+    engine = make_engine(micro_batch_size=8)
+    batch = random_batch(8, seed=3)
+    with engine.eval_mode():
+        together = engine.forward_backward_step(batch, forward_only=True).outputs[LOG_PROBS]
+    alone = make_engine(micro_batch_size=1)
+    with alone.eval_mode():
+        single = alone.forward_backward_step(batch, forward_only=True).outputs[LOG_PROBS]
+    assert torch.allclose(together, single, atol=1e-5)
+
+
+def test_entropy_and_temperature() -> None:
+    engine = make_engine()
+    batch = random_batch(4)
+    set_meta(batch, BatchMeta(temperature=2.0, compute_entropy=True))
+    with engine.eval_mode():
+        out = engine.forward_backward_step(batch, forward_only=True).outputs
+    model = hf_model().eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch[INPUT_IDS], attention_mask=batch[ATTENTION_MASK]).logits
+    logp = torch.log_softmax(logits[:, :-1] / 2.0, -1)
+    want = logp.gather(-1, batch[INPUT_IDS][:, 1:, None]).squeeze(-1)
+    want_ent = -(logp.exp() * logp).sum(-1)
+    valid = predicted_mask(batch[ATTENTION_MASK])[:, 1:]
+    assert torch.allclose(out[LOG_PROBS][:, 1:][valid], want[valid], atol=1e-5)
+    assert torch.allclose(out["entropy"][:, 1:][valid], want_ent[valid], atol=1e-5)
+
+
+def full_batch_reference_grad(batch) -> tuple[torch.Tensor, float]:
+    """Plain single-process PyTorch: one padded forward of the whole batch, mean NLL."""
+    model = hf_model()
+    ids, mask = batch[INPUT_IDS], batch[ATTENTION_MASK]
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=batch["position_ids"]).logits
+    lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    valid = predicted_mask(mask)[:, 1:]
+    loss = -(lp * valid).sum() / valid.sum()
+    loss.backward()
+    return flat_grad(model), float(loss)
+
+
+BATCHING = [
+    {"micro_batch_size": 1},
+    {"micro_batch_size": 3},
+    {"micro_batch_size": 9},
+    {},
+    {"max_tokens_per_micro_batch": 24},
+    {"max_tokens_per_micro_batch": 50},
+    {"max_tokens_per_micro_batch": 1000},
+    {"micro_batch_size": 3, "use_packing": False},
+]
+
+
+@pytest.mark.parametrize("batching", BATCHING, ids=lambda b: ",".join(f"{k}={v}" for k, v in b.items()) or "one")
+def test_gradient_invariance_single_process(batching: dict) -> None:
+    batch = random_batch(9, seed=1)
+    want_grad, want_loss = full_batch_reference_grad(batch)
+    engine = make_engine(**batching)
+    engine.set_loss_fn(nll_loss)
+    with engine.train_mode():
+        result = engine.forward_backward_step(batch)
+    got = flat_grad(engine.module)
+    assert torch.allclose(got, want_grad, rtol=1e-5, atol=1e-7), (got - want_grad).abs().max()
+    assert result.loss == pytest.approx(want_loss, rel=1e-6)
+    assert result.metrics["nll"] == pytest.approx(want_loss, rel=1e-6)
+
+
+def test_sample_over_budget_is_a_clear_error() -> None:
+    engine = make_engine(max_tokens_per_micro_batch=8)
+    engine.set_loss_fn(nll_loss)
+    with pytest.raises(TokenBudgetError, match="max_tokens_per_micro_batch|budget"):
+        with engine.train_mode():
+            engine.forward_backward_step(random_batch(4, min_len=12))
+
+
+def test_training_needs_a_loss_fn() -> None:
+    engine = make_engine()
+    with pytest.raises(EngineCoreError, match="set_loss_fn"):
+        engine.forward_backward_step(random_batch(2))
+
+
+def test_non_finite_grad_norm_skips_the_update() -> None:
+    engine = make_engine()
+    engine.set_loss_fn(nll_loss)
+    with engine.train_mode():
+        engine.forward_backward_step(random_batch(4))
+    before = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    next(engine.module.parameters()).grad.view(-1)[0] = float("nan")
+    norm = engine.optimizer_step()
+    assert norm != norm  # nan
+    assert engine.skipped_steps == 1
+    for k, v in engine.module.state_dict().items():
+        assert torch.equal(v, before[k]), k
