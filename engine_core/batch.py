@@ -55,7 +55,9 @@ class BatchMeta(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    temperature: float = Field(1.0, gt=0, description="Logits are divided by this before log-softmax.")
+    temperature: float = Field(
+        1.0, gt=0, description="Logits are divided by this before log-softmax."
+    )
     compute_entropy: bool = Field(False, description="Also return per-token entropy.")
     global_step: int = Field(0, ge=0, description="Trainer step that produced this batch.")
 
@@ -127,7 +129,11 @@ def split_with_meta(batch: TensorDict, indices: Iterable[torch.Tensor]) -> list[
 
 
 def require_keys(
-    batch: TensorDict, keys: Iterable[str], *, method: str, producers: Mapping[str, str] | None = None
+    batch: TensorDict,
+    keys: Iterable[str],
+    *,
+    method: str,
+    producers: Mapping[str, str] | None = None,
 ) -> None:
     """Refuse a batch missing any of ``keys``, naming the field and the method that produces it."""
     present = set(batch.keys())

@@ -2,23 +2,10 @@
 
 from __future__ import annotations
 
-from engine_core.capabilities import Capability
+from engine_core._capsets import REFERENCE_CAPABILITIES
 from engine_core.hookspecs import hookimpl
 
-__all__ = ["REFERENCE_CAPABILITIES", "engine_core_register"]
-
-# Declared here (cheap to import) and reused by the engine class, so the two cannot drift.
-REFERENCE_CAPABILITIES = frozenset(
-    {
-        Capability.CPU,
-        Capability.PACKING,
-        Capability.DYNAMIC_BATCH,
-        Capability.DATA_PARALLEL,
-        Capability.WEIGHT_EXPORT,
-        Capability.VALUE_HEAD,
-        Capability.GRADIENT_CHECKPOINTING,
-    }
-)
+__all__ = ["engine_core_register"]
 
 
 @hookimpl

@@ -13,7 +13,15 @@ from pathlib import Path
 
 from engine_core.errors import CheckpointError
 
-__all__ = ["STEP_DIR_PATTERN", "step_dir", "list_checkpoints", "latest_checkpoint", "rotate", "staging_dir", "commit_staging"]
+__all__ = [
+    "STEP_DIR_PATTERN",
+    "step_dir",
+    "list_checkpoints",
+    "latest_checkpoint",
+    "rotate",
+    "staging_dir",
+    "commit_staging",
+]
 
 STEP_DIR_PATTERN = re.compile(r"^global_step_(\d+)$")
 

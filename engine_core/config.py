@@ -36,7 +36,8 @@ class ModelConfig(FrozenModel):
 
     path: str | None = Field(None, description="Local folder or fsspec URL with an HF checkpoint.")
     config: dict[str, Any] | None = Field(
-        None, description="transformers config kwargs (must include model_type) to build from scratch."
+        None,
+        description="transformers config kwargs (must include model_type) to build from scratch.",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     value_head: bool = Field(False, description="Add a scalar value head (critic).")
@@ -84,7 +85,8 @@ class EngineConfig(FrozenModel):
     model: ModelConfig
     optim: OptimConfig = OptimConfig()
     micro_batch_size: PositiveInt | None = Field(
-        None, description="Samples per micro-batch. Neither this nor a token budget: one micro-batch."
+        None,
+        description="Samples per micro-batch. Neither this nor a token budget: one micro-batch.",
     )
     max_tokens_per_micro_batch: PositiveInt | None = Field(
         None, description="Token budget per micro-batch (dynamic batching); a strict cap."

@@ -240,7 +240,7 @@ class BaseEngine(abc.ABC):
         grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
         for i, mb in enumerate(micro_batches):
             sync = forward_only or i == last
-            with grad_ctx, (contextlib.nullcontext() if sync else self.no_sync()):
+            with grad_ctx, contextlib.nullcontext() if sync else self.no_sync():
                 inputs = self.prepare_model_inputs(mb)
                 raw = self.forward_model(inputs)
                 out = self.prepare_model_outputs(raw, inputs, mb)
@@ -317,9 +317,7 @@ class BaseEngine(abc.ABC):
         if self.config.model.value_head:
             data[VALUES] = prev[..., 0].float()
         else:
-            lp, ent = token_log_probs(
-                prev / meta.temperature, ids, entropy=meta.compute_entropy
-            )
+            lp, ent = token_log_probs(prev / meta.temperature, ids, entropy=meta.compute_entropy)
             data[LOG_PROBS] = lp
             if ent is not None:
                 data[ENTROPY] = ent
@@ -358,11 +356,15 @@ class BaseEngine(abc.ABC):
         """Restore everything :meth:`save_checkpoint` wrote; return the saved step."""
 
     @abc.abstractmethod
-    def named_full_params(self, bucket_bytes: int = 512 << 20) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_full_params(
+        self, bucket_bytes: int = 512 << 20
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF parameter name, full tensor), materialising at most ``bucket_bytes`` at a time."""
 
     # ------------------------------------------------------------------ helpers
     def _require_module(self) -> nn.Module:
         if self.module is None:
-            raise EngineCoreError(f"{type(self).__name__}: call init_model() before using the engine.")
+            raise EngineCoreError(
+                f"{type(self).__name__}: call init_model() before using the engine."
+            )
         return self.module

@@ -46,7 +46,9 @@ class GlobalBatchContext(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     global_num_tokens: int = Field(..., ge=0, description="Loss-mask tokens, all ranks.")
-    global_num_samples: int = Field(..., ge=0, description="Samples with >=1 loss token, all ranks.")
+    global_num_samples: int = Field(
+        ..., ge=0, description="Samples with >=1 loss token, all ranks."
+    )
     dp_size: int = Field(1, ge=1)
     num_micro_batches: int = Field(1, ge=1, description="Micro-batches on this rank.")
 
@@ -96,20 +98,25 @@ class Metric:
     value: float
     reduction: Reduction = Reduction.MEAN
 
+    def __post_init__(self) -> None:
+        # accept plain strings ("sum") and refuse unknown ones here, not at reduce time
+        object.__setattr__(self, "reduction", Reduction(self.reduction))
+        object.__setattr__(self, "value", float(self.value))
+
     @classmethod
     def of(cls, value: torch.Tensor | float, reduction: Reduction | str) -> Metric:
         v = value.detach().float().item() if isinstance(value, torch.Tensor) else float(value)
         return cls(v, Reduction(reduction))
 
 
-def token_mean_metric(
-    values: torch.Tensor, mask: torch.Tensor, ctx: GlobalBatchContext
-) -> Metric:
+def token_mean_metric(values: torch.Tensor, mask: torch.Tensor, ctx: GlobalBatchContext) -> Metric:
     """A per-token quantity averaged over the global batch; invariant to micro-batching and DP."""
     return Metric.of(aggregate_loss(values.detach(), mask, LossAggregation.TOKEN_MEAN, ctx), "sum")
 
 
-LossFn = Callable[[TensorDict, TensorDict, GlobalBatchContext], "tuple[torch.Tensor, Mapping[str, Metric]]"]
+LossFn = Callable[
+    [TensorDict, TensorDict, GlobalBatchContext], "tuple[torch.Tensor, Mapping[str, Metric]]"
+]
 
 
 class MetricAccumulator:

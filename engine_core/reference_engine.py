@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from engine_core.builtin_plugin import REFERENCE_CAPABILITIES
+from engine_core._capsets import REFERENCE_CAPABILITIES
 from engine_core.capabilities import Capability
 from engine_core.checkpoint import commit_staging, staging_dir
 from engine_core.config import EngineConfig
@@ -52,7 +52,11 @@ class ReferenceEngine(BaseEngine):
         if self._distributed and self.dp_size > 1:
             # identical replicas: rank 0's initialisation wins
             for t in module.state_dict().values():
-                dist.broadcast(t, src=dist.get_global_rank(self.dp_group, 0) if self.dp_group else 0, group=self.dp_group)
+                dist.broadcast(
+                    t,
+                    src=dist.get_global_rank(self.dp_group, 0) if self.dp_group else 0,
+                    group=self.dp_group,
+                )
         self.module = module
         self.optimizer = build_optimizer(module.parameters(), self.config.optim)
         self.scheduler = build_lr_scheduler(self.optimizer, self.config.optim)
@@ -76,7 +80,9 @@ class ReferenceEngine(BaseEngine):
     def optimizer_step(self) -> float:
         assert self.optimizer is not None
         params = [p for p in self._require_module().parameters() if p.requires_grad]
-        max_norm = self.config.optim.clip_grad if self.config.optim.clip_grad is not None else math.inf
+        max_norm = (
+            self.config.optim.clip_grad if self.config.optim.clip_grad is not None else math.inf
+        )
         norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         if not math.isfinite(norm):
             self.skipped_steps += 1
@@ -108,7 +114,10 @@ class ReferenceEngine(BaseEngine):
         folder = Path(path) / f"global_step_{step}.tmp"
         if rank == 0:
             assert tmp is not None
-            save_file({k: v.contiguous() for k, v in self._require_module().state_dict().items()}, str(tmp / MODEL_FILE))
+            save_file(
+                {k: v.contiguous() for k, v in self._require_module().state_dict().items()},
+                str(tmp / MODEL_FILE),
+            )
         state = {
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
@@ -148,7 +157,9 @@ class ReferenceEngine(BaseEngine):
         random.setstate(state["rng"]["python"])
         return int(state["step"])
 
-    def named_full_params(self, bucket_bytes: int = 512 << 20) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_full_params(
+        self, bucket_bytes: int = 512 << 20
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         # Replicated weights: every tensor is already full, nothing to materialise.
         for name, tensor in self._require_module().state_dict().items():
             yield name, tensor.detach()

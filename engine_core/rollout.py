@@ -162,7 +162,9 @@ class BaseRollout(abc.ABC):
                 if tuple(t.shape) != expected.get(n)
             ]
             if wrong:
-                raise WeightSyncError("weight sync refused, mismatched parameters: " + "; ".join(wrong))
+                raise WeightSyncError(
+                    "weight sync refused, mismatched parameters: " + "; ".join(wrong)
+                )
             sent = tensor_checksum(bucket)
             got = self.load_weight_bucket(bucket)
             if got != sent:
@@ -170,7 +172,9 @@ class BaseRollout(abc.ABC):
                 raise WeightSyncError(f"checksum mismatch after loading bucket [{names}]")
             seen.update(n for n, _ in bucket)
             done.append(
-                WeightBucket(tuple(n for n, _ in bucket), tuple(tuple(t.shape) for _, t in bucket), sent)
+                WeightBucket(
+                    tuple(n for n, _ in bucket), tuple(tuple(t.shape) for _, t in bucket), sent
+                )
             )
         missing = sorted(set(expected) - seen)
         if missing:

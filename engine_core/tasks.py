@@ -58,9 +58,7 @@ class DigitTask:
 
     def prompt_ids(self, digits: torch.Tensor) -> torch.Tensor:
         n = digits.shape[0]
-        return torch.cat(
-            [torch.full((n, 1), BOS), digits + DIGIT0, torch.full((n, 1), SEP)], dim=1
-        )
+        return torch.cat([torch.full((n, 1), BOS), digits + DIGIT0, torch.full((n, 1), SEP)], dim=1)
 
     def target_ids(self, digits: torch.Tensor) -> torch.Tensor:
         rows = [self._target(d.tolist()) for d in digits]

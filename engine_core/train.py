@@ -54,7 +54,9 @@ def sft_loss(
     }
 
 
-def run_sft(raw: dict[str, Any], manager: PluginManager, *, console: Console | None = None) -> dict[str, Any]:
+def run_sft(
+    raw: dict[str, Any], manager: PluginManager, *, console: Console | None = None
+) -> dict[str, Any]:
     """Run the job described by ``raw``; return a summary (final loss, files written)."""
     console = console or Console()
     try:

@@ -64,5 +64,8 @@ def nll_loss(
 
 def flat_grad(module: torch.nn.Module) -> torch.Tensor:
     return torch.cat(
-        [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in module.parameters()]
+        [
+            p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel())
+            for p in module.parameters()
+        ]
     )

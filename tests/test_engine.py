@@ -25,7 +25,9 @@ def hf_model() -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
 
 
-def per_sequence_log_probs(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def per_sequence_log_probs(
+    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
     """Each sequence alone through a plain transformers forward (no padding at all)."""
     out = torch.zeros(ids.shape, dtype=torch.float32)
     for i in range(ids.shape[0]):
@@ -92,7 +94,7 @@ def full_batch_reference_grad(batch) -> tuple[torch.Tensor, float]:
     valid = predicted_mask(mask)[:, 1:]
     loss = -(lp * valid).sum() / valid.sum()
     loss.backward()
-    return flat_grad(model), float(loss)
+    return flat_grad(model), float(loss.detach())
 
 
 BATCHING = [
@@ -107,7 +109,9 @@ BATCHING = [
 ]
 
 
-@pytest.mark.parametrize("batching", BATCHING, ids=lambda b: ",".join(f"{k}={v}" for k, v in b.items()) or "one")
+@pytest.mark.parametrize(
+    "batching", BATCHING, ids=lambda b: ",".join(f"{k}={v}" for k, v in b.items()) or "one"
+)
 def test_gradient_invariance_single_process(batching: dict) -> None:
     batch = random_batch(9, seed=1)
     want_grad, want_loss = full_batch_reference_grad(batch)
