@@ -177,15 +177,14 @@ class BaseEngine(abc.ABC):
 
     def shard_data(self, batch: TensorDict) -> TensorDict:
         """This DP rank's contiguous chunk of a global batch (SPMD use under ``torchrun``)."""
-        from engine_core.dispatch import split_for_dp
-
-        chunks, pad = split_for_dp(batch, self.dp_size)
-        if pad:
+        n = int(batch.batch_size[0])
+        if n % self.dp_size:
             raise EngineCoreError(
-                f"shard_data: batch of {batch.batch_size[0]} samples does not divide by dp_size="
-                f"{self.dp_size}; pass a multiple of {self.dp_size} samples."
+                f"shard_data: batch of {n} samples does not divide by dp_size={self.dp_size}; "
+                f"pass a multiple of {self.dp_size} samples."
             )
-        return chunks[self.dp_rank]
+        per_rank = n // self.dp_size
+        return batch[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]  # a view
 
     def unshard_data(self, outputs: TensorDict) -> TensorDict:
         """Gather every DP rank's outputs into the global batch, ordered by DP rank."""
