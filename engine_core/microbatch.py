@@ -9,6 +9,7 @@ Outputs go back to the input order with :meth:`MicroBatchPlan.restore`.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections.abc import Sequence
@@ -74,25 +75,71 @@ def pack_token_budget(
 ) -> list[np.ndarray] | None:
     """Pack items into exactly ``num_bins`` bins of at most ``max_tokens``; None if this fails.
 
-    Longest first, each into the least-loaded bin: this balances the loads, and when the
-    least-loaded bin cannot take an item no bin can, so failure is detected at once.
+    First longest-first into the least-loaded bin, which balances loads; when that fails, the
+    tighter best-fit-decreasing packing at the same count, then a rebalancing pass.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     if num_bins < 1 or num_bins > len(lengths):
         return None
-    order = np.argsort(-lengths, kind="stable")
-    heap = [(0, b) for b in range(num_bins)]
-    members: list[list[int]] = [[] for _ in range(num_bins)]
-    for i in order.tolist():
-        load, b = heap[0]
-        size = int(lengths[i])
-        if load + size > max_tokens:
+    order = np.argsort(-lengths, kind="stable").tolist()
+    sizes = lengths.tolist()
+    members = _worst_fit(order, sizes, max_tokens, num_bins)
+    if members is None:
+        members = _best_fit(order, sizes, max_tokens, num_bins)
+        if members is None:
             return None
-        members[b].append(i)
-        heapq.heapreplace(heap, (load + size, b))
+        _rebalance(members, sizes, max_tokens)
     if any(not m for m in members):
         return None
     return [np.sort(np.asarray(m, dtype=np.int64)) for m in members]
+
+
+def _worst_fit(order: list[int], sizes: list[int], cap: int, k: int) -> list[list[int]] | None:
+    # when the least-loaded bin cannot take an item no bin can: failure is known at once
+    heap = [(0, b) for b in range(k)]
+    members: list[list[int]] = [[] for _ in range(k)]
+    for i in order:
+        load, b = heap[0]
+        if load + sizes[i] > cap:
+            return None
+        members[b].append(i)
+        heapq.heapreplace(heap, (load + sizes[i], b))
+    return members
+
+
+def _best_fit(order: list[int], sizes: list[int], cap: int, k: int) -> list[list[int]] | None:
+    # each item into the fullest bin that still fits it; (load, bin) kept sorted for bisect
+    loads = [(0, b) for b in range(k)]
+    members: list[list[int]] = [[] for _ in range(k)]
+    for i in order:
+        pos = bisect.bisect_right(loads, (cap - sizes[i], k)) - 1
+        if pos < 0:
+            return None
+        load, b = loads.pop(pos)
+        members[b].append(i)
+        bisect.insort(loads, (load + sizes[i], b))
+    return members
+
+
+def _rebalance(members: list[list[int]], sizes: list[int], cap: int) -> None:
+    """Move items from the heaviest bin to the lightest while that lowers the maximum."""
+    loads = [sum(sizes[i] for i in m) for m in members]
+    for _ in range(sum(len(m) for m in members)):
+        hi = max(range(len(loads)), key=loads.__getitem__)
+        lo = min(range(len(loads)), key=loads.__getitem__)
+        gap = loads[hi] - loads[lo]
+        # the largest item that fits and strictly narrows the gap
+        best = max(
+            (i for i in members[hi] if sizes[i] < gap and loads[lo] + sizes[i] <= cap),
+            key=sizes.__getitem__,
+            default=None,
+        )
+        if best is None or len(members[hi]) == 1:
+            return
+        members[hi].remove(best)
+        members[lo].append(best)
+        loads[hi] -= sizes[best]
+        loads[lo] += sizes[best]
 
 
 def _first_feasible(lengths: np.ndarray, max_tokens: int, start: int) -> int:
