@@ -110,9 +110,9 @@ def run_sft(
             progress.update(bar, advance=1, loss=row["loss"], tps=row["tokens_per_s"])
             if step % job.log_every == 0 or step == job.steps:
                 console.print(
-                    f"step {step:>4}/{job.steps}  loss {row['loss']:.4f}  "
-                    f"target_prob {row.get('target_prob', float('nan')):.3f}  "
-                    f"grad_norm {grad_norm:.3f}  lr {lr:.2e}  {row['tokens_per_s']:.0f} tok/s"
+                    f"step {step:>4}/{job.steps} loss {row['loss']:.4f} "
+                    f"p_target {row.get('target_prob', float('nan')):.3f} "
+                    f"gnorm {grad_norm:.3f} lr {lr:.1e} {row['tokens_per_s']:.0f} tok/s"
                 )
     ckpt = None
     if job.save_checkpoint:

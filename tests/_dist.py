@@ -1,4 +1,19 @@
-"""Run a function on several real gloo processes and fail the test if any rank fails."""
+"""Run a function on several real gloo processes and fail the test if any rank fails.
+
+Usage from a test module (the worker must be a module-level function, so spawn can import it)::
+
+    def _worker(rank: int, world_size: int, scale: float) -> float:
+        t = torch.tensor([rank * scale])
+        dist.all_reduce(t)  # the default group is initialized for you
+        return float(t)
+
+    def test_sum() -> None:
+        assert run_distributed(_worker, 2, 1.5) == [1.5, 1.5]
+
+Each child gets ``MASTER_ADDR=127.0.0.1``, a free port, ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``
+and one intra-op thread (``OMP_NUM_THREADS=1``), so two ranks do not oversubscribe a small host.
+Return values must be picklable; a child's traceback becomes the test failure.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +25,15 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+__all__ = ["free_port", "run_distributed"]
+
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -31,6 +50,7 @@ def _entry(
         LOCAL_RANK=str(rank),
         OMP_NUM_THREADS="1",
     )
+    torch.set_num_threads(1)  # torch is imported already, so the env var alone is too late
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)

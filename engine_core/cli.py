@@ -1,0 +1,190 @@
+"""The ``engine-core`` command line.
+
+Owns the argument parser and the table of subcommands, :data:`COMMANDS`. A subcommand is one
+small function ``(args, settings) -> exit code`` plus an optional function adding its arguments;
+add one by appending a :class:`Command`.
+
+Exit codes: 0 success; 1 the command ran and found a problem (``doctor``); 2 bad usage, config
+or environment (the message says what to fix). ``engine-core plugins`` exits 0 even when some
+plugins failed to load: the listing is informational and shows each failure with its fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from engine_core import __version__
+from engine_core.errors import EngineCoreError
+from engine_core.plugins import PluginInfo, load_plugins
+from engine_core.settings import Settings
+
+__all__ = ["Command", "COMMANDS", "build_parser", "main"]
+
+
+def _no_arguments(parser: argparse.ArgumentParser) -> None:
+    del parser
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: its name, one-line help, its runner and its arguments."""
+
+    name: str
+    help: str
+    run: Callable[[argparse.Namespace, Settings], int]
+    add_arguments: Callable[[argparse.ArgumentParser], None] = _no_arguments
+
+
+# -- engine-core plugins -------------------------------------------------------------------------
+
+
+def _plugins_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+
+
+def run_plugins(args: argparse.Namespace, settings: Settings) -> int:
+    """List every discovered plugin, its backends and capabilities, and any load failure."""
+    infos = load_plugins(settings).plugins()
+    if args.json:
+        sys.stdout.write(json.dumps({"plugins": [p.to_dict() for p in infos]}, indent=2) + "\n")
+        return 0
+    console = Console()
+    console.print(_plugins_table(infos))
+    failed = [p for p in infos if p.status == "failed"]
+    summary = f"{len(infos)} plugin(s), {len(failed)} failed to load."
+    if failed:
+        summary += " Their backends cannot be selected until fixed; see the hints above."
+    console.print(Text(summary))
+    return 0  # informational even with failures; `engine-core doctor` exits 1 on problems
+
+
+def _plugins_table(infos: Sequence[PluginInfo]) -> Table:
+    table = Table(title="engine-core plugins", show_lines=True)
+    for column in ("plugin", "distribution", "version", "status", "backends / error"):
+        table.add_column(column, overflow="fold")
+    for p in infos:
+        if p.status == "ok":
+            status = Text("ok", style="green")
+            detail = Text(
+                "\n".join(
+                    f"{b.kind}:{b.name}  [{', '.join(sorted(map(str, b.capabilities)))}]"
+                    for b in p.backends
+                )
+                or "(registered no backends)"
+            )
+        else:
+            status = Text("failed", style="bold red")
+            detail = Text(f"{p.error}\nfix: {p.install_hint}", style="red")
+        table.add_row(p.name, p.distribution or "-", p.version or "-", status, detail)
+    return table
+
+
+# -- engine-core doctor --------------------------------------------------------------------------
+
+
+def run_doctor(args: argparse.Namespace, settings: Settings) -> int:
+    """Run every plugin's environment checks; exit 1 if any failed."""
+    del args
+    checks = load_plugins(settings).doctor_checks()
+    table = Table(title="engine-core doctor", show_lines=True)
+    for column in ("check", "status", "detail", "fix"):
+        table.add_column(column, overflow="fold")
+    for c in checks:
+        status = Text("ok", style="green") if c.ok else Text("FAILED", style="bold red")
+        table.add_row(Text(c.name), status, Text(c.detail), Text("" if c.ok else c.hint))
+    Console().print(table)
+    return 0 if all(c.ok for c in checks) else 1
+
+
+# -- engine-core train ---------------------------------------------------------------------------
+
+DEFAULT_TRAIN_RECIPE = "sft_tiny.yaml"
+
+
+def _train_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "recipe",
+        nargs="?",
+        default=None,
+        help=f"YAML recipe (default: the shipped {DEFAULT_TRAIN_RECIPE})",
+    )
+    parser.add_argument(
+        "overrides", nargs="*", help="dotted overrides, e.g. engine.micro_batch_size=4 steps=50"
+    )
+
+
+def run_train(args: argparse.Namespace, settings: Settings) -> int:
+    """Supervised training through the recipe's engine (see :mod:`engine_core.train`)."""
+    from importlib.resources import files
+
+    from engine_core.configio import apply_overrides, load_yaml
+    from engine_core.train import run_sft
+
+    recipe, overrides = args.recipe, list(args.overrides)
+    if recipe is not None and "=" in recipe:  # only overrides were given
+        recipe, overrides = None, [recipe, *overrides]
+    path = recipe or str(files("engine_core") / "recipes" / DEFAULT_TRAIN_RECIPE)
+    run_sft(apply_overrides(load_yaml(path), overrides), load_plugins(settings))
+    return 0
+
+
+COMMANDS: tuple[Command, ...] = (
+    Command(
+        "train",
+        "supervised training of a model through any engine, from a YAML recipe",
+        run_train,
+        _train_arguments,
+    ),
+    Command(
+        "plugins",
+        "list installed plugins, their backends and failures",
+        run_plugins,
+        _plugins_arguments,
+    ),
+    Command("doctor", "check the environment every installed plugin needs", run_doctor),
+)
+
+
+def build_parser(commands: Sequence[Command] = COMMANDS) -> argparse.ArgumentParser:
+    """The top-level parser with one sub-parser per entry of ``commands``."""
+    parser = argparse.ArgumentParser(
+        prog="engine-core",
+        description="Run RL post-training code on any training and generation backend.",
+        epilog="Environment: ENGINE_CORE_DISABLE_PLUGIN_AUTOLOAD, ENGINE_CORE_PLUGINS, "
+        "ENGINE_CORE_LOG_LEVEL (see engine_core.settings).",
+    )
+    parser.add_argument("--version", action="version", version=f"engine-core {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for command in commands:
+        command.add_arguments(sub.add_parser(command.name, help=command.help))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``engine-core`` script; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    command = {c.name: c for c in COMMANDS}[args.command]
+    try:
+        settings = Settings.from_env()
+        settings.configure_logging()
+        return command.run(args, settings)
+    except (EngineCoreError, ValidationError) as e:
+        sys.stderr.write(f"engine-core {command.name}: error: {e}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,332 @@
+"""The plugin contract: the hooks a plugin implements and the registry the central hook hands it.
+
+Owns the pluggy markers, :class:`EngineCoreHookSpecs`, and the types plugins touch:
+:class:`BackendRegistry` (where backends are registered), :class:`BackendSpec` (one registered
+backend, imported lazily) and :class:`DoctorCheck`. Loading plugins is
+:mod:`engine_core.plugins`' job.
+
+A plugin is a module (named by an entry point in the ``engine_core.plugins`` group) holding
+functions decorated with :data:`hookimpl`. Every hook is optional. Plugins must be cheap to
+import and re-entrant: every worker process loads them, so a hook registers names and
+``"package.module:Class"`` strings, never imports a backend's heavy dependencies.
+
+Example plugin module::
+
+    from engine_core.hookspecs import hookimpl
+
+    @hookimpl
+    def engine_core_register(registry):
+        registry.register_engine(
+            "myengine",
+            "my_pkg.engine:MyEngine",
+            config="my_pkg.config:MyEngineConfig",
+            capabilities={"cpu", "packing"},
+        )
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import pluggy
+from pydantic import BaseModel
+
+from engine_core.capabilities import Capability
+from engine_core.config import EngineConfig
+from engine_core.errors import (
+    DuplicateBackendError,
+    PluginError,
+    PluginLoadError,
+    UnknownBackendError,
+)
+
+__all__ = [
+    "PROJECT_NAME",
+    "hookspec",
+    "hookimpl",
+    "BackendKind",
+    "BackendSpec",
+    "BackendRegistry",
+    "Origin",
+    "DoctorCheck",
+    "EngineCoreHookSpecs",
+    "install_hint",
+]
+
+PROJECT_NAME = "engine_core"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+if sys.version_info >= (3, 11):
+    from enum import StrEnum
+else:  # pragma: no cover - py3.10 fallback
+    from enum import Enum
+
+    class StrEnum(str, Enum):
+        def __str__(self) -> str:
+            return str(self.value)
+
+
+class BackendKind(StrEnum):
+    """The two kinds of backend a plugin can provide."""
+
+    ENGINE = "engine"
+    ROLLOUT = "rollout"
+
+
+_TARGET = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+_BACKEND_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+
+
+def install_hint(distribution: str) -> str:
+    """The command that installs (or repairs) ``distribution``."""
+    return f"pip install {distribution}" if distribution else "pip install <the plugin>"
+
+
+@dataclass(frozen=True)
+class Origin:
+    """The plugin a registration comes from."""
+
+    plugin: str
+    distribution: str
+    version: str
+
+
+_DIRECT = Origin("(direct)", "", "")
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One registered backend. Its class and config are imported only by the ``load_*`` methods."""
+
+    name: str
+    kind: BackendKind
+    target: str
+    config: str
+    capabilities: frozenset[Capability]
+    plugin: str
+    distribution: str
+    version: str
+    description: str = ""
+
+    def load_class(self) -> type[Any]:
+        """Import the backend class (a ``BaseEngine`` / ``BaseRollout`` subclass)."""
+        cls = self._import(self.target)
+        # Heavy (torch) imports, deferred to selection time.
+        from engine_core.engine import BaseEngine
+        from engine_core.rollout import BaseRollout
+
+        base: type = BaseEngine if self.kind is BackendKind.ENGINE else BaseRollout
+        if not (isinstance(cls, type) and issubclass(cls, base)):
+            raise PluginError(
+                f"{self.kind} {self.name!r} from plugin {self.plugin!r}: target {self.target!r} "
+                f"is {cls!r}, not a subclass of {base.__name__}; fix the plugin's registration."
+            )
+        return cls
+
+    def load_config_class(self) -> type[BaseModel]:
+        """Import the config model (an ``EngineConfig`` subclass for engines)."""
+        cls = self._import(self.config)
+        base = EngineConfig if self.kind is BackendKind.ENGINE else BaseModel
+        if not (isinstance(cls, type) and issubclass(cls, base)):
+            raise PluginError(
+                f"{self.kind} {self.name!r} from plugin {self.plugin!r}: config {self.config!r} "
+                f"is {cls!r}, not a subclass of {base.__name__}; fix the plugin's registration."
+            )
+        return cls
+
+    def _import(self, ref: str) -> Any:
+        module_name, _, qualname = ref.partition(":")
+        try:
+            obj: Any = importlib.import_module(module_name)
+            for attr in qualname.split("."):
+                obj = getattr(obj, attr)
+        except Exception as e:
+            where = f"{self.distribution} {self.version}".strip() or "not from a distribution"
+            raise PluginLoadError(
+                f"{self.kind} {self.name!r} from plugin {self.plugin!r} ({where}) could not "
+                f"load {ref!r}: {type(e).__name__}: {e}. Fix: `{install_hint(self.distribution)}` "
+                "(reinstalling pulls in its missing dependencies)."
+            ) from e
+        return obj
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": str(self.kind),
+            "name": self.name,
+            "target": self.target,
+            "config": self.config,
+            "capabilities": sorted(str(c) for c in self.capabilities),
+            "plugin": self.plugin,
+            "description": self.description,
+        }
+
+
+_Snapshot = dict[BackendKind, dict[str, BackendSpec]]
+
+
+class BackendRegistry:
+    """Backends by kind and name; one per :class:`PluginManager`, filled by its plugins."""
+
+    def __init__(self) -> None:
+        self._specs: _Snapshot = {kind: {} for kind in BackendKind}
+        self._origin = _DIRECT
+
+    def register_engine(
+        self,
+        name: str,
+        target: str,
+        *,
+        config: str,
+        capabilities: Iterable[Capability | str],
+        description: str = "",
+        override: bool = False,
+    ) -> BackendSpec:
+        """Register engine ``name`` implemented by ``target`` ("package.module:Class")."""
+        return self._add(
+            BackendKind.ENGINE, name, target, config, capabilities, description, override
+        )
+
+    def register_rollout(
+        self,
+        name: str,
+        target: str,
+        *,
+        config: str,
+        capabilities: Iterable[Capability | str],
+        description: str = "",
+        override: bool = False,
+    ) -> BackendSpec:
+        """Register rollout ``name`` implemented by ``target`` ("package.module:Class")."""
+        return self._add(
+            BackendKind.ROLLOUT, name, target, config, capabilities, description, override
+        )
+
+    def get(self, kind: BackendKind, name: str) -> BackendSpec:
+        try:
+            return self._specs[BackendKind(kind)][name]
+        except KeyError:
+            raise UnknownBackendError(
+                f"unknown {kind} {name!r}. Available {kind}s: "
+                f"{', '.join(self.names(kind)) or '(none)'}."
+            ) from None
+
+    def names(self, kind: BackendKind) -> list[str]:
+        return sorted(self._specs[BackendKind(kind)])
+
+    def specs(self, kind: BackendKind | None = None) -> list[BackendSpec]:
+        kinds = list(BackendKind) if kind is None else [BackendKind(kind)]
+        return [self._specs[k][n] for k in kinds for n in sorted(self._specs[k])]
+
+    def _add(
+        self,
+        kind: BackendKind,
+        name: str,
+        target: str,
+        config: str,
+        capabilities: Iterable[Capability | str],
+        description: str,
+        override: bool,
+    ) -> BackendSpec:
+        who = f"plugin {self._origin.plugin!r}"
+        if not isinstance(name, str) or not _BACKEND_NAME.match(name):
+            raise PluginError(
+                f"{who} registered {kind} name {name!r}; names use letters, digits, '_', '.', "
+                "'-' and start with a letter or digit, e.g. 'fsdp2'."
+            )
+        for label, ref in (("target", target), ("config", config)):
+            if not isinstance(ref, str) or not _TARGET.match(ref):
+                raise PluginError(
+                    f"{who} registered {kind} {name!r} with {label}={ref!r}; expected "
+                    "'package.module:Class', e.g. 'my_plugin.engine:MyEngine'."
+                )
+        caps: set[Capability] = set()
+        for c in capabilities:
+            try:
+                caps.add(Capability(c))
+            except ValueError:
+                raise PluginError(
+                    f"{who} registered {kind} {name!r} with unknown capability {c!r}; allowed: "
+                    f"{', '.join(str(x) for x in Capability)}."
+                ) from None
+        existing = self._specs[kind].get(name)
+        if existing is not None and not override:
+            raise DuplicateBackendError(
+                f"{kind} {name!r} is already registered by plugin {existing.plugin!r} "
+                f"({existing.target}); {who} tried to register it again ({target}). Choose "
+                "another name, or pass override=True to replace it deliberately."
+            )
+        spec = BackendSpec(
+            name=name,
+            kind=kind,
+            target=target,
+            config=config,
+            capabilities=frozenset(caps),
+            plugin=self._origin.plugin,
+            distribution=self._origin.distribution,
+            version=self._origin.version,
+            description=description,
+        )
+        self._specs[kind][name] = spec
+        return spec
+
+    @contextmanager
+    def _registering(self, origin: Origin) -> Iterator[None]:
+        """Attribute registrations made inside the block to ``origin``."""
+        previous, self._origin = self._origin, origin
+        try:
+            yield
+        finally:
+            self._origin = previous
+
+    def _snapshot(self) -> _Snapshot:
+        return {kind: dict(specs) for kind, specs in self._specs.items()}
+
+    def _restore(self, snapshot: _Snapshot) -> None:
+        self._specs = {kind: dict(specs) for kind, specs in snapshot.items()}
+
+
+@dataclass(frozen=True)
+class DoctorCheck:
+    """The outcome of one environment check, as shown by ``engine-core doctor``.
+
+    ``hint`` says how to fix a failed check (e.g. the package to install).
+    """
+
+    name: str
+    ok: bool
+    detail: str = ""
+    hint: str = ""
+
+
+class EngineCoreHookSpecs:
+    """Hook specifications of engine-core. Implement them as module-level functions."""
+
+    @hookspec
+    def engine_core_register(self, registry: BackendRegistry) -> None:
+        """Register this plugin's engines and rollouts on ``registry``.
+
+        Called once per plugin, right after the plugin is loaded. Use
+        :meth:`BackendRegistry.register_engine` / :meth:`BackendRegistry.register_rollout` with
+        ``"package.module:Class"`` strings: the classes are imported only when a backend is
+        selected, so a missing heavy dependency does not break listing or other backends.
+        Registering a name another plugin already took raises ``DuplicateBackendError`` unless
+        ``override=True`` is passed.
+        """
+
+    @hookspec
+    def engine_core_doctor_checks(self) -> list[DoctorCheck]:
+        """Return cheap checks of the environment this plugin needs (``engine-core doctor``).
+
+        Checks must not import heavy libraries just to report their absence; prefer
+        ``importlib.util.find_spec`` and version lookups through ``importlib.metadata``.
+        """
+        return []

@@ -1,0 +1,127 @@
+"""The ``engine-core`` command line: ``plugins`` (table and JSON), ``doctor``, exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine_core.cli import COMMANDS, Command, build_parser, main
+from engine_core.settings import Settings
+from tests.fixtures.plugins._install import install_test_plugins, run_python
+
+SCRIPT = Path(sys.executable).parent / "engine-core"
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return install_test_plugins(tmp_path_factory)
+
+
+def _json_plugins(stdout: str) -> dict[str, dict[str, Any]]:
+    return {p["name"]: p for p in json.loads(stdout)["plugins"]}
+
+
+# -- with the installed test plugins (subprocesses) -----------------------------------------------
+
+
+def test_plugins_table_shows_good_and_broken(site: Path) -> None:
+    assert SCRIPT.exists(), "install the core first: pip install -e . --no-deps"
+    proc = run_python([str(SCRIPT), "plugins"], site)
+    assert proc.returncode == 0, proc.stderr  # informational even though one plugin failed
+    out = proc.stdout
+    assert "engine:testgood" in out and "cpu, lora, packing" in out
+    assert "engine:reference" in out
+    assert "testbroken" in out and "failed" in out
+    assert "ModuleNotFoundError: No module named 'nonexistent_backend_lib'" in out
+    assert "pip install engine-core-testplugin-broken" in out
+    assert "1 failed to load" in out
+
+
+def test_plugins_json_is_machine_readable(site: Path) -> None:
+    proc = run_python(["-m", "engine_core.cli", "plugins", "--json"], site)
+    assert proc.returncode == 0, proc.stderr
+    plugins = _json_plugins(proc.stdout)
+    assert set(plugins) == {"builtin", "testgood", "testbroken"}
+    good, broken = plugins["testgood"], plugins["testbroken"]
+    assert good["status"] == "ok" and good["version"] == "0.1.0"
+    assert good["backends"][0]["name"] == "testgood"
+    assert good["backends"][0]["config"] == "engine_core_testplugin_good.config:GoodEngineConfig"
+    assert broken["status"] == "failed" and broken["backends"] == []
+    assert broken["error"] == "ModuleNotFoundError: No module named 'nonexistent_backend_lib'"
+    assert broken["install_hint"] == "pip install engine-core-testplugin-broken"
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"ENGINE_CORE_DISABLE_PLUGIN_AUTOLOAD": "1"}, {"builtin"}),
+        ({"ENGINE_CORE_PLUGINS": "testbroken"}, {"builtin", "testbroken"}),
+    ],
+)
+def test_env_settings_control_discovery(
+    site: Path, env: dict[str, str], expected: set[str]
+) -> None:
+    proc = run_python(["-m", "engine_core.cli", "plugins", "--json"], site, env)
+    assert proc.returncode == 0, proc.stderr
+    assert set(_json_plugins(proc.stdout)) == expected
+
+
+def test_doctor_fails_on_broken_plugin(site: Path) -> None:
+    proc = run_python(["-m", "engine_core.cli", "doctor"], site)
+    assert proc.returncode == 1
+    assert "plugin testbroken" in proc.stdout and "FAILED" in proc.stdout
+    assert "testgood environment" in proc.stdout  # a plugin's own check ran
+
+
+# -- in-process ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for var in ("ENGINE_CORE_DISABLE_PLUGIN_AUTOLOAD", "ENGINE_CORE_PLUGINS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("COLUMNS", "200")
+    return monkeypatch
+
+
+def test_plugins_in_process(clean_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    assert main(["plugins", "--json"]) == 0
+    assert _json_plugins(capsys.readouterr().out)["builtin"]["backends"][0]["name"] == "reference"
+    assert main(["plugins"]) == 0
+    assert "engine:reference" in capsys.readouterr().out
+
+
+def test_invalid_env_is_a_usage_error(
+    clean_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    clean_env.setenv("ENGINE_CORE_LOG_LEVEL", "LOUD")
+    assert main(["plugins"]) == 2
+    err = capsys.readouterr().err
+    assert "ENGINE_CORE_LOG_LEVEL='LOUD'" in err and "allowed: DEBUG" in err
+
+
+def test_no_subcommand_prints_help(capsys: pytest.CaptureFixture) -> None:
+    assert main([]) == 2
+    assert "plugins" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as info:
+        main(["no-such-command"])
+    assert info.value.code == 2
+
+
+def test_command_table_is_extensible(capsys: pytest.CaptureFixture) -> None:
+    def run_hello(args: argparse.Namespace, settings: Settings) -> int:
+        print(f"hello {args.who}")
+        return 0
+
+    def hello_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("who")
+
+    commands = (*COMMANDS, Command("hello", "say hello", run_hello, hello_arguments))
+    args = build_parser(commands).parse_args(["hello", "world"])
+    assert commands[-1].run(args, Settings()) == 0
+    assert capsys.readouterr().out == "hello world\n"
