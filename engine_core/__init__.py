@@ -15,6 +15,12 @@ __version__ = "0.1.0"
 
 # public name -> module defining it
 _EXPORTS: dict[str, str] = {
+    "pack_token_budget": "engine_core.microbatch",
+    "sequence_start_mask": "engine_core.packing",
+    "pack_tensor": "engine_core.packing",
+    "inverse_permutation": "engine_core.balance",
+    "balanced_partition": "engine_core.balance",
+    "balance_batch": "engine_core.balance",
     "ATTENTION_MASK": "engine_core.batch",
     "BatchMeta": "engine_core.batch",
     "ENTROPY": "engine_core.batch",
@@ -90,6 +96,7 @@ _EXPORTS: dict[str, str] = {
 __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
+    from engine_core.balance import balance_batch, balanced_partition, inverse_permutation
     from engine_core.batch import (
         ATTENTION_MASK,
         ENTROPY,
@@ -149,11 +156,12 @@ if TYPE_CHECKING:
     )
     from engine_core.microbatch import (
         MicroBatchPlan,
+        pack_token_budget,
         plan_fixed,
         plan_token_budget,
         prepare_micro_batches,
     )
-    from engine_core.packing import PackedSequences, pack, unpack
+    from engine_core.packing import PackedSequences, pack, pack_tensor, sequence_start_mask, unpack
     from engine_core.plugins import PluginInfo, PluginManager, load_plugins
     from engine_core.resolve import resolve_engine_config, resolve_rollout_config
     from engine_core.rollout import BaseRollout, RolloutConfig, SamplingParams
