@@ -1,0 +1,149 @@
+"""The local executor: workers in this process, or one ``torch.multiprocessing`` process each.
+
+Multi-process workers get the rendezvous environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``, ...) before their class is constructed, so they can form a real gloo (or NCCL)
+group. Calls are sent to every worker before any result is awaited, so workers that meet in a
+collective do not deadlock. Tensors travel through shared memory (torch's pickler).
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Mapping
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from engine_core.errors import DispatchError
+from engine_core.executors.base import Calls, WorkerGroup, free_port, worker_env
+
+__all__ = ["LocalWorkerGroup"]
+
+_STOP = "__stop__"
+
+
+def _serve(conn: Any, cls: type, init_args: tuple, init_kwargs: dict, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    import torch
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    try:
+        worker = cls(*init_args, **init_kwargs)
+        conn.send(("ok", None))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    while True:
+        try:
+            method, args, kwargs = conn.recv()
+        except EOFError:
+            return
+        if method == _STOP:
+            conn.send(("ok", None))
+            return
+        try:
+            conn.send(("ok", getattr(worker, method)(*args, **kwargs)))
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+
+
+class LocalWorkerGroup(WorkerGroup):
+    """``num_workers`` instances of ``worker_cls``, in this process or in spawned processes."""
+
+    def __init__(
+        self,
+        worker_cls: type,
+        num_workers: int,
+        *,
+        init_args: tuple[Any, ...] = (),
+        init_kwargs: Mapping[str, Any] | None = None,
+        in_process: bool = False,
+        env: Mapping[str, str] | None = None,
+        timeout: float = 600.0,
+    ) -> None:
+        super().__init__(worker_cls, num_workers)
+        self.in_process = in_process
+        self.timeout = timeout
+        self._workers: list[Any] = []
+        self._procs: list[Any] = []
+        self._conns: list[Any] = []
+        if in_process:
+            self._workers = [
+                worker_cls(*init_args, **dict(init_kwargs or {})) for _ in range(num_workers)
+            ]
+            return
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        for rank in range(num_workers):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_serve,
+                args=(
+                    child,
+                    worker_cls,
+                    init_args,
+                    dict(init_kwargs or {}),
+                    worker_env(rank, num_workers, port, env),
+                ),
+                daemon=True,
+            )
+            proc.start()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        try:
+            self._gather("__init__")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _gather(self, method: str) -> list[Any]:
+        results, failures = [], []
+        for i, (conn, proc) in enumerate(zip(self._conns, self._procs, strict=True)):
+            if not conn.poll(self.timeout):
+                alive = "alive" if proc.is_alive() else f"dead (exit code {proc.exitcode})"
+                failures.append(
+                    f"worker {i}: no answer to {method!r} within {self.timeout} s ({alive})"
+                )
+                continue
+            try:
+                status, payload = conn.recv()
+            except EOFError:
+                failures.append(f"worker {i}: died during {method!r} (exit code {proc.exitcode})")
+                continue
+            if status == "ok":
+                results.append(payload)
+            else:
+                failures.append(f"worker {i} raised in {method!r}:\n{payload}")
+        if failures:
+            raise DispatchError("\n".join(failures))
+        return results
+
+    def _call(self, method: str, calls: Calls) -> list[Any]:
+        if self.in_process:
+            out = []
+            for i, (worker, (args, kwargs)) in enumerate(zip(self._workers, calls, strict=True)):
+                try:
+                    out.append(getattr(worker, method)(*args, **kwargs))
+                except Exception as e:
+                    e.add_note(f"(in worker {i} of {type(worker).__name__}.{method})")
+                    raise
+            return out
+        if not self._conns:
+            raise DispatchError("this worker group has been shut down.")
+        for conn, (args, kwargs) in zip(self._conns, calls, strict=True):
+            conn.send((method, args, kwargs))
+        return self._gather(method)
+
+    def shutdown(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send((_STOP, (), {}))
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        self._conns, self._procs, self._workers = [], [], []

@@ -1,0 +1,104 @@
+"""The Ray executor: one Ray actor per worker, same dispatch/collect as the local executor.
+
+Needs the optional extra: ``pip install 'engine-core[ray]'``. Ray is imported only when a
+``RayWorkerGroup`` is created. Ray writes an auth token under the home directory unless
+``RAY_AUTH_MODE=disabled`` is set before ``ray.init``; set it where that matters (tests do).
+Actors ask for ``num_cpus`` each (default 0.01) so small hosts can place several.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from engine_core.errors import DispatchError
+from engine_core.executors.base import Calls, WorkerGroup, free_port, worker_env
+
+__all__ = ["RayWorkerGroup"]
+
+
+def _import_ray() -> Any:
+    try:
+        import ray
+    except ImportError as e:
+        raise ImportError(
+            "RayWorkerGroup needs Ray, which is not installed. Install it with: "
+            "pip install 'engine-core[ray]'"
+        ) from e
+    return ray
+
+
+class _Host:
+    """Holds one worker inside a Ray actor; the environment is set before it is built."""
+
+    def __init__(self, cls: type, init_args: tuple, init_kwargs: dict, env: dict[str, str]) -> None:
+        os.environ.update(env)
+        import torch
+
+        torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+        self.worker = cls(*init_args, **init_kwargs)
+
+    def call(self, method: str, args: tuple, kwargs: dict) -> Any:
+        return getattr(self.worker, method)(*args, **kwargs)
+
+
+class RayWorkerGroup(WorkerGroup):
+    """``num_workers`` Ray actors, each holding one ``worker_cls`` instance."""
+
+    def __init__(
+        self,
+        worker_cls: type,
+        num_workers: int,
+        *,
+        init_args: tuple[Any, ...] = (),
+        init_kwargs: Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
+        num_cpus: float = 0.01,
+        timeout: float = 600.0,
+    ) -> None:
+        super().__init__(worker_cls, num_workers)
+        ray = _import_ray()
+        if not ray.is_initialized():
+            raise DispatchError(
+                "Ray is not initialized; call ray.init(...) (e.g. ray.init(num_cpus=2)) before "
+                "creating a RayWorkerGroup."
+            )
+        self._ray = ray
+        self.timeout = timeout
+        host = ray.remote(num_cpus=num_cpus)(_Host)
+        port = free_port()
+        self._actors = [
+            host.remote(
+                worker_cls,
+                init_args,
+                dict(init_kwargs or {}),
+                worker_env(r, num_workers, port, env),
+            )
+            for r in range(num_workers)
+        ]
+        try:
+            self.call_all("__class__")  # any attribute read proves construction succeeded
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _call(self, method: str, calls: Calls) -> list[Any]:
+        if not self._actors:
+            raise DispatchError("this worker group has been shut down.")
+        refs = [
+            a.call.remote(method, args, kwargs)
+            for a, (args, kwargs) in zip(self._actors, calls, strict=True)
+        ]
+        out = []
+        for i, ref in enumerate(refs):
+            try:
+                out.append(self._ray.get(ref, timeout=self.timeout))
+            except self._ray.exceptions.RayError as e:
+                raise DispatchError(f"worker {i} raised in {method!r}:\n{e}") from None
+        return out
+
+    def shutdown(self) -> None:
+        for actor in getattr(self, "_actors", []):
+            self._ray.kill(actor)
+        self._actors = []

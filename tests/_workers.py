@@ -1,0 +1,59 @@
+"""Worker classes for executor tests; importable by module path for spawn and Ray."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from engine_core.dispatch import DispatchMode, Worker, register
+
+
+class MeshWorker(Worker):
+    """Registers the "actor" mesh as dp_rank = rank // tp, collector = first tp replica."""
+
+    def __init__(self, tp: int = 1, world: int = 1, bad: str | None = None) -> None:
+        self.tp, self.world, self.bad = tp, world, bad
+        self.rank = int(os.environ.get("RANK", "-1"))
+
+    @register(DispatchMode.ALL_TO_ALL)
+    def setup(self, rank: int) -> None:
+        self.rank = rank
+        dp_rank, tp_rank = divmod(rank, self.tp)
+        is_collect = tp_rank == 0 or (self.bad == "two_collectors" and dp_rank == 0)
+        if self.bad == "missing_dp" and dp_rank == 1:
+            dp_rank = 0
+        self.register_mesh(
+            "actor", dp_rank=dp_rank, dp_size=self.world // self.tp, is_collect=is_collect
+        )
+
+    @register(DispatchMode.ND_COMPUTE, mesh="actor")
+    def square(self, batch: TensorDict) -> TensorDict:
+        """A per-sample function, so the collected result is checkable; x stays on every replica."""
+        return TensorDict(
+            {"y": batch["x"].float() ** 2, "rank": torch.full((batch.batch_size[0],), self.rank)},
+            batch_size=batch.batch_size,
+        )
+
+    @register(DispatchMode.ND_COMPUTE, mesh="actor")
+    def digest(self, batch: TensorDict) -> list[int]:
+        return [int(batch["x"].sum()), batch.batch_size[0]]
+
+    @register(DispatchMode.ALL_TO_ALL)
+    def echo(self, value: int) -> int:
+        return value * 10 + self.rank
+
+    def whoami(self) -> int:
+        return self.rank
+
+    def fail(self) -> None:
+        raise ValueError(f"worker {self.rank} fails on purpose")
+
+    def all_reduce_rank(self) -> float:
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        t = torch.tensor([float(self.rank)])
+        dist.all_reduce(t)
+        return float(t)
