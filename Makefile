@@ -19,6 +19,7 @@ run: setup
 
 lint: setup
 	$(VENV)/bin/ruff check engine_core roles tests benchmarks
+	$(VENV)/bin/mypy
 
 test: setup lint
 	RAY_AUTH_MODE=disabled $(PY) -m pytest -q

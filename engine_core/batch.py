@@ -119,7 +119,7 @@ def set_meta(batch: TensorDict, meta: BatchMeta) -> None:
 
 def split_with_meta(batch: TensorDict, indices: Iterable[torch.Tensor]) -> list[TensorDict]:
     """Index ``batch`` once per index tensor, giving each part its own deep copy of the metadata."""
-    meta = get_meta(batch)
+    meta: BatchMeta = get_meta(batch)
     parts = []
     for idx in indices:
         part = batch[idx]

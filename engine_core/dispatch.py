@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from tensordict import TensorDict
@@ -179,7 +179,7 @@ def split_for_dp(batch: TensorDict, dp_size: int) -> tuple[list[TensorDict], int
             raise DispatchError("cannot dispatch an empty batch.")
         meta = get_meta(batch) if META_KEY in batch.keys() else None
         reps = torch.arange(n + pad) % n
-        batch = torch.cat([batch, batch[reps[n:]]])
+        batch = cast(TensorDict, torch.cat([batch, batch[reps[n:]]]))
         if meta is not None:
             set_meta(batch, meta)
     chunks = list(batch.split((n + pad) // dp_size))
@@ -225,7 +225,7 @@ def collect_nd(name: str, ranks: Sequence[MeshRank], outputs: Sequence[Any], pad
     ordered = [by_dp[dp] for dp in range(dp_size)]
     first = ordered[0]
     if isinstance(first, TensorDict):
-        merged = torch.cat(ordered)
+        merged = cast(TensorDict, torch.cat(ordered))
         if META_KEY in first.keys():
             set_meta(merged, get_meta(first))
         return merged[: merged.batch_size[0] - pad] if pad else merged

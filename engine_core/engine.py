@@ -16,7 +16,7 @@ import abc
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,7 @@ from engine_core.batch import (
     LOSS_MASK,
     POSITION_IDS,
     VALUES,
+    BatchMeta,
     get_meta,
     validate_batch,
 )
@@ -192,7 +193,7 @@ class BaseEngine(abc.ABC):
             return outputs
         parts: list[TensorDict | None] = [None] * self.dp_size
         dist.all_gather_object(parts, outputs, group=self.dp_group)
-        return torch.cat([p for p in parts if p is not None])
+        return cast(TensorDict, torch.cat([p for p in parts if p is not None]))
 
     # ------------------------------------------------------------------ forward / backward
     def set_loss_fn(self, fn: LossFn | None) -> None:
@@ -306,7 +307,7 @@ class BaseEngine(abc.ABC):
         Outputs are aligned to ``input_ids``: position ``t`` holds the prediction of token ``t``
         from positions ``< t``; the first token of each sequence and padding hold 0.
         """
-        meta = get_meta(micro_batch)
+        meta: BatchMeta = get_meta(micro_batch)
         logits = raw.logits
         ids = inputs.kwargs["input_ids"]
         b, seq_len = micro_batch[INPUT_IDS].shape

@@ -6,7 +6,7 @@ token-classification models with one label as value heads for critics.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -54,12 +54,12 @@ def build_model(cfg: ModelConfig, *, device: torch.device | str = "cpu") -> nn.M
         )
     else:
         model = auto.from_config(hf_config, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
-    model = model.to(device)
+    model = cast(Any, model).to(device)  # a transformers PreTrainedModel
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.lora is not None:
         model = apply_lora(model, cfg)
-    return model
+    return cast(nn.Module, model)
 
 
 def apply_lora(model: nn.Module, cfg: ModelConfig) -> nn.Module:

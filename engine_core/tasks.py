@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from engine_core.batch import LOSS_MASK, make_batch
+from engine_core.batch import make_batch
 from engine_core.config import FrozenModel
 
 __all__ = ["PAD", "BOS", "SEP", "EOS", "VOCAB_SIZE", "TaskConfig", "DigitTask"]
@@ -72,7 +72,7 @@ class DigitTask:
         ids = torch.cat([prompt, target], dim=1)
         loss_mask = torch.zeros_like(ids)
         loss_mask[:, prompt.shape[1] :] = 1
-        return make_batch(ids, **{LOSS_MASK: loss_mask})
+        return make_batch(ids, loss_mask=loss_mask)
 
     def score(self, prompt: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
         """Fraction of target positions (EOS included) the response gets right, per sample."""
