@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+from _recipes import lengths_recipe  # benchmarks/ is on sys.path when run as a script
 
 from engine_core.balance import balanced_partition
 
@@ -27,11 +28,6 @@ REFERENCE = {
     "max_over_mean_with_128_or_more_items_per_group": 1.00001,
     "max_over_mean_N256_k32": 1.42,
 }
-
-
-def lengths_recipe(n: int) -> np.ndarray:
-    rng = np.random.default_rng(0)
-    return np.clip(np.rint(rng.lognormal(mean=6.5, sigma=1.0, size=n)), 16, 8192).astype(int)
 
 
 def snake(workloads: np.ndarray, k: int) -> list[np.ndarray]:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+from _recipes import lengths_recipe  # benchmarks/ is on sys.path when run as a script
 
 from engine_core.microbatch import plan_token_budget
 
@@ -32,11 +33,6 @@ REFERENCE = {
     "over_budget_fraction": "0.35-0.66 of micro-batches",
     "largest_overshoot": "+3.2% over the budget",
 }
-
-
-def lengths_recipe(n: int) -> np.ndarray:
-    rng = np.random.default_rng(0)
-    return np.clip(np.rint(rng.lognormal(mean=6.5, sigma=1.0, size=n)), 16, 8192).astype(int)
 
 
 def first_fit_decreasing(lengths: np.ndarray, budget: int) -> list[list[int]]:

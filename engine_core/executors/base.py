@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import os
 import socket
 from collections.abc import Mapping
 from typing import Any
@@ -17,7 +18,7 @@ from engine_core.dispatch import (
     dispatch_one_to_all,
 )
 
-__all__ = ["WorkerGroup", "free_port", "worker_env"]
+__all__ = ["WorkerGroup", "enter_worker_env", "free_port", "worker_env"]
 
 Calls = list[tuple[tuple[Any, ...], dict[str, Any]]]
 
@@ -43,6 +44,17 @@ def worker_env(
     }
     env.update(extra or {})
     return env
+
+
+def enter_worker_env(env: Mapping[str, str]) -> None:
+    """Inside a new worker process: apply ``env`` and cap torch's intra-op threads to match.
+
+    torch is already imported there, so ``OMP_NUM_THREADS`` alone would come too late.
+    """
+    os.environ.update(env)
+    import torch
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
 
 
 class WorkerGroup(abc.ABC):

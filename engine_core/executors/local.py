@@ -8,7 +8,6 @@ collective do not deadlock. Tensors travel through shared memory (torch's pickle
 
 from __future__ import annotations
 
-import os
 import traceback
 from collections.abc import Mapping
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from engine_core.errors import DispatchError
-from engine_core.executors.base import Calls, WorkerGroup, free_port, worker_env
+from engine_core.executors.base import Calls, WorkerGroup, enter_worker_env, free_port, worker_env
 
 __all__ = ["LocalWorkerGroup"]
 
@@ -24,10 +23,7 @@ _STOP = "__stop__"
 
 
 def _serve(conn: Any, cls: type, init_args: tuple, init_kwargs: dict, env: dict[str, str]) -> None:
-    os.environ.update(env)
-    import torch
-
-    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    enter_worker_env(env)
     try:
         worker = cls(*init_args, **init_kwargs)
         conn.send(("ok", None))

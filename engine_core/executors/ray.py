@@ -8,12 +8,11 @@ Actors ask for ``num_cpus`` each (default 0.01) so small hosts can place several
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
 from engine_core.errors import DispatchError
-from engine_core.executors.base import Calls, WorkerGroup, free_port, worker_env
+from engine_core.executors.base import Calls, WorkerGroup, enter_worker_env, free_port, worker_env
 
 __all__ = ["RayWorkerGroup"]
 
@@ -33,10 +32,7 @@ class _Host:
     """Holds one worker inside a Ray actor; the environment is set before it is built."""
 
     def __init__(self, cls: type, init_args: tuple, init_kwargs: dict, env: dict[str, str]) -> None:
-        os.environ.update(env)
-        import torch
-
-        torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+        enter_worker_env(env)
         self.worker = cls(*init_args, **init_kwargs)
 
     def call(self, method: str, args: tuple, kwargs: dict) -> Any:
