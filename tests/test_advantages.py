@@ -1,0 +1,91 @@
+"""Advantage estimators against straightforward reference loops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from roles.advantages import (
+    AdaptiveKLController,
+    FixedKLController,
+    gae_advantages,
+    grpo_advantages,
+    rloo_advantages,
+    sequence_to_token_rewards,
+)
+
+
+def gae_loop(rewards: list[float], values: list[float], gamma: float, lam: float) -> list[float]:
+    adv, running = [0.0] * len(rewards), 0.0
+    for t in reversed(range(len(rewards))):
+        next_v = values[t + 1] if t + 1 < len(rewards) else 0.0
+        delta = rewards[t] + gamma * next_v - values[t]
+        running = delta + gamma * lam * running
+        adv[t] = running
+    return adv
+
+
+@pytest.mark.parametrize(("gamma", "lam"), [(1.0, 1.0), (0.99, 0.95), (0.5, 0.0)])
+def test_gae_matches_a_loop_with_padding(gamma: float, lam: float) -> None:
+    g = torch.Generator().manual_seed(0)
+    rewards, values = torch.randn(3, 6, generator=g), torch.randn(3, 6, generator=g)
+    lengths = [6, 4, 1]
+    mask = torch.zeros(3, 6)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    adv, ret = gae_advantages(rewards * mask, values, mask, gamma=gamma, lam=lam)
+    for i, n in enumerate(lengths):
+        want = gae_loop(rewards[i, :n].tolist(), values[i, :n].tolist(), gamma, lam)
+        assert torch.allclose(adv[i, :n], torch.tensor(want), atol=1e-5)
+        assert (adv[i, n:] == 0).all()
+        assert torch.allclose(ret[i, :n], adv[i, :n] + values[i, :n], atol=1e-6)
+
+
+def test_gae_left_padding_equals_right_padding() -> None:
+    r = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0]])
+    v = torch.tensor([[0.5, 0.2, 0.1, 9.0], [9.0, 0.5, 0.2, 0.1]])
+    m = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1]])
+    adv, _ = gae_advantages(r, v, m, gamma=0.9, lam=0.8)
+    assert torch.allclose(adv[0, :3], adv[1, 1:])
+
+
+def test_grpo_against_a_loop() -> None:
+    scores = torch.tensor([1.0, 0.0, 0.5, 2.0, 2.0, 3.0, 7.0])
+    groups = torch.tensor([0, 0, 0, 1, 1, 2, 3])
+    got = grpo_advantages(scores, groups)
+    for gid in range(4):
+        idx = (groups == gid).nonzero().squeeze(-1)
+        s = scores[idx]
+        if len(s) == 1:
+            assert got[idx].abs().max() == 0
+            continue
+        want = (s - s.mean()) / (s.std() + 1e-6)
+        assert torch.allclose(got[idx], want, atol=1e-5)
+    no_std = grpo_advantages(scores, groups, normalize_std=False)
+    assert torch.allclose(no_std[:3], scores[:3] - scores[:3].mean())
+
+
+def test_rloo_against_a_loop() -> None:
+    scores = torch.tensor([1.0, 0.0, 0.5, 2.0, 4.0, 3.0])
+    groups = torch.tensor([5, 5, 5, 9, 9, 1])
+    got = rloo_advantages(scores, groups)
+    for i in range(len(scores)):
+        others = [scores[j] for j in range(len(scores)) if groups[j] == groups[i] and j != i]
+        want = scores[i] - sum(others) / len(others) if others else torch.tensor(0.0)
+        assert float(got[i]) == pytest.approx(float(want))
+
+
+def test_sequence_rewards_land_on_the_last_token() -> None:
+    mask = torch.tensor([[1, 1, 0], [0, 1, 1], [0, 0, 0]])
+    r = sequence_to_token_rewards(torch.tensor([2.0, 3.0, 4.0]), mask)
+    assert r.tolist() == [[0.0, 2.0, 0.0], [0.0, 0.0, 3.0], [0.0, 0.0, 0.0]]
+
+
+def test_kl_controllers() -> None:
+    assert FixedKLController(0.1).update(5.0, 10) == 0.1
+    ctl = AdaptiveKLController(0.1, target=1.0, horizon=100)
+    assert ctl.update(2.0, 10) == pytest.approx(0.1 * (1 + 0.2 * 10 / 100))  # error clipped at 0.2
+    before = ctl.value
+    assert ctl.update(0.5, 10) == pytest.approx(before * (1 - 0.2 * 10 / 100))  # clipped at -0.2
+    with pytest.raises(ValueError, match="init_coef"):
+        AdaptiveKLController(-1, 1, 1)

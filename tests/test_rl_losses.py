@@ -1,0 +1,109 @@
+"""RL losses against hand-computed values on small tensors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine_core import GlobalBatchContext
+from roles.losses import entropy_loss, kl_penalty, policy_loss, value_loss
+
+CTX1 = GlobalBatchContext(global_num_tokens=1, global_num_samples=1)
+
+
+def one(x: float) -> torch.Tensor:
+    return torch.tensor([[x]])
+
+
+def pg(log_ratio: float, adv: float, **kw: float | None) -> dict[str, float]:
+    terms = policy_loss(one(log_ratio), one(0.0), one(adv), one(1.0), CTX1, **kw)  # type: ignore[arg-type]
+    return {k: float(v) for k, v in terms.items()}
+
+
+def test_clip_inactive_inside_the_trust_region() -> None:
+    r = math.exp(0.1)  # ratio 1.105 < 1.2
+    out = pg(0.1, 2.0)
+    assert out["pg_loss"] == pytest.approx(-2.0 * r)
+    assert out["clipfrac"] == 0.0
+
+
+def test_clip_active_for_positive_advantage() -> None:
+    out = pg(math.log(1.5), 2.0)  # ratio 1.5 clipped to 1.2
+    assert out["pg_loss"] == pytest.approx(-2.0 * 1.2)
+    assert out["clipfrac"] == 1.0
+
+
+def test_clip_active_for_negative_advantage() -> None:
+    out = pg(math.log(0.5), -1.0)  # ratio 0.5: max(0.5, 0.8) -> 0.8 * 1
+    assert out["pg_loss"] == pytest.approx(0.8)
+    assert out["clipfrac"] == 1.0
+
+
+def test_dual_clip_bounds_large_ratios_with_negative_advantage() -> None:
+    out = pg(math.log(5.0), -1.0, clip_ratio_c=3.0)  # unclipped 5.0 -> capped at 3.0
+    assert out["pg_loss"] == pytest.approx(3.0)
+    assert out["dual_clipfrac"] == 1.0
+    assert pg(math.log(5.0), -1.0, clip_ratio_c=None)["pg_loss"] == pytest.approx(5.0)
+    assert pg(math.log(5.0), 1.0, clip_ratio_c=3.0)["pg_loss"] == pytest.approx(-1.2)
+
+
+def test_dual_clip_constant_must_exceed_one() -> None:
+    with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
+        pg(0.0, 1.0, clip_ratio_c=0.5)
+
+
+def test_aggregation_modes() -> None:
+    lp = torch.zeros(2, 3)
+    adv = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    ctx = GlobalBatchContext(global_num_tokens=4, global_num_samples=2)
+    tm = policy_loss(lp, lp, adv, mask, ctx, aggregation="token-mean")["pg_loss"]
+    smtm = policy_loss(lp, lp, adv, mask, ctx, aggregation="seq-mean-token-mean")["pg_loss"]
+    smts = policy_loss(lp, lp, adv, mask, ctx, aggregation="seq-mean-token-sum")["pg_loss"]
+    assert float(tm) == pytest.approx(-(1 + 2 + 3 + 4) / 4)
+    assert float(smtm) == pytest.approx(-((6 / 3) + 4) / 2)
+    assert float(smts) == pytest.approx(-(6 + 4) / 2)
+
+
+def test_approx_kl_is_mean_negative_log_ratio() -> None:
+    assert pg(0.3, 1.0)["approx_kl"] == pytest.approx(-0.3)
+
+
+@pytest.mark.parametrize(
+    ("estimator", "want"),
+    [
+        ("k1", 0.5),
+        ("abs", 0.5),
+        ("k2", 0.125),
+        ("k3", math.exp(-0.5) + 0.5 - 1),
+        ("low_var_kl", math.exp(-0.5) + 0.5 - 1),
+    ],
+)
+def test_kl_estimators(estimator: str, want: float) -> None:
+    assert float(kl_penalty(one(0.0), one(-0.5), estimator)) == pytest.approx(want)
+
+
+def test_low_var_kl_is_clamped() -> None:
+    assert float(kl_penalty(one(-30.0), one(0.0), "low_var_kl")) == 10.0
+    assert float(kl_penalty(one(-30.0), one(0.0), "k3")) > 1e6
+
+
+def test_value_clipping() -> None:
+    # v moved from 0 to 1, clip 0.2 -> clipped value 0.2; return 2: max((1-2)^2, (0.2-2)^2)/2
+    out = value_loss(one(1.0), one(0.0), one(2.0), one(1.0), CTX1, clip_range=0.2)
+    assert float(out["vf_loss"]) == pytest.approx(0.5 * 1.8**2)
+    assert float(out["vf_clipfrac"]) == 1.0
+    out = value_loss(one(1.0), one(0.0), one(0.0), one(1.0), CTX1, clip_range=0.2)
+    assert float(out["vf_loss"]) == pytest.approx(0.5 * 1.0)  # unclipped error is larger
+    assert float(out["vf_clipfrac"]) == 0.0
+    out = value_loss(one(1.0), one(0.0), one(2.0), one(1.0), CTX1, clip_range=None)
+    assert float(out["vf_loss"]) == pytest.approx(0.5)
+
+
+def test_entropy_mean() -> None:
+    ent = torch.tensor([[1.0, 3.0, 9.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    ctx = GlobalBatchContext(global_num_tokens=2, global_num_samples=1)
+    assert float(entropy_loss(ent, mask, ctx)) == pytest.approx(2.0)
