@@ -6,10 +6,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup run test lint bench
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(wildcard plugins/*/pyproject.toml)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,ray]'
+	$(PY) -m pip install -q -e plugins/hf
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -18,7 +19,7 @@ run: setup
 	$(VENV)/bin/engine-core train
 
 lint: setup
-	$(VENV)/bin/ruff check engine_core roles tests benchmarks
+	$(VENV)/bin/ruff check engine_core roles tests benchmarks plugins
 	$(VENV)/bin/mypy
 
 test: setup lint

@@ -19,7 +19,7 @@ from pydantic import Field, PositiveInt, model_validator
 from tensordict import TensorDict
 
 from engine_core.capabilities import Capability
-from engine_core.config import FrozenModel
+from engine_core.config import FrozenModel, ModelConfig
 from engine_core.errors import WeightSyncError
 
 __all__ = [
@@ -71,8 +71,7 @@ class RolloutConfig(FrozenModel):
     """Fields every rollout understands. Backends subclass this with their own."""
 
     backend: str = Field(..., description="Registered rollout name, e.g. 'hf' or 'vllm'.")
-    model_path: str | None = None
-    dtype: str = "float32"
+    model: ModelConfig
     seed: int = 0
 
 

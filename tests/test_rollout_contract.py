@@ -25,7 +25,7 @@ class ModelHoldingRollout(BaseRollout):
     """The weight-loading half of a rollout, on a real transformers model (generation is not under test)."""
 
     def __init__(self, drop: str | None = None) -> None:
-        super().__init__(RolloutConfig(backend="test"))
+        super().__init__(RolloutConfig(backend="test", model=ModelConfig(config=dict(TINY_QWEN2))))
         torch.manual_seed(123)  # different init from the trainer, so a sync is visible
         self.model = build_model(ModelConfig(config=dict(TINY_QWEN2)))
         self.drop = drop  # a parameter this rollout "forgets" to load
@@ -53,7 +53,7 @@ def trainer() -> ReferenceEngine:
 
 def test_abstract_methods_are_enforced() -> None:
     with pytest.raises(TypeError, match="abstract"):
-        BaseRollout(RolloutConfig(backend="x"))  # type: ignore[abstract]
+        BaseRollout(RolloutConfig(backend="x", model=ModelConfig(config=dict(TINY_QWEN2))))  # type: ignore[abstract]
     with pytest.raises(TypeError, match="abstract"):
         BaseEngine(ReferenceEngineConfig(**engine_config()))  # type: ignore[abstract]
 

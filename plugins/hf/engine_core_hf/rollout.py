@@ -1,0 +1,157 @@
+"""``HFRollout``: generation with transformers ``generate`` (KV cache on), batched.
+
+Log-probs of sampled tokens come from the model's raw logits at each step, divided by the
+sampling temperature (1 for greedy) and log-softmaxed over the whole vocabulary — the same
+quantity a trainer computes with ``BatchMeta(temperature=T)``, so the two can be compared
+token by token. Top-k / top-p change which tokens can be sampled, not these log-probs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from pydantic import Field, PositiveInt
+from tensordict import NonTensorStack, TensorDict
+
+from engine_core.capabilities import Capability
+from engine_core.errors import BatchError
+from engine_core.models import build_model
+from engine_core.rollout import (
+    FINISH_REASON,
+    PROMPT_IDS,
+    PROMPT_MASK,
+    RESPONSE_IDS,
+    RESPONSE_MASK,
+    ROLLOUT_LOG_PROBS,
+    BaseRollout,
+    RolloutConfig,
+    SamplingParams,
+    tensor_checksum,
+)
+from engine_core_hf.capabilities import HF_CAPABILITIES
+
+__all__ = ["HFRollout", "HFRolloutConfig"]
+
+
+class HFRolloutConfig(RolloutConfig):
+    """The HF rollout: the common fields plus generation batching."""
+
+    generation_batch_size: PositiveInt = Field(64, description="Prompts per generate() call.")
+    pad_token_id: int = Field(0, ge=0, description="Used when the model config names none.")
+
+
+class HFRollout(BaseRollout):
+    capabilities: ClassVar[frozenset[Capability]] = HF_CAPABILITIES
+    config_class: ClassVar[type[RolloutConfig]] = HFRolloutConfig
+
+    def __init__(self, config: RolloutConfig) -> None:
+        if not isinstance(config, HFRolloutConfig):
+            raise TypeError(f"HFRollout needs an HFRolloutConfig, got {type(config).__name__}.")
+        super().__init__(config)
+        self.cfg = config
+        torch.manual_seed(config.seed)
+        self.model: Any = build_model(config.model).eval()
+        self.device = torch.device("cpu")
+        pad = getattr(self.model.config, "pad_token_id", None)
+        self.pad_token_id = int(pad) if pad is not None else config.pad_token_id
+
+    # -- generation -----------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts: TensorDict, params: SamplingParams) -> TensorDict:
+        for key in (PROMPT_IDS, PROMPT_MASK):
+            if key not in prompts.keys():
+                raise BatchError(
+                    f"HFRollout.generate needs {key!r} (left-padded [B, P]); got {sorted(prompts.keys())}."
+                )
+        ids = prompts[PROMPT_IDS].repeat_interleave(params.n, dim=0)
+        mask = prompts[PROMPT_MASK].repeat_interleave(params.n, dim=0)
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
+        parts = [
+            self._generate_chunk(
+                ids[i : i + self.cfg.generation_batch_size],
+                mask[i : i + self.cfg.generation_batch_size],
+                params,
+            )
+            for i in range(0, ids.shape[0], self.cfg.generation_batch_size)
+        ]
+        width = max(p[0].shape[1] for p in parts)
+        resp = torch.cat([_pad_right(p[0], width, self.pad_token_id) for p in parts])
+        resp_mask = torch.cat([_pad_right(p[1], width, 0) for p in parts])
+        logps = torch.cat([_pad_right(p[2], width, 0.0) for p in parts])
+        reasons = [r for p in parts for r in p[3]]
+        out = TensorDict(
+            {
+                PROMPT_IDS: ids,
+                PROMPT_MASK: mask,
+                RESPONSE_IDS: resp,
+                RESPONSE_MASK: resp_mask,
+                ROLLOUT_LOG_PROBS: logps,
+            },
+            batch_size=[ids.shape[0]],
+        )
+        out[FINISH_REASON] = NonTensorStack.from_list(reasons)
+        return out
+
+    def _generate_chunk(
+        self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str]]:
+        stop = list(params.stop_token_ids)
+        kwargs: dict[str, Any] = {
+            "max_new_tokens": params.max_new_tokens,
+            "do_sample": not params.greedy,
+            "pad_token_id": self.pad_token_id,
+            "eos_token_id": stop or None,
+            "return_dict_in_generate": True,
+            "output_logits": True,
+        }
+        if not params.greedy:
+            kwargs.update(
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k if params.top_k > 0 else None,
+            )
+        else:  # neutralise sampling defaults a checkpoint's generation_config may carry
+            kwargs.update(temperature=None, top_p=None, top_k=None)
+        out = self.model.generate(
+            input_ids=ids.to(self.device), attention_mask=mask.to(self.device), **kwargs
+        )
+        resp = out.sequences[:, ids.shape[1] :].cpu()
+        temperature = params.temperature if not params.greedy else 1.0
+        logits = torch.stack(out.logits, dim=1).float().cpu() / temperature
+        logps = torch.log_softmax(logits, -1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)
+        # valid up to and including the first stop token
+        is_stop = torch.zeros_like(resp, dtype=torch.bool)
+        for s in stop:
+            is_stop |= resp == s
+        after_stop = (is_stop.long().cumsum(-1) - is_stop.long()) > 0
+        resp_mask = (~after_stop).long()
+        resp = resp.masked_fill(after_stop, self.pad_token_id)
+        logps = logps.masked_fill(after_stop, 0.0)
+        reasons = ["stop" if bool(row.any()) else "length" for row in is_stop]
+        return resp, resp_mask, logps, reasons
+
+    # -- weights --------------------------------------------------------------------------
+    def expected_weights(self) -> dict[str, tuple[int, ...]]:
+        return {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+
+    @torch.no_grad()
+    def load_weight_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> str:
+        state = self.model.state_dict()
+        for name, tensor in bucket:
+            state[name].copy_(tensor.to(state[name].device, state[name].dtype))
+        return tensor_checksum((name, state[name]) for name, _ in bucket)
+
+    def release(self) -> None:
+        """Weights to CPU (a no-op on a CPU-only host)."""
+        self.model.to("cpu")
+
+    def resume(self) -> None:
+        self.model.to(self.device)
+
+
+def _pad_right(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
+    if t.shape[1] == width:
+        return t
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
