@@ -46,7 +46,8 @@ def test_plugins_json_is_machine_readable(site: Path) -> None:
     proc = run_python(["-m", "engine_core.cli", "plugins", "--json"], site)
     assert proc.returncode == 0, proc.stderr
     plugins = _json_plugins(proc.stdout)
-    assert set(plugins) == {"builtin", "testgood", "testbroken"}
+    # other plugins of this project may be installed too
+    assert {"builtin", "testgood", "testbroken"} <= set(plugins)
     good, broken = plugins["testgood"], plugins["testbroken"]
     assert good["status"] == "ok" and good["version"] == "0.1.0"
     assert good["backends"][0]["name"] == "testgood"
