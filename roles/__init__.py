@@ -1,11 +1,12 @@
 """Engine-agnostic RL roles built on engine_core's public API.
 
-So far: RL losses (:mod:`roles.losses`) and advantage estimators (:mod:`roles.advantages`) as
-pure functions. The Actor / Critic / Reference / RewardModel classes come next.
+RL losses (:mod:`roles.losses`) and advantage estimators (:mod:`roles.advantages`) as pure
+functions; the :class:`Actor` and :class:`Critic` roles on any :class:`engine_core.BaseEngine`.
 """
 
 from __future__ import annotations
 
+from roles.actor import Actor, ActorConfig
 from roles.advantages import (
     AdaptiveKLController,
     FixedKLController,
@@ -14,9 +15,14 @@ from roles.advantages import (
     rloo_advantages,
     sequence_to_token_rewards,
 )
+from roles.critic import Critic, CriticConfig
 from roles.losses import KLEstimator, entropy_loss, kl_penalty, policy_loss, value_loss
 
 __all__ = [
+    "Actor",
+    "ActorConfig",
+    "Critic",
+    "CriticConfig",
     "AdaptiveKLController",
     "FixedKLController",
     "KLEstimator",

@@ -1,0 +1,159 @@
+"""``Actor``: the policy role — old log-probs, and PPO updates over mini-batches and epochs.
+
+Works with any engine through :class:`engine_core.BaseEngine` only. Batch fields are padded
+``[B, L]`` and aligned to ``input_ids`` (see :mod:`engine_core.batch`): ``loss_mask`` marks the
+response tokens, ``advantages`` and ``old_log_probs`` are per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from pydantic import Field, PositiveInt
+from tensordict import TensorDict
+
+from engine_core import (
+    LOG_PROBS,
+    LOSS_MASK,
+    BaseEngine,
+    FrozenModel,
+    GlobalBatchContext,
+    LossAggregation,
+    Metric,
+    get_meta,
+    require_keys,
+    set_meta,
+    token_mean_metric,
+)
+from roles.losses import KLEstimator, entropy_loss, kl_penalty, policy_loss
+
+__all__ = [
+    "ActorConfig",
+    "Actor",
+    "OLD_LOG_PROBS",
+    "REF_LOG_PROBS",
+    "ADVANTAGES",
+    "mean_over_steps",
+]
+
+OLD_LOG_PROBS = "old_log_probs"
+REF_LOG_PROBS = "ref_log_probs"
+ADVANTAGES = "advantages"
+
+PRODUCERS = {
+    OLD_LOG_PROBS: "Actor.compute_log_prob",
+    REF_LOG_PROBS: "Reference.compute_ref_log_prob",
+    ADVANTAGES: "an advantage estimator in roles.advantages",
+    LOSS_MASK: "the rollout (response mask)",
+}
+
+
+class ActorConfig(FrozenModel):
+    """PPO update settings of the actor."""
+
+    ppo_epochs: PositiveInt = 1
+    ppo_mini_batch_size: PositiveInt | None = Field(
+        None,
+        description="Samples per optimizer step (per call on this rank); None: the whole batch.",
+    )
+    clip_ratio_low: float = Field(0.2, ge=0)
+    clip_ratio_high: float = Field(0.2, ge=0)
+    clip_ratio_c: float | None = Field(3.0, gt=1, description="Dual-clip bound; None disables it.")
+    loss_agg_mode: LossAggregation = LossAggregation.TOKEN_MEAN
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = Field(0.001, ge=0)
+    kl_loss_type: KLEstimator = KLEstimator.LOW_VAR
+    temperature: float = Field(1.0, gt=0)
+
+
+class Actor:
+    """The policy. ``engine`` must have been ``init_model()``-ed."""
+
+    def __init__(self, config: ActorConfig, engine: BaseEngine) -> None:
+        self.config = config
+        self.engine = engine
+
+    def _with_meta(self, batch: TensorDict, *, entropy: bool) -> TensorDict:
+        """A shallow copy whose metadata carries this role's temperature and entropy switch."""
+        batch = batch.clone(recurse=False)  # the caller's batch and its meta stay untouched
+        update = {"temperature": self.config.temperature, "compute_entropy": entropy}
+        set_meta(batch, get_meta(batch).model_copy(update=update))
+        return batch
+
+    def compute_log_prob(self, batch: TensorDict, *, entropy: bool = False) -> TensorDict:
+        """Per-token log-probs of ``input_ids`` under the current policy (``old_log_probs``)."""
+        self.engine.set_loss_fn(None)
+        with self.engine.eval_mode():
+            out = self.engine.forward_backward_step(
+                self._with_meta(batch, entropy=entropy), forward_only=True
+            )
+        result = TensorDict({OLD_LOG_PROBS: out.outputs[LOG_PROBS]}, batch_size=batch.batch_size)
+        if entropy:
+            result["entropy"] = out.outputs["entropy"]
+        return result
+
+    def loss_fn(
+        self, mb: TensorDict, out: TensorDict, ctx: GlobalBatchContext
+    ) -> tuple[torch.Tensor, Mapping[str, Metric]]:
+        cfg = self.config
+        mask = mb[LOSS_MASK]
+        terms = policy_loss(
+            out[LOG_PROBS],
+            mb[OLD_LOG_PROBS],
+            mb[ADVANTAGES],
+            mask,
+            ctx,
+            clip_ratio_low=cfg.clip_ratio_low,
+            clip_ratio_high=cfg.clip_ratio_high,
+            clip_ratio_c=cfg.clip_ratio_c,
+            aggregation=cfg.loss_agg_mode,
+        )
+        loss = terms["pg_loss"]
+        metrics: dict[str, Metric] = {k: Metric.of(v, "sum") for k, v in terms.items()}
+        if cfg.entropy_coeff != 0:
+            ent = entropy_loss(out["entropy"], mask, ctx, cfg.loss_agg_mode)
+            loss = loss - cfg.entropy_coeff * ent
+            metrics["entropy"] = Metric.of(ent, "sum")
+        if cfg.use_kl_loss:
+            kl = kl_penalty(out[LOG_PROBS], mb[REF_LOG_PROBS], cfg.kl_loss_type)
+            kl_loss = entropy_loss(
+                kl, mask, ctx, cfg.loss_agg_mode
+            )  # same aggregation as the pg loss
+            loss = loss + cfg.kl_loss_coef * kl_loss
+            metrics["kl_loss"] = token_mean_metric(kl, mask, ctx)
+        return loss, metrics
+
+    def update_actor(self, batch: TensorDict) -> dict[str, float]:
+        """PPO epochs over mini-batches; one optimizer step per mini-batch, one LR step per call."""
+        needed = [LOSS_MASK, OLD_LOG_PROBS, ADVANTAGES] + (
+            [REF_LOG_PROBS] if self.config.use_kl_loss else []
+        )
+        require_keys(batch, needed, method="Actor.update_actor", producers=PRODUCERS)
+        batch = self._with_meta(batch, entropy=self.config.entropy_coeff != 0)
+        n = int(batch.batch_size[0])
+        size = self.config.ppo_mini_batch_size or n
+        self.engine.set_loss_fn(self.loss_fn)
+        history: list[dict[str, float]] = []
+        with self.engine.train_mode():
+            for _ in range(self.config.ppo_epochs):
+                for start in range(0, n, size):
+                    out = self.engine.forward_backward_step(batch[start : start + size])
+                    grad_norm = self.engine.optimizer_step()
+                    self.engine.optimizer_zero_grad()
+                    history.append(
+                        {**out.metrics, "loss": float(out.loss or 0.0), "grad_norm": grad_norm}
+                    )
+            lr = self.engine.lr_scheduler_step()
+        self.engine.set_loss_fn(None)
+        return mean_over_steps("actor", history, lr=lr)
+
+
+def mean_over_steps(prefix: str, history: list[dict[str, Any]], *, lr: float) -> dict[str, float]:
+    """Each metric averaged over the optimizer steps of one update (each step weighs the same)."""
+    out = {f"{prefix}/{k}": sum(h[k] for h in history) / len(history) for k in history[0]}
+    out[f"{prefix}/lr"] = lr
+    out[f"{prefix}/num_optimizer_steps"] = float(len(history))
+    return out

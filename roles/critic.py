@@ -1,0 +1,96 @@
+"""``Critic``: per-token values and clipped value-loss updates, on any engine with a value head."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from pydantic import Field, PositiveInt
+from tensordict import TensorDict
+
+from engine_core import (
+    LOSS_MASK,
+    VALUES,
+    BaseEngine,
+    CapabilityError,
+    FrozenModel,
+    GlobalBatchContext,
+    LossAggregation,
+    Metric,
+    require_keys,
+)
+from roles.actor import mean_over_steps
+from roles.losses import value_loss
+
+__all__ = ["CriticConfig", "Critic", "OLD_VALUES", "RETURNS"]
+
+OLD_VALUES = "old_values"
+RETURNS = "returns"
+PRODUCERS = {
+    OLD_VALUES: "Critic.compute_values",
+    RETURNS: "roles.advantages.gae_advantages",
+    LOSS_MASK: "the rollout (response mask)",
+}
+
+
+class CriticConfig(FrozenModel):
+    ppo_epochs: PositiveInt = 1
+    ppo_mini_batch_size: PositiveInt | None = None
+    cliprange_value: float | None = Field(0.5, gt=0)
+    loss_agg_mode: LossAggregation = LossAggregation.TOKEN_MEAN
+
+
+class Critic:
+    """The value function. ``engine`` must be built with ``model.value_head=True``."""
+
+    def __init__(self, config: CriticConfig, engine: BaseEngine) -> None:
+        if not engine.config.model.value_head:
+            raise CapabilityError(
+                "Critic needs an engine whose model has a value head; set "
+                "model.value_head=true in the critic's engine config."
+            )
+        self.config = config
+        self.engine = engine
+
+    def compute_values(self, batch: TensorDict) -> TensorDict:
+        """Per-token values aligned to ``input_ids`` (``old_values`` for the update)."""
+        self.engine.set_loss_fn(None)
+        with self.engine.eval_mode():
+            out = self.engine.forward_backward_step(batch, forward_only=True)
+        return TensorDict({OLD_VALUES: out.outputs[VALUES]}, batch_size=batch.batch_size)
+
+    def loss_fn(
+        self, mb: TensorDict, out: TensorDict, ctx: GlobalBatchContext
+    ) -> tuple[torch.Tensor, Mapping[str, Metric]]:
+        terms = value_loss(
+            out[VALUES],
+            mb[OLD_VALUES],
+            mb[RETURNS],
+            mb[LOSS_MASK],
+            ctx,
+            clip_range=self.config.cliprange_value,
+            aggregation=self.config.loss_agg_mode,
+        )
+        return terms["vf_loss"], {k: Metric.of(v, "sum") for k, v in terms.items()}
+
+    def update_critic(self, batch: TensorDict) -> dict[str, float]:
+        require_keys(
+            batch,
+            [LOSS_MASK, OLD_VALUES, RETURNS],
+            method="Critic.update_critic",
+            producers=PRODUCERS,
+        )
+        n = int(batch.batch_size[0])
+        size = self.config.ppo_mini_batch_size or n
+        self.engine.set_loss_fn(self.loss_fn)
+        history = []
+        with self.engine.train_mode():
+            for _ in range(self.config.ppo_epochs):
+                for start in range(0, n, size):
+                    out = self.engine.forward_backward_step(batch[start : start + size])
+                    grad_norm = self.engine.optimizer_step()
+                    self.engine.optimizer_zero_grad()
+                    history.append({**out.metrics, "grad_norm": grad_norm})
+            lr = self.engine.lr_scheduler_step()
+        self.engine.set_loss_fn(None)
+        return mean_over_steps("critic", history, lr=lr)

@@ -1,0 +1,97 @@
+"""Actor and Critic through an engine: field checks, PPO semantics, metric invariance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_core import BatchError, CapabilityError, predicted_mask
+from engine_core.reference_engine import ReferenceEngine, ReferenceEngineConfig
+from roles.actor import ADVANTAGES, OLD_LOG_PROBS, Actor, ActorConfig
+from roles.critic import OLD_VALUES, RETURNS, Critic, CriticConfig
+from tests._models import engine_config, random_batch
+
+
+def engine(**overrides: object) -> ReferenceEngine:
+    e = ReferenceEngine(ReferenceEngineConfig(**engine_config(**overrides)))
+    e.init_model()
+    return e
+
+
+def ppo_batch(n: int = 8, seed: int = 0):  # type: ignore[no-untyped-def]
+    batch = random_batch(n, seed=seed)
+    mask = predicted_mask(batch["attention_mask"])
+    mask[:, :3] = False  # the "prompt" part carries no loss
+    batch["loss_mask"] = mask.long()
+    g = torch.Generator().manual_seed(seed + 1)
+    batch[ADVANTAGES] = torch.randn(batch["input_ids"].shape, generator=g) * mask
+    return batch
+
+
+def test_update_actor_names_the_missing_field_and_its_producer() -> None:
+    actor = Actor(ActorConfig(), engine())
+    with pytest.raises(BatchError, match="old_log_probs.*Actor.compute_log_prob"):
+        actor.update_actor(ppo_batch())
+    with pytest.raises(BatchError, match="ref_log_probs.*Reference.compute_ref_log_prob"):
+        b = ppo_batch()
+        b[OLD_LOG_PROBS] = torch.zeros_like(b[ADVANTAGES])
+        Actor(ActorConfig(use_kl_loss=True), engine()).update_actor(b)
+
+
+def test_on_policy_step_semantics() -> None:
+    actor = Actor(ActorConfig(), engine())
+    batch = ppo_batch()
+    batch[OLD_LOG_PROBS] = actor.compute_log_prob(batch)[OLD_LOG_PROBS]
+    before = [p.detach().clone() for p in actor.engine.module.parameters()]
+    m = actor.update_actor(batch)
+    mask = batch["loss_mask"].bool()
+    assert m["actor/pg_loss"] == pytest.approx(-float(batch[ADVANTAGES][mask].mean()), rel=1e-5)
+    assert m["actor/clipfrac"] == 0.0 and abs(m["actor/approx_kl"]) < 1e-6
+    assert m["actor/num_optimizer_steps"] == 1.0
+    assert any(
+        not torch.equal(a, b) for a, b in zip(before, actor.engine.module.parameters(), strict=True)
+    )
+
+
+def test_mini_batches_and_epochs() -> None:
+    actor = Actor(ActorConfig(ppo_epochs=2, ppo_mini_batch_size=2), engine())
+    batch = ppo_batch()
+    batch[OLD_LOG_PROBS] = actor.compute_log_prob(batch)[OLD_LOG_PROBS]
+    m = actor.update_actor(batch)
+    assert m["actor/num_optimizer_steps"] == 8.0
+    assert m["actor/clipfrac"] >= 0.0  # later steps are off-policy
+
+
+@pytest.mark.parametrize(
+    "batching",
+    [{"micro_batch_size": 1}, {"micro_batch_size": 3}, {"max_tokens_per_micro_batch": 40}],
+)
+def test_logged_metrics_do_not_depend_on_micro_batching(batching: dict) -> None:
+    cfg = ActorConfig(entropy_coeff=0.01, use_kl_loss=True, ppo_mini_batch_size=4)
+    batch = ppo_batch()
+    ref = Actor(cfg, engine())
+    batch[OLD_LOG_PROBS] = ref.compute_log_prob(batch)[OLD_LOG_PROBS] + 0.05  # slightly off-policy
+    batch["ref_log_probs"] = batch[OLD_LOG_PROBS] - 0.1
+    want = ref.update_actor(batch)
+    got = Actor(cfg, engine(**batching)).update_actor(batch)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-7), k
+
+
+def test_critic_learns_returns_and_refuses_a_policy_engine() -> None:
+    with pytest.raises(CapabilityError, match="value_head"):
+        Critic(CriticConfig(), engine())
+    critic = Critic(
+        CriticConfig(cliprange_value=None),
+        engine(model={"config": {**engine_config()["model"]["config"]}, "value_head": True}),
+    )
+    batch = ppo_batch()
+    batch[RETURNS] = torch.ones_like(batch[ADVANTAGES]) * batch["loss_mask"]
+    losses = []
+    for _ in range(5):
+        batch[OLD_VALUES] = critic.compute_values(batch)[OLD_VALUES]
+        losses.append(critic.update_critic(batch)["critic/vf_loss"])
+    assert losses[-1] < 0.5 * losses[0]
+    with pytest.raises(BatchError, match="returns"):
+        critic.update_critic(ppo_batch())
