@@ -127,14 +127,18 @@ class Actor:
         return loss, metrics
 
     def update_actor(self, batch: TensorDict) -> dict[str, float]:
-        """PPO epochs over mini-batches; one optimizer step per mini-batch, one LR step per call."""
+        """PPO epochs over mini-batches; one optimizer step per mini-batch, one LR step per call.
+
+        Under DP each rank walks its own chunk, so global mini-batch ``k`` is the union of every
+        rank's ``k``-th local mini-batch (a different composition than one process would use).
+        """
         needed = [LOSS_MASK, OLD_LOG_PROBS, ADVANTAGES] + (
             [REF_LOG_PROBS] if self.config.use_kl_loss else []
         )
         require_keys(batch, needed, method="Actor.update_actor", producers=PRODUCERS)
         batch = self._with_meta(batch, entropy=self.config.entropy_coeff != 0)
         n = int(batch.batch_size[0])
-        size = self.config.ppo_mini_batch_size or n
+        size = local_mini_batch_size(self.config.ppo_mini_batch_size, n, self.engine.dp_size)
         self.engine.set_loss_fn(self.loss_fn)
         history: list[dict[str, float]] = []
         with self.engine.train_mode():
@@ -149,6 +153,18 @@ class Actor:
             lr = self.engine.lr_scheduler_step()
         self.engine.set_loss_fn(None)
         return mean_over_steps("actor", history, lr=lr)
+
+
+def local_mini_batch_size(global_size: int | None, local_samples: int, dp_size: int) -> int:
+    """This rank's share of a global mini-batch size (the whole local batch when None)."""
+    if global_size is None:
+        return local_samples
+    if global_size % dp_size:
+        raise ValueError(
+            f"ppo_mini_batch_size={global_size} does not divide by the DP size {dp_size}; "
+            f"use a multiple of {dp_size}."
+        )
+    return global_size // dp_size
 
 
 def mean_over_steps(prefix: str, history: list[dict[str, Any]], *, lr: float) -> dict[str, float]:

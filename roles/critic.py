@@ -19,7 +19,7 @@ from engine_core import (
     Metric,
     require_keys,
 )
-from roles.actor import mean_over_steps
+from roles.actor import local_mini_batch_size, mean_over_steps
 from roles.losses import value_loss
 
 __all__ = ["CriticConfig", "Critic", "OLD_VALUES", "RETURNS"]
@@ -81,7 +81,7 @@ class Critic:
             producers=PRODUCERS,
         )
         n = int(batch.batch_size[0])
-        size = self.config.ppo_mini_batch_size or n
+        size = local_mini_batch_size(self.config.ppo_mini_batch_size, n, self.engine.dp_size)
         self.engine.set_loss_fn(self.loss_fn)
         history = []
         with self.engine.train_mode():

@@ -35,6 +35,9 @@ class _Host:
         enter_worker_env(env)
         self.worker = cls(*init_args, **init_kwargs)
 
+    def ready(self) -> bool:
+        return True
+
     def call(self, method: str, args: tuple, kwargs: dict) -> Any:
         return getattr(self.worker, method)(*args, **kwargs)
 
@@ -73,8 +76,12 @@ class RayWorkerGroup(WorkerGroup):
             )
             for r in range(num_workers)
         ]
-        try:
-            self.call_all("__class__")  # any attribute read proves construction succeeded
+        try:  # surfaces a constructor failure here, with the worker index
+            for i, actor in enumerate(self._actors):
+                try:
+                    ray.get(actor.ready.remote(), timeout=timeout)
+                except ray.exceptions.RayError as e:
+                    raise DispatchError(f"worker {i} failed to start:\n{e}") from None
         except BaseException:
             self.shutdown()
             raise
