@@ -137,7 +137,33 @@ def run_train(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+# -- engine-core run -----------------------------------------------------------------------------
+
+DEFAULT_RL_RECIPE = "grpo_tiny.yaml"
+
+
+def run_rl(args: argparse.Namespace, settings: Settings) -> int:
+    """A GRPO run through the roles (see :mod:`roles.grpo`)."""
+    from importlib.resources import files
+
+    from engine_core.configio import apply_overrides, load_yaml
+    from roles.grpo import run_grpo
+
+    recipe, overrides = args.recipe, list(args.overrides)
+    if recipe is not None and "=" in recipe:  # only overrides were given
+        recipe, overrides = None, [recipe, *overrides]
+    path = recipe or str(files("engine_core") / "recipes" / DEFAULT_RL_RECIPE)
+    run_grpo(apply_overrides(load_yaml(path), overrides), load_plugins(settings))
+    return 0
+
+
 COMMANDS: tuple[Command, ...] = (
+    Command(
+        "run",
+        "an RL (GRPO) run through the roles, from a YAML recipe",
+        run_rl,
+        _train_arguments,
+    ),
     Command(
         "train",
         "supervised training of a model through any engine, from a YAML recipe",
