@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml $(wildcard plugins/*/pyproject.toml)
 setup: $(STAMP)
 
 run: setup
-	$(VENV)/bin/engine-core train
+	$(VENV)/bin/engine-core run
 
 lint: setup
 	$(VENV)/bin/ruff check engine_core roles tests benchmarks plugins
