@@ -142,6 +142,13 @@ def run_train(args: argparse.Namespace, settings: Settings) -> int:
 DEFAULT_RL_RECIPE = "grpo_tiny.yaml"
 
 
+def _run_arguments(parser: argparse.ArgumentParser) -> None:
+    _train_arguments(parser)
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from the latest checkpoint in output_dir"
+    )
+
+
 def run_rl(args: argparse.Namespace, settings: Settings) -> int:
     """A GRPO run through the roles (see :mod:`roles.grpo`)."""
     from importlib.resources import files
@@ -153,7 +160,9 @@ def run_rl(args: argparse.Namespace, settings: Settings) -> int:
     if recipe is not None and "=" in recipe:  # only overrides were given
         recipe, overrides = None, [recipe, *overrides]
     path = recipe or str(files("engine_core") / "recipes" / DEFAULT_RL_RECIPE)
-    run_grpo(apply_overrides(load_yaml(path), overrides), load_plugins(settings))
+    run_grpo(
+        apply_overrides(load_yaml(path), overrides), load_plugins(settings), resume=args.resume
+    )
     return 0
 
 
@@ -162,7 +171,7 @@ COMMANDS: tuple[Command, ...] = (
         "run",
         "an RL (GRPO) run through the roles, from a YAML recipe",
         run_rl,
-        _train_arguments,
+        _run_arguments,
     ),
     Command(
         "train",

@@ -53,6 +53,13 @@ class DigitTask:
     def response_len(self) -> int:
         return len(self._target([0] * self.cfg.num_digits)) + 1  # + EOS
 
+    def rng_state(self) -> torch.Tensor:
+        """The sampler's state, for exact resume."""
+        return self._gen.get_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        self._gen.set_state(state)
+
     def sample_digits(self, n: int) -> torch.Tensor:
         return torch.randint(0, 10, (n, self.cfg.num_digits), generator=self._gen)
 

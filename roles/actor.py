@@ -113,10 +113,11 @@ class Actor:
         )
         loss = terms["pg_loss"]
         metrics: dict[str, Metric] = {k: Metric.of(v, "sum") for k, v in terms.items()}
-        if cfg.entropy_coeff != 0:
+        if "entropy" in out.keys():  # always computed during updates: a key health metric
             ent = entropy_loss(out["entropy"], mask, ctx, cfg.loss_agg_mode)
-            loss = loss - cfg.entropy_coeff * ent
-            metrics["entropy"] = Metric.of(ent, "sum")
+            if cfg.entropy_coeff != 0:
+                loss = loss - cfg.entropy_coeff * ent
+            metrics["entropy"] = token_mean_metric(out["entropy"], mask, ctx)
         if cfg.use_kl_loss:
             kl = kl_penalty(out[LOG_PROBS], mb[REF_LOG_PROBS], cfg.kl_loss_type)
             kl_loss = entropy_loss(
@@ -136,7 +137,7 @@ class Actor:
             [REF_LOG_PROBS] if self.config.use_kl_loss else []
         )
         require_keys(batch, needed, method="Actor.update_actor", producers=PRODUCERS)
-        batch = self._with_meta(batch, entropy=self.config.entropy_coeff != 0)
+        batch = self._with_meta(batch, entropy=True)
         n = int(batch.batch_size[0])
         size = local_mini_batch_size(self.config.ppo_mini_batch_size, n, self.engine.dp_size)
         self.engine.set_loss_fn(self.loss_fn)

@@ -7,7 +7,6 @@ sync to the rollout (verified) → log. An optional supervised warm-up runs firs
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,9 @@ from typing import Any
 import torch
 from pydantic import Field, PositiveInt, ValidationError
 from rich.console import Console
+from rich.panel import Panel
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
 from tensordict import TensorDict
 
 from engine_core import (
@@ -27,8 +29,11 @@ from engine_core import (
     resolve_engine_config,
     resolve_rollout_config,
 )
+from engine_core.checkpoint import latest_checkpoint
+from engine_core.errors import CheckpointError
 from engine_core.rollout import BaseRollout
 from engine_core.tasks import EOS, DigitTask, TaskConfig
+from engine_core.tracking import RunTracker
 from roles.actor import ADVANTAGES, OLD_LOG_PROBS, REF_LOG_PROBS, Actor, ActorConfig
 from roles.advantages import grpo_advantages
 from roles.reference import Reference
@@ -49,6 +54,8 @@ class GRPOJobConfig(FrozenModel):
     output_dir: str = "outputs/grpo"
     task: TaskConfig = TaskConfig()
     actor: ActorConfig = ActorConfig()
+    save_every: int = Field(50, ge=0, description="Checkpoint every N steps (0: only at the end).")
+    max_ckpt_to_keep: PositiveInt | None = 2
     engine: dict[str, Any] = Field(..., description="The actor's engine config.")
     rollout: dict[str, Any] = Field(default_factory=lambda: {"backend": "hf"})
 
@@ -79,23 +86,49 @@ def _training_batch(out: TensorDict) -> TensorDict:
     )
 
 
+PLOT_KEYS = (
+    "reward",
+    "actor/pg_loss",
+    "actor/kl_loss",
+    "actor/entropy",
+    "actor/clipfrac",
+    "rollout/logprob_diff_max",
+)
+TRAINER_STATE = "trainer_state.pt"
+
+
 def run_grpo(
-    raw: dict[str, Any], manager: PluginManager, *, console: Console | None = None
+    raw: dict[str, Any],
+    manager: PluginManager,
+    *,
+    resume: bool = False,
+    console: Console | None = None,
 ) -> dict[str, Any]:
-    """Run the job in ``raw``; return a summary with the reward curve and the files written."""
+    """Run the job in ``raw``; with ``resume``, continue from the latest checkpoint in its output_dir."""
     console = console or Console()
     try:
         job = GRPOJobConfig.model_validate(raw)
     except ValidationError as e:
         raise prefix_validation_error(e, (), "GRPOJobConfig") from None
+    out_dir = Path(job.output_dir)
+    ckpt_root = out_dir / "checkpoints"
+    resume_from = latest_checkpoint(ckpt_root) if resume else None
+    if resume and resume_from is None:
+        raise CheckpointError(
+            f"--resume: no checkpoint under {ckpt_root}; run without --resume to start fresh."
+        )
     engine, rollout, ref_engine = _build(job, manager)
     actor = Actor(job.actor, engine)
     reference = Reference(ref_engine, temperature=job.temperature) if ref_engine else None
     task = DigitTask(job.task)
-    out_dir = Path(job.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if job.warmup_sft_steps:
+    start = 1
+    if resume_from is not None:
+        start = engine.load_checkpoint(str(resume_from)) + 1
+        task.set_rng_state(torch.load(resume_from / TRAINER_STATE)["task_rng"])
+        console.print(f"resumed from {resume_from} (next step {start})")
+    elif job.warmup_sft_steps:
         _warmup(engine, task, job)
+    tracker = RunTracker(out_dir, resume_after_step=start - 1)
     rollout.sync_weights(engine.named_full_params())
     params = SamplingParams(
         temperature=job.temperature,
@@ -103,57 +136,119 @@ def run_grpo(
         n=job.samples_per_prompt,
         stop_token_ids=[EOS],
     )
-    rewards: list[float] = []
-    with (out_dir / "metrics.jsonl").open("w") as log:
-        for step in range(1, job.steps + 1):
-            t0 = time.perf_counter()
-            digits = task.sample_digits(job.prompts_per_step)
-            prompt = task.prompt_ids(digits)
-            prompts = TensorDict(
-                {"prompt_ids": prompt, "prompt_mask": torch.ones_like(prompt)},
-                batch_size=[len(prompt)],
+    ckpt: str | None = str(resume_from) if resume_from is not None else None
+    progress = Progress(
+        TextColumn("[bold blue]grpo"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn(
+            "reward {task.fields[reward]:.3f}  loss {task.fields[loss]:+.4f}  {task.fields[tps]:.0f} tok/s"
+        ),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+    )
+    with progress:
+        bar = progress.add_task(
+            "grpo", total=job.steps, completed=start - 1, reward=0.0, loss=0.0, tps=0.0
+        )
+        for step in range(start, job.steps + 1):
+            row = _step(step, job, task, rollout, actor, reference, engine, params)
+            tracker.log(row)
+            progress.update(
+                bar,
+                advance=1,
+                reward=row["reward"],
+                loss=row["actor/loss"],
+                tps=row["tokens_per_s"],
             )
-            gen = rollout.generate(
-                prompts, params.model_copy(update={"seed": job.task.seed * 100003 + step})
-            )
-            response = gen["response_ids"].masked_fill(gen["response_mask"] == 0, 0)
-            scores = task.score(gen["prompt_ids"], response)
-            batch = _training_batch(gen)
-            batch[OLD_LOG_PROBS] = actor.compute_log_prob(batch)[OLD_LOG_PROBS]
-            if reference is not None:
-                batch[REF_LOG_PROBS] = reference.compute_ref_log_prob(batch)[REF_LOG_PROBS]
-            groups = torch.arange(job.prompts_per_step).repeat_interleave(job.samples_per_prompt)
-            batch[ADVANTAGES] = grpo_advantages(scores, groups).unsqueeze(1) * batch["loss_mask"]
-            metrics = actor.update_actor(batch)
-            rollout.sync_weights(engine.named_full_params())
-            resp_mask = gen["response_mask"].bool()
-            trainer_lp = batch[OLD_LOG_PROBS][:, prompt.shape[1] :]
-            mismatch = (trainer_lp - gen["rollout_log_probs"]).abs()[resp_mask]
-            row = {
-                "step": step,
-                "reward": float(scores.mean()),
-                "rollout/logprob_diff_max": float(mismatch.max()),
-                "rollout/logprob_diff_mean": float(mismatch.mean()),
-                "time_s": time.perf_counter() - t0,
-                **metrics,
-            }
-            rewards.append(row["reward"])
-            log.write(json.dumps(row) + "\n")
             if step % job.log_every == 0 or step == job.steps:
                 console.print(
                     f"step {step:>4}/{job.steps} reward {row['reward']:.3f} "
-                    f"pg_loss {metrics['actor/pg_loss']:+.4f} kl {metrics.get('actor/kl_loss', 0.0):.4f} "
-                    f"lp_diff {row['rollout/logprob_diff_max']:.1e} {row['time_s']:.2f}s/step"
+                    f"pg {row['actor/pg_loss']:+.4f} ent {row['actor/entropy']:.3f} "
+                    f"kl {row.get('actor/kl_loss', 0.0):.4f} "
+                    f"lp_diff {row['rollout/logprob_diff_max']:.0e} {row['time_s']:.2f}s"
                 )
+            if step == job.steps or (job.save_every and step % job.save_every == 0):
+                ckpt = _save(engine, task, ckpt_root, step, job.max_ckpt_to_keep)
+    rows = tracker.rows
+    plot = tracker.plot(PLOT_KEYS, title=f"GRPO on '{job.task.name}' ({job.steps} steps)")
+    tracker.close()
+    rewards = [r["reward"] for r in rows]
     first, last = rewards[: min(10, len(rewards))], rewards[-min(10, len(rewards)) :]
     summary = {
         "steps": job.steps,
         "reward_first10": sum(first) / len(first),
         "reward_last10": sum(last) / len(last),
-        "metrics": str(out_dir / "metrics.jsonl"),
+        "metrics": str(tracker.metrics_path),
+        "tensorboard": str(tracker.tensorboard_dir),
+        "plot": str(plot),
+        "checkpoint": ckpt,
     }
-    console.print_json(json.dumps(summary))
+    _print_summary(console, summary)
     return summary
+
+
+def _step(
+    step: int,
+    job: GRPOJobConfig,
+    task: DigitTask,
+    rollout: BaseRollout,
+    actor: Actor,
+    reference: Reference | None,
+    engine: BaseEngine,
+    params: SamplingParams,
+) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    prompt = task.prompt_ids(task.sample_digits(job.prompts_per_step))
+    prompts = TensorDict(
+        {"prompt_ids": prompt, "prompt_mask": torch.ones_like(prompt)}, batch_size=[len(prompt)]
+    )
+    # per-step seeds make a resumed run sample exactly what an uninterrupted one would
+    gen = rollout.generate(
+        prompts, params.model_copy(update={"seed": job.task.seed * 100003 + step})
+    )
+    response = gen["response_ids"].masked_fill(gen["response_mask"] == 0, 0)
+    scores = task.score(gen["prompt_ids"], response)
+    batch = _training_batch(gen)
+    batch[OLD_LOG_PROBS] = actor.compute_log_prob(batch)[OLD_LOG_PROBS]
+    if reference is not None:
+        batch[REF_LOG_PROBS] = reference.compute_ref_log_prob(batch)[REF_LOG_PROBS]
+    groups = torch.arange(job.prompts_per_step).repeat_interleave(job.samples_per_prompt)
+    batch[ADVANTAGES] = grpo_advantages(scores, groups).unsqueeze(1) * batch["loss_mask"]
+    metrics = actor.update_actor(batch)
+    rollout.sync_weights(engine.named_full_params())
+    resp_mask = gen["response_mask"].bool()
+    trainer_lp = batch[OLD_LOG_PROBS][:, prompt.shape[1] :]
+    mismatch = (trainer_lp - gen["rollout_log_probs"]).abs()[resp_mask]
+    dt = time.perf_counter() - t0
+    return {
+        "step": step,
+        "reward": float(scores.mean()),
+        "response_length": float(resp_mask.sum(-1).float().mean()),
+        "rollout/logprob_diff_max": float(mismatch.max()),
+        "rollout/logprob_diff_mean": float(mismatch.mean()),
+        **metrics,
+        "time_s": dt,
+        "tokens_per_s": float(batch["attention_mask"].sum()) / dt,
+    }
+
+
+def _save(engine: BaseEngine, task: DigitTask, root: Path, step: int, keep: int | None) -> str:
+    folder = Path(engine.save_checkpoint(str(root), step=step, max_ckpt_to_keep=keep))
+    tmp = folder / (TRAINER_STATE + ".tmp")
+    torch.save({"step": step, "task_rng": task.rng_state()}, tmp)
+    tmp.rename(folder / TRAINER_STATE)
+    return str(folder)
+
+
+def _print_summary(console: Console, summary: dict[str, Any]) -> None:
+    table = Table(show_header=False, box=None, padding=(0, 2))
+    table.add_row("reward (first 10 steps)", f"{summary['reward_first10']:.3f}")
+    table.add_row("reward (last 10 steps)", f"{summary['reward_last10']:.3f}")
+    for key in ("metrics", "tensorboard", "plot", "checkpoint"):
+        table.add_row(key, str(summary[key]))
+    console.print(Panel(table, title="engine-core run: done", expand=False))
 
 
 def _warmup(engine: BaseEngine, task: DigitTask, job: GRPOJobConfig) -> None:

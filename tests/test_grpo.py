@@ -34,3 +34,54 @@ def test_kl_loss_against_a_reference(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["actor/kl_loss"] == 0.0  # first step: policy == reference
     assert rows[-1]["actor/kl_loss"] > 0.0
+
+
+VOLATILE = {"time_s", "tokens_per_s"}
+
+
+def _rows(path: Path) -> list[dict]:
+    return [
+        {k: v for k, v in json.loads(line).items() if k not in VOLATILE}
+        for line in (path / "metrics.jsonl").read_text().splitlines()
+    ]
+
+
+def test_outputs_are_written_and_well_formed(tmp_path: Path) -> None:
+    raw = apply_overrides(load_yaml(RECIPE), [f"output_dir={tmp_path}", "steps=4", "save_every=2"])
+    summary = run_grpo(raw, load_plugins())
+    assert Path(summary["plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert Path(summary["checkpoint"]).name == "global_step_4"
+    assert (Path(summary["checkpoint"]) / "trainer_state.pt").is_file()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "global_step_2",
+        "global_step_4",
+    ]
+
+
+def test_resume_continues_with_identical_metrics(tmp_path: Path) -> None:
+    base = load_yaml(RECIPE)
+    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+    run_grpo(
+        apply_overrides(base, [f"output_dir={straight}", "steps=6", "save_every=3"]), load_plugins()
+    )
+    run_grpo(apply_overrides(base, [f"output_dir={interrupted}", "steps=3"]), load_plugins())
+    run_grpo(
+        apply_overrides(base, [f"output_dir={interrupted}", "steps=6", "save_every=3"]),
+        load_plugins(),
+        resume=True,
+    )
+    assert _rows(interrupted) == _rows(straight)
+
+
+def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
+    import pytest
+
+    from engine_core.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="no checkpoint under"):
+        run_grpo(
+            apply_overrides(load_yaml(RECIPE), [f"output_dir={tmp_path}"]),
+            load_plugins(),
+            resume=True,
+        )

@@ -1,0 +1,86 @@
+"""Run outputs people read: metrics as JSONL and TensorBoard, and a PNG plot at the end.
+
+Resuming keeps the rows up to the resumed step and drops the rest, so a resumed run's file
+reads exactly like an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RunTracker"]
+
+
+class RunTracker:
+    """Writes one JSON row per step to ``metrics.jsonl`` and the numbers to TensorBoard."""
+
+    def __init__(
+        self, out_dir: str | Path, *, resume_after_step: int | None = None, tensorboard: bool = True
+    ) -> None:
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.out_dir / "metrics.jsonl"
+        self.tensorboard_dir = self.out_dir / "tensorboard"
+        kept: list[dict[str, Any]] = []
+        if resume_after_step is not None and self.metrics_path.exists():
+            rows = [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line]
+            kept = [r for r in rows if r["step"] <= resume_after_step]
+        self._rows = kept
+        self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self._file = self.metrics_path.open("a")
+        self._tb: Any = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(
+                str(self.tensorboard_dir), purge_step=(resume_after_step or 0) + 1
+            )
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        return list(self._rows)
+
+    def log(self, row: dict[str, Any]) -> None:
+        self._rows.append(row)
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in row.items():
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(key, value, row["step"])
+
+    def plot(self, keys: Sequence[str], path: str | Path | None = None, title: str = "") -> Path:
+        """One panel per key that was logged, against the step; saved as PNG."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        present = [k for k in keys if any(k in r for r in self._rows)]
+        cols = min(len(present), 3) or 1
+        rows = math.ceil(len(present) / cols) or 1
+        fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
+        for ax, key in zip(axes.flat, present, strict=False):
+            pts = [(r["step"], r[key]) for r in self._rows if key in r]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], linewidth=1.2)
+            ax.set_title(key, fontsize=10)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+        for ax in list(axes.flat)[len(present) :]:
+            ax.axis("off")
+        if title:
+            fig.suptitle(title)
+        fig.tight_layout()
+        out = Path(path) if path is not None else self.out_dir / "metrics.png"
+        fig.savefig(out, dpi=110)
+        plt.close(fig)
+        return out
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
