@@ -10,7 +10,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from engine_core.config import OptimConfig
 
-__all__ = ["build_optimizer", "build_lr_scheduler", "lr_lambda"]
+__all__ = ["build_optimizer", "build_lr_scheduler", "lr_lambda", "clip_and_step"]
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.AdamW:
@@ -39,3 +39,22 @@ def lr_lambda(cfg: OptimConfig, step: int) -> float:
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> LambdaLR:
     """The warmup + constant/cosine schedule as a ``LambdaLR``."""
     return LambdaLR(optimizer, lambda step: lr_lambda(cfg, step))
+
+
+def clip_and_step(
+    params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, max_norm: float | None
+) -> tuple[float, bool]:
+    """Clip to ``max_norm`` (None: measure only) and step; skip the step on a non-finite norm.
+
+    Returns (global grad norm, whether the update was skipped). Sharded (DTensor) gradients are
+    handled by ``clip_grad_norm_``; the norm is materialised as a plain float on every rank.
+    """
+    norm_t = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else math.inf)
+    if hasattr(norm_t, "full_tensor"):
+        norm_t = norm_t.full_tensor()
+    norm = float(norm_t)
+    if not math.isfinite(norm):
+        optimizer.zero_grad(set_to_none=True)
+        return norm, True
+    optimizer.step()
+    return norm, False

@@ -7,7 +7,6 @@ substitute for a sharded engine: use ``fsdp2`` for real training.
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +24,7 @@ from engine_core.config import EngineConfig
 from engine_core.engine import BaseEngine
 from engine_core.errors import CheckpointError
 from engine_core.models import build_model
-from engine_core.optim import build_lr_scheduler, build_optimizer
+from engine_core.optim import build_lr_scheduler, build_optimizer, clip_and_step
 
 __all__ = ["ReferenceEngine", "ReferenceEngineConfig"]
 
@@ -80,15 +79,8 @@ class ReferenceEngine(BaseEngine):
     def optimizer_step(self) -> float:
         assert self.optimizer is not None
         params = [p for p in self._require_module().parameters() if p.requires_grad]
-        max_norm = (
-            self.config.optim.clip_grad if self.config.optim.clip_grad is not None else math.inf
-        )
-        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        if not math.isfinite(norm):
-            self.skipped_steps += 1
-            self.optimizer.zero_grad(set_to_none=True)
-            return norm
-        self.optimizer.step()
+        norm, skipped = clip_and_step(params, self.optimizer, self.config.optim.clip_grad)
+        self.skipped_steps += int(skipped)
         return norm
 
     def lr_scheduler_step(self) -> float:

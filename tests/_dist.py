@@ -18,6 +18,7 @@ Return values must be picklable; a child's traceback becomes the test failure.
 from __future__ import annotations
 
 import os
+import pickle
 import queue as queue_mod
 import socket
 import time
@@ -54,7 +55,7 @@ def _entry(
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        queue.put((rank, "ok", pickle.dumps(result)))  # bytes: outlives the child, unlike shared-memory tensors
     except BaseException:  # report every failure to the parent, then exit non-zero
         queue.put((rank, "error", traceback.format_exc()))
         raise
@@ -96,7 +97,7 @@ def run_distributed(
                 errors.append(f"timed out after {timeout} s")
             continue
         if status == "ok":
-            results[rank] = payload
+            results[rank] = pickle.loads(payload)
         else:
             errors.append(f"rank {rank} failed:\n{payload}")
     for p in procs:

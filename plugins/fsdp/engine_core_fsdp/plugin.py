@@ -1,0 +1,19 @@
+"""Registers the FSDP engines. Cheap to import: names and strings only."""
+
+from __future__ import annotations
+
+from engine_core.hookspecs import BackendRegistry, hookimpl
+from engine_core_fsdp.capabilities import FSDP2_CAPABILITIES
+
+__all__ = ["engine_core_register"]
+
+
+@hookimpl
+def engine_core_register(registry: BackendRegistry) -> None:
+    registry.register_engine(
+        "fsdp2",
+        "engine_core_fsdp.fsdp2:FSDP2Engine",
+        config="engine_core_fsdp.fsdp2:FSDP2EngineConfig",
+        capabilities=FSDP2_CAPABILITIES,
+        description="torch fully_shard (FSDP2) over a 1-D data-parallel mesh; DCP checkpoints.",
+    )
