@@ -55,7 +55,9 @@ def _entry(
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", pickle.dumps(result)))  # bytes: outlives the child, unlike shared-memory tensors
+        queue.put(
+            (rank, "ok", pickle.dumps(result))
+        )  # bytes: outlives the child, unlike shared-memory tensors
     except BaseException:  # report every failure to the parent, then exit non-zero
         queue.put((rank, "error", traceback.format_exc()))
         raise

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from engine_core.configio import apply_overrides, load_yaml
 from engine_core.plugins import load_plugins
 from roles.grpo import run_grpo
@@ -75,8 +77,6 @@ def test_resume_continues_with_identical_metrics(tmp_path: Path) -> None:
 
 
 def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
-    import pytest
-
     from engine_core.errors import CheckpointError
 
     with pytest.raises(CheckpointError, match="no checkpoint under"):
@@ -85,3 +85,18 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
             load_plugins(),
             resume=True,
         )
+
+
+def test_engine_is_config_only_and_backends_agree(tmp_path: Path) -> None:
+    runs = {}
+    for backend in ("fsdp2", "reference"):
+        out = tmp_path / backend
+        raw = apply_overrides(
+            load_yaml(RECIPE), [f"output_dir={out}", "steps=4", f"engine.backend={backend}"]
+        )
+        run_grpo(raw, load_plugins())
+        runs[backend] = _rows(out)
+    for a, b in zip(runs["fsdp2"], runs["reference"], strict=True):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k
