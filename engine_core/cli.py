@@ -16,6 +16,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pydantic import ValidationError
 from rich.console import Console
@@ -122,18 +123,24 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run_train(args: argparse.Namespace, settings: Settings) -> int:
-    """Supervised training through the recipe's engine (see :mod:`engine_core.train`)."""
+def _recipe(args: argparse.Namespace, default: str) -> dict[str, Any]:
+    """The recipe (or the shipped ``default``) with the command line's dotted overrides applied."""
     from importlib.resources import files
 
     from engine_core.configio import apply_overrides, load_yaml
-    from engine_core.train import run_sft
 
     recipe, overrides = args.recipe, list(args.overrides)
     if recipe is not None and "=" in recipe:  # only overrides were given
         recipe, overrides = None, [recipe, *overrides]
-    path = recipe or str(files("engine_core") / "recipes" / DEFAULT_TRAIN_RECIPE)
-    run_sft(apply_overrides(load_yaml(path), overrides), load_plugins(settings))
+    path = recipe or str(files("engine_core") / "recipes" / default)
+    return apply_overrides(load_yaml(path), overrides)
+
+
+def run_train(args: argparse.Namespace, settings: Settings) -> int:
+    """Supervised training through the recipe's engine (see :mod:`engine_core.train`)."""
+    from engine_core.train import run_sft
+
+    run_sft(_recipe(args, DEFAULT_TRAIN_RECIPE), load_plugins(settings))
     return 0
 
 
@@ -151,18 +158,9 @@ def _run_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_rl(args: argparse.Namespace, settings: Settings) -> int:
     """A GRPO run through the roles (see :mod:`roles.grpo`)."""
-    from importlib.resources import files
-
-    from engine_core.configio import apply_overrides, load_yaml
     from roles.grpo import run_grpo
 
-    recipe, overrides = args.recipe, list(args.overrides)
-    if recipe is not None and "=" in recipe:  # only overrides were given
-        recipe, overrides = None, [recipe, *overrides]
-    path = recipe or str(files("engine_core") / "recipes" / DEFAULT_RL_RECIPE)
-    run_grpo(
-        apply_overrides(load_yaml(path), overrides), load_plugins(settings), resume=args.resume
-    )
+    run_grpo(_recipe(args, DEFAULT_RL_RECIPE), load_plugins(settings), resume=args.resume)
     return 0
 
 

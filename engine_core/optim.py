@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Iterable
+from typing import Any
 
+import numpy as np
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from engine_core.config import OptimConfig
+from engine_core.config import EngineConfig, OptimConfig
 
-__all__ = ["build_optimizer", "build_lr_scheduler", "lr_lambda", "clip_and_step"]
+__all__ = [
+    "build_optimizer",
+    "build_lr_scheduler",
+    "lr_lambda",
+    "clip_and_step",
+    "SingleOptimizerMixin",
+]
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.AdamW:
@@ -58,3 +67,67 @@ def clip_and_step(
         return norm, True
     optimizer.step()
     return norm, False
+
+
+class SingleOptimizerMixin:
+    """``optimizer_zero_grad`` / ``optimizer_step`` / ``lr_scheduler_step`` for engines holding one
+    optimizer and one LR scheduler. List it before ``BaseEngine`` among the bases.
+    """
+
+    config: EngineConfig
+    module: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer | None
+    scheduler: LambdaLR | None
+    skipped_steps: int
+
+    def init_optimizer(self, module: torch.nn.Module) -> None:
+        """Build AdamW over ``module``'s trainable parameters and the LR schedule."""
+        self.optimizer = build_optimizer(module.parameters(), self.config.optim)
+        self.scheduler = build_lr_scheduler(self.optimizer, self.config.optim)
+        self.skipped_steps = 0
+
+    def optimizer_zero_grad(self) -> None:
+        assert self.optimizer is not None, "call init_model() first"
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_step(self) -> float:
+        assert self.optimizer is not None and self.module is not None, "call init_model() first"
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        norm, skipped = clip_and_step(params, self.optimizer, self.config.optim.clip_grad)
+        self.skipped_steps += int(skipped)
+        return norm
+
+    def lr_scheduler_step(self) -> float:
+        assert self.scheduler is not None, "call init_model() first"
+        self.scheduler.step()
+        return float(self.scheduler.get_last_lr()[0])
+
+    def optimizer_extra_state(self) -> dict[str, Any]:
+        """What a checkpoint needs beyond model and optimizer: schedule, counters, RNG."""
+        assert self.scheduler is not None
+        return {
+            "scheduler": self.scheduler.state_dict(),
+            "skipped_steps": self.skipped_steps,
+            "rng": capture_rng(),
+        }
+
+    def load_optimizer_extra_state(self, state: dict[str, Any]) -> None:
+        assert self.scheduler is not None
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.skipped_steps = state["skipped_steps"]
+        restore_rng(state["rng"])
+
+
+def capture_rng() -> dict[str, Any]:
+    """torch, numpy and Python RNG states, for exact resume."""
+    return {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])

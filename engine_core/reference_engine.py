@@ -7,12 +7,10 @@ substitute for a sharded engine: use ``fsdp2`` for real training.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import ClassVar
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
@@ -24,7 +22,7 @@ from engine_core.config import EngineConfig
 from engine_core.engine import BaseEngine
 from engine_core.errors import CheckpointError
 from engine_core.models import build_model
-from engine_core.optim import build_lr_scheduler, build_optimizer, clip_and_step
+from engine_core.optim import SingleOptimizerMixin
 
 __all__ = ["ReferenceEngine", "ReferenceEngineConfig"]
 
@@ -35,14 +33,14 @@ class ReferenceEngineConfig(EngineConfig):
     """The reference engine takes only the common engine fields."""
 
 
-class ReferenceEngine(BaseEngine):
+class ReferenceEngine(SingleOptimizerMixin, BaseEngine):
     capabilities: ClassVar[frozenset[Capability]] = REFERENCE_CAPABILITIES
     config_class: ClassVar[type[EngineConfig]] = ReferenceEngineConfig
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        self.optimizer = None
+        self.scheduler = None
         self.skipped_steps = 0
 
     def init_model(self) -> None:
@@ -57,8 +55,7 @@ class ReferenceEngine(BaseEngine):
                     group=self.dp_group,
                 )
         self.module = module
-        self.optimizer = build_optimizer(module.parameters(), self.config.optim)
-        self.scheduler = build_lr_scheduler(self.optimizer, self.config.optim)
+        self.init_optimizer(module)
 
     def finish_backward(self) -> None:
         if not (self._distributed and self.dp_size > 1):
@@ -71,22 +68,6 @@ class ReferenceEngine(BaseEngine):
             for g in grads:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
-
-    def optimizer_zero_grad(self) -> None:
-        assert self.optimizer is not None
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def optimizer_step(self) -> float:
-        assert self.optimizer is not None
-        params = [p for p in self._require_module().parameters() if p.requires_grad]
-        norm, skipped = clip_and_step(params, self.optimizer, self.config.optim.clip_grad)
-        self.skipped_steps += int(skipped)
-        return norm
-
-    def lr_scheduler_step(self) -> float:
-        assert self.scheduler is not None
-        self.scheduler.step()
-        return float(self.scheduler.get_last_lr()[0])
 
     def to(self, device: torch.device | str, *, model: bool = True, optimizer: bool = True) -> None:
         dev = torch.device(device)
@@ -112,14 +93,8 @@ class ReferenceEngine(BaseEngine):
             )
         state = {
             "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
             "step": step,
-            "skipped_steps": self.skipped_steps,
-            "rng": {
-                "torch": torch.get_rng_state(),
-                "numpy": np.random.get_state(),
-                "python": random.getstate(),
-            },
+            **self.optimizer_extra_state(),
         }
         torch.save(state, folder / f"state_rank{rank}.pt")
         self._barrier()
@@ -142,11 +117,7 @@ class ReferenceEngine(BaseEngine):
         self._require_module().load_state_dict(load_file(str(model_file)))
         state = torch.load(state_file, weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.skipped_steps = state["skipped_steps"]
-        torch.set_rng_state(state["rng"]["torch"])
-        np.random.set_state(state["rng"]["numpy"])
-        random.setstate(state["rng"]["python"])
+        self.load_optimizer_extra_state(state)
         return int(state["step"])
 
     def named_full_params(

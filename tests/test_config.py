@@ -91,7 +91,7 @@ def test_load_yaml_errors(tmp_path: Path) -> None:
     empty = tmp_path / "empty.yaml"
     empty.write_text("# nothing\n")
     assert load_yaml(empty) == {}
-    assert load_yaml(f"file://{RECIPE}")["engine"]["backend"] == "reference"  # fsspec URL
+    assert load_yaml(f"file://{RECIPE}") == load_yaml(RECIPE)  # fsspec URL
 
 
 def test_prefix_validation_error_keeps_types_and_context() -> None:
@@ -118,7 +118,10 @@ def test_resolves_reference_engine(manager: PluginManager) -> None:
 
 
 def test_resolves_recipe_with_overrides(manager: PluginManager) -> None:
-    raw = apply_overrides(load_yaml(RECIPE), ["engine.micro_batch_size=4"])
+    # this manager loads only the core, so select the core's engine
+    raw = apply_overrides(
+        load_yaml(RECIPE), ["engine.backend=reference", "engine.micro_batch_size=4"]
+    )
     _, cfg = resolve_engine_config(raw["engine"], manager)
     assert cfg.micro_batch_size == 4
 

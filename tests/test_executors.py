@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -15,15 +13,6 @@ from engine_core.executors import LocalWorkerGroup, WorkerGroup
 from tests._workers import MeshWorker
 
 EXECUTORS = ["in_process", "processes", pytest.param("ray", marks=pytest.mark.ray)]
-
-
-@pytest.fixture(scope="module")
-def ray_session() -> Iterator[Any]:
-    ray = pytest.importorskip("ray")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
 
 
 def make_group(kind: str, request: pytest.FixtureRequest, n: int, **init: Any) -> WorkerGroup:

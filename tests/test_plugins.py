@@ -81,7 +81,7 @@ def test_good_plugin_discovered_through_its_entry_point(discovered: dict[str, An
     (backend,) = good["backends"]
     assert backend["kind"] == "engine" and backend["name"] == "testgood"
     assert backend["capabilities"] == ["cpu", "lora", "packing"]
-    assert discovered["engines"] == ["reference", "testgood"]
+    assert {"reference", "testgood"} <= set(discovered["engines"])  # other plugins may add more
     assert _plugin(discovered, "builtin")["status"] == "ok"
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -33,15 +31,6 @@ def in_process() -> tuple[dict[str, float], torch.Tensor, float]:
 @pytest.fixture(scope="module")
 def reference() -> tuple[dict[str, float], torch.Tensor, float]:
     return in_process()
-
-
-@pytest.fixture(scope="module")
-def ray_session() -> Iterator[Any]:
-    ray = pytest.importorskip("ray")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
 
 
 def run_group(group: Any) -> tuple[dict[str, float], torch.Tensor, list[float]]:

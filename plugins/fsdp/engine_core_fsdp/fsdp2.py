@@ -10,12 +10,10 @@ ranks; FSDP averages them, so each micro-batch loss is scaled by the DP size bef
 from __future__ import annotations
 
 import contextlib
-import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -30,7 +28,7 @@ from engine_core.config import EngineConfig
 from engine_core.engine import BaseEngine
 from engine_core.errors import CheckpointError
 from engine_core.models import build_model
-from engine_core.optim import build_lr_scheduler, build_optimizer, clip_and_step
+from engine_core.optim import SingleOptimizerMixin
 from engine_core_fsdp.capabilities import FSDP2_CAPABILITIES
 
 __all__ = ["FSDP2Engine", "FSDP2EngineConfig"]
@@ -52,15 +50,15 @@ def _ensure_process_group() -> None:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
-class FSDP2Engine(BaseEngine):
+class FSDP2Engine(SingleOptimizerMixin, BaseEngine):
     capabilities: ClassVar[frozenset[Capability]] = FSDP2_CAPABILITIES
     config_class: ClassVar[type[EngineConfig]] = FSDP2EngineConfig
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self.mesh: DeviceMesh | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.scheduler: Any = None
+        self.optimizer = None
+        self.scheduler = None
         self.skipped_steps = 0
 
     @property
@@ -80,8 +78,7 @@ class FSDP2Engine(BaseEngine):
             fully_shard(block, mesh=self.mesh, reshard_after_forward=cfg.reshard_after_forward)
         fully_shard(module, mesh=self.mesh, reshard_after_forward=cfg.reshard_after_forward)
         self.module = module
-        self.optimizer = build_optimizer(module.parameters(), cfg.optim)
-        self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim)
+        self.init_optimizer(module)
 
     def backward(self, loss: torch.Tensor) -> None:
         # The reduce-scatter averages over ranks; the loss contract wants the sum. Scaling the
@@ -100,21 +97,6 @@ class FSDP2Engine(BaseEngine):
 
     def no_sync(self) -> contextlib.AbstractContextManager[Any]:
         return self._no_sync()
-
-    def optimizer_zero_grad(self) -> None:
-        assert self.optimizer is not None
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def optimizer_step(self) -> float:
-        assert self.optimizer is not None
-        params = [p for p in self._require_module().parameters() if p.requires_grad]
-        norm, skipped = clip_and_step(params, self.optimizer, self.config.optim.clip_grad)
-        self.skipped_steps += int(skipped)
-        return norm
-
-    def lr_scheduler_step(self) -> float:
-        self.scheduler.step()
-        return float(self.scheduler.get_last_lr()[0])
 
     def to(self, device: torch.device | str, *, model: bool = True, optimizer: bool = True) -> None:
         # CPU-only hosts have nowhere to offload to: moving to CPU is a no-op here.
@@ -141,16 +123,7 @@ class FSDP2Engine(BaseEngine):
         model_sd, optim_sd = get_state_dict(self._require_module(), self.optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder / "dcp"))
         torch.save(
-            {
-                "scheduler": self.scheduler.state_dict(),
-                "step": step,
-                "skipped_steps": self.skipped_steps,
-                "rng": {
-                    "torch": torch.get_rng_state(),
-                    "numpy": np.random.get_state(),
-                    "python": random.getstate(),
-                },
-            },
+            {"step": step, **self.optimizer_extra_state()},
             folder / STATE_FILE.format(rank=rank),
         )
         dist.barrier()
@@ -176,11 +149,7 @@ class FSDP2Engine(BaseEngine):
             module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
         extra = torch.load(state_file, weights_only=False)
-        self.scheduler.load_state_dict(extra["scheduler"])
-        self.skipped_steps = extra["skipped_steps"]
-        torch.set_rng_state(extra["rng"]["torch"])
-        np.random.set_state(extra["rng"]["numpy"])
-        random.setstate(extra["rng"]["python"])
+        self.load_optimizer_extra_state(extra)
         return int(extra["step"])
 
 
