@@ -361,6 +361,40 @@ class BaseEngine(abc.ABC):
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF parameter name, full tensor), materialising at most ``bucket_bytes`` at a time."""
 
+    def export_hf(self, path: str) -> str:
+        """Write a Hugging Face folder (``model.safetensors`` + config) at ``path``.
+
+        Collective: every rank must call it (full tensors are gathered one at a time); rank 0
+        writes into a temporary folder and swaps it in, so an interrupted export never leaves a
+        half-written folder. An existing export at ``path`` is replaced.
+        """
+        import shutil
+        from pathlib import Path
+
+        from safetensors.torch import save_file
+
+        from engine_core.models import build_hf_config
+
+        writer = self.dp_rank == 0
+        tensors: dict[str, torch.Tensor] = {}
+        for name, tensor in self.named_full_params():
+            if writer:  # own copies: tied weights must not share storage in safetensors
+                tensors[name] = tensor.detach().to("cpu").contiguous().clone()
+        final = Path(path)
+        if writer:
+            tmp, old = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            build_hf_config(self.config.model).save_pretrained(str(tmp))
+            if final.exists():
+                final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        if self._distributed and self.dp_size > 1:
+            dist.barrier(group=self.dp_group)
+        return str(final)
+
     # ------------------------------------------------------------------ helpers
     def _require_module(self) -> nn.Module:
         if self.module is None:

@@ -171,6 +171,7 @@ def run_grpo(
                 )
             if step == job.steps or (job.save_every and step % job.save_every == 0):
                 ckpt = _save(engine, task, ckpt_root, step, job.max_ckpt_to_keep)
+    hf_export = engine.export_hf(str(out_dir / "hf_export"))
     rows = tracker.rows
     plot = tracker.plot(PLOT_KEYS, title=f"GRPO on '{job.task.name}' ({job.steps} steps)")
     tracker.close()
@@ -184,6 +185,7 @@ def run_grpo(
         "tensorboard": str(tracker.tensorboard_dir),
         "plot": str(plot),
         "checkpoint": ckpt,
+        "hf_export": hf_export,
     }
     _print_summary(console, summary)
     return summary
@@ -246,7 +248,7 @@ def _print_summary(console: Console, summary: dict[str, Any]) -> None:
     table = Table(show_header=False, box=None, padding=(0, 2))
     table.add_row("reward (first 10 steps)", f"{summary['reward_first10']:.3f}")
     table.add_row("reward (last 10 steps)", f"{summary['reward_last10']:.3f}")
-    for key in ("metrics", "tensorboard", "plot", "checkpoint"):
+    for key in ("metrics", "tensorboard", "plot", "checkpoint", "hf_export"):
         table.add_row(key, str(summary[key]))
     console.print(Panel(table, title="engine-core run: done", expand=False))
 

@@ -86,6 +86,7 @@ def _outputs_worker(rank: int, world: int, tmp: str) -> dict:
             critic.forward_backward_step(critic.shard_data(batch), forward_only=True).outputs
         )
     exported = {k: v.clone() for k, v in engine.named_full_params()}
+    engine.export_hf(str(Path(tmp) / "hf"))  # collective; rank 0 writes
     # checkpoint round trip: save after 3 steps, resume in a fresh engine, compare steps 4-5
     first = _train(engine, range(3))
     folder = engine.save_checkpoint(tmp, step=3, max_ckpt_to_keep=2)
@@ -136,3 +137,10 @@ def test_outputs_export_and_checkpoint_resume(tmp_path: Path) -> None:
         assert r["step"] == 3
         assert r["again"] == r["straight"]  # bit-identical resume
     assert [s for s, _ in list_checkpoints(tmp_path)] == [4, 5]
+    # the HF export (taken before training) reloads with the initial weights
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    ids = random_batch(3)["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, ref.module.eval()(input_ids=ids).logits)
