@@ -59,6 +59,10 @@ def test_outputs_are_written_and_well_formed(tmp_path: Path) -> None:
         "global_step_2",
         "global_step_4",
     ]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(summary["hf_export"])
+    assert model.config.vocab_size == 16
 
 
 def test_resume_continues_with_identical_metrics(tmp_path: Path) -> None:
