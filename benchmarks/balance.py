@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
-import time
 from collections.abc import Callable
 
 import numpy as np
-from _recipes import lengths_recipe  # benchmarks/ is on sys.path when run as a script
+from _recipes import lengths_recipe, timed  # benchmarks/ is on sys.path when run as a script
 
 from engine_core.balance import balanced_partition
 
@@ -46,19 +44,14 @@ def _target(n: int, k: int) -> float:
 def _measure(
     partition: Callable[[np.ndarray, int], list[np.ndarray]], w: np.ndarray, k: int
 ) -> dict[str, float]:
-    partition(w, k)  # warm-up
-    times, groups = [], []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        groups = partition(w, k)
-        times.append((time.perf_counter() - start) * 1e3)
+    groups, ms = timed(partition, w, k, repeats=REPEATS)
     sizes = [g.size for g in groups]
     assert max(sizes) - min(sizes) <= 1 and sum(sizes) == w.size
     sums = np.array([w[g].sum() for g in groups], dtype=np.float64)
     return {
         "max_over_mean": round(float(sums.max() / sums.mean()), 7),
         "max_minus_mean_tokens": round(float(sums.max() - sums.mean()), 3),
-        "time_ms": round(statistics.median(times), 3),
+        "time_ms": round(ms, 3),
     }
 
 

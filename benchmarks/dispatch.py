@@ -10,10 +10,9 @@ copied nothing. Prints one JSON object.
 from __future__ import annotations
 
 import json
-import statistics
-import time
 
 import torch
+from _recipes import timed  # benchmarks/ is on sys.path when run as a script
 from tensordict import TensorDict
 
 from engine_core.dispatch import MeshRank, collect_nd, split_for_dp
@@ -40,15 +39,6 @@ def index_split(batch: TensorDict, dp: int) -> list[TensorDict]:
     return [batch[torch.arange(r * per, (r + 1) * per)] for r in range(dp)]
 
 
-def timed(fn, *args):  # type: ignore[no-untyped-def]
-    times, out = [], None
-    for _ in range(REPEATS):
-        t0 = time.perf_counter()
-        out = fn(*args)
-        times.append(time.perf_counter() - t0)
-    return out, 1000 * statistics.median(times)
-
-
 def main() -> None:
     g = torch.Generator().manual_seed(0)
     batch = TensorDict(
@@ -59,11 +49,15 @@ def main() -> None:
         batch_size=[N],
     )
     ranks = [MeshRank(d, DP, True) for d in range(DP)]
-    (chunks, pad), split_ms = timed(split_for_dp, batch, DP)
-    merged, collect_ms = timed(collect_nd, "actor", ranks, chunks, pad)
+    (chunks, pad), split_ms = timed(split_for_dp, batch, DP, repeats=REPEATS, warmup=False)
+    merged, collect_ms = timed(
+        collect_nd, "actor", ranks, chunks, pad, repeats=REPEATS, warmup=False
+    )
     assert torch.equal(merged["input_ids"], batch["input_ids"])
-    base_chunks, base_split_ms = timed(index_split, batch, DP)
-    _, base_collect_ms = timed(collect_nd, "actor", ranks, base_chunks, 0)
+    base_chunks, base_split_ms = timed(index_split, batch, DP, repeats=REPEATS, warmup=False)
+    _, base_collect_ms = timed(
+        collect_nd, "actor", ranks, base_chunks, 0, repeats=REPEATS, warmup=False
+    )
     ours_copied = copied_bytes(batch, chunks)
     result = {
         "benchmark": "dp split + collect",

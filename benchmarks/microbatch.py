@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
-import time
 from collections.abc import Callable
 
 import numpy as np
-from _recipes import lengths_recipe  # benchmarks/ is on sys.path when run as a script
+from _recipes import lengths_recipe, timed  # benchmarks/ is on sys.path when run as a script
 
 from engine_core.microbatch import plan_token_budget
 
@@ -59,12 +57,7 @@ def _ours(lengths: np.ndarray, budget: int) -> list[list[int]]:
 def _measure(
     planner: Callable[[np.ndarray, int], list[list[int]]], lengths: np.ndarray, budget: int
 ) -> dict[str, float | int]:
-    planner(lengths, budget)  # warm-up
-    times, groups = [], []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        groups = planner(lengths, budget)
-        times.append((time.perf_counter() - start) * 1e3)
+    groups, ms = timed(planner, lengths, budget, repeats=REPEATS)
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
     loads = np.array([int(lengths[g].sum()) for g in groups])
     return {
@@ -73,7 +66,7 @@ def _measure(
         "over_budget": int((loads > budget).sum()),
         "tokens_max_over_mean": round(float(loads.max() / loads.mean()), 5),
         "tokens_min_over_mean": round(float(loads.min() / loads.mean()), 5),
-        "time_ms": round(statistics.median(times), 3),
+        "time_ms": round(ms, 3),
     }
 
 
