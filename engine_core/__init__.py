@@ -34,6 +34,7 @@ _EXPORTS: dict[str, str] = {
     "require_keys": "engine_core.batch",
     "sequence_lengths": "engine_core.batch",
     "set_meta": "engine_core.batch",
+    "with_meta": "engine_core.batch",
     "validate_batch": "engine_core.batch",
     "Capability": "engine_core.capabilities",
     "check_capabilities": "engine_core.capabilities",
@@ -70,6 +71,7 @@ _EXPORTS: dict[str, str] = {
     "hookimpl": "engine_core.hookspecs",
     "GlobalBatchContext": "engine_core.loss",
     "LossAggregation": "engine_core.loss",
+    "LossFn": "engine_core.loss",
     "Metric": "engine_core.loss",
     "MetricAccumulator": "engine_core.loss",
     "Reduction": "engine_core.loss",
@@ -112,6 +114,7 @@ if TYPE_CHECKING:
         sequence_lengths,
         set_meta,
         validate_batch,
+        with_meta,
     )
     from engine_core.capabilities import Capability, check_capabilities
     from engine_core.config import EngineConfig, FrozenModel, LoraConfig, ModelConfig, OptimConfig
@@ -148,6 +151,7 @@ if TYPE_CHECKING:
     from engine_core.loss import (
         GlobalBatchContext,
         LossAggregation,
+        LossFn,
         Metric,
         MetricAccumulator,
         Reduction,

@@ -34,6 +34,7 @@ __all__ = [
     "make_batch",
     "get_meta",
     "set_meta",
+    "with_meta",
     "split_with_meta",
     "require_keys",
     "sequence_lengths",
@@ -115,6 +116,13 @@ def set_meta(batch: TensorDict, meta: BatchMeta) -> None:
     if not isinstance(meta, BatchMeta):
         raise BatchError(f"meta must be a BatchMeta, got {type(meta).__name__}.")
     batch.set_non_tensor(META_KEY, meta)
+
+
+def with_meta(batch: TensorDict, **fields: Any) -> TensorDict:
+    """A shallow copy of ``batch`` whose metadata has ``fields`` replaced; the input is untouched."""
+    copy_ = batch.clone(recurse=False)
+    set_meta(copy_, get_meta(batch).model_copy(update=fields))
+    return copy_
 
 
 def split_with_meta(batch: TensorDict, indices: Iterable[torch.Tensor]) -> list[TensorDict]:

@@ -12,12 +12,12 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - py3.10 fallback
     from enum import Enum
 
-    class StrEnum(str, Enum):
+    class StrEnum(str, Enum):  # the one fallback every module imports from here
         def __str__(self) -> str:
             return str(self.value)
 
 
-__all__ = ["Capability", "check_capabilities"]
+__all__ = ["Capability", "StrEnum", "check_capabilities"]
 
 
 class Capability(StrEnum):

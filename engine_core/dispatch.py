@@ -10,7 +10,6 @@ These functions are pure; every executor (in-process, local processes, Ray) uses
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
@@ -19,12 +18,8 @@ import torch
 from tensordict import TensorDict
 
 from engine_core.batch import META_KEY, get_meta, set_meta
+from engine_core.capabilities import StrEnum
 from engine_core.errors import DispatchError, MeshRegistrationError
-
-if sys.version_info >= (3, 11):
-    from enum import StrEnum
-else:  # pragma: no cover
-    from engine_core.capabilities import StrEnum
 
 __all__ = [
     "MeshRank",

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import importlib
 import re
-import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ from typing import Any
 import pluggy
 from pydantic import BaseModel
 
-from engine_core.capabilities import Capability
+from engine_core.capabilities import Capability, StrEnum
 from engine_core.config import EngineConfig
 from engine_core.errors import (
     DuplicateBackendError,
@@ -63,16 +62,6 @@ PROJECT_NAME = "engine_core"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
-
-
-if sys.version_info >= (3, 11):
-    from enum import StrEnum
-else:  # pragma: no cover - py3.10 fallback
-    from enum import Enum
-
-    class StrEnum(str, Enum):
-        def __str__(self) -> str:
-            return str(self.value)
 
 
 class BackendKind(StrEnum):

@@ -14,7 +14,6 @@ values added (one per micro-batch and rank) and is meant for per-step scalars.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -23,10 +22,7 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 from tensordict import TensorDict
 
-if sys.version_info >= (3, 11):
-    from enum import StrEnum
-else:  # pragma: no cover
-    from engine_core.capabilities import StrEnum
+from engine_core.capabilities import StrEnum
 
 __all__ = [
     "GlobalBatchContext",

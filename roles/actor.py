@@ -21,11 +21,11 @@ from engine_core import (
     FrozenModel,
     GlobalBatchContext,
     LossAggregation,
+    LossFn,
     Metric,
-    get_meta,
     require_keys,
-    set_meta,
     token_mean_metric,
+    with_meta,
 )
 from roles.losses import KLEstimator, entropy_loss, kl_penalty, policy_loss
 
@@ -77,11 +77,8 @@ class Actor:
         self.engine = engine
 
     def _with_meta(self, batch: TensorDict, *, entropy: bool) -> TensorDict:
-        """A shallow copy whose metadata carries this role's temperature and entropy switch."""
-        batch = batch.clone(recurse=False)  # the caller's batch and its meta stay untouched
-        update = {"temperature": self.config.temperature, "compute_entropy": entropy}
-        set_meta(batch, get_meta(batch).model_copy(update=update))
-        return batch
+        """A copy whose metadata carries this role's temperature and entropy switch."""
+        return with_meta(batch, temperature=self.config.temperature, compute_entropy=entropy)
 
     def compute_log_prob(self, batch: TensorDict, *, entropy: bool = False) -> TensorDict:
         """Per-token log-probs of ``input_ids`` under the current policy (``old_log_probs``)."""
@@ -138,22 +135,47 @@ class Actor:
         )
         require_keys(batch, needed, method="Actor.update_actor", producers=PRODUCERS)
         batch = self._with_meta(batch, entropy=True)
-        n = int(batch.batch_size[0])
-        size = local_mini_batch_size(self.config.ppo_mini_batch_size, n, self.engine.dp_size)
-        self.engine.set_loss_fn(self.loss_fn)
-        history: list[dict[str, float]] = []
-        with self.engine.train_mode():
-            for _ in range(self.config.ppo_epochs):
-                for start in range(0, n, size):
-                    out = self.engine.forward_backward_step(batch[start : start + size])
-                    grad_norm = self.engine.optimizer_step()
-                    self.engine.optimizer_zero_grad()
-                    history.append(
-                        {**out.metrics, "loss": float(out.loss or 0.0), "grad_norm": grad_norm}
-                    )
-            lr = self.engine.lr_scheduler_step()
-        self.engine.set_loss_fn(None)
+        history, lr = run_updates(
+            self.engine,
+            batch,
+            self.loss_fn,
+            epochs=self.config.ppo_epochs,
+            global_mini_batch_size=self.config.ppo_mini_batch_size,
+            log_loss=True,
+        )
         return mean_over_steps("actor", history, lr=lr)
+
+
+def run_updates(
+    engine: BaseEngine,
+    batch: TensorDict,
+    loss_fn: LossFn,
+    *,
+    epochs: int,
+    global_mini_batch_size: int | None,
+    log_loss: bool,
+) -> tuple[list[dict[str, float]], float]:
+    """Epochs × mini-batches of forward/backward + optimizer step, then one LR step.
+
+    Returns one metrics dict per optimizer step, and the new learning rate.
+    """
+    n = int(batch.batch_size[0])
+    size = local_mini_batch_size(global_mini_batch_size, n, engine.dp_size)
+    engine.set_loss_fn(loss_fn)
+    history: list[dict[str, float]] = []
+    with engine.train_mode():
+        for _ in range(epochs):
+            for start in range(0, n, size):
+                out = engine.forward_backward_step(batch[start : start + size])
+                grad_norm = engine.optimizer_step()
+                engine.optimizer_zero_grad()
+                row = {**out.metrics, "grad_norm": grad_norm}
+                if log_loss:
+                    row["loss"] = float(out.loss or 0.0)
+                history.append(row)
+        lr = engine.lr_scheduler_step()
+    engine.set_loss_fn(None)
+    return history, lr
 
 
 def local_mini_batch_size(global_size: int | None, local_samples: int, dp_size: int) -> int:

@@ -19,7 +19,7 @@ from engine_core import (
     Metric,
     require_keys,
 )
-from roles.actor import local_mini_batch_size, mean_over_steps
+from roles.actor import mean_over_steps, run_updates
 from roles.losses import value_loss
 
 __all__ = ["CriticConfig", "Critic", "OLD_VALUES", "RETURNS"]
@@ -80,17 +80,12 @@ class Critic:
             method="Critic.update_critic",
             producers=PRODUCERS,
         )
-        n = int(batch.batch_size[0])
-        size = local_mini_batch_size(self.config.ppo_mini_batch_size, n, self.engine.dp_size)
-        self.engine.set_loss_fn(self.loss_fn)
-        history = []
-        with self.engine.train_mode():
-            for _ in range(self.config.ppo_epochs):
-                for start in range(0, n, size):
-                    out = self.engine.forward_backward_step(batch[start : start + size])
-                    grad_norm = self.engine.optimizer_step()
-                    self.engine.optimizer_zero_grad()
-                    history.append({**out.metrics, "grad_norm": grad_norm})
-            lr = self.engine.lr_scheduler_step()
-        self.engine.set_loss_fn(None)
+        history, lr = run_updates(
+            self.engine,
+            batch,
+            self.loss_fn,
+            epochs=self.config.ppo_epochs,
+            global_mini_batch_size=self.config.ppo_mini_batch_size,
+            log_loss=False,
+        )
         return mean_over_steps("critic", history, lr=lr)

@@ -7,16 +7,10 @@ gradients and logged values do not depend on how the batch was split.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from engine_core import GlobalBatchContext, LossAggregation, aggregate_loss
-
-if sys.version_info >= (3, 11):
-    from enum import StrEnum
-else:  # pragma: no cover
-    from engine_core.capabilities import StrEnum
+from engine_core.capabilities import StrEnum
 
 __all__ = [
     "KLEstimator",

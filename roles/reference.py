@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 from tensordict import TensorDict
 
-from engine_core import LOG_PROBS, BaseEngine, CapabilityError, get_meta, set_meta
+from engine_core import LOG_PROBS, BaseEngine, CapabilityError, with_meta
 from roles.actor import REF_LOG_PROBS
 
 __all__ = ["Reference"]
@@ -41,13 +41,7 @@ class Reference:
             yield
 
     def compute_ref_log_prob(self, batch: TensorDict) -> TensorDict:
-        batch = batch.clone(recurse=False)
-        set_meta(
-            batch,
-            get_meta(batch).model_copy(
-                update={"temperature": self.temperature, "compute_entropy": False}
-            ),
-        )
+        batch = with_meta(batch, temperature=self.temperature, compute_entropy=False)
         self.engine.set_loss_fn(None)
         with self.engine.eval_mode(), self._policy():
             out = self.engine.forward_backward_step(batch, forward_only=True)
