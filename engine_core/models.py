@@ -6,15 +6,17 @@ token-classification models with one label as value heads for critics.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable, Iterator
 from typing import Any, cast
 
 import torch
 from torch import nn
 
-from engine_core.config import ModelConfig
+from engine_core.config import LoraConfig, ModelConfig
 from engine_core.errors import ConfigError
 
-__all__ = ["DTYPES", "build_hf_config", "build_model", "apply_lora"]
+__all__ = ["DTYPES", "build_hf_config", "build_model", "apply_lora", "merged_lora_tensors"]
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -41,20 +43,27 @@ def build_hf_config(cfg: ModelConfig) -> Any:
     return hf_config
 
 
-def build_model(cfg: ModelConfig, *, device: torch.device | str = "cpu") -> nn.Module:
-    """Build (from config) or load (from ``cfg.path``) the model in ``cfg.dtype`` on ``device``."""
+def build_model(
+    cfg: ModelConfig, *, device: torch.device | str = "cpu", load_weights: bool = True
+) -> nn.Module:
+    """Build (from config) or load (from ``cfg.path``) the model in ``cfg.dtype`` on ``device``.
+
+    ``load_weights=False`` only builds the architecture (randomly initialised, left where it was
+    created): the way to get a skeleton under a meta-device context.
+    """
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
     auto = AutoModelForTokenClassification if cfg.value_head else AutoModelForCausalLM
     dtype = DTYPES[cfg.dtype]
     hf_config = build_hf_config(cfg)
-    if cfg.path is not None:
+    if cfg.path is not None and load_weights:
         model = auto.from_pretrained(
             cfg.path, config=hf_config, dtype=dtype, trust_remote_code=cfg.trust_remote_code
         )
     else:
         model = auto.from_config(hf_config, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
-    model = cast(Any, model).to(device)  # a transformers PreTrainedModel
+    if load_weights:
+        model = cast(Any, model).to(device)  # a transformers PreTrainedModel
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.lora is not None:
@@ -75,9 +84,52 @@ def apply_lora(model: nn.Module, cfg: ModelConfig) -> nn.Module:
     task = "TOKEN_CLS" if cfg.value_head else "CAUSAL_LM"
     lora = LoraConfig(
         r=cfg.lora.rank,
-        lora_alpha=cfg.lora.alpha,
+        # peft annotates lora_alpha as int but scales by alpha / r in float.
+        lora_alpha=cfg.lora.alpha,  # type: ignore[arg-type]
         lora_dropout=cfg.lora.dropout,
         target_modules=cfg.lora.target_modules,
         task_type=task,
     )
     return get_peft_model(model, lora)
+
+
+_PEFT_PREFIX = "base_model.model."
+_LORA_PART = re.compile(
+    r"^(?P<layer>.+)\.(?P<part>base_layer|lora_A\.default|lora_B\.default)\.(?P<kind>weight|bias)$"
+)
+
+
+def merged_lora_tensors(
+    tensors: Iterable[tuple[str, torch.Tensor]], lora: LoraConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Turn a peft model's (name, full tensor) stream into the base model's HF names and weights.
+
+    Each LoRA layer's weight is yielded merged (``W + alpha/rank * B @ A``) as soon as its three
+    parts have arrived, so at most one layer is held; adapter-only entries disappear and
+    ``modules_to_save`` copies replace the original modules. A rollout or an HF export then sees
+    exactly the architecture it was built from.
+    """
+    scaling = lora.alpha / lora.rank
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for raw_name, tensor in tensors:
+        name = raw_name.removeprefix(_PEFT_PREFIX)
+        if ".original_module." in name:
+            continue
+        name = name.replace(".modules_to_save.default.", ".")
+        m = _LORA_PART.match(name)
+        if m is None:
+            yield name, tensor
+            continue
+        layer, part, kind = m.group("layer"), m.group("part"), m.group("kind")
+        if part == "base_layer" and kind == "bias":
+            yield f"{layer}.bias", tensor
+            continue
+        got = parts.setdefault(layer, {})
+        got[part] = tensor
+        if len(got) == 3:
+            del parts[layer]
+            w, a, b = got["base_layer"], got["lora_A.default"], got["lora_B.default"]
+            merged = w + scaling * (b.to(torch.float32) @ a.to(torch.float32)).to(w.dtype)
+            yield f"{layer}.weight", merged
+    if parts:
+        raise RuntimeError(f"LoRA layers missing a part when merging: {sorted(parts)}")

@@ -18,6 +18,7 @@ __all__ = [
     "build_lr_scheduler",
     "lr_lambda",
     "clip_and_step",
+    "total_grad_norm",
     "SingleOptimizerMixin",
 ]
 
@@ -55,18 +56,40 @@ def clip_and_step(
 ) -> tuple[float, bool]:
     """Clip to ``max_norm`` (None: measure only) and step; skip the step on a non-finite norm.
 
-    Returns (global grad norm, whether the update was skipped). Sharded (DTensor) gradients are
-    handled by ``clip_grad_norm_``; the norm is materialised as a plain float on every rank.
+    Returns (global grad norm, whether the update was skipped). The norm is materialised as a
+    plain float on every rank (see :func:`total_grad_norm`).
     """
-    norm_t = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else math.inf)
-    if hasattr(norm_t, "full_tensor"):
-        norm_t = norm_t.full_tensor()
-    norm = float(norm_t)
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = total_grad_norm(grads)
     if not math.isfinite(norm):
         optimizer.zero_grad(set_to_none=True)
         return norm, True
+    if max_norm is not None:
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
     optimizer.step()
     return norm, False
+
+
+def total_grad_norm(grads: list[torch.Tensor]) -> float:
+    """The L2 norm of all gradients together, as a float on every rank.
+
+    Sharded (DTensor) gradients may live on different meshes (e.g. 2-D for tensor-parallel
+    weights, 1-D for replicated norms); each mesh's group is reduced on its own mesh, then the
+    group norms are combined.
+    """
+    groups: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault(getattr(g, "device_mesh", None), []).append(g)
+    squares = 0.0
+    for group in groups.values():
+        norm_t = torch.nn.utils.get_total_norm(group, 2.0)
+        if hasattr(norm_t, "full_tensor"):
+            norm_t = norm_t.full_tensor()
+        squares += float(norm_t) ** 2
+    return math.sqrt(squares)
 
 
 class SingleOptimizerMixin:
