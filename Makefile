@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml $(wildcard plugins/*/pyproject.toml)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,ray]'
-	$(PY) -m pip install -q -e plugins/hf -e plugins/fsdp
+	$(PY) -m pip install -q -e plugins/hf -e "plugins/fsdp[lora]"
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from engine_core.capabilities import Capability
 
-__all__ = ["FSDP2_CAPABILITIES"]
+__all__ = ["FSDP_CAPABILITIES", "FSDP2_CAPABILITIES"]
 
-FSDP2_CAPABILITIES = frozenset(
+# What both FSDP engines do. Offload is declared: it moves state to the CPU and back on GPU
+# hosts and is a documented no-op on CPU-only hosts, where there is nowhere to offload to.
+FSDP_CAPABILITIES = frozenset(
     {
         Capability.CPU,
         Capability.DATA_PARALLEL,
@@ -15,5 +17,9 @@ FSDP2_CAPABILITIES = frozenset(
         Capability.VALUE_HEAD,
         Capability.WEIGHT_EXPORT,
         Capability.GRADIENT_CHECKPOINTING,
+        Capability.LORA,
+        Capability.OFFLOAD,
     }
 )
+
+FSDP2_CAPABILITIES = FSDP_CAPABILITIES | {Capability.TENSOR_PARALLEL}

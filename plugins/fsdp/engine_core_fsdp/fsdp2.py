@@ -1,89 +1,141 @@
-"""``FSDP2Engine``: parameters sharded with ``fully_shard`` over the data-parallel ranks.
+"""``FSDP2Engine``: parameters sharded with ``fully_shard`` over a data-parallel mesh.
 
-Each decoder block is sharded on its own, then the root module. Gradients follow the core's
-loss contract: losses are already normalized by global counts, so gradients must be summed over
-ranks; FSDP averages them, so each micro-batch loss is scaled by the DP size before backward. Checkpoints use
-``torch.distributed.checkpoint`` (every rank writes its shards) into the core's atomic
-``global_step_<N>`` folders.
+The device mesh has up to three named axes, outermost first: ``dp_replicate`` (HSDP replica
+groups), ``dp_shard`` (parameter sharding) and ``tp`` (tensor parallelism of the decoder
+blocks). Parallelism is applied in a fixed order by :func:`parallelize`: tensor parallel, then
+``fully_shard`` per decoder block, then the root. Data is split over the ``dp_replicate`` ×
+``dp_shard`` ranks; the ``tp`` ranks of one DP rank see the same data.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from pydantic import Field
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from pydantic import Field, PositiveInt, model_validator
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
 
-from engine_core.capabilities import Capability
-from engine_core.checkpoint import commit_staging, staging_dir
+from engine_core.capabilities import Capability, StrEnum
 from engine_core.config import EngineConfig
-from engine_core.engine import BaseEngine
-from engine_core.errors import CheckpointError
-from engine_core.models import build_model
-from engine_core.optim import SingleOptimizerMixin
+from engine_core.errors import ConfigError
+from engine_core.models import build_hf_config, build_model
+from engine_core_fsdp._common import (
+    FSDPCommonConfig,
+    FSDPEngineBase,
+    MixedPrecisionConfig,
+    decoder_blocks,
+    ensure_process_group,
+)
+from engine_core_fsdp._init import build_skeleton, materialize
 from engine_core_fsdp.capabilities import FSDP2_CAPABILITIES
 
-__all__ = ["FSDP2Engine", "FSDP2EngineConfig"]
-
-STATE_FILE = "engine_state_rank{rank}.pt"
+__all__ = ["FSDP2Engine", "FSDP2EngineConfig", "MeshAxis", "parallelize"]
 
 
-class FSDP2EngineConfig(EngineConfig):
+class MeshAxis(StrEnum):
+    DP_REPLICATE = "dp_replicate"
+    DP_SHARD = "dp_shard"
+    TP = "tp"
+
+
+# Llama/Qwen2-style decoder blocks: column-split the input projections, row-split the outputs,
+# so each block needs one all-reduce after attention and one after the MLP.
+LLAMA_TP_PLAN = {
+    "self_attn.q_proj": ColwiseParallel,
+    "self_attn.k_proj": ColwiseParallel,
+    "self_attn.v_proj": ColwiseParallel,
+    "self_attn.o_proj": RowwiseParallel,
+    "mlp.gate_proj": ColwiseParallel,
+    "mlp.up_proj": ColwiseParallel,
+    "mlp.down_proj": RowwiseParallel,
+}
+
+
+class FSDP2EngineConfig(FSDPCommonConfig):
     """FSDP2 settings on top of the common engine fields."""
 
     reshard_after_forward: bool = Field(
-        True, description="Free unsharded params after forward (ZeRO-3)."
+        True, description="Free unsharded params after forward (ZeRO-3); False keeps them (ZeRO-2)."
+    )
+    data_parallel_replicate_size: PositiveInt | None = Field(
+        None,
+        description=(
+            "HSDP: number of replica groups on a 2-D (replicate, shard) mesh; parameters are "
+            "sharded within a group and replicated across groups. None: a 1-D mesh sharding "
+            "over every DP rank."
+        ),
     )
 
+    @model_validator(mode="after")
+    def _tp_limits(self) -> FSDP2EngineConfig:
+        if self.tensor_parallel_size > 1 and self.model.lora is not None:
+            raise ValueError(
+                "tensor_parallel_size > 1 with model.lora is not supported by fsdp2; "
+                "set tensor_parallel_size=1 to train LoRA adapters."
+            )
+        return self
 
-def _ensure_process_group() -> None:
-    # a one-rank group lets the same code path run in a plain single process
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
-
-class FSDP2Engine(SingleOptimizerMixin, BaseEngine):
+class FSDP2Engine(FSDPEngineBase):
     capabilities: ClassVar[frozenset[Capability]] = FSDP2_CAPABILITIES
     config_class: ClassVar[type[EngineConfig]] = FSDP2EngineConfig
+    backend_name: ClassVar[str] = "fsdp2"
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        self.mesh: DeviceMesh | None = None
-        self.optimizer = None
-        self.scheduler = None
-        self.skipped_steps = 0
+        self.dp_mesh: DeviceMesh | None = None
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
-        return self.mesh.get_group() if self.mesh is not None else None
+        return self.dp_mesh.get_group() if self.dp_mesh is not None else None
+
+    @property
+    def tp_rank(self) -> int:
+        return self.mesh[MeshAxis.TP].get_local_rank() if self._has_tp else 0
+
+    @property
+    def is_collect_rank(self) -> bool:
+        return self.tp_rank == 0
+
+    @property
+    def _has_tp(self) -> bool:
+        return self.mesh is not None and MeshAxis.TP in (self.mesh.mesh_dim_names or ())
 
     def init_model(self) -> None:
-        _ensure_process_group()
+        ensure_process_group()
         cfg = self.config
         assert isinstance(cfg, FSDP2EngineConfig)
-        self.mesh = init_device_mesh(
-            self.device.type, (dist.get_world_size(),), mesh_dim_names=("dp",)
-        )
+        self.mesh, self.dp_mesh = build_mesh(cfg, self.device.type)
         torch.manual_seed(cfg.seed)  # identical initialisation on every rank before sharding
-        module = build_model(cfg.model, device=self.device)
-        for block in _decoder_blocks(module):
-            fully_shard(block, mesh=self.mesh, reshard_after_forward=cfg.reshard_after_forward)
-        fully_shard(module, mesh=self.mesh, reshard_after_forward=cfg.reshard_after_forward)
+        full_state = None
+        if cfg.init == "all_ranks":
+            module = build_model(cfg.model, device=self.device)
+        else:
+            if cfg.init == "rank0_broadcast" and dist.get_rank() == 0:
+                full_state = build_model(cfg.model, device="cpu").state_dict()
+            module = build_skeleton(cfg.model)
+        parallelize(
+            module,
+            mesh=self.mesh,
+            reshard_after_forward=cfg.reshard_after_forward,
+            mixed_precision=cfg.mixed_precision,
+        )
+        if cfg.init != "all_ranks":
+            materialize(
+                module, device=self.device, source=cfg.init, cfg=cfg.model, full_state=full_state
+            )
+            del full_state
         self.module = module
         self.init_optimizer(module)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        # The reduce-scatter averages over ranks; the loss contract wants the sum. Scaling the
-        # loss (not a custom divide factor, whose PREMUL_SUM op gloo lacks) works on every backend.
-        (loss * self.dp_size).backward()
 
     @contextlib.contextmanager
     def _no_sync(self) -> Iterator[None]:
@@ -98,62 +150,65 @@ class FSDP2Engine(SingleOptimizerMixin, BaseEngine):
     def no_sync(self) -> contextlib.AbstractContextManager[Any]:
         return self._no_sync()
 
-    def to(self, device: torch.device | str, *, model: bool = True, optimizer: bool = True) -> None:
-        # CPU-only hosts have nowhere to offload to: moving to CPU is a no-op here.
-        if torch.device(device).type != "cpu" or self.device.type != "cpu":
-            raise NotImplementedError(
-                "FSDP2 offload is only implemented for CPU-resident runs so far."
-            )
 
-    def named_full_params(
-        self, bucket_bytes: int = 512 << 20
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        # one parameter at a time: never the whole unsharded model (every rank must iterate)
-        for name, tensor in self._require_module().state_dict().items():
-            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-            yield name, full.detach()
-
-    def save_checkpoint(self, path: str, *, step: int, max_ckpt_to_keep: int | None = None) -> str:
-        assert self.optimizer is not None
-        rank = dist.get_rank()
-        if rank == 0:
-            staging_dir(path, step)
-        dist.barrier()
-        folder = Path(path) / f"global_step_{step}.tmp"
-        model_sd, optim_sd = get_state_dict(self._require_module(), self.optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder / "dcp"))
-        torch.save(
-            {"step": step, **self.optimizer_extra_state()},
-            folder / STATE_FILE.format(rank=rank),
+def build_mesh(cfg: FSDP2EngineConfig, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
+    """The full mesh and its data-parallel part (flattened when HSDP makes it 2-D)."""
+    world = dist.get_world_size()
+    hsdp = cfg.data_parallel_replicate_size is not None
+    replicate, tp = cfg.data_parallel_replicate_size or 1, cfg.tensor_parallel_size
+    if world % (replicate * tp):
+        raise ConfigError(
+            f"fsdp2: world size {world} does not divide by data_parallel_replicate_size "
+            f"({replicate}) x tensor_parallel_size ({tp}); choose sizes whose product divides "
+            f"the number of processes."
         )
-        dist.barrier()
-        if rank == 0:
-            commit_staging(path, step, max_ckpt_to_keep)
-        dist.barrier()
-        return str(Path(path) / f"global_step_{step}")
-
-    def load_checkpoint(self, path: str) -> int:
-        assert self.optimizer is not None
-        folder = Path(path)
-        state_file = folder / STATE_FILE.format(rank=dist.get_rank())
-        if not (folder / "dcp").is_dir() or not state_file.is_file():
-            raise CheckpointError(
-                f"{folder} is not a complete fsdp2 checkpoint (need dcp/ and {state_file.name}); "
-                f"pass a global_step_<N> folder written by save_checkpoint() with the same DP size."
+    if tp > 1:
+        hf = build_hf_config(cfg.model)
+        heads, kv = hf.num_attention_heads, getattr(hf, "num_key_value_heads", None) or 0
+        if heads % tp or kv % tp:
+            raise ConfigError(
+                f"fsdp2: tensor_parallel_size={tp} must divide num_attention_heads ({heads}) and "
+                f"num_key_value_heads ({kv}); choose a divisor of both."
             )
-        module = self._require_module()
-        model_sd, optim_sd = get_state_dict(module, self.optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(folder / "dcp"))
-        set_state_dict(
-            module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    shape, names = [], []
+    for size, axis in (
+        (replicate, MeshAxis.DP_REPLICATE),
+        (world // (replicate * tp), MeshAxis.DP_SHARD),
+        (tp, MeshAxis.TP),
+    ):
+        if axis == MeshAxis.DP_SHARD or (axis == MeshAxis.DP_REPLICATE and hsdp) or size > 1:
+            shape.append(size)
+            names.append(str(axis))
+    mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+    dp_names = tuple(n for n in names if n != MeshAxis.TP)
+    dp_mesh = mesh[dp_names] if len(dp_names) == 1 else mesh[dp_names]._flatten("dp")
+    return mesh, dp_mesh
+
+
+def parallelize(
+    module: torch.nn.Module,
+    *,
+    mesh: DeviceMesh,
+    reshard_after_forward: bool,
+    mixed_precision: MixedPrecisionConfig | None,
+) -> None:
+    """Apply tensor parallelism (when the mesh has a ``tp`` axis), then FSDP, in that order."""
+    names = mesh.mesh_dim_names or ()
+    blocks = decoder_blocks(module)
+    if MeshAxis.TP in names:
+        tp_mesh = mesh[str(MeshAxis.TP)]
+        for block in blocks:
+            plan = {path: style() for path, style in LLAMA_TP_PLAN.items()}
+            parallelize_module(block, tp_mesh, plan)
+    # HSDP: a 2-D (replicate, shard) mesh; otherwise the 1-D shard mesh
+    dp_names = tuple(n for n in names if n != MeshAxis.TP)
+    fsdp_mesh = mesh[dp_names]
+    kwargs: dict[str, Any] = {"mesh": fsdp_mesh, "reshard_after_forward": reshard_after_forward}
+    if mixed_precision is not None:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=mixed_precision.torch_param_dtype,
+            reduce_dtype=mixed_precision.torch_reduce_dtype,
         )
-        extra = torch.load(state_file, weights_only=False)
-        self.load_optimizer_extra_state(extra)
-        return int(extra["step"])
-
-
-def _decoder_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's repeated blocks (transformers names them in ``_no_split_modules``)."""
-    names = set(getattr(module, "_no_split_modules", None) or [])
-    return [m for m in module.modules() if type(m).__name__ in names]
+    for block in blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(module, **kwargs)

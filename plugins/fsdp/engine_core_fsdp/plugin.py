@@ -15,5 +15,8 @@ def engine_core_register(registry: BackendRegistry) -> None:
         "engine_core_fsdp.fsdp2:FSDP2Engine",
         config="engine_core_fsdp.fsdp2:FSDP2EngineConfig",
         capabilities=FSDP2_CAPABILITIES,
-        description="torch fully_shard (FSDP2) over a 1-D data-parallel mesh; DCP checkpoints.",
+        description=(
+            "torch fully_shard (FSDP2): sharded or hybrid-sharded (HSDP) data parallel, optional "
+            "tensor parallel, mixed precision, LoRA, meta-device init; DCP checkpoints."
+        ),
     )

@@ -1,0 +1,218 @@
+"""What the ``fsdp`` and ``fsdp2`` engines share: config fields, process-group setup, mixed
+precision, device moves, DCP checkpoints and full-parameter export (:class:`FSDPEngineBase`).
+
+Both engines keep gradients in the core's loss contract (sum over DP ranks) by scaling each
+micro-batch loss by the DP size, since FSDP averages over ranks when it reduces gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from pydantic import Field, model_validator
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+
+from engine_core.checkpoint import commit_staging, staging_dir
+from engine_core.config import EngineConfig, FrozenModel
+from engine_core.engine import BaseEngine
+from engine_core.errors import CheckpointError
+from engine_core.models import DTYPES, merged_lora_tensors
+from engine_core.optim import SingleOptimizerMixin
+
+__all__ = [
+    "MixedPrecisionConfig",
+    "FSDPCommonConfig",
+    "ensure_process_group",
+    "decoder_blocks",
+    "FSDPEngineBase",
+    "full_tensors",
+    "move_optimizer_state",
+]
+
+STATE_FILE = "engine_state_rank{rank}.pt"
+DtypeName = Literal["float32", "bfloat16", "float16"]
+
+
+class MixedPrecisionConfig(FrozenModel):
+    """Compute in ``param_dtype``, reduce gradients in ``reduce_dtype``; master weights and
+    optimizer state stay in ``model.dtype``."""
+
+    param_dtype: DtypeName = "bfloat16"
+    reduce_dtype: DtypeName = "float32"
+
+    @property
+    def torch_param_dtype(self) -> torch.dtype:
+        return DTYPES[self.param_dtype]
+
+    @property
+    def torch_reduce_dtype(self) -> torch.dtype:
+        return DTYPES[self.reduce_dtype]
+
+
+class FSDPCommonConfig(EngineConfig):
+    """Fields both FSDP engines understand, on top of the common engine fields."""
+
+    mixed_precision: MixedPrecisionConfig | None = Field(
+        None, description="Mixed precision policy; None computes in model.dtype."
+    )
+    init: Literal["all_ranks", "rank0_broadcast", "meta"] = Field(
+        "all_ranks",
+        description=(
+            "all_ranks: every rank builds/loads the full model, then shards it (small models). "
+            "rank0_broadcast: rank 0 loads, the others build on the meta device and receive "
+            "their shards. meta: every rank builds on the meta device and reads only its own "
+            "shards from model.path's safetensors (no rank ever holds the full model)."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _init_needs_path(self) -> FSDPCommonConfig:
+        if self.init == "meta":
+            if self.model.path is None:
+                raise ValueError(
+                    "init='meta' reads weights from a saved Hugging Face folder: set model.path, "
+                    "or use init='all_ranks' to build model.config from scratch."
+                )
+            if self.model.value_head or self.model.lora is not None:
+                raise ValueError(
+                    "init='meta' loads every weight from model.path; a value head or LoRA "
+                    "adapters are not in that checkpoint. Use init='rank0_broadcast' instead."
+                )
+        return self
+
+
+def ensure_process_group() -> None:
+    """A one-rank gloo group, so the same code path runs in a plain single process."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def decoder_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks (transformers lists their class in ``_no_split_modules``)."""
+    names: set[str] = set()
+    for m in module.modules():  # a peft wrapper hides the attribute on the inner model
+        names.update(getattr(m, "_no_split_modules", None) or [])
+    return [m for m in module.modules() if type(m).__name__ in names]
+
+
+def full_tensors(state_dict: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) one at a time: sharded (DTensor) entries are gathered one by one.
+
+    Collective for sharded entries: every rank must consume the whole iterator.
+    """
+    for name, tensor in state_dict.items():
+        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        yield name, full.detach()
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Move every tensor of the optimizer state (e.g. Adam moments) to ``device``."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                state[key] = value.to(device, non_blocking=True)
+
+
+class FSDPEngineBase(SingleOptimizerMixin, BaseEngine):
+    """The parts of both FSDP engines that do not depend on the wrapper: gradient scaling,
+    device moves, DCP checkpoints and full-parameter export. Subclasses implement ``init_model``
+    (setting ``self.mesh`` and ``self.module``) and ``no_sync``.
+
+    Checkpoints: every rank writes its shards of model and optimizer under ``dcp/``, plus one
+    small file of schedule, counters and RNG; the folder is staged and renamed into place by
+    rank 0, so an interrupted save never leaves a half-written ``global_step_<N>``.
+    """
+
+    backend_name: ClassVar[str] = "fsdp"
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.mesh: DeviceMesh | None = None
+        self.optimizer = None
+        self.scheduler = None
+        self.skipped_steps = 0
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh.get_group() if self.mesh is not None else None
+
+    @property
+    def device(self) -> torch.device:
+        # follows the process group: NCCL means one GPU per rank, gloo means CPU
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # The gradient reduction averages over ranks; the loss contract wants the sum. Scaling
+        # the loss (not a custom divide factor, whose PREMUL_SUM op gloo lacks) works everywhere.
+        (loss * self.dp_size).backward()
+
+    def to(self, device: torch.device | str, *, model: bool = True, optimizer: bool = True) -> None:
+        target = torch.device(device)
+        if target.type == "cpu" and self.device.type == "cpu":
+            return  # a CPU-only run has nowhere to offload to: documented no-op
+        if model:
+            self._require_module().to(target)
+        if optimizer and self.optimizer is not None:
+            move_optimizer_state(self.optimizer, target)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """The model's state dict with sharded entries (DTensors), never gathered whole."""
+        return self._require_module().state_dict()
+
+    def named_full_params(
+        self, bucket_bytes: int = 512 << 20
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        # one tensor at a time (at most one LoRA layer with adapters merged): never the whole
+        # unsharded model. Collective: every rank must consume the iterator.
+        tensors = full_tensors(self.sharded_state_dict())
+        if self.config.model.lora is not None:
+            tensors = merged_lora_tensors(tensors, self.config.model.lora)
+        yield from tensors
+
+    def save_checkpoint(self, path: str, *, step: int, max_ckpt_to_keep: int | None = None) -> str:
+        assert self.optimizer is not None, "call init_model() first"
+        rank = dist.get_rank()
+        if rank == 0:
+            staging_dir(path, step)
+        dist.barrier()
+        folder = Path(path) / f"global_step_{step}.tmp"
+        model_sd, optim_sd = get_state_dict(self._require_module(), self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder / "dcp"))
+        torch.save(
+            {"step": step, **self.optimizer_extra_state()},
+            folder / STATE_FILE.format(rank=rank),
+        )
+        dist.barrier()
+        if rank == 0:
+            commit_staging(path, step, max_ckpt_to_keep)
+        dist.barrier()
+        return str(Path(path) / f"global_step_{step}")
+
+    def load_checkpoint(self, path: str) -> int:
+        assert self.optimizer is not None, "call init_model() first"
+        folder = Path(path)
+        state_file = folder / STATE_FILE.format(rank=dist.get_rank())
+        if not (folder / "dcp").is_dir() or not state_file.is_file():
+            raise CheckpointError(
+                f"{folder} is not a complete {self.backend_name} checkpoint (need dcp/ and "
+                f"{state_file.name}); pass a global_step_<N> folder written by save_checkpoint() "
+                f"with the same number of ranks."
+            )
+        module = self._require_module()
+        model_sd, optim_sd = get_state_dict(module, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(folder / "dcp"))
+        set_state_dict(
+            module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+        extra = torch.load(state_file, weights_only=False)
+        self.load_optimizer_extra_state(extra)
+        return int(extra["step"])

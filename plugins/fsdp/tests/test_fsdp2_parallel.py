@@ -1,0 +1,220 @@
+"""FSDP2 meshes (HSDP 1×2 and 2×1, TP 1×2), mixed precision, LoRA and rank-0 init, on two
+real gloo processes against the single-process reference engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from engine_core_fsdp.fsdp2 import FSDP2Engine, FSDP2EngineConfig
+
+from engine_core.batch import BatchMeta, set_meta
+from engine_core.errors import ConfigError
+from engine_core.reference_engine import ReferenceEngine, ReferenceEngineConfig
+from tests._dist import run_distributed
+from tests._models import TINY_QWEN2, engine_config, nll_loss, random_batch
+
+STEPS = 5
+N = 8
+OPTIM = {"lr": 1e-2, "clip_grad": 1.0, "warmup_steps": 1}
+LORA = {"rank": 4, "alpha": 8.0}
+
+
+def _train(engine, steps: range) -> list[tuple[float, float]]:  # type: ignore[no-untyped-def]
+    out = []
+    for s in steps:
+        with engine.train_mode():
+            result = engine.forward_backward_step(engine.shard_data(random_batch(N, seed=s)))
+            norm = engine.optimizer_step()
+            engine.lr_scheduler_step()
+            engine.optimizer_zero_grad()
+        out.append((result.loss, norm))
+    return out
+
+
+def _fsdp2(**overrides: object) -> FSDP2Engine:
+    e = FSDP2Engine(FSDP2EngineConfig(**engine_config(backend="fsdp2", optim=OPTIM, **overrides)))
+    e.init_model()
+    e.set_loss_fn(nll_loss)
+    return e
+
+
+def _log_probs(engine) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    batch = random_batch(N, seed=11, left_pad=True)
+    set_meta(batch, BatchMeta(compute_entropy=True))
+    engine.set_loss_fn(None)
+    with engine.eval_mode():
+        out = engine.forward_backward_step(engine.shard_data(batch), forward_only=True).outputs
+    engine.set_loss_fn(nll_loss)
+    return engine.unshard_data(out)["log_probs"]
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    e = ReferenceEngine(ReferenceEngineConfig(**engine_config(optim=OPTIM)))
+    e.init_model()
+    e.set_loss_fn(nll_loss)
+    return {"lp": _log_probs(e), "curve": _train(e, range(STEPS))}
+
+
+def _mesh_worker(rank: int, world: int, overrides: dict) -> dict:
+    engine = _fsdp2(**overrides)
+    return {
+        "mesh": (engine.mesh.mesh_dim_names, tuple(engine.mesh.shape)),
+        "dp": (engine.dp_rank, engine.dp_size, engine.is_collect_rank),
+        "lp": _log_probs(engine),
+        "curve": _train(engine, range(STEPS)),
+    }
+
+
+@pytest.mark.parametrize(
+    ("overrides", "mesh", "dp"),
+    [
+        ({"data_parallel_replicate_size": 1}, (("dp_replicate", "dp_shard"), (1, 2)), 2),
+        ({"data_parallel_replicate_size": 2}, (("dp_replicate", "dp_shard"), (2, 1)), 2),
+        ({"tensor_parallel_size": 2, "micro_batch_size": 3}, (("dp_shard", "tp"), (1, 2)), 1),
+    ],
+    ids=["hsdp_1x2", "hsdp_2x1", "tp_1x2"],
+)
+def test_meshes_match_single_process(
+    overrides: dict, mesh: tuple, dp: int, reference: dict
+) -> None:
+    ranks = run_distributed(_mesh_worker, 2, overrides)
+    for rank, r in enumerate(ranks):
+        assert r["mesh"] == mesh
+        assert r["dp"][1] == dp
+        assert r["dp"][0] == (rank if dp == 2 else 0)
+        assert r["dp"][2] == (dp == 2 or rank == 0)  # one collect rank per DP rank
+        assert torch.allclose(r["lp"], reference["lp"], atol=1e-5)
+        for (loss, norm), (want_loss, want_norm) in zip(
+            r["curve"], reference["curve"], strict=True
+        ):
+            assert loss == pytest.approx(want_loss, rel=1e-5)
+            assert norm == pytest.approx(want_norm, rel=1e-5)
+
+
+def _bf16_worker(rank: int, world: int) -> dict:
+    engine = _fsdp2(mixed_precision={"param_dtype": "bfloat16", "reduce_dtype": "float32"})
+    curve = _train(engine, range(3))
+    dtypes = {str(p.dtype) for p in engine.module.parameters()}
+    return {"curve": curve, "lp": _log_probs(engine), "dtypes": dtypes}
+
+
+def test_bf16_mixed_precision_keeps_fp32_master_weights(reference: dict) -> None:
+    for r in run_distributed(_bf16_worker, 2):
+        assert r["dtypes"] == {"torch.float32"}  # sharded master weights stay fp32
+        for (loss, norm), (want_loss, _) in zip(r["curve"], reference["curve"], strict=False):
+            assert loss == pytest.approx(want_loss, rel=2e-3)  # bf16 compute: close, not equal
+            assert norm == norm and norm > 0
+
+
+def _lora_worker(rank: int, world: int, base_dir: str) -> dict:
+    engine = _fsdp2(model={"path": base_dir, "lora": LORA})
+    module = engine.module
+    before = {n: p.detach().full_tensor().clone() for n, p in module.named_parameters()}
+    trainable = sorted(n for n, p in module.named_parameters() if p.requires_grad)
+    _train(engine, range(2))
+    after = {n: p.detach().full_tensor() for n, p in module.named_parameters()}
+    changed = sorted(n for n in before if not torch.equal(before[n], after[n]))
+    with module.disable_adapter():
+        base_lp = _log_probs(engine)
+    adapted_lp = _log_probs(engine)
+    merged = dict(engine.named_full_params())
+    unmerged = {n: t.clone() for n, t in engine.sharded_state_dict().items()}
+    return {
+        "trainable": trainable,
+        "changed": changed,
+        "base_lp": base_lp,
+        "adapted_lp": adapted_lp,
+        "merged": merged,
+        "unmerged": {n: t.full_tensor() for n, t in unmerged.items()},
+    }
+
+
+def test_lora_trains_adapters_only_and_exports_merged_weights(tmp_path: Path) -> None:
+    from engine_core.config import ModelConfig
+    from engine_core.models import build_model
+
+    torch.manual_seed(0)
+    build_model(ModelConfig(config=dict(TINY_QWEN2))).save_pretrained(tmp_path / "base")
+    ranks = run_distributed(_lora_worker, 2, str(tmp_path / "base"))
+    base_ref = ReferenceEngine(
+        ReferenceEngineConfig(**engine_config(model={"path": str(tmp_path / "base")}))
+    )
+    base_ref.init_model()
+    want_base_lp = _log_probs(base_ref)
+    # peft's own merge of the same trained adapters, in one process
+    peft_model = build_model(ModelConfig(path=str(tmp_path / "base"), lora=LORA))
+    for r in ranks:
+        assert r["trainable"] and all("lora_" in n for n in r["trainable"])
+        assert r["changed"] and all("lora_" in n for n in r["changed"])
+        assert torch.allclose(r["base_lp"], want_base_lp, atol=1e-5)
+        assert not torch.allclose(r["adapted_lp"], want_base_lp, atol=1e-4)
+    peft_model.load_state_dict(ranks[0]["unmerged"])
+    want = peft_model.merge_and_unload().state_dict()
+    merged = ranks[0]["merged"]
+    assert merged.keys() == want.keys()
+    for name, tensor in want.items():
+        assert torch.allclose(merged[name], tensor, atol=1e-6), name
+
+
+def _init_worker(rank: int, world: int, path: str, init: str) -> dict:
+    engine = _fsdp2(model={"path": path}, init=init)
+    return {"params": dict(engine.named_full_params()), "lp": _log_probs(engine)}
+
+
+@pytest.mark.parametrize("init", ["rank0_broadcast", "meta"])
+def test_rank0_and_meta_init_equal_a_plain_load(init: str, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    ref = ReferenceEngine(ReferenceEngineConfig(**engine_config(seed=3)))
+    ref.init_model()
+    ref.module.save_pretrained(tmp_path / "hf")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    want = loaded.state_dict()
+    for r in run_distributed(_init_worker, 2, str(tmp_path / "hf"), init):
+        assert r["params"].keys() == want.keys()
+        for name, tensor in want.items():
+            assert torch.equal(r["params"][name], tensor), name
+        assert torch.allclose(r["lp"], _log_probs(ref), atol=1e-5)  # buffers (rotary) intact
+
+
+def test_config_errors_name_the_fix() -> None:
+    with pytest.raises(ValueError, match="init='meta' reads weights from a saved"):
+        FSDP2EngineConfig(**engine_config(backend="fsdp2", init="meta"))
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 with model.lora"):
+        FSDP2EngineConfig(
+            **engine_config(
+                backend="fsdp2",
+                tensor_parallel_size=2,
+                model={"config": dict(TINY_QWEN2), "lora": LORA},
+            )
+        )
+
+
+def _bad_mesh_worker(rank: int, world: int, overrides: dict) -> str:
+    engine = FSDP2Engine(FSDP2EngineConfig(**engine_config(backend="fsdp2", **overrides)))
+    try:
+        engine.init_model()
+    except ConfigError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"tensor_parallel_size": 2, "data_parallel_replicate_size": 2}, "does not divide"),
+        (
+            {
+                "tensor_parallel_size": 2,
+                "model": {"config": {**TINY_QWEN2, "num_key_value_heads": 1}},
+            },
+            "must divide num_attention_heads",
+        ),
+    ],
+)
+def test_mesh_errors_before_any_state(overrides: dict, message: str) -> None:
+    for text in run_distributed(_bad_mesh_worker, 2, overrides):
+        assert message in text
