@@ -56,12 +56,13 @@ def build_model(
     auto = AutoModelForTokenClassification if cfg.value_head else AutoModelForCausalLM
     dtype = DTYPES[cfg.dtype]
     hf_config = build_hf_config(cfg)
+    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code}
+    if cfg.attn_implementation is not None:
+        kwargs["attn_implementation"] = cfg.attn_implementation
     if cfg.path is not None and load_weights:
-        model = auto.from_pretrained(
-            cfg.path, config=hf_config, dtype=dtype, trust_remote_code=cfg.trust_remote_code
-        )
+        model = auto.from_pretrained(cfg.path, config=hf_config, **kwargs)
     else:
-        model = auto.from_config(hf_config, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+        model = auto.from_config(hf_config, **kwargs)
     if load_weights:
         model = cast(Any, model).to(device)  # a transformers PreTrainedModel
     if cfg.gradient_checkpointing:

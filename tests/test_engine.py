@@ -40,10 +40,14 @@ def per_sequence_log_probs(
     return out
 
 
+@pytest.mark.parametrize("attn", [None, "eager"])
 @pytest.mark.parametrize("left_pad", [False, True])
 @pytest.mark.parametrize("use_packing", [True, False])
-def test_log_probs_match_plain_transformers(use_packing: bool, left_pad: bool) -> None:
-    engine = make_engine(use_packing=use_packing, micro_batch_size=3)
+def test_log_probs_match_plain_transformers(
+    use_packing: bool, left_pad: bool, attn: str | None
+) -> None:
+    model_cfg = {"config": dict(TINY_QWEN2), "attn_implementation": attn}
+    engine = make_engine(use_packing=use_packing, micro_batch_size=3, model=model_cfg)
     batch = random_batch(7, left_pad=left_pad)
     with engine.eval_mode():
         got = engine.forward_backward_step(batch, forward_only=True).outputs[LOG_PROBS]
