@@ -41,7 +41,13 @@ def free_port() -> int:
 
 
 def _entry(
-    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple,
+    queue: Any,
+    pg_backend: str,
 ) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -53,7 +59,9 @@ def _entry(
     )
     torch.set_num_threads(1)  # torch is imported already, so the env var alone is too late
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if pg_backend == "nccl":
+            torch.cuda.set_device(rank)  # one GPU per rank
+        dist.init_process_group(pg_backend, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         queue.put(
             (rank, "ok", pickle.dumps(result))
@@ -67,9 +75,14 @@ def _entry(
 
 
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 300,
+    pg_backend: str = "gloo",
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return results by rank.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes (a ``pg_backend`` process
+    group: gloo on CPU, nccl with one GPU per rank); return results by rank.
 
     ``fn`` must be importable (module level). A failure on any rank raises with its traceback.
     """
@@ -77,7 +90,9 @@ def run_distributed(
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=True)
+        ctx.Process(
+            target=_entry, args=(r, world_size, port, fn, args, queue, pg_backend), daemon=True
+        )
         for r in range(world_size)
     ]
     for p in procs:

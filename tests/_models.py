@@ -69,3 +69,30 @@ def flat_grad(module: torch.nn.Module) -> torch.Tensor:
             for p in module.parameters()
         ]
     )
+
+
+def registered_engine(backend: str, **overrides: Any) -> Any:
+    """An initialised engine of a registered backend on the tiny model, NLL loss set."""
+    from engine_core.plugins import load_plugins
+
+    spec = load_plugins().get_engine(backend)
+    config = spec.load_config_class()(**engine_config(backend=backend, **overrides))
+    engine = spec.load_class()(config)
+    engine.init_model()
+    engine.set_loss_fn(nll_loss)
+    return engine
+
+
+def train_steps(engine: Any, steps: range, num_samples: int = 8) -> list[tuple[float, float]]:
+    """(loss, grad norm) of one optimizer step per seed in ``steps``."""
+    out = []
+    for s in steps:
+        with engine.train_mode():
+            result = engine.forward_backward_step(
+                engine.shard_data(random_batch(num_samples, seed=s))
+            )
+            norm = engine.optimizer_step()
+            engine.lr_scheduler_step()
+            engine.optimizer_zero_grad()
+        out.append((result.loss, norm))
+    return out

@@ -1,7 +1,8 @@
-"""FSDP training engines for engine-core (``fsdp2``: ``torch.distributed.fsdp.fully_shard``)."""
+"""FSDP training engines for engine-core: ``fsdp`` (``FullyShardedDataParallel``) and ``fsdp2``
+(``torch.distributed.fsdp.fully_shard``)."""
 
 from __future__ import annotations
 
-from engine_core_fsdp.capabilities import FSDP2_CAPABILITIES
+from engine_core_fsdp.capabilities import FSDP2_CAPABILITIES, FSDP_CAPABILITIES
 
-__all__ = ["FSDP2_CAPABILITIES"]
+__all__ = ["FSDP_CAPABILITIES", "FSDP2_CAPABILITIES"]

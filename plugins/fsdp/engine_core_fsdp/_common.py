@@ -15,7 +15,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from pydantic import Field, model_validator
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import DeviceMesh
 
 from engine_core.checkpoint import commit_staging, staging_dir
@@ -165,7 +169,7 @@ class FSDPEngineBase(SingleOptimizerMixin, BaseEngine):
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """The model's state dict with sharded entries (DTensors), never gathered whole."""
-        return self._require_module().state_dict()
+        return get_model_state_dict(self._require_module())
 
     def named_full_params(
         self, bucket_bytes: int = 512 << 20

@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 from engine_core.hookspecs import BackendRegistry, hookimpl
-from engine_core_fsdp.capabilities import FSDP2_CAPABILITIES
+from engine_core_fsdp.capabilities import FSDP2_CAPABILITIES, FSDP_CAPABILITIES
 
 __all__ = ["engine_core_register"]
 
 
 @hookimpl
 def engine_core_register(registry: BackendRegistry) -> None:
+    registry.register_engine(
+        "fsdp",
+        "engine_core_fsdp.fsdp1:FSDPEngine",
+        config="engine_core_fsdp.fsdp1:FSDPEngineConfig",
+        capabilities=FSDP_CAPABILITIES,
+        description=(
+            "torch FullyShardedDataParallel (FSDP1): full_shard / shard_grad_op / no_shard data "
+            "parallel, mixed precision, LoRA, rank-0 broadcast init; DCP checkpoints."
+        ),
+    )
     registry.register_engine(
         "fsdp2",
         "engine_core_fsdp.fsdp2:FSDP2Engine",

@@ -1,4 +1,5 @@
-"""FSDP2 on two real gloo processes against the single-process reference engine."""
+"""Both FSDP engines (``fsdp``: FullyShardedDataParallel, ``fsdp2``: fully_shard) on real gloo
+processes against the single-process reference engine: outputs, training, export, checkpoints."""
 
 from __future__ import annotations
 
@@ -6,54 +7,61 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_core_fsdp.fsdp2 import FSDP2Engine, FSDP2EngineConfig
+from engine_core_fsdp._common import full_tensors
 
 from engine_core.batch import BatchMeta, set_meta
 from engine_core.checkpoint import list_checkpoints
 from engine_core.reference_engine import ReferenceEngine, ReferenceEngineConfig
 from tests._dist import run_distributed
-from tests._models import engine_config, nll_loss, random_batch
+from tests._models import (
+    engine_config,
+    nll_loss,
+    random_batch,
+    registered_engine,
+    train_steps,
+)
 
 STEPS = 5
 N = 8
 OPTIM = {"lr": 1e-2, "clip_grad": 1.0, "warmup_steps": 1}
+BACKENDS = ["fsdp", "fsdp2"]
+CRITIC_MODEL = {"config": engine_config()["model"]["config"], "value_head": True}
 
 
-def _train(engine, steps: range) -> list[tuple[float, float]]:  # type: ignore[no-untyped-def]
-    out = []
-    for s in steps:
-        with engine.train_mode():
-            result = engine.forward_backward_step(engine.shard_data(random_batch(N, seed=s)))
-            norm = engine.optimizer_step()
-            engine.lr_scheduler_step()
-            engine.optimizer_zero_grad()
-        out.append((result.loss, norm))
-    return out
+def _engine(backend: str, **overrides: object):  # type: ignore[no-untyped-def]
+    return registered_engine(backend, optim=OPTIM, **overrides)
 
 
-def _fsdp2(**overrides: object) -> FSDP2Engine:
-    e = FSDP2Engine(FSDP2EngineConfig(**engine_config(optim=OPTIM, **overrides)))
+def _reference(**overrides: object) -> ReferenceEngine:
+    e = ReferenceEngine(ReferenceEngineConfig(**engine_config(optim=OPTIM, **overrides)))
     e.init_model()
     e.set_loss_fn(nll_loss)
     return e
 
 
-def _reference() -> list[tuple[float, float]]:
-    e = ReferenceEngine(ReferenceEngineConfig(**engine_config(optim=OPTIM)))
-    e.init_model()
-    e.set_loss_fn(nll_loss)
-    return _train(e, range(STEPS))
+def _eval_batch():  # type: ignore[no-untyped-def]
+    batch = random_batch(N, seed=11, left_pad=True)
+    set_meta(batch, BatchMeta(compute_entropy=True))
+    return batch
 
 
-def _parity_worker(rank: int, world: int, batching: dict) -> list[tuple[float, float]]:
-    return _train(_fsdp2(**batching), range(STEPS))
+def _forward(engine) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    engine.set_loss_fn(None)
+    with engine.eval_mode():
+        out = engine.forward_backward_step(engine.shard_data(_eval_batch()), forward_only=True)
+    return dict(engine.unshard_data(out.outputs).items())
 
 
 @pytest.fixture(scope="module")
 def reference_curve() -> list[tuple[float, float]]:
-    return _reference()
+    return train_steps(_reference(), range(STEPS), N)
 
 
+def _parity_worker(rank: int, world: int, backend: str, batching: dict) -> list:
+    return train_steps(_engine(backend, **batching), range(STEPS), N)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     "batching",
     [
@@ -64,79 +72,76 @@ def reference_curve() -> list[tuple[float, float]]:
     ],
     ids=["one_mb", "mbs1", "budget40", "padded_mbs3"],
 )
-def test_dp2_training_matches_single_process(batching: dict, reference_curve: list) -> None:
-    for rank_curve in run_distributed(_parity_worker, 2, batching):
+def test_dp2_training_matches_single_process(
+    backend: str, batching: dict, reference_curve: list
+) -> None:
+    # same losses and grad norms for any micro-batching, token budget and DP size 2 vs 1
+    for rank_curve in run_distributed(_parity_worker, 2, backend, batching):
         for (loss, norm), (want_loss, want_norm) in zip(rank_curve, reference_curve, strict=True):
             assert loss == pytest.approx(want_loss, rel=1e-5)
             assert norm == pytest.approx(want_norm, rel=1e-5)
 
 
-def _outputs_worker(rank: int, world: int, tmp: str) -> dict:
-    engine = _fsdp2(micro_batch_size=3)
-    batch = random_batch(N, seed=11, left_pad=True)
-    set_meta(batch, BatchMeta(compute_entropy=True))
-    with engine.eval_mode():
-        lp = engine.unshard_data(
-            engine.forward_backward_step(engine.shard_data(batch), forward_only=True).outputs
-        )
-    critic = _fsdp2(model={"config": engine_config()["model"]["config"], "value_head": True})
-    critic.set_loss_fn(None)
-    with critic.eval_mode():
-        values = critic.unshard_data(
-            critic.forward_backward_step(critic.shard_data(batch), forward_only=True).outputs
-        )
+def _outputs_worker(rank: int, world: int, backend: str) -> dict:
+    out = {}
+    for packing in (True, False):
+        actor = _engine(backend, micro_batch_size=3, use_packing=packing)
+        critic = _engine(backend, micro_batch_size=3, use_packing=packing, model=CRITIC_MODEL)
+        out[packing] = {**_forward(actor), "values": _forward(critic)["values"]}
+    # a non-finite gradient norm skips the update and is counted
+    actor.set_loss_fn(lambda mb, o, ctx: ((o["log_probs"] * float("nan")).sum(), {}))
+    before = {k: v.clone() for k, v in full_tensors(actor.sharded_state_dict())}
+    with actor.train_mode():
+        actor.forward_backward_step(actor.shard_data(random_batch(N)))
+        norm = actor.optimizer_step()
+    after = dict(full_tensors(actor.sharded_state_dict()))
+    out["skip"] = (norm, actor.skipped_steps, all(torch.equal(before[k], after[k]) for k in after))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_log_probs_entropy_values_match_transformers(backend: str, world: int) -> None:
+    want = _forward(_reference())
+    want_values = _forward(_reference(model=CRITIC_MODEL))["values"]
+    for r in run_distributed(_outputs_worker, world, backend):
+        for packing in (True, False):
+            got = r[packing]
+            assert torch.allclose(got["log_probs"], want["log_probs"], atol=1e-5), packing
+            assert torch.allclose(got["entropy"], want["entropy"], atol=1e-5), packing
+            assert torch.allclose(got["values"], want_values, atol=1e-5), packing
+        norm, skipped, unchanged = r["skip"]
+        assert norm != norm and skipped == 1 and unchanged
+
+
+def _checkpoint_worker(rank: int, world: int, backend: str, tmp: str) -> dict:
+    engine = _engine(backend, micro_batch_size=3)
     exported = {k: v.clone() for k, v in engine.named_full_params()}
     engine.export_hf(str(Path(tmp) / "hf"))  # collective; rank 0 writes
     # checkpoint round trip: save after 3 steps, resume in a fresh engine, compare steps 4-5
-    first = _train(engine, range(3))
+    train_steps(engine, range(3), N)
     folder = engine.save_checkpoint(tmp, step=3, max_ckpt_to_keep=2)
-    straight = _train(engine, range(3, 5))
-    resumed = _fsdp2(micro_batch_size=3)
+    straight = train_steps(engine, range(3, 5), N)
+    resumed = _engine(backend, micro_batch_size=3)
     step = resumed.load_checkpoint(folder)
-    again = _train(resumed, range(3, 5))
+    again = train_steps(resumed, range(3, 5), N)
     for s in (4, 5):
         engine.save_checkpoint(tmp, step=s, max_ckpt_to_keep=2)
-    return {
-        "lp": lp["log_probs"],
-        "ent": lp["entropy"],
-        "values": values["values"],
-        "exported": exported,
-        "first": first,
-        "straight": straight,
-        "again": again,
-        "step": step,
-    }
+    return {"exported": exported, "straight": straight, "again": again, "step": step}
 
 
-def test_outputs_export_and_checkpoint_resume(tmp_path: Path) -> None:
-    ranks = run_distributed(_outputs_worker, 2, str(tmp_path))
-    ref = ReferenceEngine(ReferenceEngineConfig(**engine_config(optim=OPTIM)))
-    ref.init_model()
-    batch = random_batch(N, seed=11, left_pad=True)
-    set_meta(batch, BatchMeta(compute_entropy=True))
-    with ref.eval_mode():
-        want = ref.forward_backward_step(batch, forward_only=True).outputs
-    critic = ReferenceEngine(
-        ReferenceEngineConfig(
-            **engine_config(
-                model={"config": engine_config()["model"]["config"], "value_head": True}
-            )
-        )
-    )
-    critic.init_model()
-    with critic.eval_mode():
-        want_values = critic.forward_backward_step(batch, forward_only=True).outputs["values"]
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_export_and_checkpoint_resume(backend: str, tmp_path: Path) -> None:
+    ranks = run_distributed(_checkpoint_worker, 2, backend, str(tmp_path))
+    ref = _reference()
+    state = ref.module.state_dict()
     for r in ranks:
-        assert torch.allclose(r["lp"], want["log_probs"], atol=1e-5)
-        assert torch.allclose(r["ent"], want["entropy"], atol=1e-5)
-        assert torch.allclose(r["values"], want_values, atol=1e-5)
-        state = ref.module.state_dict()
         assert r["exported"].keys() == state.keys()
         for k, v in state.items():
             assert r["exported"][k].shape == v.shape and torch.equal(r["exported"][k], v), k
         assert r["step"] == 3
         assert r["again"] == r["straight"]  # bit-identical resume
-    assert [s for s, _ in list_checkpoints(tmp_path)] == [4, 5]
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [4, 5]  # rotation kept exactly 2
     # the HF export (taken before training) reloads with the initial weights
     from transformers import AutoModelForCausalLM
 
@@ -144,3 +149,14 @@ def test_outputs_export_and_checkpoint_resume(tmp_path: Path) -> None:
     ids = random_batch(3)["input_ids"]
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, ref.module.eval()(input_ids=ids).logits)
+
+
+def test_fsdp1_config_errors_name_the_fix() -> None:
+    from engine_core_fsdp.fsdp1 import FSDPEngineConfig
+
+    with pytest.raises(ValueError, match="init='meta' .* is implemented by the fsdp2 engine"):
+        FSDPEngineConfig(**engine_config(backend="fsdp", init="meta", model={"path": "/x"}))
+    with pytest.raises(ValueError, match="Use backend='fsdp2' for tensor parallelism"):
+        FSDPEngineConfig(**engine_config(backend="fsdp", tensor_parallel_size=2))
+    with pytest.raises(ValueError, match="sharding_strategy"):
+        FSDPEngineConfig(**engine_config(backend="fsdp", sharding_strategy="no_shard"))

@@ -1,5 +1,5 @@
-"""FSDP2 meshes (HSDP 1×2 and 2×1, TP 1×2), mixed precision, LoRA and rank-0 init, on two
-real gloo processes against the single-process reference engine."""
+"""FSDP2 meshes (HSDP 1×2 and 2×1, TP 1×2), and for both FSDP engines mixed precision, LoRA and
+rank-0 / meta init, on two real gloo processes against the single-process reference engine."""
 
 from __future__ import annotations
 
@@ -7,37 +7,35 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_core_fsdp._common import full_tensors
 from engine_core_fsdp.fsdp2 import FSDP2Engine, FSDP2EngineConfig
 
 from engine_core.batch import BatchMeta, set_meta
 from engine_core.errors import ConfigError
 from engine_core.reference_engine import ReferenceEngine, ReferenceEngineConfig
 from tests._dist import run_distributed
-from tests._models import TINY_QWEN2, engine_config, nll_loss, random_batch
+from tests._models import (
+    TINY_QWEN2,
+    engine_config,
+    nll_loss,
+    random_batch,
+    registered_engine,
+    train_steps,
+)
 
 STEPS = 5
 N = 8
 OPTIM = {"lr": 1e-2, "clip_grad": 1.0, "warmup_steps": 1}
 LORA = {"rank": 4, "alpha": 8.0}
-
-
-def _train(engine, steps: range) -> list[tuple[float, float]]:  # type: ignore[no-untyped-def]
-    out = []
-    for s in steps:
-        with engine.train_mode():
-            result = engine.forward_backward_step(engine.shard_data(random_batch(N, seed=s)))
-            norm = engine.optimizer_step()
-            engine.lr_scheduler_step()
-            engine.optimizer_zero_grad()
-        out.append((result.loss, norm))
-    return out
+BACKENDS = ["fsdp", "fsdp2"]
 
 
 def _fsdp2(**overrides: object) -> FSDP2Engine:
-    e = FSDP2Engine(FSDP2EngineConfig(**engine_config(backend="fsdp2", optim=OPTIM, **overrides)))
-    e.init_model()
-    e.set_loss_fn(nll_loss)
-    return e
+    return registered_engine("fsdp2", optim=OPTIM, **overrides)
+
+
+def _engine(backend: str, **overrides: object):  # type: ignore[no-untyped-def]
+    return registered_engine(backend, optim=OPTIM, **overrides)
 
 
 def _log_probs(engine) -> torch.Tensor:  # type: ignore[no-untyped-def]
@@ -55,7 +53,7 @@ def reference() -> dict:
     e = ReferenceEngine(ReferenceEngineConfig(**engine_config(optim=OPTIM)))
     e.init_model()
     e.set_loss_fn(nll_loss)
-    return {"lp": _log_probs(e), "curve": _train(e, range(STEPS))}
+    return {"lp": _log_probs(e), "curve": train_steps(e, range(STEPS), N)}
 
 
 def _mesh_worker(rank: int, world: int, overrides: dict) -> dict:
@@ -64,7 +62,7 @@ def _mesh_worker(rank: int, world: int, overrides: dict) -> dict:
         "mesh": (engine.mesh.mesh_dim_names, tuple(engine.mesh.shape)),
         "dp": (engine.dp_rank, engine.dp_size, engine.is_collect_rank),
         "lp": _log_probs(engine),
-        "curve": _train(engine, range(STEPS)),
+        "curve": train_steps(engine, range(STEPS), N),
     }
 
 
@@ -94,51 +92,54 @@ def test_meshes_match_single_process(
             assert norm == pytest.approx(want_norm, rel=1e-5)
 
 
-def _bf16_worker(rank: int, world: int) -> dict:
-    engine = _fsdp2(mixed_precision={"param_dtype": "bfloat16", "reduce_dtype": "float32"})
-    curve = _train(engine, range(3))
+def _bf16_worker(rank: int, world: int, backend: str) -> dict:
+    bf16 = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+    engine = _engine(backend, mixed_precision=bf16)
+    curve = train_steps(engine, range(3), N)
     dtypes = {str(p.dtype) for p in engine.module.parameters()}
     return {"curve": curve, "lp": _log_probs(engine), "dtypes": dtypes}
 
 
-def test_bf16_mixed_precision_keeps_fp32_master_weights(reference: dict) -> None:
-    for r in run_distributed(_bf16_worker, 2):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_mixed_precision_keeps_fp32_master_weights(backend: str, reference: dict) -> None:
+    for r in run_distributed(_bf16_worker, 2, backend):
         assert r["dtypes"] == {"torch.float32"}  # sharded master weights stay fp32
         for (loss, norm), (want_loss, _) in zip(r["curve"], reference["curve"], strict=False):
             assert loss == pytest.approx(want_loss, rel=2e-3)  # bf16 compute: close, not equal
             assert norm == norm and norm > 0
 
 
-def _lora_worker(rank: int, world: int, base_dir: str) -> dict:
-    engine = _fsdp2(model={"path": base_dir, "lora": LORA})
+def _lora_worker(rank: int, world: int, backend: str, base_dir: str) -> dict:
+    engine = _engine(backend, model={"path": base_dir, "lora": LORA})
     module = engine.module
-    before = {n: p.detach().full_tensor().clone() for n, p in module.named_parameters()}
+    before = {n: t.clone() for n, t in full_tensors(engine.sharded_state_dict())}
     trainable = sorted(n for n, p in module.named_parameters() if p.requires_grad)
-    _train(engine, range(2))
-    after = {n: p.detach().full_tensor() for n, p in module.named_parameters()}
+    train_steps(engine, range(2), N)
+    after = dict(full_tensors(engine.sharded_state_dict()))
     changed = sorted(n for n in before if not torch.equal(before[n], after[n]))
     with module.disable_adapter():
         base_lp = _log_probs(engine)
     adapted_lp = _log_probs(engine)
     merged = dict(engine.named_full_params())
-    unmerged = {n: t.clone() for n, t in engine.sharded_state_dict().items()}
+    unmerged = {n: t.clone() for n, t in full_tensors(engine.sharded_state_dict())}
     return {
         "trainable": trainable,
         "changed": changed,
         "base_lp": base_lp,
         "adapted_lp": adapted_lp,
         "merged": merged,
-        "unmerged": {n: t.full_tensor() for n, t in unmerged.items()},
+        "unmerged": unmerged,
     }
 
 
-def test_lora_trains_adapters_only_and_exports_merged_weights(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lora_trains_adapters_only_and_exports_merged_weights(backend: str, tmp_path: Path) -> None:
     from engine_core.config import ModelConfig
     from engine_core.models import build_model
 
     torch.manual_seed(0)
     build_model(ModelConfig(config=dict(TINY_QWEN2))).save_pretrained(tmp_path / "base")
-    ranks = run_distributed(_lora_worker, 2, str(tmp_path / "base"))
+    ranks = run_distributed(_lora_worker, 2, backend, str(tmp_path / "base"))
     base_ref = ReferenceEngine(
         ReferenceEngineConfig(**engine_config(model={"path": str(tmp_path / "base")}))
     )
@@ -159,13 +160,16 @@ def test_lora_trains_adapters_only_and_exports_merged_weights(tmp_path: Path) ->
         assert torch.allclose(merged[name], tensor, atol=1e-6), name
 
 
-def _init_worker(rank: int, world: int, path: str, init: str) -> dict:
-    engine = _fsdp2(model={"path": path}, init=init)
+def _init_worker(rank: int, world: int, backend: str, path: str, init: str) -> dict:
+    engine = _engine(backend, model={"path": path}, init=init)
     return {"params": dict(engine.named_full_params()), "lp": _log_probs(engine)}
 
 
-@pytest.mark.parametrize("init", ["rank0_broadcast", "meta"])
-def test_rank0_and_meta_init_equal_a_plain_load(init: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("backend", "init"),
+    [("fsdp2", "rank0_broadcast"), ("fsdp2", "meta"), ("fsdp", "rank0_broadcast")],
+)
+def test_rank0_and_meta_init_equal_a_plain_load(backend: str, init: str, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     ref = ReferenceEngine(ReferenceEngineConfig(**engine_config(seed=3)))
@@ -173,7 +177,7 @@ def test_rank0_and_meta_init_equal_a_plain_load(init: str, tmp_path: Path) -> No
     ref.module.save_pretrained(tmp_path / "hf")
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     want = loaded.state_dict()
-    for r in run_distributed(_init_worker, 2, str(tmp_path / "hf"), init):
+    for r in run_distributed(_init_worker, 2, backend, str(tmp_path / "hf"), init):
         assert r["params"].keys() == want.keys()
         for name, tensor in want.items():
             assert torch.equal(r["params"][name], tensor), name
