@@ -34,7 +34,7 @@ class LoraConfig(FrozenModel):
 class ModelConfig(FrozenModel):
     """Which transformers model to train: a local folder, or a config built from scratch."""
 
-    path: str | None = Field(None, description="Local folder or fsspec URL with an HF checkpoint.")
+    path: str | None = Field(None, description="Local folder with a Hugging Face checkpoint.")
     config: dict[str, Any] | None = Field(
         None,
         description="transformers config kwargs (must include model_type) to build from scratch.",

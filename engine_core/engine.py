@@ -362,17 +362,16 @@ class BaseEngine(abc.ABC):
         """Yield (HF parameter name, full tensor), materialising at most ``bucket_bytes`` at a time."""
 
     def export_hf(self, path: str) -> str:
-        """Write a Hugging Face folder (``model.safetensors`` + config) at ``path``.
+        """Write a Hugging Face folder (``model.safetensors`` + config) at ``path`` (a local
+        folder or an fsspec URL).
 
         Collective: every rank must call it (full tensors are gathered one at a time); rank 0
         writes into a temporary folder and swaps it in, so an interrupted export never leaves a
         half-written folder. An existing export at ``path`` is replaced.
         """
-        import shutil
-        from pathlib import Path
+        import fsspec
 
-        from safetensors.torch import save_file
-
+        from engine_core.checkpoint import fresh_folder, join, replace_folder, save_safetensors
         from engine_core.models import build_hf_config
 
         writer = self.dp_rank == 0
@@ -380,20 +379,17 @@ class BaseEngine(abc.ABC):
         for name, tensor in self.named_full_params():
             if writer:  # own copies: tied weights must not share storage in safetensors
                 tensors[name] = tensor.detach().to("cpu").contiguous().clone()
-        final = Path(path)
+        final = str(path).rstrip("/")
         if writer:
-            tmp, old = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-            build_hf_config(self.config.model).save_pretrained(str(tmp))
-            if final.exists():
-                final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
+            tmp = final + ".tmp"
+            fresh_folder(tmp)
+            save_safetensors(tensors, join(tmp, "model.safetensors"), metadata={"format": "pt"})
+            with fsspec.open(join(tmp, "config.json"), "w", encoding="utf-8") as f:
+                f.write(build_hf_config(self.config.model).to_json_string())
+            replace_folder(tmp, final)
         if self._distributed and self.dp_size > 1:
             dist.barrier(group=self.dp_group)
-        return str(final)
+        return final
 
     # ------------------------------------------------------------------ helpers
     def _require_module(self) -> nn.Module:

@@ -8,16 +8,24 @@ substitute for a sharded engine: use ``fsdp2`` for real training.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import ClassVar
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
 
 from engine_core._capsets import REFERENCE_CAPABILITIES
 from engine_core.capabilities import Capability
-from engine_core.checkpoint import commit_staging, staging_dir
+from engine_core.checkpoint import (
+    commit_staging,
+    is_file,
+    join,
+    load_safetensors,
+    load_torch,
+    save_safetensors,
+    save_torch,
+    staging_dir,
+    step_dir,
+)
 from engine_core.config import EngineConfig
 from engine_core.engine import BaseEngine
 from engine_core.errors import CheckpointError
@@ -84,38 +92,38 @@ class ReferenceEngine(SingleOptimizerMixin, BaseEngine):
         rank = self.dp_rank
         tmp = staging_dir(path, step) if rank == 0 else None
         self._barrier()
-        folder = Path(path) / f"global_step_{step}.tmp"
+        folder = step_dir(path, step) + ".tmp"
         if rank == 0:
             assert tmp is not None
-            save_file(
+            save_safetensors(
                 {k: v.contiguous() for k, v in self._require_module().state_dict().items()},
-                str(tmp / MODEL_FILE),
+                join(tmp, MODEL_FILE),
             )
         state = {
             "optimizer": self.optimizer.state_dict(),
             "step": step,
             **self.optimizer_extra_state(),
         }
-        torch.save(state, folder / f"state_rank{rank}.pt")
+        save_torch(state, join(folder, f"state_rank{rank}.pt"))
         self._barrier()
-        final = Path(path) / f"global_step_{step}"
+        final = step_dir(path, step)
         if rank == 0:
             final = commit_staging(path, step, max_ckpt_to_keep)
         self._barrier()
         return str(final)
 
     def load_checkpoint(self, path: str) -> int:
-        folder = Path(path)
-        model_file = folder / MODEL_FILE
-        state_file = folder / f"state_rank{self.dp_rank}.pt"
-        if not model_file.is_file() or not state_file.is_file():
+        model_file = join(path, MODEL_FILE)
+        state_name = f"state_rank{self.dp_rank}.pt"
+        state_file = join(path, state_name)
+        if not is_file(model_file) or not is_file(state_file):
             raise CheckpointError(
-                f"{folder} is not a complete reference-engine checkpoint (need {MODEL_FILE} and "
-                f"{state_file.name}); pass a global_step_<N> folder written by save_checkpoint()."
+                f"{path} is not a complete reference-engine checkpoint (need {MODEL_FILE} and "
+                f"{state_name}); pass a global_step_<N> folder written by save_checkpoint()."
             )
         assert self.optimizer is not None and self.scheduler is not None
-        self._require_module().load_state_dict(load_file(str(model_file)))
-        state = torch.load(state_file, weights_only=False)
+        self._require_module().load_state_dict(load_safetensors(model_file))
+        state = load_torch(state_file)
         self.optimizer.load_state_dict(state["optimizer"])
         self.load_optimizer_extra_state(state)
         return int(state["step"])

@@ -124,7 +124,7 @@ def run_grpo(
     start = 1
     if resume_from is not None:
         start = engine.load_checkpoint(str(resume_from)) + 1
-        task.set_rng_state(torch.load(resume_from / TRAINER_STATE)["task_rng"])
+        task.set_rng_state(torch.load(Path(resume_from) / TRAINER_STATE)["task_rng"])
         console.print(f"resumed from {resume_from} (next step {start})")
     elif job.warmup_sft_steps:
         _warmup(engine, task, job)

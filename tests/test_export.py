@@ -54,3 +54,21 @@ def test_value_head_export(tmp_path: Path) -> None:
     critic.module.eval()
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, critic.module(input_ids=ids).logits)
+
+
+def test_export_to_an_fsspec_url_reloads(tmp_path: Path) -> None:
+    import fsspec
+
+    engine = _trained()
+    url = "memory://export-test/hf"
+    assert engine.export_hf(url) == url
+    engine.export_hf(url)  # replacing an export at a URL works the same way
+    fs = fsspec.filesystem("memory")
+    assert [p.rsplit("/", 1)[-1] for p in fs.ls("/export-test", detail=False)] == ["hf"]
+    fs.get("/export-test/hf", str(tmp_path / "hf"), recursive=True)
+    fs.rm("/export-test", recursive=True)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = random_batch(3)["input_ids"]
+    engine.module.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, engine.module(input_ids=ids).logits)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,22 @@ def train_step(engine: ReferenceEngine, seed: int) -> tuple[float, float]:
     return out.loss, norm
 
 
-def test_checkpoint_resume_is_exact(tmp_path: Path) -> None:
+@pytest.fixture(params=["local", "memory"])
+def ckpt_root(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A checkpoint root as a local path and as an fsspec URL (in-memory filesystem)."""
+    if request.param == "local":
+        yield str(tmp_path)
+        return
+    import fsspec
+
+    root = f"memory://ckpt-{request.node.originalname}"  # no [param] (glob characters)
+    yield root
+    fs = fsspec.filesystem("memory")
+    if fs.exists(root):
+        fs.rm(root, recursive=True)
+
+
+def test_checkpoint_resume_is_exact(ckpt_root: str) -> None:
     cfg = {"optim": {"lr": 1e-2, "warmup_steps": 2, "schedule": "cosine", "total_steps": 5}}
     straight = make_engine(**cfg)
     want = [train_step(straight, s) for s in range(5)]
@@ -38,18 +54,19 @@ def test_checkpoint_resume_is_exact(tmp_path: Path) -> None:
     first = make_engine(**cfg)
     for s in range(3):
         train_step(first, s)
-    folder = first.save_checkpoint(str(tmp_path), step=3)
+    folder = first.save_checkpoint(ckpt_root, step=3)
+    assert folder == f"{ckpt_root}/global_step_3"
     resumed = make_engine(**cfg)
     assert resumed.load_checkpoint(folder) == 3
     got = [train_step(resumed, s) for s in range(3, 5)]
     assert got == want[3:]  # bit-identical on one process
 
 
-def test_rotation_keeps_max_ckpt_to_keep(tmp_path: Path) -> None:
+def test_rotation_keeps_max_ckpt_to_keep(ckpt_root: str) -> None:
     engine = make_engine()
     for step in range(1, 6):
-        engine.save_checkpoint(str(tmp_path), step=step, max_ckpt_to_keep=2)
-    assert [s for s, _ in list_checkpoints(tmp_path)] == [4, 5]
+        engine.save_checkpoint(ckpt_root, step=step, max_ckpt_to_keep=2)
+    assert [s for s, _ in list_checkpoints(ckpt_root)] == [4, 5]
 
 
 def test_existing_checkpoint_is_never_overwritten(tmp_path: Path) -> None:
@@ -61,12 +78,12 @@ def test_existing_checkpoint_is_never_overwritten(tmp_path: Path) -> None:
     assert (folder / "model.safetensors").read_bytes() == before
 
 
-def test_interrupted_save_is_not_a_checkpoint(tmp_path: Path) -> None:
-    staging_dir(tmp_path, 7)  # as if a save died before committing
-    assert list_checkpoints(tmp_path) == []
+def test_interrupted_save_is_not_a_checkpoint(ckpt_root: str) -> None:
+    staging_dir(ckpt_root, 7)  # as if a save died before committing
+    assert list_checkpoints(ckpt_root) == []
     engine = make_engine()
-    engine.save_checkpoint(str(tmp_path), step=7)  # the leftover is cleared, not an error
-    assert [s for s, _ in list_checkpoints(tmp_path)] == [7]
+    engine.save_checkpoint(ckpt_root, step=7)  # the leftover is cleared, not an error
+    assert [s for s, _ in list_checkpoints(ckpt_root)] == [7]
 
 
 def test_load_rejects_an_incomplete_folder(tmp_path: Path) -> None:

@@ -8,7 +8,6 @@ micro-batch loss by the DP size, since FSDP averages over ranks when it reduces 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -22,7 +21,16 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 
-from engine_core.checkpoint import commit_staging, staging_dir
+from engine_core.checkpoint import (
+    commit_staging,
+    is_dir,
+    is_file,
+    join,
+    load_torch,
+    save_torch,
+    staging_dir,
+    step_dir,
+)
 from engine_core.config import EngineConfig, FrozenModel
 from engine_core.engine import BaseEngine
 from engine_core.errors import CheckpointError
@@ -187,36 +195,37 @@ class FSDPEngineBase(SingleOptimizerMixin, BaseEngine):
         if rank == 0:
             staging_dir(path, step)
         dist.barrier()
-        folder = Path(path) / f"global_step_{step}.tmp"
+        folder = step_dir(path, step) + ".tmp"
         model_sd, optim_sd = get_state_dict(self._require_module(), self.optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder / "dcp"))
-        torch.save(
+        # a local path uses DCP's file writer, a URL its fsspec writer
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=join(folder, "dcp"))
+        save_torch(
             {"step": step, **self.optimizer_extra_state()},
-            folder / STATE_FILE.format(rank=rank),
+            join(folder, STATE_FILE.format(rank=rank)),
         )
         dist.barrier()
         if rank == 0:
             commit_staging(path, step, max_ckpt_to_keep)
         dist.barrier()
-        return str(Path(path) / f"global_step_{step}")
+        return step_dir(path, step)
 
     def load_checkpoint(self, path: str) -> int:
         assert self.optimizer is not None, "call init_model() first"
-        folder = Path(path)
-        state_file = folder / STATE_FILE.format(rank=dist.get_rank())
-        if not (folder / "dcp").is_dir() or not state_file.is_file():
+        state_name = STATE_FILE.format(rank=dist.get_rank())
+        state_file = join(path, state_name)
+        if not is_dir(join(path, "dcp")) or not is_file(state_file):
             raise CheckpointError(
-                f"{folder} is not a complete {self.backend_name} checkpoint (need dcp/ and "
-                f"{state_file.name}); pass a global_step_<N> folder written by save_checkpoint() "
+                f"{path} is not a complete {self.backend_name} checkpoint (need dcp/ and "
+                f"{state_name}); pass a global_step_<N> folder written by save_checkpoint() "
                 f"with the same number of ranks."
             )
         module = self._require_module()
         model_sd, optim_sd = get_state_dict(module, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(folder / "dcp"))
+        dcp.load(state, checkpoint_id=join(path, "dcp"))
         set_state_dict(
             module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
-        extra = torch.load(state_file, weights_only=False)
+        extra = load_torch(state_file)
         self.load_optimizer_extra_state(extra)
         return int(extra["step"])

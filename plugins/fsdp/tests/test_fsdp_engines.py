@@ -160,3 +160,31 @@ def test_fsdp1_config_errors_name_the_fix() -> None:
         FSDPEngineConfig(**engine_config(backend="fsdp", tensor_parallel_size=2))
     with pytest.raises(ValueError, match="sharding_strategy"):
         FSDPEngineConfig(**engine_config(backend="fsdp", sharding_strategy="no_shard"))
+
+
+def _fsspec_worker(rank: int, world: int, backend: str) -> dict:
+    import fsspec
+
+    root = f"memory://ckpt-{backend}"  # in-process filesystem: DCP's fsspec writer and reader
+    engine = _engine(backend)
+    train_steps(engine, range(2), N)
+    for step in (1, 2):
+        folder = engine.save_checkpoint(root, step=step, max_ckpt_to_keep=1)
+    straight = train_steps(engine, range(2, 4), N)
+    resumed = _engine(backend)
+    step = resumed.load_checkpoint(folder)
+    again = train_steps(resumed, range(2, 4), N)
+    kept = [s for s, _ in list_checkpoints(root)]
+    fsspec.filesystem("memory").rm(f"/ckpt-{backend}", recursive=True)
+    return {"folder": folder, "step": step, "kept": kept, "same": again == straight}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_checkpoint_to_an_fsspec_url(backend: str) -> None:
+    (r,) = run_distributed(_fsspec_worker, 1, backend)
+    assert r == {
+        "folder": f"memory://ckpt-{backend}/global_step_2",
+        "step": 2,
+        "kept": [2],
+        "same": True,
+    }
