@@ -61,6 +61,13 @@ class BatchMeta(BaseModel):
     )
     compute_entropy: bool = Field(False, description="Also return per-token entropy.")
     global_step: int = Field(0, ge=0, description="Trainer step that produced this batch.")
+    values_at_token: bool = Field(
+        False,
+        description=(
+            "Value-head outputs read at each token (the prefix up to and including it) instead "
+            "of aligned like log-probs (the prefix before it). Reward models score this way."
+        ),
+    )
 
 
 M = TypeVar("M", bound=BatchMeta)

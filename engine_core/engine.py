@@ -305,7 +305,8 @@ class BaseEngine(abc.ABC):
         """Per-token ``log_probs`` (and ``entropy``), or ``values`` for a value head, as ``[b, L]``.
 
         Outputs are aligned to ``input_ids``: position ``t`` holds the prediction of token ``t``
-        from positions ``< t``; the first token of each sequence and padding hold 0.
+        from positions ``< t``; the first token of each sequence and padding hold 0. With
+        ``BatchMeta.values_at_token`` a value head's output is read at each token instead.
         """
         meta: BatchMeta = get_meta(micro_batch)
         logits = raw.logits
@@ -314,6 +315,16 @@ class BaseEngine(abc.ABC):
         # prediction of token t comes from position t-1: shift logits right by one
         prev = torch.nn.functional.pad(logits[:, :-1], (0, 0, 1, 0))
         data: dict[str, torch.Tensor] = {}
+        if self.config.model.value_head and meta.values_at_token:
+            # the head's output at every real token, no shift: only padding holds 0
+            at_token = logits[..., 0].float()
+            if inputs.packed is not None:
+                values = unpack(inputs.packed, at_token)
+            else:
+                values = at_token.masked_fill(
+                    ~micro_batch[ATTENTION_MASK].bool().to(logits.device), 0.0
+                )
+            return TensorDict({VALUES: values.cpu()}, batch_size=[b])
         if self.config.model.value_head:
             data[VALUES] = prev[..., 0].float()
         else:

@@ -40,6 +40,10 @@ def build_hf_config(cfg: ModelConfig) -> Any:
             raise ConfigError(f"model.config: cannot build a {model_type!r} config: {e}") from e
     if cfg.value_head:
         hf_config.num_labels = 1
+        if getattr(hf_config, "classifier_dropout", None) is None:
+            # transformers' token-classification head defaults to dropout 0.1; a value function
+            # or reward model trained with it sees noisy targets that depend on the RNG layout
+            hf_config.classifier_dropout = 0.0
     return hf_config
 
 
@@ -59,17 +63,33 @@ def build_model(
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code}
     if cfg.attn_implementation is not None:
         kwargs["attn_implementation"] = cfg.attn_implementation
+    model: Any
     if cfg.path is not None and load_weights:
-        model = auto.from_pretrained(cfg.path, config=hf_config, **kwargs)
+        model, info = cast(
+            tuple[Any, dict[str, Any]],
+            auto.from_pretrained(cfg.path, config=hf_config, output_loading_info=True, **kwargs),
+        )
+        if cfg.value_head:
+            _zero_missing_head_bias(model, info["missing_keys"])
     else:
         model = auto.from_config(hf_config, **kwargs)
     if load_weights:
-        model = cast(Any, model).to(device)  # a transformers PreTrainedModel
+        model = model.to(device)  # a transformers PreTrainedModel
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.lora is not None:
         model = apply_lora(model, cfg)
     return cast(nn.Module, model)
+
+
+def _zero_missing_head_bias(model: nn.Module, missing: list[str] | set[str]) -> None:
+    """A sequence-classification checkpoint's score head has no bias; the value-head model's
+    does. Zero it, so the loaded head computes exactly what the checkpoint's head computed."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name in missing:
+            if name.endswith("bias") and name.rsplit(".", 2)[0] == "score" and name in params:
+                params[name].zero_()
 
 
 def apply_lora(model: nn.Module, cfg: ModelConfig) -> nn.Module:

@@ -124,7 +124,10 @@ def value_loss(
         clipped_values = old_values + (values - old_values).clamp(-clip_range, clip_range)
         err_clipped = (clipped_values - returns).square()
         per_token = 0.5 * torch.maximum(err, err_clipped)
-        clipfrac = (err_clipped > err).float()
+        # clipped only where the clamp is active: elsewhere clipped_values equals values up to
+        # rounding, and comparing the two errors would count rounding noise as clipping
+        active = (values - old_values).abs() > clip_range
+        clipfrac = (active & (err_clipped > err)).float()
     return {
         "vf_loss": aggregate_loss(per_token, mask, aggregation, ctx),
         "vf_clipfrac": aggregate_loss(clipfrac, mask, LossAggregation.TOKEN_MEAN, ctx).detach(),

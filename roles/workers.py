@@ -1,6 +1,6 @@
 """Roles as workers of a worker group: each worker builds its engine in its own process.
 
-The role methods are dispatched on their mesh ("actor", "critic", "ref"): a batch is split into
+The role methods are dispatched on their mesh ("actor", "critic", "ref", "rm"): a batch is split into
 DP chunks, each rank runs the role on its chunk, and one output per DP rank is collected. With
 the local executor (``torch.multiprocessing``) or Ray, the same calls that run in-process run
 data-parallel, and the user script does not change.
@@ -18,8 +18,10 @@ from engine_core import BaseEngine, load_plugins, resolve_engine_config
 from engine_core.dispatch import DispatchMode, Worker, register
 from roles.actor import Actor, ActorConfig
 from roles.critic import Critic, CriticConfig
+from roles.reference import Reference
+from roles.reward_model import RewardModel
 
-__all__ = ["ActorWorker", "CriticWorker", "build_engine"]
+__all__ = ["ActorWorker", "CriticWorker", "ReferenceWorker", "RewardModelWorker", "build_engine"]
 
 
 def build_engine(engine_config: dict[str, Any]) -> BaseEngine:
@@ -49,10 +51,9 @@ class _RoleWorker(Worker):
         )
 
     def params_checksum(self) -> float:
-        """A cheap fingerprint of the weights (sum of |w|), to compare runs."""
-        module = self.engine.module
-        assert module is not None  # built in __init__
-        return float(sum(float(p.detach().double().abs().sum()) for p in module.parameters()))
+        """A cheap fingerprint of the full weights (sum of |w|), to compare runs across engines
+        and layouts. Collective for sharded engines: call it on every worker."""
+        return float(sum(float(t.double().abs().sum()) for _, t in self.engine.named_full_params()))
 
 
 class ActorWorker(_RoleWorker):
@@ -85,3 +86,27 @@ class CriticWorker(_RoleWorker):
     @register(DispatchMode.ND_COMPUTE, mesh="critic")
     def update_critic(self, batch: TensorDict) -> dict[str, float]:
         return self.critic.update_critic(batch)
+
+
+class ReferenceWorker(_RoleWorker):
+    mesh = "ref"
+
+    def __init__(self, engine_config: dict[str, Any], temperature: float = 1.0) -> None:
+        super().__init__(engine_config)
+        self.reference = Reference(self.engine, temperature=temperature)
+
+    @register(DispatchMode.ND_COMPUTE, mesh="ref")
+    def compute_ref_log_prob(self, batch: TensorDict) -> TensorDict:
+        return self.reference.compute_ref_log_prob(batch)
+
+
+class RewardModelWorker(_RoleWorker):
+    mesh = "rm"
+
+    def __init__(self, engine_config: dict[str, Any]) -> None:
+        super().__init__(engine_config)
+        self.reward_model = RewardModel(self.engine)
+
+    @register(DispatchMode.ND_COMPUTE, mesh="rm")
+    def compute_rm_score(self, batch: TensorDict) -> TensorDict:
+        return self.reward_model.compute_rm_score(batch)

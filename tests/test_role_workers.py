@@ -1,64 +1,152 @@
-"""The same PPO step in-process, through local worker processes (dp=2) and through Ray (dp=2)."""
+"""One PPO step through Actor + Critic + Reference, under the ``fsdp`` and ``fsdp2`` engines,
+in-process, through local worker groups (dp=2) and through Ray (dp=2): the same metrics, outputs
+and updated weights as the single-process reference engine. Only config changes between runs."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
 import torch
 
 from engine_core.executors import LocalWorkerGroup
-from roles.actor import OLD_LOG_PROBS
-from roles.workers import ActorWorker
+from roles.actor import OLD_LOG_PROBS, REF_LOG_PROBS
+from roles.advantages import gae_advantages, sequence_to_token_rewards
+from roles.critic import OLD_VALUES, RETURNS
+from roles.workers import ActorWorker, CriticWorker, ReferenceWorker
+from tests._dist import run_distributed
 from tests._models import engine_config
 from tests.test_roles import ppo_batch
 
 # one mini-batch per epoch: with DP, mini-batch k is the union of every rank's k-th local
 # mini-batch, so smaller mini-batches legitimately differ in composition from one process
-ACTOR = {"ppo_epochs": 2, "entropy_coeff": 0.01}
-ENGINE = engine_config(micro_batch_size=2)
+ACTOR = {"ppo_epochs": 2, "entropy_coeff": 0.01, "use_kl_loss": True, "kl_loss_coef": 0.1}
+CRITIC = {"ppo_epochs": 2}
+BACKENDS = ["fsdp", "fsdp2"]
 
 
-def in_process() -> tuple[dict[str, float], torch.Tensor, float]:
-    worker = ActorWorker(ENGINE, ACTOR)
+def _configs(backend: str) -> dict[str, dict[str, Any]]:
+    policy = engine_config(backend=backend, micro_batch_size=2)
+    critic_model = {"config": policy["model"]["config"], "value_head": True}
+    return {
+        "actor": policy,
+        "critic": engine_config(backend=backend, micro_batch_size=2, model=critic_model),
+        "ref": policy,
+    }
+
+
+class _Direct:
+    """A role worker called in the calling process."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+
+    def run(self, method: str, batch: Any) -> Any:
+        return getattr(self.worker, method)(batch)
+
+    def checksums(self) -> list[float]:
+        return [self.worker.params_checksum()]
+
+
+class _Group:
+    """A role worker group: the same calls, dispatched over its DP ranks."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def run(self, method: str, batch: Any) -> Any:
+        out = self.group.execute(method, batch)
+        if isinstance(out, list):  # update metrics: one per DP rank, reduced before returning
+            assert all(o == out[0] for o in out)
+            return out[0]
+        return out
+
+    def checksums(self) -> list[float]:
+        return list(self.group.call_all("params_checksum"))
+
+
+def ppo_step(actor: Any, critic: Any, ref: Any) -> dict[str, Any]:
     batch = ppo_batch()
-    old = worker.compute_log_prob(batch)[OLD_LOG_PROBS]
-    batch[OLD_LOG_PROBS] = old + 0.05
-    metrics = worker.update_actor(batch)
-    return metrics, old, worker.params_checksum()
+    old = actor.run("compute_log_prob", batch)[OLD_LOG_PROBS]
+    batch[OLD_LOG_PROBS] = old + 0.05  # as if the rollout policy were slightly off
+    batch[REF_LOG_PROBS] = ref.run("compute_ref_log_prob", batch)[REF_LOG_PROBS]
+    values = critic.run("compute_values", batch)[OLD_VALUES]
+    batch[OLD_VALUES] = values
+    scores = torch.linspace(-1.0, 1.0, batch.batch_size[0])
+    rewards = sequence_to_token_rewards(scores, batch["loss_mask"])
+    _, batch[RETURNS] = gae_advantages(rewards, values, batch["loss_mask"], gamma=1.0, lam=0.95)
+    return {
+        "old": old,
+        "ref": batch[REF_LOG_PROBS],
+        "values": values,
+        "actor": actor.run("update_actor", batch),
+        "critic": critic.run("update_critic", batch),
+        "weights": actor.checksums() + critic.checksums(),
+    }
+
+
+def _in_process(rank: int, world: int, backend: str) -> dict[str, Any]:
+    cfg = _configs(backend)
+    return ppo_step(
+        _Direct(ActorWorker(cfg["actor"], ACTOR)),
+        _Direct(CriticWorker(cfg["critic"], CRITIC)),
+        _Direct(ReferenceWorker(cfg["ref"])),
+    )
+
+
+def _grouped(make_group: Any, backend: str) -> dict[str, Any]:
+    cfg = _configs(backend)
+    with contextlib.ExitStack() as stack:
+        actor = stack.enter_context(make_group(ActorWorker, (cfg["actor"], ACTOR)))
+        critic = stack.enter_context(make_group(CriticWorker, (cfg["critic"], CRITIC)))
+        ref = stack.enter_context(make_group(ReferenceWorker, (cfg["ref"],)))
+        return ppo_step(_Group(actor), _Group(critic), _Group(ref))
+
+
+def _local(cls: type, args: tuple) -> LocalWorkerGroup:
+    return LocalWorkerGroup(cls, 2, init_args=args)
 
 
 @pytest.fixture(scope="module")
-def reference() -> tuple[dict[str, float], torch.Tensor, float]:
-    return in_process()
+def want() -> dict[str, Any]:
+    # a spawned process so engines' process groups never leak into the test process
+    (result,) = run_distributed(_in_process, 1, "reference")
+    return result
 
 
-def run_group(group: Any) -> tuple[dict[str, float], torch.Tensor, list[float]]:
-    with group:
-        batch = ppo_batch()
-        old = group.execute("compute_log_prob", batch)[OLD_LOG_PROBS]
-        batch[OLD_LOG_PROBS] = old + 0.05
-        per_dp = group.execute("update_actor", batch)
-        assert per_dp[0] == per_dp[1]  # metrics are reduced across DP before they are returned
-        return per_dp[0], old, group.call_all("params_checksum")
+def check(got: dict[str, Any], want: dict[str, Any]) -> None:
+    for key in ("old", "ref", "values"):
+        assert torch.allclose(got[key], want[key], atol=1e-5), key
+    for role in ("actor", "critic"):
+        assert got[role].keys() == want[role].keys()
+        for k, v in want[role].items():
+            assert got[role][k] == pytest.approx(v, rel=1e-5, abs=1e-6), (role, k)
+    actor_want, critic_want = want["weights"]
+    half = len(got["weights"]) // 2
+    for c in got["weights"][:half]:
+        assert c == pytest.approx(actor_want, rel=1e-6)
+    for c in got["weights"][half:]:
+        assert c == pytest.approx(critic_want, rel=1e-6)
 
 
-def check(got: tuple[dict[str, float], torch.Tensor, list[float]], want: tuple) -> None:
-    metrics, old, checksums = got
-    assert torch.allclose(old, want[1], atol=1e-5)
-    assert metrics.keys() == want[0].keys()
-    for k, v in want[0].items():
-        assert metrics[k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
-    for c in checksums:
-        assert c == pytest.approx(want[2], rel=1e-9)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_in_process(backend: str, want: dict) -> None:
+    (got,) = run_distributed(_in_process, 1, backend)
+    check(got, want)
 
 
-def test_local_worker_group_dp2(reference: tuple) -> None:
-    check(run_group(LocalWorkerGroup(ActorWorker, 2, init_args=(ENGINE, ACTOR))), reference)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_local_worker_groups_dp2(backend: str, want: dict) -> None:
+    check(_grouped(_local, backend), want)
 
 
 @pytest.mark.ray
-def test_ray_worker_group_dp2(reference: tuple, ray_session: Any) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ray_worker_groups_dp2(backend: str, want: dict, ray_session: Any) -> None:
     from engine_core.executors import RayWorkerGroup
 
-    check(run_group(RayWorkerGroup(ActorWorker, 2, init_args=(ENGINE, ACTOR))), reference)
+    def ray_group(cls: type, args: tuple) -> RayWorkerGroup:
+        return RayWorkerGroup(cls, 2, init_args=args)
+
+    check(_grouped(ray_group, backend), want)
