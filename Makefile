@@ -6,11 +6,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup run test lint bench
 
-$(STAMP): pyproject.toml $(wildcard plugins/*/pyproject.toml)
+$(STAMP): pyproject.toml $(wildcard plugins/*/pyproject.toml) tests/fixtures/example_engine/pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,ray]'
 	$(PY) -m pip install -q -e plugins/hf -e "plugins/fsdp[lora]"
+	# an out-of-tree engine, installed like a user's package, for the conformance kit's tests
+	$(PY) -m pip install -q -e tests/fixtures/example_engine
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -22,8 +24,11 @@ lint: setup
 	$(VENV)/bin/ruff check engine_core roles tests benchmarks plugins
 	$(VENV)/bin/mypy
 
+# The conformance kit runs against every engine in the repository (and the example plugin).
+KIT := $(foreach b,reference fsdp fsdp2 example,--engine-core-backend=$(b))
+
 test: setup lint
-	RAY_AUTH_MODE=disabled $(PY) -m pytest -q
+	RAY_AUTH_MODE=disabled $(PY) -m pytest -q $(KIT)
 
 bench: setup
 	for b in benchmarks/*.py; do $(PY) $$b; done

@@ -1,65 +1,27 @@
-"""Tiny models and batches shared by tests (built from configs: nothing is downloaded)."""
+"""Tiny models and batches shared by tests: the conformance kit's, plus test-only helpers."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-from tensordict import TensorDict
 
-from engine_core.batch import make_batch
-from engine_core.loss import GlobalBatchContext, Metric, aggregate_loss, token_mean_metric
+from engine_core.testing.models import (
+    TINY_QWEN2,
+    engine_config,
+    nll_loss,
+    random_batch,
+    registered_engine,
+    train_steps,
+)
 
-TINY_QWEN2: dict[str, Any] = {
-    "model_type": "qwen2",
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 128,
-    "tie_word_embeddings": False,
-}
-
-
-def engine_config(**overrides: Any) -> dict[str, Any]:
-    """Raw config dict for the reference engine on the tiny model."""
-    cfg: dict[str, Any] = {
-        "backend": "reference",
-        "model": {"config": dict(TINY_QWEN2)},
-        "optim": {"lr": 1e-2, "clip_grad": None},
-        "seed": 0,
-    }
-    cfg.update(overrides)
-    return cfg
-
-
-def random_batch(
-    num_samples: int, seq_len: int = 24, *, seed: int = 0, left_pad: bool = False, min_len: int = 3
-) -> TensorDict:
-    """Random token ids with random lengths, padded to ``seq_len``."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(min_len, seq_len + 1, (num_samples,), generator=g)
-    ids = torch.randint(1, TINY_QWEN2["vocab_size"], (num_samples, seq_len), generator=g)
-    pos = torch.arange(seq_len).expand(num_samples, seq_len)
-    if left_pad:
-        mask = pos >= (seq_len - lengths).unsqueeze(1)
-    else:
-        mask = pos < lengths.unsqueeze(1)
-    ids = ids.masked_fill(~mask, 0)
-    return make_batch(ids, mask.long())
-
-
-def nll_loss(
-    mb: TensorDict, out: TensorDict, ctx: GlobalBatchContext
-) -> tuple[torch.Tensor, dict[str, Metric]]:
-    """Token-mean negative log-likelihood over the default loss mask."""
-    from engine_core.engine import loss_mask_of
-
-    mask = loss_mask_of(mb)
-    loss = aggregate_loss(-out["log_probs"], mask, "token-mean", ctx)
-    return loss, {"nll": token_mean_metric(-out["log_probs"], mask, ctx)}
+__all__ = [
+    "TINY_QWEN2",
+    "engine_config",
+    "flat_grad",
+    "nll_loss",
+    "random_batch",
+    "registered_engine",
+    "train_steps",
+]
 
 
 def flat_grad(module: torch.nn.Module) -> torch.Tensor:
@@ -71,28 +33,3 @@ def flat_grad(module: torch.nn.Module) -> torch.Tensor:
     )
 
 
-def registered_engine(backend: str, **overrides: Any) -> Any:
-    """An initialised engine of a registered backend on the tiny model, NLL loss set."""
-    from engine_core.plugins import load_plugins
-
-    spec = load_plugins().get_engine(backend)
-    config = spec.load_config_class()(**engine_config(backend=backend, **overrides))
-    engine = spec.load_class()(config)
-    engine.init_model()
-    engine.set_loss_fn(nll_loss)
-    return engine
-
-
-def train_steps(engine: Any, steps: range, num_samples: int = 8) -> list[tuple[float, float]]:
-    """(loss, grad norm) of one optimizer step per seed in ``steps``."""
-    out = []
-    for s in steps:
-        with engine.train_mode():
-            result = engine.forward_backward_step(
-                engine.shard_data(random_batch(num_samples, seed=s))
-            )
-            norm = engine.optimizer_step()
-            engine.lr_scheduler_step()
-            engine.optimizer_zero_grad()
-        out.append((result.loss, norm))
-    return out

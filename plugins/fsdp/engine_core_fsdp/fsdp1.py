@@ -6,7 +6,9 @@ frozen and trainable parameters (LoRA) share a unit. State dicts are sharded
 (``SHARDED_STATE_DICT``, one DTensor per parameter over the data-parallel mesh): checkpoints and
 weight export never gather the whole model on one rank.
 
-FSDP1 keeps flat parameters: a rank's gradient shards are plain tensors, not DTensors, so the
+On a single rank without mixed precision the engine runs the plain module (there is nothing to
+shard, and FSDP1's single-rank fallback, NO_SHARD, is deprecated and drops frozen parameters
+from state dicts). FSDP1 keeps flat parameters: a rank's gradient shards are plain tensors, not DTensors, so the
 global grad norm and clipping go through ``FullyShardedDataParallel.clip_grad_norm_``.
 """
 
@@ -86,6 +88,10 @@ class FSDPEngine(FSDPEngineBase):
     config_class: ClassVar[type[EngineConfig]] = FSDPEngineConfig
     backend_name: ClassVar[str] = "fsdp"
 
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.wrapped = False
+
     def init_model(self) -> None:
         ensure_process_group()
         cfg = self.config
@@ -103,6 +109,16 @@ class FSDPEngine(FSDPEngineBase):
             module = build_skeleton(cfg.model)
         else:
             module = build_model(cfg.model, device=device)
+        # One rank without mixed precision: nothing to shard, and FSDP1 would fall back to its
+        # deprecated NO_SHARD mode, whose state-dict hooks lose frozen root parameters (LoRA)
+        # after a forward. Run the plain module there; the engine's contract is unchanged.
+        self.wrapped = dist.get_world_size() > 1 or cfg.mixed_precision is not None
+        if not self.wrapped:
+            if rank0_only:
+                module = build_model(cfg.model, device=device)
+            self.module = module
+            self.init_optimizer(module)
+            return
         block_types = {type(b) for b in decoder_blocks(module)}
         wrapped = FSDP(
             module,
@@ -123,14 +139,17 @@ class FSDPEngine(FSDPEngineBase):
 
     def no_sync(self) -> contextlib.AbstractContextManager[Any]:
         module = self._require_module()
-        assert isinstance(module, FSDP)
+        if not isinstance(module, FSDP):
+            return contextlib.nullcontext()  # one rank: no gradient sync to skip
         return module.no_sync()
 
     def to(self, device: torch.device | str, *, model: bool = True, optimizer: bool = True) -> None:
         target = torch.device(device)
         if target.type == "cpu" and self.device.type == "cpu":
             return  # a CPU-only run has nowhere to offload to: documented no-op
-        if model:
+        if model and not self.wrapped:
+            self._require_module().to(target)
+        elif model:
             # FSDP1 keeps each unit's shard in one flat parameter (and its ``_local_shard``
             # alias); move that, then re-point the original parameters' views at it.
             module = self._require_module()
@@ -148,7 +167,8 @@ class FSDPEngine(FSDPEngineBase):
     def optimizer_step(self) -> float:
         assert self.optimizer is not None, "call init_model() first"
         module = self._require_module()
-        assert isinstance(module, FSDP)
+        if not isinstance(module, FSDP):
+            return super().optimizer_step()
         max_norm = self.config.optim.clip_grad
         # collective over the shards; max_norm=inf measures without scaling
         norm = float(module.clip_grad_norm_(math.inf if max_norm is None else max_norm))

@@ -1,0 +1,349 @@
+"""The engine contract, as pytest tests run against every ``--engine-core-backend``.
+
+Collected by the ``engine_core`` pytest plugin when that option is given; each test is marked
+``engine_core_contract`` and parametrized by backend name. Failures name the broken contract.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine_core.batch import ENTROPY, LOG_PROBS, VALUES
+from engine_core.capabilities import Capability
+from engine_core.errors import CapabilityError
+from engine_core.plugins import load_plugins
+from engine_core.resolve import resolve_engine_config
+from engine_core.testing.distributed import run_distributed
+from engine_core.testing.kit import (
+    CAPABILITY_TRIGGERS,
+    Baseline,
+    declared_capabilities,
+    make_baseline,
+    single_process_checks,
+    two_process_checks,
+)
+from engine_core.testing.models import engine_config
+
+pytestmark = pytest.mark.engine_core_contract
+
+ATOL = 1e-5  # fp32 outputs against plain transformers
+RTOL = 1e-5  # fp32 losses and grad norms
+
+
+@pytest.fixture(scope="session")
+def kit_baseline(tmp_path_factory: pytest.TempPathFactory) -> Baseline:
+    return make_baseline(str(tmp_path_factory.mktemp("engine-core-kit")))
+
+
+@pytest.fixture(scope="module")
+def caps(engine_core_backend: str) -> frozenset[Capability]:
+    found = declared_capabilities(engine_core_backend)
+    if Capability.CPU not in found:
+        pytest.skip(f"{engine_core_backend!r} does not declare 'cpu'; the kit runs on CPU only")
+    return found
+
+
+def _paths(baseline: Baseline, backend: str, tag: str) -> dict[str, str]:
+    root = Path(baseline.root) / f"ckpt-{backend}-{tag}"
+    return {
+        "policy_dir": baseline.policy_dir,
+        "critic_dir": baseline.critic_dir,
+        "checkpoint_root": str(root),
+    }
+
+
+@pytest.fixture(scope="module")
+def single(engine_core_backend: str, caps: frozenset, kit_baseline: Baseline) -> dict[str, Any]:
+    paths = _paths(kit_baseline, engine_core_backend, "1")
+    (result,) = run_distributed(single_process_checks, 1, engine_core_backend, paths)
+    return result
+
+
+@pytest.fixture(scope="module")
+def double(engine_core_backend: str, caps: frozenset, kit_baseline: Baseline) -> list[dict]:
+    if Capability.DATA_PARALLEL not in caps:
+        pytest.skip(f"{engine_core_backend!r} does not declare 'data_parallel'")
+    paths = _paths(kit_baseline, engine_core_backend, "2")
+    return run_distributed(two_process_checks, 2, engine_core_backend, paths)
+
+
+def _get(results: dict[str, Any], key: str, contract: str) -> Any:
+    if key not in results:
+        pytest.fail(f"[{contract}] check {key!r} did not run")
+    value = results[key]
+    if isinstance(value, dict) and "error" in value and isinstance(value["error"], str):
+        pytest.fail(f"[{contract}] check {key!r} raised inside the engine:\n{value['error']}")
+    return value
+
+
+def _order_hint(got: torch.Tensor, want: torch.Tensor) -> str:
+    """Name rows that match a different input row: outputs returned out of input order."""
+    moved = []
+    for i in range(got.shape[0]):
+        if torch.allclose(got[i], want[i], atol=ATOL):
+            continue
+        for j in range(want.shape[0]):
+            if j != i and torch.allclose(got[i], want[j], atol=ATOL):
+                moved.append(f"output row {i} is input row {j}")
+                break
+    if moved:
+        return (
+            "outputs are not in input order (" + "; ".join(moved[:4]) + "): restore the order "
+            "of the batch after micro-batching (MicroBatchPlan.restore)."
+        )
+    return ""
+
+
+def assert_outputs(got: torch.Tensor, want: torch.Tensor, what: str, layout: str) -> None:
+    if got.shape != want.shape:
+        pytest.fail(
+            f"[outputs] {what} ({layout}): shape {tuple(got.shape)}, want {tuple(want.shape)}"
+        )
+    if torch.allclose(got, want, atol=ATOL):
+        return
+    hint = _order_hint(got, want) or (
+        "check position ids, packing boundaries, padding and the shift that aligns position t "
+        "with the prediction of token t."
+    )
+    diff = float((got - want).abs().max())
+    pytest.fail(
+        f"[outputs] {what} ({layout}) differ from plain transformers by {diff:.3g} "
+        f"(atol {ATOL}): {hint}"
+    )
+
+
+# ---------------------------------------------------------------------------- outputs
+def test_log_probs_and_entropy_match_transformers(
+    single: dict, caps: frozenset, kit_baseline: Baseline
+) -> None:
+    layouts = [False, True] if Capability.PACKING in caps else [False]
+    for packing in layouts:
+        out = _get(single, f"outputs_packing={packing}", "outputs")
+        layout = "packed" if packing else "padded"
+        assert_outputs(out[LOG_PROBS], kit_baseline.log_probs, "log_probs", layout)
+        assert_outputs(out[ENTROPY], kit_baseline.entropy, "entropy", layout)
+
+
+def test_values_match_transformers(single: dict, caps: frozenset, kit_baseline: Baseline) -> None:
+    if Capability.VALUE_HEAD not in caps:
+        pytest.skip("value_head not declared")
+    assert_outputs(
+        _get(single, "values", "values")[VALUES], kit_baseline.values, "values", "1 rank"
+    )
+
+
+def test_outputs_with_two_dp_ranks_match_transformers(double: list, kit_baseline: Baseline) -> None:
+    for rank, r in enumerate(double):
+        out = _get(r, "outputs", "outputs")
+        assert_outputs(out[LOG_PROBS], kit_baseline.log_probs, "log_probs", f"dp=2, rank {rank}")
+
+
+def test_model_parallel_outputs_match_transformers(
+    double: list, caps: frozenset, kit_baseline: Baseline
+) -> None:
+    declared = [
+        c
+        for c in (
+            Capability.TENSOR_PARALLEL,
+            Capability.PIPELINE_PARALLEL,
+            Capability.CONTEXT_PARALLEL,
+        )
+        if c in caps
+    ]
+    if not declared:
+        pytest.skip("no model parallelism declared")
+    for cap in declared:
+        for rank, r in enumerate(double):
+            out = _get(r, f"outputs_{cap}", str(cap))
+            assert_outputs(
+                out[LOG_PROBS], kit_baseline.log_probs, "log_probs", f"{cap}=2, rank {rank}"
+            )
+
+
+# ---------------------------------------------------------------------------- gradients
+def _check_step(step: dict, baseline: Baseline, variant: str) -> None:
+    loss, norm = step["loss"], step["norm"]
+    if loss is None or abs(loss - baseline.loss) > RTOL * abs(baseline.loss):
+        pytest.fail(
+            f"[loss contract] {variant}: loss {loss} != full-batch token-mean loss "
+            f"{baseline.loss:.8g}: the reported loss must be the global loss, summed over "
+            f"micro-batches and DP ranks."
+        )
+    if abs(norm - baseline.grad_norm) > RTOL * baseline.grad_norm:
+        ratio = norm / baseline.grad_norm
+        pytest.fail(
+            f"[gradient invariance] {variant}: grad norm {norm:.8g} is {ratio:.4g}x the "
+            f"full-batch gradient norm {baseline.grad_norm:.8g}. Gradients must be the sum over "
+            f"micro-batches and DP ranks of each micro-batch's globally normalized loss: a "
+            f"backend whose reduction averages over ranks must scale the loss by dp_size."
+        )
+
+
+def test_gradient_invariance_single_process(single: dict, kit_baseline: Baseline) -> None:
+    steps = [k for k in single if k.startswith("step_")]
+    assert steps, "no gradient checks ran"
+    for key in steps:
+        _check_step(_get(single, key, "gradient invariance"), kit_baseline, f"1 rank, {key[5:]}")
+
+
+def test_gradient_invariance_two_dp_ranks(double: list, kit_baseline: Baseline) -> None:
+    for rank, r in enumerate(double):
+        for key in [k for k in r if k.startswith("step_")]:
+            step = _get(r, key, "gradient invariance")
+            _check_step(step, kit_baseline, f"dp=2 rank {rank}, {key[5:]}")
+
+
+def test_micro_batch_counts_agree_across_dp_ranks(double: list, caps: frozenset) -> None:
+    if Capability.DYNAMIC_BATCH not in caps:
+        pytest.skip("dynamic_batch not declared")
+    counts = [_get(r, "uneven_counts", "micro-batch agreement")["calls"] for r in double]
+    if len(set(counts)) != 1:
+        pytest.fail(
+            f"[micro-batch agreement] DP ranks ran {counts} micro-batches on a token budget: "
+            f"every rank must run the same count (agree on the max across the DP group), or "
+            f"collectives inside forward/backward deadlock."
+        )
+
+
+def test_one_collect_rank_per_dp_rank(double: list) -> None:
+    layout = [_get(r, "layout", "collect") for r in double]
+    sizes = {r["dp_size"] for r in layout}
+    if len(sizes) != 1:
+        pytest.fail(f"[collect] ranks disagree on dp_size: {sorted(sizes)}")
+    (dp_size,) = sizes
+    for dp_rank in range(dp_size):
+        collect = [r["rank"] for r in layout if r["dp_rank"] == dp_rank and r["collect"]]
+        if len(collect) != 1:
+            pytest.fail(
+                f"[collect] DP rank {dp_rank} has {len(collect)} collect ranks (global ranks "
+                f"{collect}); is_collect_rank must be True on exactly one rank per DP rank, or "
+                f"dispatch/collect returns {'nothing' if not collect else 'duplicates'}."
+            )
+    if not all(r["registered"] for r in layout):
+        pytest.fail("[collect] register_mesh did not record the engine's dp_rank")
+
+
+# ---------------------------------------------------------------------------- lifecycle
+def test_train_and_eval_modes(single: dict) -> None:
+    modes = _get(single, "modes", "modes")
+    assert modes["train"] == (True, True), (
+        f"[modes] inside train_mode() module.training, grad enabled = {modes['train']}; want "
+        f"(True, True)"
+    )
+    assert modes["eval"] == (False, False), (
+        f"[modes] inside eval_mode() module.training, grad enabled = {modes['eval']}; want "
+        f"(False, False)"
+    )
+
+
+def test_to_round_trip_keeps_outputs(single: dict) -> None:
+    diff = _get(single, "modes", "to")["to_round_trip"]
+    assert diff <= ATOL, f"[to] outputs changed by {diff:.3g} after to('cpu') and back"
+
+
+def test_optimizer_step_semantics(single: dict) -> None:
+    opt = _get(single, "optimizer", "optimizer")
+    assert opt["moved"], "[optimizer] optimizer_step() did not change any weight"
+    assert opt["lrs"] == pytest.approx([0.005, 0.0075]), (
+        f"[optimizer] lr_scheduler_step() returned {opt['lrs']} with 4 warm-up steps and lr "
+        f"1e-2; want the new learning rate after each step ([0.005, 0.0075])"
+    )
+    assert opt["nan_norm"] != opt["nan_norm"], (
+        f"[optimizer] a NaN loss gave grad norm {opt['nan_norm']}; optimizer_step() must "
+        f"return the non-finite norm"
+    )
+    assert opt["unchanged_after_nan"], "[optimizer] a non-finite grad norm must skip the update"
+
+
+def test_checkpoint_resume_and_rotation(single: dict) -> None:
+    ck = _get(single, "checkpoint", "checkpoint")
+    assert ck["step"] == 2, f"[checkpoint] load_checkpoint returned step {ck['step']}, want 2"
+    assert ck["again"] == ck["straight"], (
+        f"[checkpoint] steps after resume {ck['again']} differ from an uninterrupted run "
+        f"{ck['straight']}: save model, optimizer, schedule and RNG state"
+    )
+    assert ck["kept"] == [3, 4], (
+        f"[checkpoint] max_ckpt_to_keep=2 left steps {ck['kept']}, want [3, 4]"
+    )
+
+
+def test_weight_export_matches_hf_state_dict(
+    single: dict, caps: frozenset, kit_baseline: Baseline
+) -> None:
+    if Capability.WEIGHT_EXPORT not in caps:
+        pytest.skip("weight_export not declared")
+    exported = _get(single, "export", "export")
+    want = kit_baseline.state_dict
+    missing, extra = sorted(want.keys() - exported.keys()), sorted(exported.keys() - want.keys())
+    assert not missing and not extra, (
+        f"[export] names differ from the HF state dict: missing {missing[:5]}, extra {extra[:5]}"
+    )
+    for name, tensor in want.items():
+        got = exported[name]
+        assert got.shape == tensor.shape, f"[export] {name}: shape {tuple(got.shape)}"
+        assert torch.equal(got, tensor), f"[export] {name}: values differ from the HF weights"
+
+
+def test_lora_trains_adapters_only(single: dict, caps: frozenset, kit_baseline: Baseline) -> None:
+    if Capability.LORA not in caps:
+        pytest.skip("lora not declared")
+    lora = _get(single, "lora", "lora")
+    assert lora["changed"], "[lora] training changed no weight"
+    frozen = [n for n in lora["changed"] if "lora_" not in n]
+    assert not frozen, f"[lora] base weights changed: {frozen[:5]}"
+    assert_outputs(
+        lora["base_log_probs"], kit_baseline.log_probs, "disable_adapter log_probs", "lora"
+    )
+
+
+def test_offload_trains_the_same(single: dict, caps: frozenset) -> None:
+    if Capability.OFFLOAD not in caps:
+        pytest.skip("offload not declared")
+    off = _get(single, "offload", "offload")
+    for (a, na), (b, nb) in zip(off["on"], off["off"], strict=True):
+        assert a == pytest.approx(b, rel=RTOL) and na == pytest.approx(nb, rel=RTOL), (
+            f"[offload] offload=true changed training: {off['on']} vs {off['off']}"
+        )
+
+
+# ---------------------------------------------------------------------------- capabilities
+def test_undeclared_capabilities_are_refused(engine_core_backend: str, caps: frozenset) -> None:
+    manager = load_plugins()
+    for cap, trigger in CAPABILITY_TRIGGERS.items():
+        if cap in caps:
+            continue
+        raw = engine_config(backend=engine_core_backend, **trigger)
+        if cap != Capability.PACKING:
+            raw.setdefault("use_packing", Capability.PACKING in caps)
+        # refused at resolution: by the capability check, or by the backend's own config
+        # validation, with a message naming the capability or the option that asks for it
+        with pytest.raises((CapabilityError, ValueError)) as refused:
+            resolve_engine_config(raw, manager)
+        names = [str(cap), *_option_names(trigger)]
+        assert any(n in str(refused.value) for n in names), (
+            f"[capabilities] {cap} is not declared and was refused, but the message names none "
+            f"of {names}: {refused.value}"
+        )
+
+
+def _option_names(trigger: dict[str, Any]) -> list[str]:
+    names = []
+    for key, value in trigger.items():
+        if key == "model":
+            names += [k for k in value if k != "config"]
+        else:
+            names.append(key)
+    return names
+
+
+def test_registered_class_declares_the_registered_capabilities(engine_core_backend: str) -> None:
+    spec = load_plugins().get_engine(engine_core_backend)
+    cls = spec.load_class()
+    assert frozenset(cls.capabilities) == frozenset(spec.capabilities), (
+        f"[capabilities] the registry lists {sorted(map(str, spec.capabilities))} but "
+        f"{cls.__name__}.capabilities is {sorted(map(str, cls.capabilities))}"
+    )

@@ -1,0 +1,127 @@
+"""Run a function on several real processes (gloo on CPU, NCCL with one GPU per rank) and fail
+the test if any rank fails.
+
+Usage from a test module (the worker must be a module-level function, so spawn can import it)::
+
+    def _worker(rank: int, world_size: int, scale: float) -> float:
+        t = torch.tensor([rank * scale])
+        dist.all_reduce(t)  # the default group is initialized for you
+        return float(t)
+
+    def test_sum() -> None:
+        assert run_distributed(_worker, 2, 1.5) == [1.5, 1.5]
+
+Each child gets ``MASTER_ADDR=127.0.0.1``, a free port, ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``
+and one intra-op thread (``OMP_NUM_THREADS=1``), so two ranks do not oversubscribe a small host.
+Return values must be picklable; a child's traceback becomes the test failure.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue as queue_mod
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["free_port", "run_distributed"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple,
+    queue: Any,
+    pg_backend: str,
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)  # torch is imported already, so the env var alone is too late
+    try:
+        if pg_backend == "nccl":
+            torch.cuda.set_device(rank)  # one GPU per rank
+        dist.init_process_group(pg_backend, rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        queue.put(
+            (rank, "ok", pickle.dumps(result))
+        )  # bytes: outlives the child, unlike shared-memory tensors
+    except BaseException:  # report every failure to the parent, then exit non-zero
+        queue.put((rank, "error", traceback.format_exc()))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 300,
+    pg_backend: str = "gloo",
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes (a ``pg_backend`` process
+    group: gloo on CPU, nccl with one GPU per rank); return results by rank.
+
+    ``fn`` must be importable (module level). A failure on any rank raises with its traceback.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_entry, args=(r, world_size, port, fn, args, queue, pg_backend), daemon=True
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    deadline = time.monotonic() + timeout
+    while len(results) < world_size and not errors:
+        try:
+            rank, status, payload = queue.get(timeout=1.0)
+        except queue_mod.Empty:
+            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                errors.append(
+                    f"rank(s) {dead} died without a report (exit codes "
+                    f"{[procs[i].exitcode for i in dead]})"
+                )
+            elif time.monotonic() > deadline:
+                errors.append(f"timed out after {timeout} s")
+            continue
+        if status == "ok":
+            results[rank] = pickle.loads(payload)
+        else:
+            errors.append(f"rank {rank} failed:\n{payload}")
+    for p in procs:
+        p.join(timeout=5 if errors else timeout)
+        if p.is_alive():
+            p.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,458 @@
+"""The conformance kit's checks: what runs inside the engine's processes, and the baselines.
+
+Every check drives a registered engine through its public API only (``BaseEngine``) on a tiny
+Qwen2 model, and compares with plain transformers on the same weights. One process run per
+layout gathers the raw results of every check (an exception in one check is recorded, not
+fatal), so the contract tests in :mod:`engine_core.testing.contract` stay cheap and each fails
+with its own message.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from tensordict import TensorDict
+
+from engine_core.batch import (
+    ATTENTION_MASK,
+    INPUT_IDS,
+    LOG_PROBS,
+    BatchMeta,
+    set_meta,
+)
+from engine_core.capabilities import Capability
+from engine_core.engine import BaseEngine, loss_mask_of
+from engine_core.plugins import load_plugins
+from engine_core.resolve import resolve_engine_config
+from engine_core.testing.models import TINY_QWEN2, engine_config, nll_loss, random_batch
+
+__all__ = [
+    "Baseline",
+    "CAPABILITY_TRIGGERS",
+    "build",
+    "declared_capabilities",
+    "make_baseline",
+    "plain_log_probs",
+    "plain_values",
+    "plain_loss_and_grad_norm",
+    "single_process_checks",
+    "two_process_checks",
+]
+
+N = 8  # samples per batch (divisible by DP size 2)
+LORA = {"rank": 4, "alpha": 8.0}
+
+# the config that asks a backend for a capability (refused at resolution when undeclared)
+CAPABILITY_TRIGGERS: dict[Capability, dict[str, Any]] = {
+    Capability.VALUE_HEAD: {"model": {"config": dict(TINY_QWEN2), "value_head": True}},
+    Capability.LORA: {"model": {"config": dict(TINY_QWEN2), "lora": LORA}},
+    Capability.GRADIENT_CHECKPOINTING: {
+        "model": {"config": dict(TINY_QWEN2), "gradient_checkpointing": True}
+    },
+    Capability.TENSOR_PARALLEL: {"tensor_parallel_size": 2},
+    Capability.PIPELINE_PARALLEL: {"pipeline_parallel_size": 2},
+    Capability.CONTEXT_PARALLEL: {"context_parallel_size": 2},
+    Capability.PACKING: {"use_packing": True},
+    Capability.DYNAMIC_BATCH: {"max_tokens_per_micro_batch": 64},
+    Capability.OFFLOAD: {"offload": True},
+}
+
+
+def declared_capabilities(backend: str) -> frozenset[Capability]:
+    return frozenset(load_plugins().get_engine(backend).capabilities)
+
+
+def _packing(backend: str) -> bool:
+    return Capability.PACKING in declared_capabilities(backend)
+
+
+def build(backend: str, **overrides: Any) -> BaseEngine:
+    """Resolve (capability checks included), construct and initialise ``backend``'s engine."""
+    overrides.setdefault("use_packing", _packing(backend))
+    raw = engine_config(backend=backend, **overrides)
+    spec, cfg = resolve_engine_config(raw, load_plugins())
+    engine: BaseEngine = spec.load_class()(cfg)
+    engine.init_model()
+    engine.set_loss_fn(nll_loss)
+    return engine
+
+
+# ---------------------------------------------------------------------------- baselines
+@dataclass
+class Baseline:
+    """Saved HF folders the engines load, and plain transformers figures on those weights."""
+
+    root: str
+    policy_dir: str
+    critic_dir: str
+    log_probs: torch.Tensor
+    entropy: torch.Tensor
+    values: torch.Tensor
+    loss: float
+    grad_norm: float
+    state_dict: dict[str, torch.Tensor]
+
+
+def eval_batch() -> TensorDict:
+    batch = random_batch(N, seed=11, left_pad=True)
+    set_meta(batch, BatchMeta(compute_entropy=True))
+    return batch
+
+
+def train_batch(seed: int = 0) -> TensorDict:
+    return random_batch(N, seed=seed)
+
+
+def _hf_config(**extra: Any) -> Any:
+    from transformers import AutoConfig
+
+    cfg = dict(TINY_QWEN2)
+    return AutoConfig.for_model(cfg.pop("model_type"), **cfg, **extra)
+
+
+def plain_log_probs(model: torch.nn.Module, batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence alone through the model: log-probs and entropy aligned to ``input_ids``."""
+    ids, mask = batch[INPUT_IDS], batch[ATTENTION_MASK]
+    lp, ent = torch.zeros(ids.shape), torch.zeros(ids.shape)
+    with torch.no_grad():
+        for i in range(ids.shape[0]):
+            real = mask[i].bool()
+            seq = ids[i][real].unsqueeze(0)
+            logp = torch.log_softmax(model(input_ids=seq).logits.float()[0, :-1], -1)
+            idx = real.nonzero().squeeze(-1)
+            lp[i, idx[1:]] = logp.gather(-1, seq[0, 1:, None]).squeeze(-1)
+            ent[i, idx[1:]] = -(logp.exp() * logp).sum(-1)
+    return lp, ent
+
+
+def plain_values(model: torch.nn.Module, batch: TensorDict) -> torch.Tensor:
+    """A value head's outputs aligned like log-probs (position t: the prefix before t)."""
+    ids, mask = batch[INPUT_IDS], batch[ATTENTION_MASK]
+    out = torch.zeros(ids.shape)
+    with torch.no_grad():
+        for i in range(ids.shape[0]):
+            real = mask[i].bool()
+            head = model(input_ids=ids[i][real].unsqueeze(0)).logits.float()[0, :-1, 0]
+            out[i, real.nonzero().squeeze(-1)[1:]] = head
+    return out
+
+
+def plain_loss_and_grad_norm(model: torch.nn.Module, batch: TensorDict) -> tuple[float, float]:
+    """Token-mean NLL over the whole batch (each sequence alone) and its gradient norm."""
+    model.zero_grad(set_to_none=True)
+    ids, mask = batch[INPUT_IDS], batch[ATTENTION_MASK]
+    loss_mask = loss_mask_of(batch)
+    total = loss_mask.sum()
+    loss = torch.zeros(())
+    for i in range(ids.shape[0]):
+        real = mask[i].bool()
+        seq = ids[i][real].unsqueeze(0)
+        logp = torch.log_softmax(model(input_ids=seq).logits.float()[0, :-1], -1)
+        lp = logp.gather(-1, seq[0, 1:, None]).squeeze(-1)
+        weight = loss_mask[i][real][1:].float()
+        loss = loss + (-(lp * weight).sum()) / total
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+    model.zero_grad(set_to_none=True)
+    return float(loss.detach()), norm
+
+
+def make_baseline(root: str | None = None) -> Baseline:
+    """Save a seeded policy and a seeded value model, and compute the plain figures on them."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    root = root or tempfile.mkdtemp(prefix="engine-core-kit-")
+    policy_dir, critic_dir = str(Path(root) / "policy"), str(Path(root) / "critic")
+    torch.manual_seed(1234)
+    policy = AutoModelForCausalLM.from_config(_hf_config()).eval()
+    policy.save_pretrained(policy_dir)
+    torch.manual_seed(4321)
+    critic_cfg = _hf_config(num_labels=1, classifier_dropout=0.0)
+    critic = AutoModelForTokenClassification.from_config(critic_cfg).eval()
+    critic.save_pretrained(critic_dir)
+    batch = eval_batch()
+    lp, ent = plain_log_probs(policy, batch)
+    loss, norm = plain_loss_and_grad_norm(policy, train_batch())
+    return Baseline(
+        root=root,
+        policy_dir=policy_dir,
+        critic_dir=critic_dir,
+        log_probs=lp,
+        entropy=ent,
+        values=plain_values(critic, batch),
+        loss=loss,
+        grad_norm=norm,
+        state_dict={k: v.clone() for k, v in policy.state_dict().items()},
+    )
+
+
+# ---------------------------------------------------------------------------- in-process checks
+def _record(results: dict[str, Any], name: str, fn: Callable[[], Any]) -> None:
+    try:
+        results[name] = fn()
+    except Exception:  # one broken check must not hide the others
+        results[name] = {"error": traceback.format_exc()}
+
+
+def forward(engine: BaseEngine, batch: TensorDict) -> dict[str, torch.Tensor]:
+    """Forward-only outputs of the global ``batch`` (sharded over DP, gathered back)."""
+    engine.set_loss_fn(None)
+    with engine.eval_mode():
+        out = engine.forward_backward_step(engine.shard_data(batch), forward_only=True).outputs
+    engine.set_loss_fn(nll_loss)
+    gathered = engine.unshard_data(out)
+    return {str(k): cast(torch.Tensor, gathered[k]) for k in gathered.keys()}
+
+
+def first_step(engine: BaseEngine, batch: TensorDict) -> dict[str, Any]:
+    """Loss, grad norm and micro-batch count of one optimizer step (no clipping)."""
+    calls: list[int] = []
+
+    def counting_loss(mb: TensorDict, out: TensorDict, ctx: Any) -> Any:
+        calls.append(ctx.num_micro_batches)
+        return nll_loss(mb, out, ctx)
+
+    engine.set_loss_fn(counting_loss)
+    with engine.train_mode():
+        result = engine.forward_backward_step(engine.shard_data(batch))
+        norm = engine.optimizer_step()
+        engine.lr_scheduler_step()
+        engine.optimizer_zero_grad()
+    engine.set_loss_fn(nll_loss)
+    return {"loss": result.loss, "norm": norm, "calls": len(calls), "declared": calls[:1]}
+
+
+def _outputs(backend: str, **overrides: Any) -> dict[str, torch.Tensor]:
+    return forward(build(backend, **overrides), eval_batch())
+
+
+def _step(
+    backend: str, overrides: dict[str, Any], batch: TensorDict | None = None
+) -> dict[str, Any]:
+    return first_step(build(backend, **overrides), train_batch() if batch is None else batch)
+
+
+def _train(engine: BaseEngine, seeds: range) -> list[tuple[float | None, float]]:
+    out = []
+    for s in seeds:
+        with engine.train_mode():
+            result = engine.forward_backward_step(engine.shard_data(train_batch(s)))
+            norm = engine.optimizer_step()
+            engine.lr_scheduler_step()
+            engine.optimizer_zero_grad()
+        out.append((result.loss, norm))
+    return out
+
+
+def _params(engine: BaseEngine) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in engine.named_full_params()}
+
+
+def _modes(backend: str, policy: dict[str, Any]) -> dict[str, Any]:
+    engine = build(backend, model=policy)
+    module = engine.module
+    assert module is not None
+    seen: dict[str, Any] = {}
+    with engine.train_mode():
+        seen["train"] = (module.training, torch.is_grad_enabled())
+    with engine.eval_mode():
+        seen["eval"] = (module.training, torch.is_grad_enabled())
+    before = forward(engine, eval_batch())[LOG_PROBS]
+    engine.to("cpu")
+    engine.to(engine.device)
+    seen["to_round_trip"] = float((forward(engine, eval_batch())[LOG_PROBS] - before).abs().max())
+    return seen
+
+
+def _optimizer(backend: str, policy: dict[str, Any]) -> dict[str, Any]:
+    optim = {"lr": 1e-2, "warmup_steps": 4, "clip_grad": None}
+    engine = build(backend, model=policy, optim=optim)
+    start = _params(engine)
+    lrs = []
+    for s in range(2):
+        with engine.train_mode():
+            engine.forward_backward_step(engine.shard_data(train_batch(s)))
+            engine.optimizer_step()
+            lrs.append(engine.lr_scheduler_step())
+            engine.optimizer_zero_grad()
+    moved = any(not torch.equal(v, start[k]) for k, v in _params(engine).items())
+    # a non-finite gradient norm must skip the update
+    before = _params(engine)
+    engine.set_loss_fn(lambda mb, out, ctx: ((out[LOG_PROBS] * math.nan).sum(), {}))
+    with engine.train_mode():
+        engine.forward_backward_step(engine.shard_data(train_batch(7)))
+        nan_norm = engine.optimizer_step()
+        engine.optimizer_zero_grad()
+    unchanged = all(torch.equal(v, before[k]) for k, v in _params(engine).items())
+    return {"moved": moved, "lrs": lrs, "nan_norm": nan_norm, "unchanged_after_nan": unchanged}
+
+
+def _checkpoint(backend: str, policy: dict[str, Any], root: str) -> dict[str, Any]:
+    from engine_core.checkpoint import list_checkpoints
+
+    optim = {"lr": 1e-2, "clip_grad": 1.0, "warmup_steps": 1}
+    engine = build(backend, model=policy, optim=optim)
+    _train(engine, range(2))
+    folder = engine.save_checkpoint(root, step=2, max_ckpt_to_keep=2)
+    straight = _train(engine, range(2, 4))
+    resumed = build(backend, model=policy, optim=optim)
+    step = resumed.load_checkpoint(folder)
+    again = _train(resumed, range(2, 4))
+    for s in (3, 4):
+        engine.save_checkpoint(root, step=s, max_ckpt_to_keep=2)
+    kept = [s for s, _ in list_checkpoints(root)]
+    return {"step": step, "straight": straight, "again": again, "kept": kept}
+
+
+def _lora(backend: str, policy_dir: str) -> dict[str, Any]:
+    engine = build(backend, model={"path": policy_dir, "lora": LORA})
+    module = engine.module
+    assert module is not None
+    before = _params_unmerged(engine)
+    _train(engine, range(2))
+    after = _params_unmerged(engine)
+    changed = sorted(k for k in before if not torch.equal(before[k], after[k]))
+    with module.disable_adapter():  # type: ignore[operator]
+        base = forward(engine, eval_batch())[LOG_PROBS]
+    return {"changed": changed, "base_log_probs": base}
+
+
+def _params_unmerged(engine: BaseEngine) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    assert engine.module is not None
+    state: dict[str, Any] = get_model_state_dict(engine.module)
+    return {
+        k: cast(torch.Tensor, v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+        for k, v in state.items()
+    }
+
+
+def single_process_checks(
+    rank: int, world: int, backend: str, baseline: dict[str, str]
+) -> dict[str, Any]:
+    """Every single-process check; runs inside a one-rank process group."""
+    caps = declared_capabilities(backend)
+    policy = {"path": baseline["policy_dir"]}
+    critic = {"path": baseline["critic_dir"], "value_head": True}
+    results: dict[str, Any] = {}
+    layouts = [False, True] if Capability.PACKING in caps else [False]
+    for packing in layouts:
+        _record(
+            results,
+            f"outputs_packing={packing}",
+            partial(_outputs, backend, model=policy, use_packing=packing, micro_batch_size=3),
+        )
+    if Capability.VALUE_HEAD in caps:
+        _record(
+            results,
+            "values",
+            partial(_outputs, backend, model=critic, micro_batch_size=3),
+        )
+    variants: dict[str, dict[str, Any]] = {
+        "mbs1": {"micro_batch_size": 1},
+        "mbs3": {"micro_batch_size": 3},
+    }
+    if Capability.DYNAMIC_BATCH in caps:
+        variants["budget40"] = {"max_tokens_per_micro_batch": 40}
+    if Capability.GRADIENT_CHECKPOINTING in caps:
+        variants["checkpointing"] = {"model": {**policy, "gradient_checkpointing": True}}
+    for name, overrides in variants.items():
+        kw = {"model": policy, "optim": {"lr": 1e-3, "clip_grad": None}, **overrides}
+        _record(results, f"step_{name}", partial(_step, backend, kw))
+    _record(results, "modes", lambda: _modes(backend, policy))
+    _record(results, "optimizer", lambda: _optimizer(backend, policy))
+    _record(
+        results, "checkpoint", lambda: _checkpoint(backend, policy, baseline["checkpoint_root"])
+    )
+    if Capability.WEIGHT_EXPORT in caps:
+        _record(results, "export", lambda: _params(build(backend, model=policy)))
+    if Capability.LORA in caps:
+        _record(results, "lora", lambda: _lora(backend, baseline["policy_dir"]))
+    if Capability.OFFLOAD in caps:
+        optim = {"lr": 1e-2, "clip_grad": 1.0}
+        _record(
+            results,
+            "offload",
+            lambda: {
+                "on": _train(build(backend, model=policy, optim=optim, offload=True), range(2)),
+                "off": _train(build(backend, model=policy, optim=optim), range(2)),
+            },
+        )
+    return results
+
+
+def _uneven_batch() -> TensorDict:
+    """Long sequences first, short ones last: DP rank 0 needs more budget micro-batches."""
+    long = random_batch(N // 2, seed=5, min_len=20)
+    short = random_batch(N // 2, seed=6, min_len=3, seq_len=6)
+    pad = torch.zeros(
+        N // 2, long[INPUT_IDS].shape[1] - short[INPUT_IDS].shape[1], dtype=torch.long
+    )
+    from engine_core.batch import make_batch
+
+    ids = torch.cat([long[INPUT_IDS], torch.cat([short[INPUT_IDS], pad], 1)])
+    mask = torch.cat([long[ATTENTION_MASK], torch.cat([short[ATTENTION_MASK], pad], 1)])
+    return make_batch(ids, mask)
+
+
+def two_process_checks(
+    rank: int, world: int, backend: str, baseline: dict[str, str]
+) -> dict[str, Any]:
+    """Data-parallel checks on two ranks (one DP rank each)."""
+    import torch.distributed as dist
+
+    from engine_core.dispatch import Worker
+
+    caps = declared_capabilities(backend)
+    policy = {"path": baseline["policy_dir"]}
+    results: dict[str, Any] = {}
+    _record(
+        results,
+        "outputs",
+        partial(_outputs, backend, model=policy, micro_batch_size=3),
+    )
+
+    def layout() -> dict[str, Any]:
+        engine = build(backend, model=policy)
+        worker = Worker()
+        worker.register_mesh(
+            "kit", dp_rank=engine.dp_rank, dp_size=engine.dp_size, is_collect=engine.is_collect_rank
+        )
+        return {
+            "rank": dist.get_rank(),
+            "dp_rank": engine.dp_rank,
+            "dp_size": engine.dp_size,
+            "collect": engine.is_collect_rank,
+            "registered": worker.mesh_rank("kit").dp_rank == engine.dp_rank,
+        }
+
+    _record(results, "layout", layout)
+    model_parallel = {
+        Capability.TENSOR_PARALLEL: "tensor_parallel_size",
+        Capability.PIPELINE_PARALLEL: "pipeline_parallel_size",
+        Capability.CONTEXT_PARALLEL: "context_parallel_size",
+    }
+    for cap, field_name in model_parallel.items():
+        if cap in caps:
+            kw = {"model": policy, "micro_batch_size": 3, field_name: 2}
+            _record(results, f"outputs_{cap}", partial(_outputs, backend, **kw))
+    variants: dict[str, dict[str, Any]] = {"mbs2": {"micro_batch_size": 2}}
+    if Capability.DYNAMIC_BATCH in caps:
+        variants["budget40"] = {"max_tokens_per_micro_batch": 40}
+    for name, overrides in variants.items():
+        kw = {"model": policy, "optim": {"lr": 1e-3, "clip_grad": None}, **overrides}
+        _record(results, f"step_{name}", partial(_step, backend, kw))
+    if Capability.DYNAMIC_BATCH in caps:
+        kw = {"model": policy, "max_tokens_per_micro_batch": 48}
+        _record(results, "uneven_counts", partial(_step, backend, kw, _uneven_batch()))
+    return results

@@ -1,0 +1,40 @@
+"""The ``engine_core`` pytest plugin (entry point ``pytest11``): the engine conformance kit.
+
+``pytest --engine-core-backend=NAME`` (repeatable) adds the contract tests of
+:mod:`engine_core.testing.contract` to the run, parametrized by each named backend. Select only
+them with ``-m engine_core_contract``. Without the option the plugin does nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+OPTION = "--engine-core-backend"
+CONTRACT = Path(__file__).with_name("contract.py")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("engine-core", "engine-core conformance kit")
+    group.addoption(
+        OPTION,
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="Run the engine contract tests against the registered engine NAME (repeatable).",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "engine_core_contract: an engine-core conformance-kit contract test"
+    )
+    if config.getoption("engine_core_backend") and str(CONTRACT) not in config.args:
+        config.args.append(str(CONTRACT))
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "engine_core_backend" in metafunc.fixturenames:
+        backends = list(dict.fromkeys(metafunc.config.getoption("engine_core_backend")))
+        metafunc.parametrize("engine_core_backend", backends, scope="module")
