@@ -42,12 +42,15 @@ class ModelConfig(FrozenModel):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     value_head: bool = Field(False, description="Add a scalar value head (critic).")
     gradient_checkpointing: bool = False
-    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] | None = Field(
-        None,
-        description=(
-            "transformers attention kernel; None keeps the model's default (sdpa). "
-            "flash_attention_2 needs a GPU, the flash-attn package and bf16/fp16 compute."
-        ),
+    attn_implementation: Literal["eager", "sdpa", "sdpa_varlen", "flash_attention_2"] | None = (
+        Field(
+            None,
+            description=(
+                "transformers attention kernel; None keeps the model's default (sdpa). "
+                "sdpa_varlen: SDPA per packed sequence, no dense mask (engine_core.attention). "
+                "flash_attention_2 needs a GPU, the flash-attn package and bf16/fp16 compute."
+            ),
+        )
     )
     lora: LoraConfig | None = None
     trust_remote_code: bool = False

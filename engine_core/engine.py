@@ -42,6 +42,9 @@ from engine_core.loss import GlobalBatchContext, LossFn, MetricAccumulator
 from engine_core.microbatch import prepare_micro_batches
 from engine_core.packing import PackedSequences, pack, sequence_start_mask, unpack
 
+# attention kernels that take the packed row's sequence boundaries as cu_seq_lens_* kwargs
+VARLEN_KERNELS = frozenset({"sdpa_varlen", "flash_attention_2"})
+
 __all__ = [
     "BaseEngine",
     "EngineOutput",
@@ -286,6 +289,15 @@ class BaseEngine(abc.ABC):
                 "position_ids": packed.position_ids.to(dev),
                 "use_cache": False,
             }
+            if self.config.model.attn_implementation in VARLEN_KERNELS:
+                # sequence boundaries for varlen kernels (read from position ids otherwise)
+                cu = packed.cu_seqlens.to(dev)
+                kwargs.update(
+                    cu_seq_lens_q=cu,
+                    cu_seq_lens_k=cu,
+                    max_length_q=packed.max_seqlen,
+                    max_length_k=packed.max_seqlen,
+                )
             return ModelInputs(kwargs, packed)
         kwargs = {
             "input_ids": ids.to(dev),

@@ -13,6 +13,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from engine_core.attention import SDPA_VARLEN, register_sdpa_varlen
 from engine_core.config import LoraConfig, ModelConfig
 from engine_core.errors import ConfigError
 
@@ -62,6 +63,8 @@ def build_model(
     hf_config = build_hf_config(cfg)
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code}
     if cfg.attn_implementation is not None:
+        if cfg.attn_implementation == SDPA_VARLEN:
+            register_sdpa_varlen()
         kwargs["attn_implementation"] = cfg.attn_implementation
     model: Any
     if cfg.path is not None and load_weights:

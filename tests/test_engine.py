@@ -40,7 +40,7 @@ def per_sequence_log_probs(
     return out
 
 
-@pytest.mark.parametrize("attn", [None, "eager"])
+@pytest.mark.parametrize("attn", [None, "eager", "sdpa_varlen"])
 @pytest.mark.parametrize("left_pad", [False, True])
 @pytest.mark.parametrize("use_packing", [True, False])
 def test_log_probs_match_plain_transformers(
@@ -110,11 +110,17 @@ BATCHING = [
     {"max_tokens_per_micro_batch": 50},
     {"max_tokens_per_micro_batch": 1000},
     {"micro_batch_size": 3, "use_packing": False},
+    {
+        "max_tokens_per_micro_batch": 50,
+        "model": {"config": TINY_QWEN2, "attn_implementation": "sdpa_varlen"},
+    },
 ]
 
 
 @pytest.mark.parametrize(
-    "batching", BATCHING, ids=lambda b: ",".join(f"{k}={v}" for k, v in b.items()) or "one"
+    "batching",
+    BATCHING,
+    ids=lambda b: ",".join(f"{k}={v}" for k, v in b.items() if k != "model") or "one",
 )
 def test_gradient_invariance_single_process(batching: dict) -> None:
     batch = random_batch(9, seed=1)
@@ -155,3 +161,21 @@ def test_non_finite_grad_norm_skips_the_update() -> None:
     assert engine.skipped_steps == 1
     for k, v in engine.module.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+def test_sdpa_varlen_attends_per_sequence_without_a_mask() -> None:
+    """The packed row's sequences reach the kernel one by one (the varlen path really runs)."""
+    from unittest import mock
+
+    import engine_core.attention as attention
+
+    model_cfg = {"config": dict(TINY_QWEN2), "attn_implementation": "sdpa_varlen"}
+    engine = make_engine(micro_batch_size=4, model=model_cfg)
+    batch = random_batch(4, seed=2)
+    sdpa = attention.F.scaled_dot_product_attention
+    with mock.patch.object(attention.F, "scaled_dot_product_attention", wraps=sdpa) as spy:
+        with engine.eval_mode():
+            engine.forward_backward_step(batch, forward_only=True)
+    layers = TINY_QWEN2["num_hidden_layers"]
+    assert spy.call_count == layers * 4  # one call per sequence per layer
+    assert all(c.kwargs["is_causal"] and len(c.args) == 3 for c in spy.call_args_list)
