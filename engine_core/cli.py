@@ -4,7 +4,7 @@ Owns the argument parser and the table of subcommands, :data:`COMMANDS`. A subco
 small function ``(args, settings) -> exit code`` plus an optional function adding its arguments;
 add one by appending a :class:`Command`.
 
-Exit codes: 0 success; 1 the command ran and found a problem (``doctor``); 2 bad usage, config
+Exit codes: 0 success; 1 the command ran and found a problem (``doctor``, a ``parity`` FAIL); 2 bad usage, config
 or environment (the message says what to fix). ``engine-core plugins`` exits 0 even when some
 plugins failed to load: the listing is informational and shows each failure with its fix.
 """
@@ -164,6 +164,78 @@ def run_rl(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+# -- engine-core parity --------------------------------------------------------------------------
+
+
+def _parity_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "backends", nargs="+", metavar="BACKEND", help="engines; the first is the baseline"
+    )
+    parser.add_argument("--steps", type=int, default=5, help="optimizer steps (default 5)")
+    parser.add_argument("--world-size", type=int, default=1, help="gloo processes per backend")
+    parser.add_argument("--micro-batch-size", type=int, default=None)
+    parser.add_argument("--rtol", type=float, default=1e-5, help="loss / grad-norm tolerance")
+    parser.add_argument("--atol-logprob", type=float, default=1e-5, help="log-prob tolerance")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the shared initial weights")
+    parser.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
+
+
+def run_parity_command(args: argparse.Namespace, settings: Settings) -> int:
+    """Same model, data and steps through several engines; a table and a verdict."""
+    from engine_core.parity import run_parity
+
+    report = run_parity(
+        args.backends,
+        steps=args.steps,
+        world_size=args.world_size,
+        micro_batch_size=args.micro_batch_size,
+        rtol=args.rtol,
+        atol_log_prob=args.atol_logprob,
+        seed=args.seed,
+    )
+    console = Console()
+    base = report.baseline
+    table = Table(title=f"parity vs {base} ({report.world_size} process(es) per backend)")
+    table.add_column("step", justify="right")
+    for b in report.backends:
+        table.add_column(f"{b} loss", justify="right")
+        table.add_column(f"{b} grad norm", justify="right")
+    for i in range(report.steps):
+        row = [str(i + 1)]
+        for b in report.backends:
+            row += [f"{report.losses[b][i]:.8f}", f"{report.grad_norms[b][i]:.8f}"]
+        table.add_row(*row)
+    console.print(table)
+    diffs = Table(title=f"max differences vs {base}")
+    for col in (
+        "backend",
+        "rel loss",
+        "rel grad norm",
+        "|Δ log-prob| before",
+        "|Δ log-prob| after",
+    ):
+        diffs.add_column(col, justify="right")
+    for b in report.backends[1:]:
+        diffs.add_row(
+            b,
+            f"{report.max_rel_loss_diff[b]:.2e}",
+            f"{report.max_rel_grad_norm_diff[b]:.2e}",
+            f"{report.max_abs_log_prob_diff_before[b]:.2e}",
+            f"{report.max_abs_log_prob_diff_after[b]:.2e}",
+        )
+    console.print(diffs)
+    verdict = "PASS" if report.passed else "FAIL"
+    console.print(
+        f"{verdict}: tolerances rtol={report.rtol:g} (loss, grad norm), "
+        f"atol={report.atol_log_prob:g} (log-probs)"
+    )
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report.to_dict(), f, indent=2)
+            f.write("\n")
+    return 0 if report.passed else 1
+
+
 COMMANDS: tuple[Command, ...] = (
     Command(
         "run",
@@ -184,6 +256,12 @@ COMMANDS: tuple[Command, ...] = (
         _plugins_arguments,
     ),
     Command("doctor", "check the environment every installed plugin needs", run_doctor),
+    Command(
+        "parity",
+        "run the same model, data and steps through several engines and compare",
+        run_parity_command,
+        _parity_arguments,
+    ),
 )
 
 
