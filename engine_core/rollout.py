@@ -29,6 +29,8 @@ __all__ = [
     "WeightBucket",
     "iter_buckets",
     "tensor_checksum",
+    "check_bucket_shapes",
+    "check_complete",
     "PROMPT_IDS",
     "PROMPT_MASK",
     "RESPONSE_IDS",
@@ -82,6 +84,29 @@ class WeightBucket:
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     checksum: str
+
+
+def check_bucket_shapes(
+    bucket: list[tuple[str, torch.Tensor]], expected: dict[str, tuple[int, ...]]
+) -> None:
+    """Refuse a bucket holding an unknown parameter or a wrong shape, naming each one."""
+    wrong = [
+        f"{n}: got {tuple(t.shape)}, expected {expected.get(n, 'no such parameter')}"
+        for n, t in bucket
+        if tuple(t.shape) != expected.get(n)
+    ]
+    if wrong:
+        raise WeightSyncError("weight sync refused, mismatched parameters: " + "; ".join(wrong))
+
+
+def check_complete(expected: dict[str, tuple[int, ...]], seen: set[str]) -> None:
+    """Refuse a sync that never sent some of the rollout's parameters, naming them."""
+    missing = sorted(set(expected) - seen)
+    if missing:
+        raise WeightSyncError(
+            f"weight sync incomplete: {len(missing)} parameter(s) never sent: {missing[:10]}"
+            + (" ..." if len(missing) > 10 else "")
+        )
 
 
 def tensor_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
@@ -155,15 +180,7 @@ class BaseRollout(abc.ABC):
         seen: set[str] = set()
         done: list[WeightBucket] = []
         for bucket in iter_buckets(named, bucket_bytes):
-            wrong = [
-                f"{n}: got {tuple(t.shape)}, expected {expected.get(n, 'no such parameter')}"
-                for n, t in bucket
-                if tuple(t.shape) != expected.get(n)
-            ]
-            if wrong:
-                raise WeightSyncError(
-                    "weight sync refused, mismatched parameters: " + "; ".join(wrong)
-                )
+            check_bucket_shapes(bucket, expected)
             sent = tensor_checksum(bucket)
             got = self.load_weight_bucket(bucket)
             if got != sent:
@@ -175,10 +192,5 @@ class BaseRollout(abc.ABC):
                     tuple(n for n, _ in bucket), tuple(tuple(t.shape) for _, t in bucket), sent
                 )
             )
-        missing = sorted(set(expected) - seen)
-        if missing:
-            raise WeightSyncError(
-                f"weight sync incomplete: {len(missing)} parameter(s) never sent: {missing[:10]}"
-                + (" ..." if len(missing) > 10 else "")
-            )
+        check_complete(expected, seen)
         return done

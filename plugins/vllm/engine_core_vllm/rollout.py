@@ -42,6 +42,8 @@ from engine_core.rollout import (
     RolloutConfig,
     SamplingParams,
     WeightBucket,
+    check_bucket_shapes,
+    check_complete,
     iter_buckets,
     tensor_checksum,
 )
@@ -199,16 +201,7 @@ class VLLMRollout(BaseRollout):
 
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
             for bucket in iter_buckets(named, bucket_bytes):
-                wrong = [
-                    f"{name}: got {tuple(t.shape)}, expected "
-                    f"{expected.get(name, 'no such parameter')}"
-                    for name, t in bucket
-                    if tuple(t.shape) != expected.get(name)
-                ]
-                if wrong:
-                    raise WeightSyncError(
-                        "weight sync refused, mismatched parameters: " + "; ".join(wrong)
-                    )
+                check_bucket_shapes(bucket, expected)
                 sent = tensor_checksum(bucket)
                 handed: list[tuple[str, torch.Tensor]] = []
                 for name, tensor in bucket:
@@ -232,12 +225,7 @@ class VLLMRollout(BaseRollout):
             "reload_weights",
             kwargs={"weights_iterator": stream(), "is_checkpoint_format": True},
         )
-        missing = sorted(set(expected) - seen)
-        if missing:
-            raise WeightSyncError(
-                f"weight sync incomplete: {len(missing)} parameter(s) never sent: {missing[:10]}"
-                + (" ..." if len(missing) > 10 else "")
-            )
+        check_complete(expected, seen)
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         self.stale = False
         return done
