@@ -84,7 +84,7 @@ def main() -> None:
     parser.add_argument("--scale", type=int, default=16, help="divide the recipe's lengths by")
     parser.add_argument("--budget", type=int, default=1024, help="packed tokens per micro-batch")
     parser.add_argument("--micro-batch-size", type=int, default=8, help="padded micro-batch size")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="a small smoke run (<1 min)")
     args = parser.parse_args()
