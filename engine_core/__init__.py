@@ -48,6 +48,7 @@ _EXPORTS: dict[str, str] = {
     "prefix_validation_error": "engine_core.configio",
     "BaseEngine": "engine_core.engine",
     "EngineOutput": "engine_core.engine",
+    "MicroBatchResults": "engine_core.engine",
     "ModelInputs": "engine_core.engine",
     "loss_mask_of": "engine_core.engine",
     "predicted_mask": "engine_core.engine",
@@ -122,6 +123,7 @@ if TYPE_CHECKING:
     from engine_core.engine import (
         BaseEngine,
         EngineOutput,
+        MicroBatchResults,
         ModelInputs,
         loss_mask_of,
         predicted_mask,

@@ -48,6 +48,7 @@ VARLEN_KERNELS = frozenset({"sdpa_varlen", "flash_attention_2"})
 __all__ = [
     "BaseEngine",
     "EngineOutput",
+    "MicroBatchResults",
     "ModelInputs",
     "loss_mask_of",
     "predicted_mask",
@@ -67,6 +68,17 @@ class EngineOutput:
     outputs: TensorDict
     loss: float | None
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class MicroBatchResults:
+    """What :meth:`BaseEngine.run_micro_batches` returns: one output per micro-batch (plan
+    order), this rank's summed loss and the metrics of every micro-batch (not yet reduced
+    across DP ranks)."""
+
+    outputs: list[TensorDict]
+    loss: torch.Tensor
+    metrics: MetricAccumulator
 
 
 @dataclass
@@ -236,6 +248,29 @@ class BaseEngine(abc.ABC):
             group=self.dp_group if self._distributed else None,
         )
         ctx = self.global_context(batch, len(micro_batches))
+        results = self.run_micro_batches(micro_batches, ctx, forward_only=forward_only)
+        total_loss: float | None = None
+        if self._loss_fn is not None:
+            local_loss = results.loss.detach().double().cpu().reshape(())
+            if self._distributed and self.dp_size > 1:
+                dist.all_reduce(local_loss, group=self.dp_group)
+            total_loss = float(local_loss)
+        return EngineOutput(
+            plan.restore(results.outputs), total_loss, results.metrics.reduce(self.dp_group)
+        )
+
+    def run_micro_batches(
+        self, micro_batches: list[TensorDict], ctx: GlobalBatchContext, *, forward_only: bool
+    ) -> MicroBatchResults:
+        """Forward (and backward) every micro-batch, in order; finish the gradient reduction.
+
+        The default loop serves engines whose model runs whole on each rank: forward each
+        micro-batch through :meth:`prepare_model_inputs` / :meth:`forward_model` /
+        :meth:`prepare_model_outputs`, apply the loss, :meth:`backward` it (gradient sync
+        deferred with :meth:`no_sync` until the last micro-batch), then
+        :meth:`finish_backward`. Engines whose schedule owns the micro-batch loop (pipeline
+        parallelism) override it; every rank must return the results of every micro-batch.
+        """
         acc = MetricAccumulator()
         outputs: list[TensorDict] = []
         local_loss = torch.zeros((), dtype=torch.float64)
@@ -256,12 +291,7 @@ class BaseEngine(abc.ABC):
             outputs.append(out.detach())
         if not forward_only:
             self.finish_backward()
-        total_loss: float | None = None
-        if self._loss_fn is not None:
-            if self._distributed and self.dp_size > 1:
-                dist.all_reduce(local_loss, group=self.dp_group)
-            total_loss = float(local_loss)
-        return EngineOutput(plan.restore(outputs), total_loss, acc.reduce(self.dp_group))
+        return MicroBatchResults(outputs, local_loss, acc)
 
     def no_sync(self) -> contextlib.AbstractContextManager[Any]:
         """Context for non-final micro-batches: skip gradient sync where the backend can."""
@@ -340,7 +370,9 @@ class BaseEngine(abc.ABC):
         if self.config.model.value_head:
             data[VALUES] = prev[..., 0].float()
         else:
-            lp, ent = token_log_probs(prev / meta.temperature, ids, entropy=meta.compute_entropy)
+            lp, ent = self.token_log_probs(
+                prev / meta.temperature, ids, entropy=meta.compute_entropy
+            )
             data[LOG_PROBS] = lp
             if ent is not None:
                 data[ENTROPY] = ent
@@ -351,6 +383,16 @@ class BaseEngine(abc.ABC):
             valid = predicted_mask(micro_batch[ATTENTION_MASK]).to(logits.device)
             result = {k: v.masked_fill(~valid, 0.0) for k, v in data.items()}
         return TensorDict({k: v.cpu() for k, v in result.items()}, batch_size=[b])
+
+    def token_log_probs(
+        self, logits: torch.Tensor, next_ids: torch.Tensor, *, entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-prob of ``next_ids`` (and the entropy) from the model's ``logits``.
+
+        The default reads full-vocabulary logits; engines whose logits are split over the
+        vocabulary (tensor parallelism) override it with a vocabulary-parallel computation.
+        """
+        return token_log_probs(logits, next_ids, entropy=entropy)
 
     # ------------------------------------------------------------------ optimizer
     @abc.abstractmethod

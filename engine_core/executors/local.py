@@ -82,7 +82,10 @@ class LocalWorkerGroup(WorkerGroup):
                     dict(init_kwargs or {}),
                     worker_env(rank, num_workers, port, env),
                 ),
-                daemon=True,
+                # not daemonic: a worker may start processes of its own (megatron-core's
+                # checkpoint writers do); shutdown() stops every worker, and a worker whose
+                # parent is gone exits when its pipe closes
+                daemon=False,
             )
             proc.start()
             self._procs.append(proc)

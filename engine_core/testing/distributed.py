@@ -92,7 +92,11 @@ def run_distributed(
     port = free_port()
     procs = [
         ctx.Process(
-            target=_entry, args=(r, world_size, port, fn, args, queue, pg_backend), daemon=True
+            # not daemonic: the function may start processes (megatron-core's checkpoint
+            # writers do); every child is joined or killed below
+            target=_entry,
+            args=(r, world_size, port, fn, args, queue, pg_backend),
+            daemon=False,
         )
         for r in range(world_size)
     ]

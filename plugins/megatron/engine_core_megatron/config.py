@@ -1,0 +1,61 @@
+"""``MegatronEngineConfig``: the megatron engine's settings on top of the common engine fields."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, PositiveInt, model_validator
+
+from engine_core.config import EngineConfig
+
+__all__ = ["MegatronEngineConfig"]
+
+
+class MegatronEngineConfig(EngineConfig):
+    """Tensor, pipeline and data parallelism through megatron-core.
+
+    ``tensor_parallel_size`` × ``pipeline_parallel_size`` must divide the number of processes;
+    the remaining factor is the data-parallel size.
+    """
+
+    sequence_parallel: bool = Field(
+        False,
+        description="Split activations outside attention/MLP along the sequence over the TP ranks "
+        "(needs tensor_parallel_size > 1).",
+    )
+    virtual_pipeline_parallel_size: PositiveInt | None = Field(
+        None,
+        description="Interleaved 1F1B: model chunks per pipeline rank (needs "
+        "pipeline_parallel_size > 1 and num_hidden_layers divisible by pp × vpp).",
+    )
+    use_distributed_optimizer: bool = Field(
+        False, description="Shard optimizer state over the data-parallel ranks (ZeRO-1)."
+    )
+    transformer_impl: Literal["local", "transformer_engine"] = Field(
+        "local",
+        description="local: megatron-core's own layers (any device); transformer_engine: "
+        "TransformerEngine layers (GPU hosts with transformer-engine installed).",
+    )
+    grad_reduce_in_fp32: bool = Field(
+        True, description="Accumulate and reduce gradients in fp32 (bf16/fp16 models)."
+    )
+
+    @model_validator(mode="after")
+    def _layout(self) -> MegatronEngineConfig:
+        if self.sequence_parallel and self.tensor_parallel_size == 1:
+            raise ValueError(
+                "sequence_parallel=true needs tensor_parallel_size > 1; got tensor_parallel_size=1. "
+                "Set tensor_parallel_size >= 2 or sequence_parallel=false."
+            )
+        if self.sequence_parallel and self.transformer_impl == "local":
+            raise ValueError(
+                "sequence_parallel=true needs transformer_impl='transformer_engine': megatron-core "
+                "0.16's local layer spec has no sequence-parallel norm. Set "
+                "sequence_parallel=false, or transformer_impl='transformer_engine' on a GPU host."
+            )
+        if self.virtual_pipeline_parallel_size is not None and self.pipeline_parallel_size == 1:
+            raise ValueError(
+                "virtual_pipeline_parallel_size needs pipeline_parallel_size > 1; got "
+                "pipeline_parallel_size=1. Unset virtual_pipeline_parallel_size."
+            )
+        return self

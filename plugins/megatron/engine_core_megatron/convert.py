@@ -1,0 +1,276 @@
+"""Hugging Face ↔ megatron-core for Llama- and Qwen2-family causal LMs (and their value heads).
+
+Three pieces, all plain tensor code (the engine does the collectives):
+
+- :func:`transformer_config_kwargs` maps a transformers config to ``TransformerConfig``
+  arguments and ``GPTModel`` arguments, refusing what the mapping does not cover;
+- :func:`megatron_to_hf_names` names, for one megatron parameter, the HF tensors it holds;
+- :func:`shard_from_hf` cuts this tensor-parallel rank's shard of a megatron parameter out of
+  the full HF tensors, and :func:`hf_from_shards` rebuilds the full HF tensors from every
+  rank's shards.
+
+Layouts: megatron fuses Q, K and V into ``linear_qkv`` grouped by key/value head (for each
+group: its query heads, then its key, then its value) and splits it over TP ranks by group;
+``linear_fc1`` holds the gate and up projections, each split over TP ranks, as
+``[gate shard; up shard]``; ``linear_proj`` and ``linear_fc2`` are split along their input
+dimension, embeddings and the output layer along the (padded) vocabulary.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine_core.errors import ConfigError
+
+__all__ = [
+    "ModelLayout",
+    "SUPPORTED_MODEL_TYPES",
+    "transformer_config_kwargs",
+    "megatron_to_hf_names",
+    "shard_from_hf",
+    "hf_from_shards",
+    "hf_parameter_names",
+]
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """The shape facts the mapping needs, read from the transformers config."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_groups: int
+    head_dim: int
+    ffn_size: int
+    vocab_size: int
+    padded_vocab_size: int
+    qkv_bias: bool
+    tied: bool
+    value_head: bool
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_groups
+
+
+def _rope_theta(hf: Any) -> float:
+    params = getattr(hf, "rope_parameters", None) or {}
+    scaling = getattr(hf, "rope_scaling", None) or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        raise ConfigError(
+            f"megatron: rope_type={kind!r} is not mapped to megatron-core yet; supported: "
+            f"'default' rotary embeddings. Use the fsdp2 engine for this model."
+        )
+    theta = params.get("rope_theta", getattr(hf, "rope_theta", None))
+    return float(theta if theta is not None else 10000.0)
+
+
+def layout_of(hf: Any, *, value_head: bool, tp: int) -> ModelLayout:
+    """Read the mapping's facts from ``hf`` and check them against ``tp``."""
+    model_type = getattr(hf, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(
+            f"megatron: model_type {model_type!r} has no megatron-core mapping; supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}. Use the fsdp2 engine for other architectures."
+        )
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        raise ConfigError(f"megatron: hidden_act {hf.hidden_act!r} is not mapped; expected 'silu'.")
+    if getattr(hf, "mlp_bias", False):
+        raise ConfigError("megatron: mlp_bias=true is not mapped; expected false.")
+    heads = hf.num_attention_heads
+    groups = getattr(hf, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    if groups % tp or heads % tp:
+        raise ConfigError(
+            f"megatron: tensor_parallel_size={tp} must divide num_attention_heads ({heads}) and "
+            f"num_key_value_heads ({groups}); choose a divisor of both."
+        )
+    if hf.intermediate_size % tp:
+        raise ConfigError(
+            f"megatron: tensor_parallel_size={tp} must divide intermediate_size "
+            f"({hf.intermediate_size})."
+        )
+    vocab = hf.vocab_size
+    padded = -(-vocab // tp) * tp
+    qkv_bias = model_type == "qwen2" or bool(getattr(hf, "attention_bias", False))
+    return ModelLayout(
+        num_layers=hf.num_hidden_layers,
+        hidden_size=hf.hidden_size,
+        num_heads=heads,
+        num_groups=groups,
+        head_dim=head_dim,
+        ffn_size=hf.intermediate_size,
+        vocab_size=vocab,
+        padded_vocab_size=padded,
+        qkv_bias=qkv_bias,
+        tied=bool(getattr(hf, "tie_word_embeddings", False)) and not value_head,
+        value_head=value_head,
+    )
+
+
+def transformer_config_kwargs(
+    hf: Any, layout: ModelLayout
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(``TransformerConfig`` kwargs, ``GPTModel`` kwargs) for the model described by ``hf``."""
+    config = {
+        "num_layers": layout.num_layers,
+        "hidden_size": layout.hidden_size,
+        "ffn_hidden_size": layout.ffn_size,
+        "num_attention_heads": layout.num_heads,
+        "num_query_groups": layout.num_groups,
+        "kv_channels": layout.head_dim,
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": float(hf.rms_norm_eps),
+        "gated_linear_unit": True,
+        "activation_func": torch.nn.functional.silu,
+        "add_bias_linear": False,
+        "add_qkv_bias": layout.qkv_bias,
+        "hidden_dropout": 0.0,
+        "attention_dropout": float(getattr(hf, "attention_dropout", 0.0) or 0.0),
+        "init_method_std": float(getattr(hf, "initializer_range", 0.02)),
+    }
+    model = {
+        "vocab_size": layout.padded_vocab_size,
+        "max_sequence_length": int(hf.max_position_embeddings),
+        "position_embedding_type": "rope",
+        "rotary_base": _rope_theta(hf),
+        "share_embeddings_and_output_weights": layout.tied,
+    }
+    return config, model
+
+
+def hf_parameter_names(layout: ModelLayout) -> list[str]:
+    """Every HF parameter name of the model, in the order transformers lists them."""
+    names = ["model.embed_tokens.weight"]
+    for i in range(layout.num_layers):
+        p = f"model.layers.{i}"
+        attn = [f"{p}.self_attn.{x}_proj.weight" for x in "qkv"]
+        if layout.qkv_bias:
+            attn = [
+                n
+                for x in "qkv"
+                for n in (f"{p}.self_attn.{x}_proj.weight", f"{p}.self_attn.{x}_proj.bias")
+            ]
+        names += attn + [
+            f"{p}.self_attn.o_proj.weight",
+            f"{p}.mlp.gate_proj.weight",
+            f"{p}.mlp.up_proj.weight",
+            f"{p}.mlp.down_proj.weight",
+            f"{p}.input_layernorm.weight",
+            f"{p}.post_attention_layernorm.weight",
+        ]
+    names.append("model.norm.weight")
+    if layout.value_head:
+        names += ["score.weight", "score.bias"]
+    elif not layout.tied:
+        names.append("lm_head.weight")
+    return names
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_LAYER_PARTS = {
+    "input_layernorm.weight": ("input_layernorm.weight",),
+    "self_attention.linear_qkv.weight": tuple(f"self_attn.{x}_proj.weight" for x in "qkv"),
+    "self_attention.linear_qkv.bias": tuple(f"self_attn.{x}_proj.bias" for x in "qkv"),
+    "self_attention.linear_proj.weight": ("self_attn.o_proj.weight",),
+    "pre_mlp_layernorm.weight": ("post_attention_layernorm.weight",),
+    "mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "mlp.linear_fc2.weight": ("mlp.down_proj.weight",),
+}
+_GLOBAL = {
+    "embedding.word_embeddings.weight": ("model.embed_tokens.weight",),
+    "decoder.final_layernorm.weight": ("model.norm.weight",),
+    "output_layer.weight": ("lm_head.weight",),
+}
+_VALUE_HEAD = {"output_layer.weight": ("score.weight",), "output_layer.bias": ("score.bias",)}
+
+
+def megatron_to_hf_names(name: str, layer_offset: int, layout: ModelLayout) -> tuple[str, ...]:
+    """The HF tensors one megatron parameter (local name, layers offset by ``layer_offset``) holds."""
+    m = _LAYER.match(name)
+    if m:
+        local, rest = int(m.group(1)), m.group(2)
+        if rest not in _LAYER_PARTS:
+            raise KeyError(f"megatron parameter {name!r} has no HF mapping")
+        return tuple(f"model.layers.{layer_offset + local}.{part}" for part in _LAYER_PARTS[rest])
+    if layout.value_head and name in _VALUE_HEAD:
+        return _VALUE_HEAD[name]
+    if name == "output_layer.weight" and layout.tied:
+        return ("model.embed_tokens.weight",)
+    if name not in _GLOBAL:
+        raise KeyError(f"megatron parameter {name!r} has no HF mapping")
+    return _GLOBAL[name]
+
+
+def _kind(name: str, layout: ModelLayout) -> str:
+    if layout.value_head and name.startswith("output_layer."):
+        return "replicated"  # the value head is replicated over TP ranks
+    for suffix, kind in (
+        ("linear_qkv.weight", "qkv"),
+        ("linear_qkv.bias", "qkv"),
+        ("linear_fc1.weight", "fc1"),
+        ("linear_proj.weight", "row"),
+        ("linear_fc2.weight", "row"),
+        ("word_embeddings.weight", "vocab"),
+        ("output_layer.weight", "vocab"),
+    ):
+        if name.endswith(suffix):
+            return kind
+    return "replicated"
+
+
+def shard_from_hf(
+    name: str, hf: tuple[torch.Tensor, ...], layout: ModelLayout, tp_rank: int, tp: int
+) -> torch.Tensor:
+    """This TP rank's shard of megatron parameter ``name`` from its full HF tensors."""
+    kind = _kind(name, layout)
+    if kind == "replicated":
+        return hf[0]
+    if kind == "row":
+        return hf[0].chunk(tp, dim=1)[tp_rank]
+    if kind == "vocab":
+        full = hf[0]
+        if layout.padded_vocab_size > full.shape[0]:
+            pad = full.new_zeros(layout.padded_vocab_size - full.shape[0], *full.shape[1:])
+            full = torch.cat([full, pad])
+        return full.chunk(tp, dim=0)[tp_rank]
+    if kind == "fc1":
+        gate, up = hf
+        return torch.cat([gate.chunk(tp, dim=0)[tp_rank], up.chunk(tp, dim=0)[tp_rank]])
+    # qkv: per group [its query heads, its key, its value], groups split over TP ranks
+    q, k, v = hf
+    g, r, d = layout.num_groups, layout.heads_per_group, layout.head_dim
+    tail = q.shape[1:]
+    fused = torch.cat(
+        [q.reshape(g, r * d, *tail), k.reshape(g, d, *tail), v.reshape(g, d, *tail)], dim=1
+    )
+    return fused.chunk(tp, dim=0)[tp_rank].reshape(-1, *tail)
+
+
+def hf_from_shards(
+    name: str, shards: list[torch.Tensor], layout: ModelLayout
+) -> tuple[torch.Tensor, ...]:
+    """The full HF tensors of megatron parameter ``name`` from every TP rank's shard (in order)."""
+    kind = _kind(name, layout)
+    if kind == "replicated":
+        return (shards[0],)
+    if kind == "row":
+        return (torch.cat(shards, dim=1),)
+    if kind == "vocab":
+        return (torch.cat(shards, dim=0)[: layout.vocab_size],)
+    if kind == "fc1":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])
+    g, r, d = layout.num_groups, layout.heads_per_group, layout.head_dim
+    tail = shards[0].shape[1:]
+    fused = torch.cat(shards).reshape(g, (r + 2) * d, *tail)
+    q, k, v = fused.split([r * d, d, d], dim=1)
+    return q.reshape(g * r * d, *tail), k.reshape(g * d, *tail), v.reshape(g * d, *tail)

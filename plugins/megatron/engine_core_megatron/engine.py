@@ -1,0 +1,765 @@
+"""``MegatronEngine``: a ``BaseEngine`` on megatron-core's ``GPTModel``.
+
+Parallelism comes from megatron-core: tensor parallel (optionally sequence parallel), pipeline
+parallel driven by megatron-core's forward-backward schedule (1F1B; interleaved with virtual
+stages), data parallel through megatron-core's ``DistributedDataParallel`` and optimizer
+(optionally the distributed optimizer). Weights come from a Hugging Face folder or the shared
+``ModelConfig`` build, converted and sharded by :mod:`engine_core_megatron.convert`, and go back
+out under their HF names through :meth:`MegatronEngine.named_full_params`.
+
+Contract mapping:
+
+- The schedule owns the micro-batch loop (:meth:`run_micro_batches`). The core's micro-batch
+  plan and global loss context are used unchanged; megatron-core's own normalisations are
+  switched off (``calculate_per_token_loss`` with no token rescaling: no division by the
+  number of micro-batches, gradients summed over DP ranks), so the loss each micro-batch
+  returns is exactly the core contract's.
+- Outputs, losses and metrics exist on the last pipeline stage; they are broadcast to the
+  other stages so every rank returns the same results. The collect rank of each DP rank is
+  TP rank 0 of the last stage.
+- Log-probs and entropy are computed vocabulary-parallel: each TP rank keeps its slice of
+  the logits and only ``[tokens]``-sized partial sums cross ranks.
+
+On a CPU host (gloo) every call runs inside :func:`engine_core_megatron._cpu_compat.cpu_compat`;
+on a GPU host (NCCL) megatron-core runs unmodified.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import warnings
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+from typing import Any, ClassVar, TypeVar
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from engine_core.batch import ATTENTION_MASK, INPUT_IDS, POSITION_IDS
+from engine_core.capabilities import Capability
+from engine_core.checkpoint import (
+    commit_staging,
+    is_dir,
+    is_file,
+    join,
+    load_torch,
+    save_torch,
+    staging_dir,
+    step_dir,
+)
+from engine_core.config import EngineConfig
+from engine_core.engine import BaseEngine, MicroBatchResults, ModelInputs
+from engine_core.errors import CheckpointError, ConfigError, EngineCoreError
+from engine_core.loss import GlobalBatchContext, MetricAccumulator
+from engine_core.models import DTYPES, build_hf_config, build_model
+from engine_core.optim import capture_rng, lr_lambda, restore_rng
+from engine_core.packing import pack
+from engine_core_megatron._cpu_compat import cpu_compat
+from engine_core_megatron._pipeline import broadcast_results
+from engine_core_megatron.capabilities import MEGATRON_CAPABILITIES
+from engine_core_megatron.config import MegatronEngineConfig
+from engine_core_megatron.convert import (
+    ModelLayout,
+    hf_from_shards,
+    layout_of,
+    megatron_to_hf_names,
+    shard_from_hf,
+    transformer_config_kwargs,
+)
+from engine_core_megatron.vocab_parallel import vocab_parallel_log_probs
+
+__all__ = ["MegatronEngine"]
+
+STATE_FILE = "engine_state_rank{rank}.pt"
+CKPT_DIR = "dist_ckpt"
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _on_device(fn: F) -> F:
+    """Run ``fn`` inside the CPU compatibility layer when the engine runs on the CPU."""
+
+    @functools.wraps(fn)
+    def wrapper(self: MegatronEngine, *args: Any, **kwargs: Any) -> Any:
+        with self._device_context():
+            return fn(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _ensure_process_group() -> None:
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+class MegatronEngine(BaseEngine):
+    capabilities: ClassVar[frozenset[Capability]] = MEGATRON_CAPABILITIES
+    config_class: ClassVar[type[EngineConfig]] = MegatronEngineConfig
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.chunks: list[torch.nn.Module] = []  # DDP-wrapped GPTModel chunks of this rank
+        self.optimizer: Any = None
+        self.layout: ModelLayout | None = None
+        self.skipped_steps = 0
+        self._lr_step = 0
+        self._parallel_layout: tuple[int, int, int | None] | None = None
+        self._layer_owner: list[tuple[int, int, int]] = []  # global layer -> (pp, chunk, local)
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def device(self) -> torch.device:
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _device_context(self) -> contextlib.AbstractContextManager[Any]:
+        return cpu_compat() if self.device.type == "cpu" else contextlib.nullcontext()
+
+    @property
+    def _ps(self) -> Any:
+        from megatron.core import parallel_state
+
+        if self._parallel_layout is not None:
+            now = (
+                parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_pipeline_model_parallel_world_size(),
+                parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+            )
+            if now != self._parallel_layout:
+                raise EngineCoreError(
+                    f"megatron: model parallelism was re-initialised to (tp, pp, vpp)={now} by "
+                    f"another megatron engine in this process; this engine was built with "
+                    f"{self._parallel_layout}. megatron-core keeps one layout per process: give "
+                    f"every megatron engine in a process the same parallel sizes."
+                )
+        return parallel_state
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        if self._parallel_layout is None:
+            return None
+        return self._ps.get_data_parallel_group()
+
+    @property
+    def dp_rank(self) -> int:
+        return self._ps.get_data_parallel_rank() if self._parallel_layout else 0
+
+    @property
+    def dp_size(self) -> int:
+        return self._ps.get_data_parallel_world_size() if self._parallel_layout else 1
+
+    @property
+    def tp_rank(self) -> int:
+        return self._ps.get_tensor_model_parallel_rank() if self._parallel_layout else 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return bool(self._ps.is_pipeline_last_stage()) if self._parallel_layout else True
+
+    @property
+    def is_collect_rank(self) -> bool:
+        return self.is_last_stage and self.tp_rank == 0
+
+    # ------------------------------------------------------------------ build
+    @_on_device
+    def init_model(self) -> None:
+        _ensure_process_group()
+        cfg = self.config
+        assert isinstance(cfg, MegatronEngineConfig)
+        tp, pp, vpp = (
+            cfg.tensor_parallel_size,
+            cfg.pipeline_parallel_size,
+            cfg.virtual_pipeline_parallel_size,
+        )
+        world = dist.get_world_size()
+        if world % (tp * pp):
+            raise ConfigError(
+                f"megatron: world size {world} does not divide by tensor_parallel_size ({tp}) x "
+                f"pipeline_parallel_size ({pp}); choose sizes whose product divides the number "
+                f"of processes."
+            )
+        hf_config = build_hf_config(cfg.model)
+        layout = layout_of(hf_config, value_head=cfg.model.value_head, tp=tp)
+        chunks = vpp or 1
+        if layout.num_layers % (pp * chunks):
+            raise ConfigError(
+                f"megatron: num_hidden_layers ({layout.num_layers}) must divide by "
+                f"pipeline_parallel_size x virtual_pipeline_parallel_size ({pp} x {chunks})."
+            )
+        self.layout = layout
+        self._init_parallel_state(tp, pp, vpp)
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(cfg.seed)
+        # the full HF weights, built exactly as the other engines build them (same seed)
+        torch.manual_seed(cfg.seed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            hf_state = build_model(cfg.model, device="cpu").state_dict()
+        tc, model_kwargs = self._transformer_config(hf_config, layout)
+        self.chunks = self._build_chunks(tc, model_kwargs, hf_state)
+        del hf_state
+        self.module = torch.nn.ModuleList(self.chunks)
+        self._map_layers()
+        self._build_optimizer(tc)
+
+    def _init_parallel_state(self, tp: int, pp: int, vpp: int | None) -> None:
+        from megatron.core import parallel_state
+
+        want = (tp, pp, vpp)
+        if parallel_state.model_parallel_is_initialized():
+            now = (
+                parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_pipeline_model_parallel_world_size(),
+                parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+            )
+            if now != want:
+                parallel_state.destroy_model_parallel()
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(
+                tensor_model_parallel_size=tp,
+                pipeline_model_parallel_size=pp,
+                virtual_pipeline_model_parallel_size=vpp,
+            )
+        self._parallel_layout = want
+
+    def _transformer_config(
+        self, hf_config: Any, layout: ModelLayout
+    ) -> tuple[Any, dict[str, Any]]:
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        cfg = self.config
+        assert isinstance(cfg, MegatronEngineConfig)
+        dtype = DTYPES[cfg.model.dtype]
+        config_kwargs, model_kwargs = transformer_config_kwargs(hf_config, layout)
+        on_gpu = self.device.type == "cuda"
+        recompute: dict[str, Any] = {}
+        if cfg.model.gradient_checkpointing:
+            recompute = {
+                "recompute_granularity": "full",
+                "recompute_method": "uniform",
+                "recompute_num_layers": 1,
+            }
+        tc = TransformerConfig(
+            **config_kwargs,
+            **recompute,
+            tensor_model_parallel_size=cfg.tensor_parallel_size,
+            pipeline_model_parallel_size=cfg.pipeline_parallel_size,
+            virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_parallel_size,
+            sequence_parallel=cfg.sequence_parallel,
+            params_dtype=dtype,
+            pipeline_dtype=dtype,
+            bf16=dtype == torch.bfloat16,
+            fp16=dtype == torch.float16,
+            use_cpu_initialization=not on_gpu,
+            # megatron-core marks tensor-parallel weights while initialising them (the grad norm
+            # and checkpoints read the marks); the values are then replaced by the HF tensors
+            perform_initialization=True,
+            bias_dropout_fusion=False,
+            masked_softmax_fusion=False,
+            persist_layer_norm=False,
+            gradient_accumulation_fusion=False,
+            apply_rope_fusion=False,
+            cross_entropy_loss_fusion=False,
+            # the core's loss is normalised by global counts already: no extra scaling
+            calculate_per_token_loss=True,
+            variable_seq_lengths=True,
+            moe_token_dispatcher_type="alltoall",  # no MoE; the default refuses variable lengths
+            batch_p2p_comm=on_gpu,
+            deallocate_pipeline_outputs=False,
+        )
+        return tc, model_kwargs
+
+    def _layer_spec(self, tc: Any) -> Any:
+        cfg = self.config
+        assert isinstance(cfg, MegatronEngineConfig)
+        if cfg.transformer_impl == "transformer_engine":
+            from megatron.core.models.gpt.gpt_layer_specs import (
+                get_gpt_layer_with_transformer_engine_spec,
+            )
+
+            return get_gpt_layer_with_transformer_engine_spec()
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        from engine_core_megatron.attention import SDPACoreAttention
+
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+        return spec
+
+    def _build_chunks(
+        self, tc: Any, model_kwargs: dict[str, Any], hf_state: dict[str, torch.Tensor]
+    ) -> list[torch.nn.Module]:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        cfg = self.config
+        assert isinstance(cfg, MegatronEngineConfig) and self.layout is not None
+        ps = self._ps
+        vpp = cfg.virtual_pipeline_parallel_size
+        spec = self._layer_spec(tc)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=cfg.grad_reduce_in_fp32,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=cfg.use_distributed_optimizer,
+        )
+        chunks = []
+        for vp in range(vpp or 1):
+            vp_stage = vp if vpp else None
+            pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+            post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+            model = GPTModel(
+                tc,
+                spec,
+                pre_process=pre,
+                post_process=post,
+                vp_stage=vp_stage,
+                **model_kwargs,
+            )
+            if post and self.layout.value_head:
+                from engine_core_megatron.value_head import ValueHead
+
+                model.output_layer = ValueHead(tc)
+            if self.device.type == "cuda":
+                model.cuda(torch.cuda.current_device())
+            offset = get_transformer_layer_offset(tc, vp_stage=vp_stage)
+            self._load_hf(model, offset, hf_state)
+            chunks.append(
+                DistributedDataParallel(tc, ddp_config, module=model, disable_bucketing=vp > 0)
+            )
+        return chunks
+
+    def _load_hf(
+        self, model: torch.nn.Module, offset: int, hf_state: dict[str, torch.Tensor]
+    ) -> None:
+        assert self.layout is not None
+        tp = self.config.tensor_parallel_size
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                hf_names = megatron_to_hf_names(name, offset, self.layout)
+                try:
+                    tensors = tuple(hf_state[n] for n in hf_names)
+                except KeyError as e:
+                    raise CheckpointError(
+                        f"megatron: the HF weights have no tensor {e.args[0]!r} for megatron "
+                        f"parameter {name!r}; is model.path a {self.layout} checkpoint?"
+                    ) from e
+                shard = shard_from_hf(name, tensors, self.layout, self.tp_rank, tp)
+                if shard.shape != param.shape:
+                    raise CheckpointError(
+                        f"megatron: {name} expects shape {tuple(param.shape)} on this rank, the "
+                        f"HF weights {hf_names} give {tuple(shard.shape)}."
+                    )
+                param.copy_(shard)
+
+    def _map_layers(self) -> None:
+        """Which pipeline rank, chunk and local index holds each global decoder layer."""
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        assert self.layout is not None
+        ps = self._ps
+        pp_rank = ps.get_pipeline_model_parallel_rank()
+        owner = torch.full((self.layout.num_layers, 3), -1, dtype=torch.int64)
+        for c, chunk in enumerate(self.chunks):
+            vp_stage = c if self.config.virtual_pipeline_parallel_size else None  # type: ignore[attr-defined]
+            offset = get_transformer_layer_offset(chunk.module.config, vp_stage=vp_stage)
+            for local in range(len(chunk.module.decoder.layers)):
+                owner[offset + local] = torch.tensor([pp_rank, c, local])
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            owner = owner.to(self.device)
+            dist.all_reduce(
+                owner, op=dist.ReduceOp.MAX, group=ps.get_pipeline_model_parallel_group()
+            )
+            owner = owner.cpu()
+        self._layer_owner = [tuple(int(x) for x in row) for row in owner]  # type: ignore[misc]
+
+    def _build_optimizer(self, tc: Any) -> None:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        cfg = self.config
+        assert isinstance(cfg, MegatronEngineConfig)
+        o = cfg.optim
+        dtype = DTYPES[cfg.model.dtype]
+        opt_config = OptimizerConfig(
+            optimizer="adam",
+            lr=o.lr,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.betas[0],
+            adam_beta2=o.betas[1],
+            adam_eps=o.eps,
+            clip_grad=0.0,  # clipping and the non-finite skip are done in optimizer_step()
+            bf16=dtype == torch.bfloat16,
+            fp16=dtype == torch.float16,
+            params_dtype=dtype,
+            use_distributed_optimizer=cfg.use_distributed_optimizer,
+        )
+        self.optimizer = get_megatron_optimizer(opt_config, self.chunks)
+        self._lr_step = 0
+        self._apply_lr()
+        self.skipped_steps = 0
+
+    # ------------------------------------------------------------------ forward / backward
+    def prepare_model_inputs(self, micro_batch: TensorDict) -> ModelInputs:
+        """GPTModel kwargs: one packed row with THD sequence boundaries (default), or padded rows
+        with their padding mask. With sequence parallelism the packed row is padded to a
+        multiple of the TP size with a dummy trailing sequence."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        ids, mask = micro_batch[INPUT_IDS], micro_batch[ATTENTION_MASK]
+        dev = self.device
+        if self.config.use_packing:
+            packed = pack(ids, mask)
+            tokens, positions = packed.input_ids, packed.position_ids
+            cu = packed.cu_seqlens.to(torch.int32)
+            length = int(tokens.shape[1])
+            multiple = self.config.tensor_parallel_size if self.config.sequence_parallel else 1  # type: ignore[attr-defined]
+            extra = (-length) % multiple
+            if extra:
+                tokens = torch.nn.functional.pad(tokens, (0, extra))
+                positions = torch.cat([positions, torch.arange(extra).unsqueeze(0)], 1)
+                cu = torch.cat([cu, torch.tensor([length + extra], dtype=torch.int32)])
+            max_len = int((cu[1:] - cu[:-1]).max())
+            params = PackedSeqParams(
+                qkv_format="thd",
+                cu_seqlens_q=cu.to(dev),
+                cu_seqlens_kv=cu.to(dev),
+                max_seqlen_q=max_len,
+                max_seqlen_kv=max_len,
+            )
+            kwargs = {
+                "input_ids": tokens.to(dev),
+                "position_ids": positions.to(dev),
+                "attention_mask": None,
+                "packed_seq_params": params,
+                "length": length,
+            }
+            return ModelInputs(kwargs, packed)
+        length = int(ids.shape[1])
+        padding = ~mask.bool()[:, None, None, :]
+        kwargs = {
+            "input_ids": ids.to(dev),
+            "position_ids": micro_batch[POSITION_IDS].to(dev),
+            "attention_mask": padding.to(dev),
+            "length": length,
+        }
+        return ModelInputs(kwargs, None)
+
+    def token_log_probs(
+        self, logits: torch.Tensor, next_ids: torch.Tensor, *, entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        assert self.layout is not None
+        return vocab_parallel_log_probs(
+            logits,
+            next_ids,
+            vocab_size=self.layout.vocab_size,
+            group=self._ps.get_tensor_model_parallel_group(),
+            entropy=entropy,
+        )
+
+    def run_micro_batches(
+        self, micro_batches: list[TensorDict], ctx: GlobalBatchContext, *, forward_only: bool
+    ) -> MicroBatchResults:
+        with self._device_context():
+            return self._run_schedule(micro_batches, ctx, forward_only=forward_only)
+
+    def _run_schedule(
+        self, micro_batches: list[TensorDict], ctx: GlobalBatchContext, *, forward_only: bool
+    ) -> MicroBatchResults:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        ps = self._ps
+        cfg = self.config
+        pp = cfg.pipeline_parallel_size
+        n = len(micro_batches)
+        if cfg.virtual_pipeline_parallel_size and n % pp:  # type: ignore[attr-defined]
+            raise EngineCoreError(
+                f"megatron: the interleaved pipeline schedule needs a number of micro-batches "
+                f"divisible by pipeline_parallel_size ({pp}); this batch has {n}. Choose "
+                f"micro_batch_size so that the batch splits into a multiple of {pp}, or unset "
+                f"virtual_pipeline_parallel_size."
+            )
+        prepared = [(mb, self.prepare_model_inputs(mb)) for mb in micro_batches]
+        acc = MetricAccumulator()
+        outputs: list[TensorDict] = []
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        one = torch.ones((), dtype=torch.int, device=self.device)
+
+        def loss_func(mb: TensorDict, inputs: ModelInputs, logits: torch.Tensor) -> Any:
+            nonlocal loss_sum
+            raw = SimpleNamespace(logits=logits[:, : inputs.kwargs["length"]])
+            out = self.prepare_model_outputs(raw, inputs, mb)
+            outputs.append(out.detach())
+            if self._loss_fn is None:
+                return torch.zeros((), device=logits.device, requires_grad=False), one, {}
+            loss, metrics = self._loss_fn(mb, out, ctx)
+            acc.update(metrics)
+            loss_sum = loss_sum + loss.detach().double().cpu()
+            return loss.to(logits.device), one, {}
+
+        def forward_step(data_iterator: Iterator[Any], model: torch.nn.Module) -> Any:
+            mb, inputs = next(data_iterator)
+            kwargs = {k: v for k, v in inputs.kwargs.items() if k != "length"}
+            return model(**kwargs), functools.partial(loss_func, mb, inputs)
+
+        chunk_config = self.chunks[0].module.config
+        chunk_config.no_sync_func = (
+            [c.no_sync for c in self.chunks] if len(self.chunks) > 1 else self.chunks[0].no_sync
+        )
+        chunk_config.finalize_model_grads_func = _finalize_without_rescaling
+        data: Any = (
+            [iter(prepared) for _ in self.chunks] if len(self.chunks) > 1 else iter(prepared)
+        )
+        grad = torch.no_grad() if forward_only else contextlib.nullcontext()
+        with grad:
+            get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=data,
+                model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
+                num_microbatches=n,
+                seq_length=max(int(p[1].kwargs["input_ids"].shape[1]) for p in prepared),
+                micro_batch_size=max(int(p[1].kwargs["input_ids"].shape[0]) for p in prepared),
+                forward_only=forward_only,
+            )
+        results = MicroBatchResults(outputs, loss_sum, acc) if self.is_last_stage else None
+        if pp > 1:
+            group = ps.get_pipeline_model_parallel_group()
+            last = dist.get_process_group_ranks(group)[-1]
+            results = broadcast_results(results, src=last, group=group, device=self.device)
+        assert results is not None
+        return results
+
+    # ------------------------------------------------------------------ optimizer
+    @_on_device
+    def optimizer_zero_grad(self) -> None:
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    @_on_device
+    def optimizer_step(self) -> float:
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        opt = self.optimizer
+        opt.prepare_grads()
+        norm = float(opt.get_grad_norm())
+        if not math.isfinite(norm):
+            self.skipped_steps += 1
+            for chunk in self.chunks:
+                chunk.zero_grad_buffer()
+            opt.zero_grad()
+            return norm
+        max_norm = self.config.optim.clip_grad
+        if max_norm is not None:
+            for sub in getattr(opt, "chained_optimizers", [opt]):
+                params = sub.get_parameters()
+                if params:
+                    clip_grad_by_total_norm_fp32(params, max_norm, norm)
+        opt.step_with_ready_grads()
+        return norm
+
+    def lr_scheduler_step(self) -> float:
+        self._lr_step += 1
+        return self._apply_lr()
+
+    def _apply_lr(self) -> float:
+        lr = self.config.optim.lr * lr_lambda(self.config.optim, self._lr_step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    # ------------------------------------------------------------------ state
+    def to(self, device: torch.device | str, *, model: bool = True, optimizer: bool = True) -> None:
+        target = torch.device(device)
+        if target.type == self.device.type:
+            return  # already there (a CPU-only run has nowhere to offload to)
+        raise EngineCoreError(
+            f"megatron: moving the engine to {target} is not supported (offload is not declared); "
+            f"it lives on {self.device}."
+        )
+
+    def _sharded_state_dict(self, *, is_loading: bool) -> dict[str, Any]:
+        model_sd: dict[str, Any] = {}
+        for i, chunk in enumerate(self.chunks):
+            model_sd[f"model{i}"] = chunk.module.sharded_state_dict()
+        merged: dict[str, Any] = {}
+        for sd in model_sd.values():
+            merged.update(sd)
+        optim_sd = self.optimizer.sharded_state_dict(merged, is_loading=is_loading)
+        return {**model_sd, "optimizer": optim_sd}
+
+    @_on_device
+    def save_checkpoint(self, path: str, *, step: int, max_ckpt_to_keep: int | None = None) -> str:
+        from megatron.core import dist_checkpointing
+
+        _require_local(path)
+        rank = dist.get_rank()
+        folder = step_dir(path, step) + ".tmp"
+        if rank == 0:
+            staging_dir(path, step)
+            import os
+
+            os.makedirs(join(folder, CKPT_DIR), exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(self._sharded_state_dict(is_loading=False), join(folder, CKPT_DIR))
+        save_torch(
+            {
+                "step": step,
+                "lr_step": self._lr_step,
+                "skipped_steps": self.skipped_steps,
+                "rng": capture_rng(),
+            },
+            join(folder, STATE_FILE.format(rank=rank)),
+        )
+        dist.barrier()
+        if rank == 0:
+            commit_staging(path, step, max_ckpt_to_keep)
+        dist.barrier()
+        return step_dir(path, step)
+
+    @_on_device
+    def load_checkpoint(self, path: str) -> int:
+        from megatron.core import dist_checkpointing
+
+        _require_local(path)
+        own = join(path, STATE_FILE.format(rank=dist.get_rank()))
+        first = join(path, STATE_FILE.format(rank=0))
+        if not is_dir(join(path, CKPT_DIR)) or not is_file(first):
+            raise CheckpointError(
+                f"{path} is not a complete megatron checkpoint (need {CKPT_DIR}/ and "
+                f"{STATE_FILE.format(rank=0)}); pass a global_step_<N> folder written by "
+                f"save_checkpoint()."
+            )
+        state = dist_checkpointing.load(
+            self._sharded_state_dict(is_loading=True), join(path, CKPT_DIR)
+        )
+        for i, chunk in enumerate(self.chunks):
+            chunk.module.load_state_dict(state[f"model{i}"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        same_layout = is_file(own)
+        extra = load_torch(own if same_layout else first)
+        self._lr_step = int(extra["lr_step"])
+        self._apply_lr()
+        self.skipped_steps = int(extra["skipped_steps"])
+        if same_layout:  # RNG streams belong to ranks; a resharded load keeps its own
+            restore_rng(extra["rng"])
+        return int(extra["step"])
+
+    # ------------------------------------------------------------------ export
+    def named_full_params(
+        self, bucket_bytes: int = 512 << 20
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every HF tensor, full, on every rank, one megatron parameter at a time.
+
+        Collective over the whole engine: each parameter is gathered from its TP ranks on the
+        stage that holds it, then broadcast over the pipeline group. At most one megatron
+        parameter's HF tensors are held at a time (``bucket_bytes`` is never exceeded unless a
+        single tensor is larger).
+        """
+        assert self.layout is not None
+        for megatron_name, owner in self._export_plan():
+            with self._device_context():
+                tensors = self._gather_param(megatron_name, owner)
+            yield from tensors
+
+    def _export_plan(self) -> list[tuple[str, tuple[int, int, str]]]:
+        """(global megatron name, (owning pp rank, chunk, local name)) in HF order."""
+        assert self.layout is not None
+        ps = self._ps
+        last = ps.get_pipeline_model_parallel_world_size() - 1
+        last_chunk = len(self.chunks) - 1
+        plan: list[tuple[str, tuple[int, int, str]]] = [
+            ("embedding.word_embeddings.weight", (0, 0, "embedding.word_embeddings.weight"))
+        ]
+        parts = [
+            "self_attention.linear_qkv.weight",
+            *(["self_attention.linear_qkv.bias"] if self.layout.qkv_bias else []),
+            "self_attention.linear_proj.weight",
+            "mlp.linear_fc1.weight",
+            "mlp.linear_fc2.weight",
+            "input_layernorm.weight",
+            "pre_mlp_layernorm.weight",
+        ]
+        for layer, (pp_rank, chunk, local) in enumerate(self._layer_owner):
+            for part in parts:
+                plan.append(
+                    (
+                        f"decoder.layers.{layer}.{part}",
+                        (pp_rank, chunk, f"decoder.layers.{local}.{part}"),
+                    )
+                )
+        plan.append(
+            ("decoder.final_layernorm.weight", (last, last_chunk, "decoder.final_layernorm.weight"))
+        )
+        if self.layout.value_head:
+            plan += [
+                ("output_layer.weight", (last, last_chunk, "output_layer.weight")),
+                ("output_layer.bias", (last, last_chunk, "output_layer.bias")),
+            ]
+        elif not self.layout.tied:
+            plan.append(("output_layer.weight", (last, last_chunk, "output_layer.weight")))
+        return plan
+
+    def _gather_param(
+        self, name: str, owner: tuple[int, int, str]
+    ) -> list[tuple[str, torch.Tensor]]:
+        assert self.layout is not None
+        ps = self._ps
+        pp_rank, chunk, local = owner
+        hf_names = megatron_to_hf_names(name, 0, self.layout)
+        mine = ps.get_pipeline_model_parallel_rank() == pp_rank
+        tensors: tuple[torch.Tensor, ...] = ()
+        if mine:
+            param = dict(self.chunks[chunk].module.named_parameters())[local].detach()
+            tp = ps.get_tensor_model_parallel_world_size()
+            if tp > 1:
+                shards = [torch.empty_like(param) for _ in range(tp)]
+                dist.all_gather(
+                    shards, param.contiguous(), group=ps.get_tensor_model_parallel_group()
+                )
+            else:
+                shards = [param]
+            tensors = hf_from_shards(name, shards, self.layout)
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            group = ps.get_pipeline_model_parallel_group()
+            src = dist.get_process_group_ranks(group)[pp_rank]
+            shapes = self._hf_shapes()
+            dtype = DTYPES[self.config.model.dtype]
+            if not mine:
+                tensors = tuple(
+                    torch.empty(shapes[n], dtype=dtype, device=self.device) for n in hf_names
+                )
+            for t in tensors:
+                dist.broadcast(t, src=src, group=group)
+        return [(n, t.cpu()) for n, t in zip(hf_names, tensors, strict=True)]
+
+    @functools.cached_property
+    def _hf_shape_table(self) -> dict[str, tuple[int, ...]]:
+        from engine_core.rollout import model_weight_shapes
+
+        return dict(model_weight_shapes(self.config.model))
+
+    def _hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        return self._hf_shape_table
+
+
+def _finalize_without_rescaling(
+    model: list[torch.nn.Module], num_tokens: Any = None, **kwargs: Any
+) -> None:
+    """megatron-core's gradient finalisation (DP reduction, tied-embedding and sequence-parallel
+    all-reduces) without its rescaling by the token count: the core's losses are normalised
+    by global counts already."""
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads(model, None, **kwargs)
+
+
+def _require_local(path: str) -> None:
+    if "://" in str(path) and not str(path).startswith("file://"):
+        raise CheckpointError(
+            f"megatron: checkpoints are written with megatron-core's dist_checkpointing, which "
+            f"needs a local or mounted filesystem; got {path!r}. Use a local path."
+        )
