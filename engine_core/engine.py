@@ -430,8 +430,8 @@ class BaseEngine(abc.ABC):
         """Write a Hugging Face folder (``model.safetensors`` + config) at ``path`` (a local
         folder or an fsspec URL).
 
-        Collective: every rank must call it (full tensors are gathered one at a time); rank 0
-        writes into a temporary folder and swaps it in, so an interrupted export never leaves a
+        Collective: every rank must call it (full tensors are gathered one at a time); the
+        collect rank of DP rank 0 writes into a temporary folder and swaps it in, so an interrupted export never leaves a
         half-written folder. An existing export at ``path`` is replaced.
         """
         import fsspec
@@ -439,7 +439,8 @@ class BaseEngine(abc.ABC):
         from engine_core.checkpoint import fresh_folder, join, replace_folder, save_safetensors
         from engine_core.models import build_hf_config
 
-        writer = self.dp_rank == 0
+        # one writer: the collect rank of DP rank 0 (model-parallel ranks share a dp_rank)
+        writer = self.dp_rank == 0 and self.is_collect_rank
         tensors: dict[str, torch.Tensor] = {}
         for name, tensor in self.named_full_params():
             if writer:  # own copies: tied weights must not share storage in safetensors
@@ -452,8 +453,8 @@ class BaseEngine(abc.ABC):
             with fsspec.open(join(tmp, "config.json"), "w", encoding="utf-8") as f:
                 f.write(build_hf_config(self.config.model).to_json_string())
             replace_folder(tmp, final)
-        if self._distributed and self.dp_size > 1:
-            dist.barrier(group=self.dp_group)
+        if self._distributed and dist.get_world_size() > 1:
+            dist.barrier()  # every rank returns once the folder is in place
         return final
 
     # ------------------------------------------------------------------ helpers
