@@ -73,6 +73,13 @@ from engine_core_megatron.vocab_parallel import vocab_parallel_log_probs
 
 __all__ = ["MegatronEngine"]
 
+# megatron-core announces every optional kernel library it does not find, once per module
+warnings.filterwarnings(
+    "ignore", message=r".*(Apex|Transformer Engine).*not installed", category=UserWarning
+)
+# a deprecation in megatron-core's own defaults (cuda_graph_scope), not in anything we set
+warnings.filterwarnings("ignore", message=r"full scope is deprecated", category=UserWarning)
+
 STATE_FILE = "engine_state_rank{rank}.pt"
 CKPT_DIR = "dist_ckpt"
 F = TypeVar("F", bound=Callable[..., Any])
