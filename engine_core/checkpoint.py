@@ -10,12 +10,20 @@ checkpoints beyond the limit.
 
 The small I/O helpers (``save_torch``, ``load_torch``, ``save_safetensors``, ``load_safetensors``,
 ``is_file``, ``is_dir``) take the same kind of location, so engines never assume a local disk.
+
+State files (``save_torch`` / ``load_torch``) hold plain data only: tensors inside dicts, lists and
+tuples of str, int, float, bool and None. They are read with ``torch.load(weights_only=True)``,
+so a file planted in a checkpoint folder is parsed, never executed; anything else in it, or a
+damaged file, is a :class:`CheckpointError` naming the file. ``save_torch`` refuses to write
+anything that would not load back that way.
 """
 
 from __future__ import annotations
 
 import io
 import re
+import warnings
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -161,16 +169,88 @@ def fresh_folder(location: str) -> None:
     fs.makedirs(path, exist_ok=True)
 
 
+_PLAIN_SCALARS = (str, int, float, bool, type(None))
+_MAX_REASON = 200
+
+
+def _non_plain(obj: Any, where: str) -> str | None:
+    """Where in ``obj`` the first value that is not plain state data sits, or None."""
+    if isinstance(obj, torch.Tensor) or type(obj) in _PLAIN_SCALARS:
+        return None
+    if type(obj) in (dict, OrderedDict):
+        for k, v in obj.items():
+            if type(k) not in _PLAIN_SCALARS:
+                return f"a key of {where} ({type(k).__module__}.{type(k).__qualname__})"
+            found = _non_plain(v, f"{where}[{k!r}]")
+            if found:
+                return found
+        return None
+    if type(obj) in (list, tuple):
+        for i, v in enumerate(obj):
+            found = _non_plain(v, f"{where}[{i}]")
+            if found:
+                return found
+        return None
+    return f"{where} ({type(obj).__module__}.{type(obj).__qualname__})"
+
+
 def save_torch(obj: Any, location: str | Path) -> None:
+    """Write plain state data (see the module docstring) to ``location``."""
+    found = _non_plain(obj, "state")
+    if found:
+        raise CheckpointError(
+            f"refusing to write {location}: {found} is not plain data. State files hold only "
+            f"tensors in dicts, lists and tuples of str, int, float, bool and None, so that they "
+            f"load with weights_only=True; convert it before saving."
+        )
     with fsspec.open(str(location), "wb") as f:
         torch.save(obj, f)
 
 
+def _reason(e: BaseException) -> str:
+    """The informative part of a torch.load error, without torch's advice to unpickle anyway."""
+    lines = [
+        line.strip()
+        for line in str(e).splitlines()
+        if line.strip()
+        and not any(
+            skip in line
+            for skip in ("weights_only", "Weights only", "Please file an issue", "documentation")
+        )
+    ]
+    text = " ".join(lines) or type(e).__name__
+    return text if len(text) <= _MAX_REASON else text[: _MAX_REASON - 3] + "..."
+
+
 def load_torch(location: str | Path) -> Any:
-    with fsspec.open(str(location), "rb") as f:
-        data = f.read()
-    # our own files (optimizer state, RNG, schedule): not untrusted input
-    return torch.load(io.BytesIO(data), weights_only=False)
+    """Read a state file written by :func:`save_torch`; never runs code stored in it."""
+    try:
+        with fsspec.open(str(location), "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise CheckpointError(f"cannot read the state file {location}: {e}") from e
+    try:
+        with warnings.catch_warnings():  # torch warns about pickle protocols it was not given
+            warnings.simplefilter("ignore", UserWarning)
+            obj = torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:  # torch raises UnpicklingError, RuntimeError, EOFError, ...
+        # `from None`: the chained error would repeat torch's advice to load with weights_only=False
+        raise CheckpointError(
+            f"{location} is not a valid engine-core state file ({_reason(e)}). State files hold "
+            f"only tensors and plain containers and are never unpickled beyond that; the file is "
+            f"damaged, truncated, or was not written by engine-core's save_checkpoint(). Resume "
+            f"from another checkpoint."
+        ) from None
+    try:
+        found = _non_plain(obj, "state")
+    except RecursionError:
+        found = "its nesting, deeper than any state engine-core writes,"
+    if found:
+        raise CheckpointError(
+            f"{location} is not a valid engine-core state file: {found} is not plain data. "
+            f"Resume from a checkpoint written by engine-core's save_checkpoint()."
+        )
+    return obj
 
 
 def save_safetensors(

@@ -12,6 +12,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from engine_core.config import EngineConfig, OptimConfig
+from engine_core.errors import CheckpointError
 
 __all__ = [
     "build_optimizer",
@@ -20,6 +21,9 @@ __all__ = [
     "clip_and_step",
     "total_grad_norm",
     "SingleOptimizerMixin",
+    "capture_rng",
+    "restore_rng",
+    "scheduler_state",
 ]
 
 
@@ -129,7 +133,7 @@ class SingleOptimizerMixin:
         """What a checkpoint needs beyond model and optimizer: schedule, counters, RNG."""
         assert self.scheduler is not None
         return {
-            "scheduler": self.scheduler.state_dict(),
+            "scheduler": scheduler_state(self.scheduler),
             "skipped_steps": self.skipped_steps,
             "rng": capture_rng(),
         }
@@ -141,16 +145,64 @@ class SingleOptimizerMixin:
         restore_rng(state["rng"])
 
 
+def scheduler_state(scheduler: LambdaLR) -> dict[str, Any]:
+    """The schedule's position as plain data.
+
+    ``LambdaLR.state_dict()`` carries each lambda's ``__dict__`` when it is a callable object; the
+    schedule is rebuilt from the config, so only its counters and lrs are kept (None entries, which
+    ``load_state_dict`` skips).
+    """
+    state = scheduler.state_dict()
+    state["lr_lambdas"] = [None] * len(scheduler.lr_lambdas)
+    return state
+
+
 def capture_rng() -> dict[str, Any]:
-    """torch, numpy and Python RNG states, for exact resume."""
+    """torch, numpy and Python RNG states as tensors and plain values, for exact resume.
+
+    numpy's and Python's own state objects (a tuple holding an ndarray, a tuple of ints) would
+    need arbitrary unpickling; they are stored as int64 tensors and restored bit for bit.
+    """
+    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
     return {
         "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
+        "numpy": {
+            "bit_generator": str(name),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
+        "python": {
+            "version": int(version),
+            "internal": torch.tensor(internal, dtype=torch.int64),
+            "gauss_next": None if gauss_next is None else float(gauss_next),
+        },
     }
 
 
 def restore_rng(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    """Set the RNGs to what :func:`capture_rng` recorded."""
+    try:
+        npy, py = state["numpy"], state["python"]
+        numpy_state = (
+            npy["bit_generator"],
+            npy["keys"].numpy().astype(np.uint32),
+            npy["pos"],
+            npy["has_gauss"],
+            npy["cached_gaussian"],
+        )
+        python_state = (
+            py["version"],
+            tuple(int(v) for v in py["internal"].tolist()),
+            py["gauss_next"],
+        )
+        torch.set_rng_state(state["torch"])
+        np.random.set_state(numpy_state)
+        random.setstate(python_state)
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+        raise CheckpointError(
+            f"the RNG state in this checkpoint is malformed ({type(e).__name__}: {e}); it was not "
+            f"written by capture_rng() of this engine-core version. Resume from another checkpoint."
+        ) from e

@@ -28,7 +28,7 @@ from engine_core.weight_sync import WeightSyncGroup, receive_weights, send_weigh
 
 __all__ = ["RolloutWorker", "ProcessRollout"]
 
-_HOST = "127.0.0.1"
+_HOST = "127.0.0.1"  # both ends on this machine: the sync store listens on loopback only
 
 
 class RolloutWorker(Worker):

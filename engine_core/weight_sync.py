@@ -9,6 +9,9 @@ process can both join it.
 - :func:`send_weights` (rank 0) groups (HF name, tensor) pairs into bounded buckets and, per
   bucket, broadcasts a header (names, shapes, dtypes, the bucket's :func:`tensor_checksum`) and
   then the bucket's bytes as one flat buffer.
+- Headers, end/abort markers and verdicts are fixed-format messages: versioned UTF-8 JSON after
+  an int64 length, validated field by field on receipt (known dtype names only, byte count
+  consistent with shapes). Nothing that crosses the wire is unpickled.
 - :func:`receive_weights` (ranks ≥ 1) rebuilds each bucket, compares its checksum with the
   sender's (a mismatch names the bucket's parameters) and hands the stream to the rollout's own
   :meth:`BaseRollout.sync_weights`, which checks names and shapes against the rollout's model and
@@ -24,8 +27,12 @@ against the same public API and has never run.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-import pickle
+import ipaddress
+import json
+import math
+import socket
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -39,10 +46,32 @@ from engine_core.rollout import BaseRollout, WeightBucket, iter_buckets, tensor_
 __all__ = ["WeightSyncGroup", "send_weights", "receive_weights"]
 
 _PREFIX = "engine-core-weight-sync"
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 64 << 20  # a header for ~10^5 parameters; anything longer is refused
+# the dtypes a bucket may carry, by the name on the wire (never looked up on the torch module)
+_DTYPES: dict[str, torch.dtype] = {
+    str(dt).removeprefix("torch."): dt
+    for dt in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
 
 
 @dataclass(frozen=True)
 class _Header:
+    """What the sender says about the bucket whose bytes follow."""
+
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
@@ -50,11 +79,168 @@ class _Header:
     nbytes: int
 
 
+@dataclass(frozen=True)
+class _End:
+    """The stream is complete."""
+
+
+@dataclass(frozen=True)
+class _Abort:
+    """The sender failed mid-stream; ``reason`` says why."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    """A receiver's outcome: ``error`` is '' when every bucket was loaded and verified."""
+
+    error: str
+
+
+_Message = _Header | _End | _Abort | _Verdict
+_KINDS: dict[str, type] = {"bucket": _Header, "end": _End, "abort": _Abort, "verdict": _Verdict}
+_FIELDS = {
+    "bucket": {"names", "shapes", "dtypes", "checksum", "nbytes"},
+    "end": set(),
+    "abort": {"reason"},
+    "verdict": {"error"},
+}
+
+
+def _element_size(dtype: str) -> int:
+    return torch.empty((), dtype=_DTYPES[dtype]).element_size()
+
+
+def encode_message(msg: _Message) -> bytes:
+    """``msg`` as UTF-8 JSON: the only format that crosses the wire (nothing is unpickled)."""
+    body: dict[str, Any]
+    if isinstance(msg, _Header):
+        body = {
+            "kind": "bucket",
+            "names": list(msg.names),
+            "shapes": [list(s) for s in msg.shapes],
+            "dtypes": list(msg.dtypes),
+            "checksum": msg.checksum,
+            "nbytes": msg.nbytes,
+        }
+    elif isinstance(msg, _End):
+        body = {"kind": "end"}
+    elif isinstance(msg, _Abort):
+        body = {"kind": "abort", "reason": msg.reason}
+    else:
+        body = {"kind": "verdict", "error": msg.error}
+    return json.dumps({"v": PROTOCOL_VERSION, **body}, separators=(",", ":")).encode()
+
+
+def _malformed(what: str, data: bytes) -> WeightSyncError:
+    shown = data[:80] + (b"..." if len(data) > 80 else b"")
+    return WeightSyncError(
+        f"malformed weight-sync message: {what} (received {len(data)} bytes: {shown!r}). Both "
+        f"ends must run engine-core with weight-sync protocol v{PROTOCOL_VERSION}; the group is "
+        f"out of step now: close it and create a new one."
+    )
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")
+
+
+def _str_list(body: dict[str, Any], key: str, data: bytes) -> tuple[str, ...]:
+    value = body[key]
+    if type(value) is not list or any(type(v) is not str for v in value):
+        raise _malformed(f"{key!r} must be a list of strings", data)
+    return tuple(value)
+
+
+def decode_message(data: bytes) -> _Message:
+    """Parse and validate one message; raises :class:`WeightSyncError` on anything unexpected."""
+    try:
+        body = json.loads(data.decode("utf-8"), parse_constant=_refuse_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise _malformed(f"not UTF-8 JSON ({type(e).__name__})", data) from None
+    if type(body) is not dict:
+        raise _malformed("not a JSON object", data)
+    if body.get("v") != PROTOCOL_VERSION:
+        raise _malformed(f"protocol version {body.get('v')!r}, expected {PROTOCOL_VERSION}", data)
+    kind = body.get("kind")
+    if kind not in _KINDS:
+        raise _malformed(f"unknown kind {kind!r}; allowed: {', '.join(_KINDS)}", data)
+    if set(body) - {"v", "kind"} != _FIELDS[kind]:
+        fields = sorted(set(body) - {"v", "kind"})
+        raise _malformed(
+            f"the {kind!r} message has exactly the fields {sorted(_FIELDS[kind])}, got {fields}",
+            data,
+        )
+    if kind == "end":
+        return _End()
+    if kind in ("abort", "verdict"):
+        (field,) = _FIELDS[kind]
+        if type(body[field]) is not str:
+            raise _malformed(f"{field!r} must be a string", data)
+        return _Abort(body[field]) if kind == "abort" else _Verdict(body[field])
+    names, dtypes = _str_list(body, "names", data), _str_list(body, "dtypes", data)
+    shapes = body["shapes"]
+    if type(shapes) is not list or any(
+        type(s) is not list or any(type(d) is not int or d < 0 for d in s) for s in shapes
+    ):
+        raise _malformed("'shapes' must be lists of non-negative integers", data)
+    if not len(names) == len(shapes) == len(dtypes):
+        raise _malformed("'names', 'shapes' and 'dtypes' differ in length", data)
+    unknown = sorted(set(dtypes) - set(_DTYPES))
+    if unknown:
+        raise _malformed(f"unknown dtypes {unknown}; allowed: {', '.join(_DTYPES)}", data)
+    checksum, nbytes = body["checksum"], body["nbytes"]
+    if type(checksum) is not str:
+        raise _malformed("'checksum' must be a string", data)
+    expected = sum(math.prod(s) * _element_size(dt) for s, dt in zip(shapes, dtypes, strict=True))
+    if type(nbytes) is not int or nbytes != expected:
+        raise _malformed(f"'nbytes' is {nbytes!r}, the shapes and dtypes make {expected}", data)
+    return _Header(names, tuple(tuple(s) for s in shapes), dtypes, checksum, nbytes)
+
+
+def _loopback_address(host: str, port: int) -> tuple[socket.AddressFamily, str] | None:
+    """(family, address) to bind when ``host`` names this machine's loopback only, else None."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return None  # let torch report the unresolvable host as before
+    addresses = [str(info[4][0]).split("%")[0] for info in infos]  # drop an IPv6 scope id
+    try:
+        loopback = bool(infos) and all(ipaddress.ip_address(a).is_loopback for a in addresses)
+    except ValueError:
+        return None
+    return (infos[0][0], addresses[0]) if loopback else None
+
+
+def _listen_fd(host: str, port: int) -> int | None:
+    """A socket listening on ``host``'s loopback address only (None: not a loopback host).
+
+    Torch's store server listens on every interface when given a port; handing it a bound
+    socket keeps a loopback-only group unreachable from other machines.
+    """
+    found = _loopback_address(host, port)
+    if found is None:
+        return None
+    family, address = found
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((address, port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock.detach()
+
+
 class WeightSyncGroup:
     """Rank ``rank`` of a ``world_size``-process group used only for weight sync.
 
     Rank 0 (the trainer's sender) hosts the TCP store at ``host:port``; every member must be
-    constructed with the same ``host``, ``port`` and ``world_size``.
+    constructed with the same ``host``, ``port`` and ``world_size``. When ``host`` is a loopback
+    address (``127.0.0.1``, ``localhost``) the store listens on loopback only; any other address
+    is an explicit choice to accept other machines, and the store listens on every interface.
     """
 
     def __init__(
@@ -78,7 +264,16 @@ class WeightSyncGroup:
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}.")
         self.rank, self.world_size, self.backend = rank, world_size, backend
         timeout = datetime.timedelta(seconds=timeout_s)
-        self._store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+        fd = _listen_fd(host, port) if rank == 0 else None
+        try:
+            self._store = dist.TCPStore(
+                host, port, world_size, is_master=rank == 0, timeout=timeout, master_listen_fd=fd
+            )
+        except BaseException:
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    socket.close(fd)
+            raise
         store = dist.PrefixStore(_PREFIX, self._store)
         if backend == "nccl":  # written against the public API; never executed here
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -96,19 +291,37 @@ class WeightSyncGroup:
         self._pg.broadcast([tensor], opts).wait()
         return tensor
 
-    def broadcast_object(self, obj: Any, src: int) -> Any:
-        """Broadcast a picklable object from ``src``; every rank returns it."""
+    def broadcast_bytes(self, data: bytes, src: int) -> bytes:
+        """Broadcast ``data`` (ignored on other ranks) from ``src``: its length, then its bytes.
+
+        Raises :class:`WeightSyncError` on a receiving rank when the announced length is out of
+        bounds (the bytes are not received then: the group is out of step).
+        """
         size = torch.zeros(1, dtype=torch.int64, device=self.device)
-        data = b""
         if self.rank == src:
-            data = pickle.dumps(obj)
+            if len(data) > MAX_MESSAGE_BYTES:
+                raise ValueError(
+                    f"a message is at most {MAX_MESSAGE_BYTES} bytes, got {len(data)}."
+                )
             size.fill_(len(data))
         self.broadcast(size, src)
-        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        if self.rank == src:
+        n = int(size.item())
+        if not 0 <= n <= MAX_MESSAGE_BYTES:
+            raise _malformed(f"announced length {n} outside [0, {MAX_MESSAGE_BYTES}]", b"")
+        buf = torch.empty(n, dtype=torch.uint8, device=self.device)
+        if self.rank == src and n:
             buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         self.broadcast(buf, src)
-        return obj if self.rank == src else pickle.loads(buf.cpu().numpy().tobytes())  # noqa: S301 - peers of one job
+        return data if self.rank == src else buf.cpu().numpy().tobytes()
+
+    def broadcast_message(self, msg: _Message | None, src: int) -> _Message:
+        """Broadcast ``msg`` from ``src`` as a fixed-format JSON message; every rank returns it."""
+        if self.rank == src:
+            if msg is None:
+                raise ValueError("the source rank must give the message to broadcast.")
+            self.broadcast_bytes(encode_message(msg), src)
+            return msg
+        return decode_message(self.broadcast_bytes(b"", src))
 
     def close(self) -> None:
         """Drop the group and the store (the port is free once every member has closed)."""
@@ -119,6 +332,23 @@ class WeightSyncGroup:
 def _flat_bytes(bucket: list[tuple[str, torch.Tensor]], device: torch.device) -> torch.Tensor:
     parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket]
     return torch.cat(parts).to(device)
+
+
+def _header(bucket: list[tuple[str, torch.Tensor]]) -> _Header:
+    dtypes = tuple(str(t.dtype).removeprefix("torch.") for _, t in bucket)
+    unknown = sorted({(n, d) for (n, _), d in zip(bucket, dtypes, strict=True) if d not in _DTYPES})
+    if unknown:
+        raise WeightSyncError(
+            f"cannot send {', '.join(f'{n} ({d})' for n, d in unknown)}: weight sync carries the "
+            f"dtypes {', '.join(_DTYPES)}; cast the tensor first."
+        )
+    return _Header(
+        names=tuple(n for n, _ in bucket),
+        shapes=tuple(tuple(t.shape) for _, t in bucket),
+        dtypes=dtypes,
+        checksum=tensor_checksum(bucket),
+        nbytes=sum(t.numel() * t.element_size() for _, t in bucket),
+    )
 
 
 def send_weights(
@@ -142,22 +372,16 @@ def send_weights(
     done: list[WeightBucket] = []
     try:
         for bucket in iter_buckets(named, bucket_bytes):
-            header = _Header(
-                names=tuple(n for n, _ in bucket),
-                shapes=tuple(tuple(t.shape) for _, t in bucket),
-                dtypes=tuple(str(t.dtype).removeprefix("torch.") for _, t in bucket),
-                checksum=tensor_checksum(bucket),
-                nbytes=sum(t.numel() * t.element_size() for _, t in bucket),
-            )
-            group.broadcast_object(header, 0)
+            header = _header(bucket)
+            group.broadcast_message(header, 0)
             group.broadcast(_flat_bytes(bucket, group.device), 0)
             done.append(WeightBucket(header.names, header.shapes, header.checksum))
     except BaseException as e:
         # the receivers are waiting for a header: tell them the stream ended badly
-        group.broadcast_object(("abort", f"{type(e).__name__}: {e}"), 0)
+        group.broadcast_message(_Abort(f"{type(e).__name__}: {e}"), 0)
         _collect_verdicts(group)
         raise
-    group.broadcast_object(("end", None), 0)
+    group.broadcast_message(_End(), 0)
     failures = [f"rollout rank {r}: {msg}" for r, msg in _collect_verdicts(group) if msg]
     if failures:
         raise WeightSyncError("weight sync failed on the rollout side; " + " | ".join(failures))
@@ -168,7 +392,13 @@ def _collect_verdicts(group: WeightSyncGroup, mine: str | None = None) -> list[t
     """Every receiver broadcasts its verdict ('' when fine) in rank order."""
     out = []
     for r in range(1, group.world_size):
-        out.append((r, group.broadcast_object(mine if r == group.rank else None, r) or ""))
+        msg = group.broadcast_message(_Verdict(mine or "") if r == group.rank else None, r)
+        if not isinstance(msg, _Verdict):
+            raise WeightSyncError(
+                f"rollout rank {r} sent a {type(msg).__name__.strip('_').lower()} message where "
+                f"its verdict was expected; the weight-sync group is out of step."
+            )
+        out.append((r, msg.error))
     return out
 
 
@@ -178,29 +408,37 @@ class _ReceivedStream:
     def __init__(self, group: WeightSyncGroup) -> None:
         self.group = group
         self.finished = False
+        self.broken = False  # a malformed message: the stream cannot be followed any further
         self.abort: str | None = None
 
     def _next_bucket(self) -> list[tuple[str, torch.Tensor]] | None:
-        msg = self.group.broadcast_object(None, 0)
-        if isinstance(msg, tuple):  # ("end", None) or ("abort", reason)
+        try:
+            msg = self.group.broadcast_message(None, 0)
+            if not isinstance(msg, _Header | _End | _Abort):
+                raise WeightSyncError(
+                    f"the trainer sent a {type(msg).__name__.strip('_').lower()} message in the "
+                    f"weight stream; the weight-sync group is out of step."
+                )
+        except WeightSyncError:
+            self.finished = self.broken = True
+            raise
+        if not isinstance(msg, _Header):
             self.finished = True
-            if msg[0] == "abort":
-                self.abort = msg[1]
+            if isinstance(msg, _Abort):
+                self.abort = msg.reason
             return None
-        header: _Header = msg
-        flat = torch.empty(header.nbytes, dtype=torch.uint8, device=self.group.device)
+        flat = torch.empty(msg.nbytes, dtype=torch.uint8, device=self.group.device)
         self.group.broadcast(flat, 0)
         flat = flat.cpu()
         bucket, offset = [], 0
-        for name, shape, dtype in zip(header.names, header.shapes, header.dtypes, strict=True):
-            dt = getattr(torch, dtype)
-            n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()
-            bucket.append((name, flat[offset : offset + n].view(dt).reshape(shape)))
+        for name, shape, dtype in zip(msg.names, msg.shapes, msg.dtypes, strict=True):
+            n = int(torch.Size(shape).numel()) * _element_size(dtype)
+            bucket.append((name, flat[offset : offset + n].view(_DTYPES[dtype]).reshape(shape)))
             offset += n
-        if tensor_checksum(bucket) != header.checksum:
+        if tensor_checksum(bucket) != msg.checksum:
             raise WeightSyncError(
                 "checksum mismatch between the bytes the trainer sent and those received, "
-                f"in bucket [{', '.join(header.names)}]"
+                f"in bucket [{', '.join(msg.names)}]"
             )
         return bucket
 
@@ -224,14 +462,22 @@ class _ReceivedStream:
 def receive_weights(
     group: WeightSyncGroup, rollout: BaseRollout, *, bucket_bytes: int = 256 << 20
 ) -> list[WeightBucket]:
-    """Load the weights rank 0 streams into ``rollout``, verified; report the verdict back."""
+    """Load the weights rank 0 streams into ``rollout``, verified; report the verdict back.
+
+    A malformed message from the sender is raised at once: the stream cannot be followed past it,
+    so no verdict is sent and the group must be recreated.
+    """
     if group.rank == 0:
         raise ValueError("receive_weights runs on a rollout rank (>= 1) of the sync group.")
     stream = _ReceivedStream(group)
     try:
         done = rollout.sync_weights(stream, bucket_bytes=bucket_bytes)
     except Exception as e:
+        if stream.broken:
+            raise
         stream.drain()
+        if stream.broken:
+            raise
         _collect_verdicts(group, str(e) if isinstance(e, WeightSyncError) else repr(e))
         raise
     stream.drain()

@@ -32,7 +32,7 @@ from engine_core import (
     resolve_engine_config,
     resolve_rollout_config,
 )
-from engine_core.checkpoint import latest_checkpoint, step_dir
+from engine_core.checkpoint import latest_checkpoint, load_torch, save_torch, step_dir
 from engine_core.errors import CheckpointError
 from engine_core.rollout import BaseRollout
 from engine_core.tasks import EOS, DigitTask, TaskConfig
@@ -212,7 +212,7 @@ def _run(
         start = engine.load_checkpoint(str(resume_from)) + 1
         if critic_engine is not None:
             critic_engine.load_checkpoint(step_dir(critic_root, start - 1))
-        task.set_rng_state(torch.load(Path(resume_from) / TRAINER_STATE)["task_rng"])
+        task.set_rng_state(load_torch(Path(resume_from) / TRAINER_STATE)["task_rng"])
         console.print(f"resumed from {resume_from} (next step {start})")
     elif job.warmup_sft_steps:
         _warmup(engine, task, job)
@@ -354,7 +354,7 @@ def _whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Ten
 def _save(engine: BaseEngine, task: DigitTask, root: Path, step: int, keep: int | None) -> str:
     folder = Path(engine.save_checkpoint(str(root), step=step, max_ckpt_to_keep=keep))
     tmp = folder / (TRAINER_STATE + ".tmp")
-    torch.save({"step": step, "task_rng": task.rng_state()}, tmp)
+    save_torch({"step": step, "task_rng": task.rng_state()}, tmp)
     tmp.rename(folder / TRAINER_STATE)
     return str(folder)
 

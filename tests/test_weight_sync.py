@@ -7,6 +7,7 @@ this process with a real HF rollout receiving.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -167,19 +168,15 @@ def test_a_corrupted_transfer_is_caught_by_the_checksum(pair: Any, hf_rollout: H
     sender, receiver = pair
     params = _model_params(12)[:2]
     box = _receive_on_thread(receiver, hf_rollout)
-    from engine_core.weight_sync import _flat_bytes, _Header
+    from engine_core.weight_sync import _End, _flat_bytes, _header, _Verdict
 
-    header = _Header(
-        names=tuple(n for n, _ in params),
-        shapes=tuple(tuple(t.shape) for _, t in params),
-        dtypes=tuple(str(t.dtype).removeprefix("torch.") for _, t in params),
-        checksum="0" * 32,
-        nbytes=sum(t.numel() * t.element_size() for _, t in params),
-    )
-    sender.broadcast_object(header, 0)
+    header = dataclasses.replace(_header(params), checksum="0" * 32)
+    sender.broadcast_message(header, 0)
     sender.broadcast(_flat_bytes(params, sender.device), 0)
-    sender.broadcast_object(("end", None), 0)
-    verdict = sender.broadcast_object(None, 1)
+    sender.broadcast_message(_End(), 0)
+    reply = sender.broadcast_message(None, 1)
+    assert isinstance(reply, _Verdict)
+    verdict = reply.error
     box["thread"].join()
     assert isinstance(box["error"], WeightSyncError)
     for name, _ in params:
