@@ -37,7 +37,8 @@ bench: setup
 	for b in benchmarks/*.py; do $(PY) $$b; done
 
 # On a GPU machine (a CUDA build of torch in .venv; see the README): every GPU-marked test,
-# then the MFU benchmark of fsdp2 and megatron on one process per GPU.
-gpu-test: setup
+# then the MFU benchmark of fsdp2 and megatron on one process per GPU. `make gpu-test PY=python3`
+# uses an interpreter that already holds a CUDA torch and the project instead of .venv.
+gpu-test: $(if $(filter $(VENV)/bin/python,$(PY)),setup)
 	$(PY) -m pytest -q -m gpu plugins tests
 	$(PY) benchmarks/mfu.py

@@ -23,8 +23,11 @@ in the output: MFU >= 0.45 on H100 for both engines.
 Without CUDA it runs a smoke configuration (a tiny Llama, one gloo process, fp32, a few steps) so
 the script keeps working; it prints the same JSON shape with ``"smoke": true`` and MFU null.
 
-Status: the GPU path is written against the engines' public API and has not yet been executed
-on a GPU; only the CPU smoke configuration has run.
+Status: executed on one H100 80GB HBM3 (torch 2.11.0+cu130, one process, local megatron layers,
+SDPA attention; no TransformerEngine or flash-attention): fsdp2 40.1k tokens/s (MFU 0.284),
+megatron 40.5k tokens/s (MFU 0.287); ``--profile`` shows the matrix products at about 40% of
+the device time, the rest elementwise work (casts, norms, rotary, SiLU, gradient accumulation)
+that fused kernels would remove. More than one GPU has not run.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -185,7 +188,32 @@ def _sync() -> None:
     dist.barrier()
 
 
-def _worker(rank: int, world: int, backend: str, plan: Plan, raw: dict[str, Any]) -> dict:
+def _step(engine: Any, batch: Any) -> Any:
+    with engine.train_mode():
+        result = engine.forward_backward_step(batch)
+        engine.optimizer_step()
+        engine.lr_scheduler_step()
+        engine.optimizer_zero_grad()
+    return result
+
+
+def _profile(engine: Any, batch: Any, rows: int) -> str:
+    """One more step under the torch profiler: the kernels and ops that took the device's time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + (
+        [ProfilerActivity.CUDA] if engine.device.type == "cuda" else []
+    )
+    with profile(activities=activities) as prof:
+        _step(engine, batch)
+        _sync()
+    key = "self_cuda_time_total" if engine.device.type == "cuda" else "self_cpu_time_total"
+    return str(prof.key_averages().table(sort_by=key, row_limit=rows))
+
+
+def _worker(
+    rank: int, world: int, backend: str, plan: Plan, raw: dict[str, Any], profile_rows: int
+) -> dict:
     """One rank: build the engine generically, then time warm-up + timed optimizer steps."""
     from engine_core.plugins import load_plugins
     from engine_core.resolve import resolve_engine_config
@@ -202,17 +230,17 @@ def _worker(rank: int, world: int, backend: str, plan: Plan, raw: dict[str, Any]
         batch = engine.shard_data(_batch(step, plan, seq_lens))
         _sync()
         start = time.perf_counter()
-        with engine.train_mode():
-            result = engine.forward_backward_step(batch)
-            engine.optimizer_step()
-            engine.lr_scheduler_step()
-            engine.optimizer_zero_grad()
+        result = _step(engine, batch)
         _sync()
         if step >= plan.warmup_steps:
             times.append(time.perf_counter() - start)
         losses.append(float(result.loss))
     on_cuda = engine.device.type == "cuda"
+    table = None
+    if profile_rows:
+        table = _profile(engine, engine.shard_data(_batch(0, plan, seq_lens)), profile_rows)
     return {
+        "profile": table if rank == 0 else None,
         "times": times,
         "losses": losses,
         "setup_s": setup_s,
@@ -230,13 +258,18 @@ def run_engine(
     peak: float | None,
     flops: float,
     tokens: int,
+    profile_rows: int = 0,
 ) -> dict[str, Any]:
     from engine_core.testing.distributed import run_distributed
 
     raw = engine_config(backend, plan, on_gpu=on_gpu, world=world)
     pg = "nccl" if on_gpu else "gloo"
-    results = run_distributed(_worker, world, backend, plan, raw, timeout=1800, pg_backend=pg)
+    results = run_distributed(
+        _worker, world, backend, plan, raw, profile_rows, timeout=1800, pg_backend=pg
+    )
     r = results[0]  # barriers around every step: rank 0's times are the step's
+    if r["profile"]:
+        print(f"--- {backend}: one profiled step (rank 0)\n{r['profile']}", file=sys.stderr)
     median = statistics.median(r["times"])
     mfu = flops / (median * world * peak) if peak else None
     return {
@@ -269,10 +302,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="the tiny CPU configuration anywhere")
     parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="ROWS",
+        help="after timing, profile one more step and print its top ROWS ops to stderr",
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, help="token budget per micro-batch (default: the plan's)"
+    )
     args = parser.parse_args()
 
     on_gpu = torch.cuda.is_available() and not args.smoke
     plan = GPU_PLAN if on_gpu else SMOKE_PLAN
+    if args.max_tokens:
+        plan = replace(plan, max_tokens_per_micro_batch=args.max_tokens)
     world = torch.cuda.device_count() if on_gpu else 1
     device_name = torch.cuda.get_device_name(0) if on_gpu else "cpu"
     peak = peak_bf16(device_name) if on_gpu else None
@@ -281,7 +326,16 @@ def main() -> None:
     tokens = sum(seq_lens)
     flops = step_flops(plan, seq_lens, counts["matmul"])
     engines = {
-        b: run_engine(b, plan, world=world, on_gpu=on_gpu, peak=peak, flops=flops, tokens=tokens)
+        b: run_engine(
+            b,
+            plan,
+            world=world,
+            on_gpu=on_gpu,
+            peak=peak,
+            flops=flops,
+            tokens=tokens,
+            profile_rows=args.profile,
+        )
         for b in args.engines
     }
     print(
@@ -289,7 +343,7 @@ def main() -> None:
             {
                 "benchmark": "training tokens/s and MFU: fsdp2 and megatron",
                 "smoke": not on_gpu,
-                "status": "GPU path written against the public API, not yet executed on a GPU",
+                "status": "GPU path executed on one H100; more than one GPU never executed",
                 "device": {"name": device_name, "count": world, "peak_bf16_flops": peak},
                 "model": {
                     **plan.model,

@@ -36,6 +36,7 @@ from engine_core.batch import (
     validate_batch,
 )
 from engine_core.capabilities import Capability
+from engine_core.comm import all_reduce_cpu
 from engine_core.config import EngineConfig
 from engine_core.errors import EngineCoreError
 from engine_core.loss import GlobalBatchContext, LossFn, MetricAccumulator
@@ -220,7 +221,7 @@ class BaseEngine(abc.ABC):
         mask = loss_mask_of(batch)
         counts = torch.tensor([int(mask.sum()), int(mask.any(-1).sum())], dtype=torch.int64)
         if self._distributed and self.dp_size > 1:
-            dist.all_reduce(counts, group=self.dp_group)
+            counts = all_reduce_cpu(counts, group=self.dp_group)
         return GlobalBatchContext(
             global_num_tokens=int(counts[0]),
             global_num_samples=int(counts[1]),
@@ -253,7 +254,7 @@ class BaseEngine(abc.ABC):
         if self._loss_fn is not None:
             local_loss = results.loss.detach().double().cpu().reshape(())
             if self._distributed and self.dp_size > 1:
-                dist.all_reduce(local_loss, group=self.dp_group)
+                local_loss = all_reduce_cpu(local_loss, group=self.dp_group)
             total_loss = float(local_loss)
         return EngineOutput(
             plan.restore(results.outputs), total_loss, results.metrics.reduce(self.dp_group)

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tensordict import TensorDict
 
 from engine_core.capabilities import StrEnum
+from engine_core.comm import all_reduce_cpu
 
 __all__ = [
     "GlobalBatchContext",
@@ -158,9 +159,9 @@ class MetricAccumulator:
         t_min = torch.tensor(mins, dtype=torch.float64)
         t_max = torch.tensor(maxs, dtype=torch.float64)
         if distributed:
-            dist.all_reduce(t_sum, op=dist.ReduceOp.SUM, group=group)
-            dist.all_reduce(t_min, op=dist.ReduceOp.MIN, group=group)
-            dist.all_reduce(t_max, op=dist.ReduceOp.MAX, group=group)
+            t_sum = all_reduce_cpu(t_sum, dist.ReduceOp.SUM, group)
+            t_min = all_reduce_cpu(t_min, dist.ReduceOp.MIN, group)
+            t_max = all_reduce_cpu(t_max, dist.ReduceOp.MAX, group)
         out: dict[str, float] = {}
         for i, n in enumerate(names):
             red = self._reductions[n]

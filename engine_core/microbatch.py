@@ -21,6 +21,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from engine_core.batch import META_KEY, get_meta, sequence_lengths, set_meta, split_with_meta
+from engine_core.comm import all_reduce_cpu
 from engine_core.errors import BatchError, TokenBudgetError
 
 __all__ = [
@@ -205,12 +206,8 @@ def _as_lengths(lengths: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarra
 def _all_reduce(
     values: list[int], op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup | None
 ) -> list[int]:
-    # NCCL reduces only CUDA tensors; gloo (and mixed cpu:gloo backends) take CPU tensors
-    on_cuda = str(dist.get_backend(group)) == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
-    t = torch.tensor(values, dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=op, group=group)
-    return [int(v) for v in t.cpu().tolist()]
+    t = all_reduce_cpu(torch.tensor(values, dtype=torch.int64), op, group)
+    return [int(v) for v in t.tolist()]
 
 
 def plan_token_budget(

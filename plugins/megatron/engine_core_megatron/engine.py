@@ -331,6 +331,14 @@ class MegatronEngine(BaseEngine):
                 from engine_core_megatron.value_head import ValueHead
 
                 model.output_layer = ValueHead(tc)
+            # megatron-core's local norms are built in the default dtype whatever params_dtype
+            # says; Megatron-LM casts the whole model (Float16Module). One dtype for every
+            # parameter keeps the norms on the fused kernels and the optimizer's bf16 groups
+            # aligned with the model's parameters (its checkpoint mapping assumes that).
+            dtype = DTYPES[cfg.model.dtype]
+            for param in model.parameters():
+                if param.is_floating_point() and param.dtype != dtype:
+                    param.data = param.data.to(dtype)
             if self.device.type == "cuda":
                 model.cuda(torch.cuda.current_device())
             offset = get_transformer_layer_offset(tc, vp_stage=vp_stage)

@@ -69,6 +69,16 @@ def _resharded(rank: int, world: int, policy: str, root: str) -> dict[str, Any]:
         engine = _engine("megatron", policy)
         step = engine.load_checkpoint(str(Path(root) / layout / "global_step_5"))
         out[layout] = (step, forward(engine, eval_batch())[LOG_PROBS])
+    # bf16: every parameter (the norms too) in bf16, trained, saved and loaded back
+    bf16 = {"dtype": "bfloat16"}
+    engine = build("megatron", model={"path": policy, **bf16}, optim=OPTIM)
+    assert engine.module is not None
+    out["bf16_dtypes"] = sorted({str(p.dtype) for p in engine.module.parameters()})
+    train_steps(engine, range(2))
+    folder = engine.save_checkpoint(str(Path(root) / "bf16"), step=2)
+    loaded = build("megatron", model={"path": policy, **bf16}, optim=OPTIM)
+    out["bf16_step"] = loaded.load_checkpoint(folder)
+    out["bf16_log_probs"] = [forward(e, eval_batch())[LOG_PROBS] for e in (engine, loaded)]
     return out
 
 
@@ -129,6 +139,16 @@ def test_checkpoint_loads_at_another_layout(runs: dict[str, Any], layout: str) -
     assert step == 5
     diff = float((got - want).abs().max())
     assert diff <= 1e-6, f"{layout} checkpoint loaded at TP=1 x PP=1: log-probs differ by {diff}"
+
+
+def test_bf16_checkpoint_round_trip(runs: dict[str, Any]) -> None:
+    """A bf16 model is bf16 throughout (megatron-core builds its norms in fp32), so its optimizer
+    state maps onto the parameters when saved, and a reload gives the same outputs."""
+    r = runs["resharded"]
+    assert r["bf16_dtypes"] == ["torch.bfloat16"]
+    assert r["bf16_step"] == 2
+    saved, loaded = r["bf16_log_probs"]
+    assert torch.equal(saved, loaded)
 
 
 def test_export_reloads_with_from_pretrained(runs: dict[str, Any]) -> None:

@@ -4,7 +4,8 @@ checkpoint round trip, for megatron-core's local layers and, where it imports, T
 Marked ``gpu``: skipped cleanly where no CUDA device is visible. Each case runs on one GPU
 (world 1) and, with more than one GPU, on all of them (TP=2 when the GPU count is even, the rest
 data parallel). One process run per case gathers every figure, so each case starts megatron-core
-once. Written against the engine's public API; not yet executed on a GPU.
+once. Executed on one H100 (world 1, local layers); TransformerEngine and more than one GPU
+have not run.
 """
 
 from __future__ import annotations
