@@ -354,10 +354,6 @@ class BaseEngine(abc.ABC):
         meta: BatchMeta = get_meta(micro_batch)
         logits = raw.logits
         ids = inputs.kwargs["input_ids"]
-        b, seq_len = micro_batch[INPUT_IDS].shape
-        # prediction of token t comes from position t-1: shift logits right by one
-        prev = torch.nn.functional.pad(logits[:, :-1], (0, 0, 1, 0))
-        data: dict[str, torch.Tensor] = {}
         if self.config.model.value_head and meta.values_at_token:
             # the head's output at every real token, no shift: only padding holds 0
             at_token = logits[..., 0].float()
@@ -367,22 +363,45 @@ class BaseEngine(abc.ABC):
                 values = at_token.masked_fill(
                     ~micro_batch[ATTENTION_MASK].bool().to(logits.device), 0.0
                 )
-            return TensorDict({VALUES: values.cpu()}, batch_size=[b])
+            return TensorDict({VALUES: values.cpu()}, batch_size=[micro_batch.batch_size[0]])
+        data: dict[str, torch.Tensor] = {}
         if self.config.model.value_head:
-            data[VALUES] = prev[..., 0].float()
+            data[VALUES] = logits[:, :-1, 0].float()
         else:
+            scores = logits[:, :-1]
+            if meta.temperature != 1.0:  # x / 1.0 == x: skip a pass over the logits
+                scores = scores / meta.temperature
             lp, ent = self.token_log_probs(
-                prev / meta.temperature, ids, entropy=meta.compute_entropy
+                scores, ids[:, 1 : logits.shape[1]], entropy=meta.compute_entropy
             )
             data[LOG_PROBS] = lp
             if ent is not None:
                 data[ENTROPY] = ent
+        return self.place_next_token_outputs(data, inputs, micro_batch)
+
+    def place_next_token_outputs(
+        self, data: dict[str, torch.Tensor], inputs: ModelInputs, micro_batch: TensorDict
+    ) -> TensorDict:
+        """Per-token outputs ``[b, L]`` from per-position ones ``[b, L' - 1]`` (position ``t``
+        predicting token ``t + 1`` of the model's input row, padded or packed).
+
+        The prediction of token ``t`` comes from position ``t - 1``, so each result moves right
+        by one; the first token of each sequence and padding hold 0. Shifting the per-token
+        results rather than the ``[.., vocab]`` logits saves a copy of the logits and its
+        backward. For engines that compute next-token quantities themselves (a fused loss
+        kernel, say) and then share this placement.
+        """
+        shifted = {k: torch.nn.functional.pad(v, (1, 0)) for k, v in data.items()}
+        device = next(iter(shifted.values())).device
         if inputs.packed is not None:
-            starts = sequence_start_mask(inputs.packed).to(logits.device)
-            result = {k: unpack(inputs.packed, v.masked_fill(starts, 0.0)) for k, v in data.items()}
+            starts = sequence_start_mask(inputs.packed).to(device)
+            result = {
+                k: unpack(inputs.packed, v.masked_fill(starts, 0.0)) for k, v in shifted.items()
+            }
         else:
-            valid = predicted_mask(micro_batch[ATTENTION_MASK]).to(logits.device)
-            result = {k: v.masked_fill(~valid, 0.0) for k, v in data.items()}
+            valid = predicted_mask(micro_batch[ATTENTION_MASK]).to(device)
+            result = {k: v.masked_fill(~valid, 0.0) for k, v in shifted.items()}
+        b = micro_batch.batch_size[0]
         return TensorDict({k: v.cpu() for k, v in result.items()}, batch_size=[b])
 
     def token_log_probs(

@@ -74,14 +74,18 @@ class SDPACoreAttention(MegatronModule):
         # [s, b, heads, dim] -> [b, heads, s, dim]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
         s = q.shape[2]
-        allowed = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-        if attention_mask is not None:
-            # attention_mask: [b, 1, 1, s], True where the key is padding
+        if attention_mask is None:  # causal only: the kernels' own causal path, no mask tensor
+            out = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=p, is_causal=True, scale=self.scale, enable_gqa=gqa
+            )
+        else:
+            # attention_mask: [b, 1, 1, s], True where the key is padding; padding queries
+            # would attend to nothing (NaN), so they see themselves
+            allowed = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
             allowed = allowed & ~attention_mask.bool()
-            # padding queries would attend to nothing (NaN): let them see themselves
             allowed = allowed | torch.eye(s, dtype=torch.bool, device=q.device)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed, dropout_p=p, scale=self.scale, enable_gqa=gqa
-        )
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=allowed, dropout_p=p, scale=self.scale, enable_gqa=gqa
+            )
         b = out.shape[0]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads * dim]

@@ -29,6 +29,7 @@ from engine_core.errors import ConfigError
 __all__ = [
     "ModelLayout",
     "SUPPORTED_MODEL_TYPES",
+    "UNFUSED",
     "transformer_config_kwargs",
     "megatron_to_hf_names",
     "shard_from_hf",
@@ -114,6 +115,18 @@ def layout_of(hf: Any, *, value_head: bool, tp: int) -> ModelLayout:
         tied=bool(getattr(hf, "tie_word_embeddings", False)) and not value_head,
         value_head=value_head,
     )
+
+
+# megatron-core fusions that need its CUDA extensions, TransformerEngine or Apex: off, so that
+# the local layers run on any device and equal transformers' arithmetic
+UNFUSED: dict[str, bool] = {
+    "bias_dropout_fusion": False,
+    "masked_softmax_fusion": False,
+    "persist_layer_norm": False,
+    "gradient_accumulation_fusion": False,
+    "apply_rope_fusion": False,
+    "cross_entropy_loss_fusion": False,
+}
 
 
 def transformer_config_kwargs(

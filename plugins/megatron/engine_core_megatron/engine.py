@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from engine_core.batch import ATTENTION_MASK, INPUT_IDS, POSITION_IDS
+from engine_core.batch import ATTENTION_MASK, INPUT_IDS, LOG_PROBS, POSITION_IDS, get_meta
 from engine_core.capabilities import Capability
 from engine_core.checkpoint import (
     commit_staging,
@@ -62,6 +62,7 @@ from engine_core_megatron._pipeline import broadcast_results
 from engine_core_megatron.capabilities import MEGATRON_CAPABILITIES
 from engine_core_megatron.config import MegatronEngineConfig
 from engine_core_megatron.convert import (
+    UNFUSED,
     ModelLayout,
     hf_from_shards,
     layout_of,
@@ -265,12 +266,7 @@ class MegatronEngine(BaseEngine):
             # megatron-core marks tensor-parallel weights while initialising them (the grad norm
             # and checkpoints read the marks); the values are then replaced by the HF tensors
             perform_initialization=True,
-            bias_dropout_fusion=False,
-            masked_softmax_fusion=False,
-            persist_layer_norm=False,
-            gradient_accumulation_fusion=False,
-            apply_rope_fusion=False,
-            cross_entropy_loss_fusion=False,
+            **UNFUSED,
             # the core's loss is normalised by global counts already: no extra scaling
             calculate_per_token_loss=True,
             variable_seq_lengths=True,
@@ -454,14 +450,30 @@ class MegatronEngine(BaseEngine):
             }
             return ModelInputs(kwargs, packed)
         length = int(ids.shape[1])
-        padding = ~mask.bool()[:, None, None, :]
+        # rows without padding need only the causal mask, which the attention builds itself
+        padding = None if bool(mask.all()) else (~mask.bool()[:, None, None, :]).to(dev)
         kwargs = {
             "input_ids": ids.to(dev),
             "position_ids": micro_batch[POSITION_IDS].to(dev),
-            "attention_mask": padding.to(dev),
+            "attention_mask": padding,
             "length": length,
         }
         return ModelInputs(kwargs, None)
+
+    def _fused_log_probs(self, micro_batch: TensorDict) -> bool:
+        """Whether the model computes the log-probs itself: ``GPTModel(labels=...)`` runs
+        megatron-core's vocabulary-parallel cross-entropy on the ``[s, b, vocab/tp]`` logits,
+        which skips the ``[b, s, vocab/tp]`` copy of the logits and uses one fused autograd
+        function. Only log-probs at temperature 1 over an unpadded vocabulary: entropy, value
+        heads, temperatures and a vocabulary padded for TP go through :meth:`token_log_probs`."""
+        assert self.layout is not None
+        meta = get_meta(micro_batch)
+        return not (
+            self.layout.value_head
+            or meta.compute_entropy
+            or meta.temperature != 1.0
+            or self.layout.padded_vocab_size != self.layout.vocab_size
+        )
 
     def token_log_probs(
         self, logits: torch.Tensor, next_ids: torch.Tensor, *, entropy: bool = False
@@ -503,22 +515,32 @@ class MegatronEngine(BaseEngine):
         loss_sum = torch.zeros((), dtype=torch.float64)
         one = torch.ones((), dtype=torch.int, device=self.device)
 
-        def loss_func(mb: TensorDict, inputs: ModelInputs, logits: torch.Tensor) -> Any:
+        def loss_func(
+            mb: TensorDict, inputs: ModelInputs, fused: bool, output: torch.Tensor
+        ) -> Any:
             nonlocal loss_sum
-            raw = SimpleNamespace(logits=logits[:, : inputs.kwargs["length"]])
-            out = self.prepare_model_outputs(raw, inputs, mb)
+            # the model's output: logits [b, s, vocab/tp], or per-token NLL [b, s] of the
+            # next token when it computed log-probs itself (see _fused_log_probs)
+            output = output[:, : inputs.kwargs["length"]]
+            if fused:
+                out = self.place_next_token_outputs({LOG_PROBS: -output[:, :-1]}, inputs, mb)
+            else:
+                out = self.prepare_model_outputs(SimpleNamespace(logits=output), inputs, mb)
             outputs.append(out.detach())
             if self._loss_fn is None:
-                return torch.zeros((), device=logits.device, requires_grad=False), one, {}
+                return torch.zeros((), device=output.device, requires_grad=False), one, {}
             loss, metrics = self._loss_fn(mb, out, ctx)
             acc.update(metrics)
             loss_sum = loss_sum + loss.detach().double().cpu()
-            return loss.to(logits.device), one, {}
+            return loss.to(output.device), one, {}
 
         def forward_step(data_iterator: Iterator[Any], model: torch.nn.Module) -> Any:
             mb, inputs = next(data_iterator)
             kwargs = {k: v for k, v in inputs.kwargs.items() if k != "length"}
-            return model(**kwargs), functools.partial(loss_func, mb, inputs)
+            fused = self._fused_log_probs(mb)
+            if fused:  # labels[t] = token t + 1; the last position's label is dropped
+                kwargs["labels"] = torch.roll(kwargs["input_ids"], -1, dims=1)
+            return model(**kwargs), functools.partial(loss_func, mb, inputs, fused)
 
         chunk_config = self.chunks[0].module.config
         chunk_config.no_sync_func = (
