@@ -106,7 +106,9 @@ def _patches() -> list[tuple[Any, str, Any]]:
 
     cuda = torch.cuda
     return [
-        (cuda, "current_device", lambda: 0),
+        # a device, not an index: backward passes (sequence parallelism's reduce-scatter) run
+        # outside the TorchFunctionMode and pass it straight to torch.empty(device=...)
+        (cuda, "current_device", lambda: _CPU),
         (cuda, "synchronize", _nothing),
         (cuda, "empty_cache", _nothing),
         (cuda, "Stream", _Stream),

@@ -47,12 +47,6 @@ class MegatronEngineConfig(EngineConfig):
                 "sequence_parallel=true needs tensor_parallel_size > 1; got tensor_parallel_size=1. "
                 "Set tensor_parallel_size >= 2 or sequence_parallel=false."
             )
-        if self.sequence_parallel and self.transformer_impl == "local":
-            raise ValueError(
-                "sequence_parallel=true needs transformer_impl='transformer_engine': megatron-core "
-                "0.16's local layer spec has no sequence-parallel norm. Set "
-                "sequence_parallel=false, or transformer_impl='transformer_engine' on a GPU host."
-            )
         if self.virtual_pipeline_parallel_size is not None and self.pipeline_parallel_size == 1:
             raise ValueError(
                 "virtual_pipeline_parallel_size needs pipeline_parallel_size > 1; got "

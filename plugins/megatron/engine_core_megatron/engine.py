@@ -276,7 +276,7 @@ class MegatronEngine(BaseEngine):
         )
         return tc, model_kwargs
 
-    def _layer_spec(self, tc: Any) -> Any:
+    def _layer_spec(self, tc: Any, vp_stage: int | None) -> Any:
         cfg = self.config
         assert isinstance(cfg, MegatronEngineConfig)
         if cfg.transformer_impl == "transformer_engine":
@@ -286,12 +286,22 @@ class MegatronEngine(BaseEngine):
 
             return get_gpt_layer_with_transformer_engine_spec()
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer.transformer_block import (
+            TransformerBlockSubmodules,
+            get_num_layers_to_build,
+        )
 
         from engine_core_megatron.attention import SDPACoreAttention
+        from engine_core_megatron.norm import LocalRMSNorm
 
+        # megatron-core's local layers with SDPA attention (packed input) and norms that also
+        # run under sequence parallelism, the block's final norm included
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
         spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
-        return spec
+        spec.submodules.input_layernorm = LocalRMSNorm
+        spec.submodules.pre_mlp_layernorm = LocalRMSNorm
+        layers = get_num_layers_to_build(tc, vp_stage=vp_stage)
+        return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=LocalRMSNorm)
 
     def _build_chunks(
         self, tc: Any, model_kwargs: dict[str, Any], hf_state: dict[str, torch.Tensor]
@@ -304,7 +314,6 @@ class MegatronEngine(BaseEngine):
         assert isinstance(cfg, MegatronEngineConfig) and self.layout is not None
         ps = self._ps
         vpp = cfg.virtual_pipeline_parallel_size
-        spec = self._layer_spec(tc)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=cfg.grad_reduce_in_fp32,
             overlap_grad_reduce=False,
@@ -317,7 +326,7 @@ class MegatronEngine(BaseEngine):
             post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
             model = GPTModel(
                 tc,
-                spec,
+                self._layer_spec(tc, vp_stage),
                 pre_process=pre,
                 post_process=post,
                 vp_stage=vp_stage,
@@ -422,12 +431,13 @@ class MegatronEngine(BaseEngine):
 
         ids, mask = micro_batch[INPUT_IDS], micro_batch[ATTENTION_MASK]
         dev = self.device
+        sp = self.config.sequence_parallel  # type: ignore[attr-defined]
+        multiple = self.config.tensor_parallel_size if sp else 1  # type: ignore[attr-defined]
         if self.config.use_packing:
             packed = pack(ids, mask)
             tokens, positions = packed.input_ids, packed.position_ids
             cu = packed.cu_seqlens.to(torch.int32)
             length = int(tokens.shape[1])
-            multiple = self.config.tensor_parallel_size if self.config.sequence_parallel else 1  # type: ignore[attr-defined]
             extra = (-length) % multiple
             if extra:
                 tokens = torch.nn.functional.pad(tokens, (0, extra))
@@ -450,11 +460,16 @@ class MegatronEngine(BaseEngine):
             }
             return ModelInputs(kwargs, packed)
         length = int(ids.shape[1])
+        positions = micro_batch[POSITION_IDS]
+        extra = (-length) % multiple
+        if extra:  # sequence parallelism splits the sequence: pad it to a multiple of TP
+            ids, positions = (torch.nn.functional.pad(x, (0, extra)) for x in (ids, positions))
+            mask = torch.nn.functional.pad(mask, (0, extra))
         # rows without padding need only the causal mask, which the attention builds itself
         padding = None if bool(mask.all()) else (~mask.bool()[:, None, None, :]).to(dev)
         kwargs = {
             "input_ids": ids.to(dev),
-            "position_ids": micro_batch[POSITION_IDS].to(dev),
+            "position_ids": positions.to(dev),
             "attention_mask": padding,
             "length": length,
         }
@@ -633,6 +648,7 @@ class MegatronEngine(BaseEngine):
         from megatron.core import dist_checkpointing
 
         _require_local(path)
+        self._refuse_distributed_optimizer_checkpoint("save")
         rank = dist.get_rank()
         folder = step_dir(path, step) + ".tmp"
         if rank == 0:
@@ -657,6 +673,17 @@ class MegatronEngine(BaseEngine):
         dist.barrier()
         return step_dir(path, step)
 
+    def _refuse_distributed_optimizer_checkpoint(self, what: str) -> None:
+        if self.config.use_distributed_optimizer:  # type: ignore[attr-defined]
+            raise CheckpointError(
+                f"megatron: cannot {what} a checkpoint with use_distributed_optimizer=true. "
+                f"megatron-core 0.16's distributed-optimizer checkpoints do not round-trip with "
+                f"PyTorch's AdamW (no Apex or TransformerEngine optimizer): its default format "
+                f"is refused by its own checkpointing, 'fully_reshardable' fails to load, and "
+                f"'dp_reshardable' resumes with a different optimizer state. Train with "
+                f"use_distributed_optimizer=false when the run saves checkpoints."
+            )
+
     @_on_device
     def load_checkpoint(self, path: str) -> int:
         from megatron.core import dist_checkpointing
@@ -670,6 +697,7 @@ class MegatronEngine(BaseEngine):
                 f"{STATE_FILE.format(rank=0)}); pass a global_step_<N> folder written by "
                 f"save_checkpoint()."
             )
+        self._refuse_distributed_optimizer_checkpoint("load")
         state = dist_checkpointing.load(
             self._sharded_state_dict(is_loading=True), join(path, CKPT_DIR)
         )
