@@ -189,6 +189,13 @@ class MegatronEngine(BaseEngine):
                 f"pipeline_parallel_size ({pp}); choose sizes whose product divides the number "
                 f"of processes."
             )
+        if vpp and self.device.type == "cpu":
+            raise ConfigError(
+                f"megatron: virtual_pipeline_parallel_size={vpp} (interleaved 1F1B) does not run "
+                f"on gloo: megatron-core 0.16's pipeline send/receive of variable-length "
+                f"micro-batches mismatches between the interleaved stages there. Unset "
+                f"virtual_pipeline_parallel_size on CPU hosts (plain 1F1B runs)."
+            )
         hf_config = build_hf_config(cfg.model)
         layout = layout_of(hf_config, value_head=cfg.model.value_head, tp=tp)
         chunks = vpp or 1

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engine_core.batch import LOG_PROBS, BatchMeta, set_meta
-from engine_core.errors import CheckpointError
+from engine_core.errors import CheckpointError, ConfigError
 from engine_core.testing.distributed import run_distributed
 from engine_core.testing.kit import Baseline, build, eval_batch, forward, make_baseline
 from engine_core.testing.models import train_steps
@@ -71,6 +71,8 @@ def _grid(rank: int, world: int, policy: str, root: str) -> dict[str, Any]:
 def _two_ranks(rank: int, world: int, policy: str, root: str) -> dict[str, Any]:
     """Every layout of :data:`LAYOUTS` with its batching modes; the mbs1 runs save a checkpoint."""
     out: dict[str, Any] = {}
+    with pytest.raises(ConfigError, match="virtual_pipeline_parallel_size=2.*gloo"):
+        _engine("megatron", policy, pipeline_parallel_size=2, virtual_pipeline_parallel_size=2)
     for layout, (sizes, modes) in LAYOUTS.items():
         for name in modes:
             engine = _engine("megatron", policy, **sizes, **BATCHING[name])
