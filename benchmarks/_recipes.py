@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["lengths_recipe", "timed"]
+__all__ = ["build_engine", "lengths_recipe", "nll", "timed", "train_step"]
 
 
 def lengths_recipe(n: int) -> np.ndarray:
@@ -30,3 +30,34 @@ def timed(
         result = fn(*args)
         times.append((time.perf_counter() - start) * 1e3)
     return result, statistics.median(times)
+
+
+def nll(mb: Any, out: Any, ctx: Any) -> tuple[Any, dict[str, Any]]:
+    """Token-mean NLL of the log-probs, with no metrics (no reductions beyond the loss's)."""
+    from engine_core.engine import loss_mask_of
+    from engine_core.loss import aggregate_loss
+
+    return aggregate_loss(-out["log_probs"], loss_mask_of(mb), "token-mean", ctx), {}
+
+
+def build_engine(raw: dict[str, Any]) -> Any:
+    """An engine resolved from the raw config through the installed plugins, built, with
+    :func:`nll` as its loss: every engine the same way, as a user's script builds it."""
+    from engine_core.plugins import load_plugins
+    from engine_core.resolve import resolve_engine_config
+
+    spec, cfg = resolve_engine_config(raw, load_plugins())
+    engine = spec.load_class()(cfg)
+    engine.init_model()
+    engine.set_loss_fn(nll)
+    return engine
+
+
+def train_step(engine: Any, batch: Any) -> Any:
+    """One optimizer step on this rank's ``batch``; the forward-backward result."""
+    with engine.train_mode():
+        result = engine.forward_backward_step(batch)
+        engine.optimizer_step()
+        engine.lr_scheduler_step()
+        engine.optimizer_zero_grad()
+    return result

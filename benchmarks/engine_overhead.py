@@ -38,6 +38,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _recipes import build_engine, train_step  # noqa: E402  (benchmarks/ is on sys.path)
+
 MODEL = {
     "model_type": "qwen2",
     "vocab_size": 1024,
@@ -62,17 +64,7 @@ def _batch(step: int) -> Any:
     return make_batch(torch.randint(1, MODEL["vocab_size"], (BATCH, SEQ), generator=g))
 
 
-def _nll(mb: Any, out: Any, ctx: Any) -> tuple[torch.Tensor, dict[str, Any]]:
-    from engine_core.engine import loss_mask_of
-    from engine_core.loss import aggregate_loss
-
-    return aggregate_loss(-out["log_probs"], loss_mask_of(mb), "token-mean", ctx), {}
-
-
 def _engine(backend: str, **extra: Any) -> Any:
-    from engine_core.plugins import load_plugins
-    from engine_core.resolve import resolve_engine_config
-
     raw = {
         "backend": backend,
         "model": {"config": dict(MODEL)},
@@ -80,20 +72,12 @@ def _engine(backend: str, **extra: Any) -> Any:
         "use_packing": False,
         **extra,
     }
-    spec, cfg = resolve_engine_config(raw, load_plugins())
-    engine = spec.load_class()(cfg)
-    engine.init_model()
-    engine.set_loss_fn(_nll)
-    return engine
+    return build_engine(raw)
 
 
 def _engine_step(engine: Any) -> Callable[[Any], None]:
     def step(batch: Any) -> None:
-        with engine.train_mode():
-            engine.forward_backward_step(engine.shard_data(batch))
-            engine.optimizer_step()
-            engine.lr_scheduler_step()
-            engine.optimizer_zero_grad()
+        train_step(engine, engine.shard_data(batch))
 
     return step
 

@@ -46,6 +46,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _recipes import build_engine, train_step  # noqa: E402  (benchmarks/ is on sys.path)
+
 ENGINES = ("fsdp2", "megatron")
 TARGET_MFU = 0.45
 LLAMA_1B: dict[str, Any] = {
@@ -163,13 +165,6 @@ def engine_config(backend: str, plan: Plan, *, on_gpu: bool, world: int) -> dict
     return raw
 
 
-def _nll(mb: Any, out: Any, ctx: Any) -> tuple[torch.Tensor, dict[str, Any]]:
-    from engine_core.engine import loss_mask_of
-    from engine_core.loss import aggregate_loss
-
-    return aggregate_loss(-out["log_probs"], loss_mask_of(mb), "token-mean", ctx), {}
-
-
 def _batch(step: int, plan: Plan, seq_lens: list[int]) -> Any:
     from engine_core.batch import make_batch
 
@@ -188,15 +183,6 @@ def _sync() -> None:
     dist.barrier()
 
 
-def _step(engine: Any, batch: Any) -> Any:
-    with engine.train_mode():
-        result = engine.forward_backward_step(batch)
-        engine.optimizer_step()
-        engine.lr_scheduler_step()
-        engine.optimizer_zero_grad()
-    return result
-
-
 def _profile(engine: Any, batch: Any, rows: int) -> str:
     """One more step under the torch profiler: the kernels and ops that took the device's time."""
     from torch.profiler import ProfilerActivity, profile
@@ -205,7 +191,7 @@ def _profile(engine: Any, batch: Any, rows: int) -> str:
         [ProfilerActivity.CUDA] if engine.device.type == "cuda" else []
     )
     with profile(activities=activities) as prof:
-        _step(engine, batch)
+        train_step(engine, batch)
         _sync()
     key = "self_cuda_time_total" if engine.device.type == "cuda" else "self_cpu_time_total"
     return str(prof.key_averages().table(sort_by=key, row_limit=rows))
@@ -215,14 +201,8 @@ def _worker(
     rank: int, world: int, backend: str, plan: Plan, raw: dict[str, Any], profile_rows: int
 ) -> dict:
     """One rank: build the engine generically, then time warm-up + timed optimizer steps."""
-    from engine_core.plugins import load_plugins
-    from engine_core.resolve import resolve_engine_config
-
     t0 = time.perf_counter()
-    spec, cfg = resolve_engine_config(raw, load_plugins())
-    engine = spec.load_class()(cfg)
-    engine.init_model()
-    engine.set_loss_fn(_nll)
+    engine = build_engine(raw)
     setup_s = time.perf_counter() - t0
     seq_lens = lengths(plan, world)
     times, losses = [], []
@@ -230,7 +210,7 @@ def _worker(
         batch = engine.shard_data(_batch(step, plan, seq_lens))
         _sync()
         start = time.perf_counter()
-        result = _step(engine, batch)
+        result = train_step(engine, batch)
         _sync()
         if step >= plan.warmup_steps:
             times.append(time.perf_counter() - start)

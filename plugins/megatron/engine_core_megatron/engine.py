@@ -50,6 +50,7 @@ from engine_core.checkpoint import (
     staging_dir,
     step_dir,
 )
+from engine_core.comm import all_reduce_cpu
 from engine_core.config import EngineConfig
 from engine_core.engine import BaseEngine, MicroBatchResults, ModelInputs
 from engine_core.errors import CheckpointError, ConfigError, EngineCoreError
@@ -343,14 +344,6 @@ class MegatronEngine(BaseEngine):
                 from engine_core_megatron.value_head import ValueHead
 
                 model.output_layer = ValueHead(tc)
-            # megatron-core's local norms are built in the default dtype whatever params_dtype
-            # says; Megatron-LM casts the whole model (Float16Module). One dtype for every
-            # parameter keeps the norms on the fused kernels and the optimizer's bf16 groups
-            # aligned with the model's parameters (its checkpoint mapping assumes that).
-            dtype = DTYPES[cfg.model.dtype]
-            for param in model.parameters():
-                if param.is_floating_point() and param.dtype != dtype:
-                    param.data = param.data.to(dtype)
             if self.device.type == "cuda":
                 model.cuda(torch.cuda.current_device())
             offset = get_transformer_layer_offset(tc, vp_stage=vp_stage)
@@ -397,11 +390,7 @@ class MegatronEngine(BaseEngine):
             for local in range(len(chunk.module.decoder.layers)):
                 owner[offset + local] = torch.tensor([pp_rank, c, local])
         if ps.get_pipeline_model_parallel_world_size() > 1:
-            owner = owner.to(self.device)
-            dist.all_reduce(
-                owner, op=dist.ReduceOp.MAX, group=ps.get_pipeline_model_parallel_group()
-            )
-            owner = owner.cpu()
+            owner = all_reduce_cpu(owner, dist.ReduceOp.MAX, ps.get_pipeline_model_parallel_group())
         self._layer_owner = [tuple(int(x) for x in row) for row in owner]  # type: ignore[misc]
 
     def _build_optimizer(self, tc: Any) -> None:

@@ -6,6 +6,10 @@ gradient is partial on each rank; megatron-core sums such gradients over the TP 
 parameter carries ``sequence_parallel = True`` (``finalize_model_grads``). :class:`LocalRMSNorm`
 is ``torch.nn.RMSNorm`` with that mark, built with megatron-core's norm arguments, so the same
 class serves the layers' norms and the final norm with or without sequence parallelism.
+
+It is built in ``config.params_dtype``. megatron-core's local norm ignores it and stays fp32 in
+a bf16 model, which keeps it off the fused kernel and misaligns megatron's optimizer: its
+checkpoint mapping pairs bf16 parameters with optimizer state by position.
 """
 
 from __future__ import annotations

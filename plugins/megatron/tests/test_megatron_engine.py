@@ -180,7 +180,7 @@ def test_distributed_optimizer_checkpoint_is_refused_before_writing(runs: dict[s
 
 
 def test_bf16_checkpoint_round_trip(runs: dict[str, Any]) -> None:
-    """A bf16 model is bf16 throughout (megatron-core builds its norms in fp32), so its optimizer
+    """A bf16 model is bf16 throughout (megatron-core's local norm would stay fp32), so its optimizer
     state maps onto the parameters when saved, and a reload gives the same outputs."""
     r = runs["resharded"]
     assert r["bf16_dtypes"] == ["torch.bfloat16"]
