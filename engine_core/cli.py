@@ -122,16 +122,17 @@ def run_doctor(args: argparse.Namespace, settings: Settings) -> int:
 DEFAULT_TRAIN_RECIPE = "sft_tiny.yaml"
 
 
-def _train_arguments(parser: argparse.ArgumentParser) -> None:
+def _recipe_arguments(parser: argparse.ArgumentParser, default: str) -> None:
     parser.add_argument(
-        "recipe",
-        nargs="?",
-        default=None,
-        help=f"YAML recipe (default: the shipped {DEFAULT_TRAIN_RECIPE})",
+        "recipe", nargs="?", default=None, help=f"YAML recipe (default: the shipped {default})"
     )
     parser.add_argument(
         "overrides", nargs="*", help="dotted overrides, e.g. engine.micro_batch_size=4 steps=50"
     )
+
+
+def _train_arguments(parser: argparse.ArgumentParser) -> None:
+    _recipe_arguments(parser, DEFAULT_TRAIN_RECIPE)
 
 
 def _recipe(args: argparse.Namespace, default: str) -> dict[str, Any]:
@@ -161,7 +162,7 @@ DEFAULT_RL_RECIPE = "grpo_tiny.yaml"
 
 
 def _run_arguments(parser: argparse.ArgumentParser) -> None:
-    _train_arguments(parser)
+    _recipe_arguments(parser, DEFAULT_RL_RECIPE)
     parser.add_argument(
         "--resume", action="store_true", help="continue from the latest checkpoint in output_dir"
     )

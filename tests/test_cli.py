@@ -140,3 +140,17 @@ def test_doctor_reports_the_environment(
         assert line in out
     if not torch.cuda.is_available():  # an optional check says missing and what to install
         assert "missing" in out and "pip install 'engine-core-sglang[gpu]'" in out
+
+
+@pytest.mark.parametrize(
+    ("command", "recipe", "other"),
+    [("run", "grpo_tiny.yaml", "sft_tiny.yaml"), ("train", "sft_tiny.yaml", "grpo_tiny.yaml")],
+)
+def test_help_names_each_commands_default_recipe(
+    command: str, recipe: str, other: str, capsys: pytest.CaptureFixture
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert f"the shipped {recipe}" in out and other not in out
