@@ -9,17 +9,37 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    PositiveInt,
+    ValidationError,
+    model_validator,
+)
 
 from engine_core.capabilities import Capability
+from engine_core.configio import explain_unknown_keys
 
 __all__ = ["FrozenModel", "ModelConfig", "LoraConfig", "OptimConfig", "EngineConfig"]
 
 
 class FrozenModel(BaseModel):
-    """Base of every config model: immutable, unknown keys refused."""
+    """Base of every config model: immutable, unknown keys refused (naming the close matches)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _explain_unknown_keys(
+        cls, data: Any, handler: ModelWrapValidatorHandler[FrozenModel]
+    ) -> FrozenModel:
+        try:
+            return handler(data)
+        except ValidationError as e:
+            valid = [f.alias or name for name, f in cls.model_fields.items()]
+            raise explain_unknown_keys(e, valid) from None
 
 
 class LoraConfig(FrozenModel):

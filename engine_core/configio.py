@@ -1,28 +1,31 @@
 """Reading configs: YAML files, dotted command-line overrides, and nested validation errors.
 
 Owns :func:`load_yaml` (a local path or an fsspec URL to a plain mapping), :func:`apply_overrides`
-(``a.b.c=value`` strings applied to a copy) and :func:`prefix_validation_error` (a nested model's
-pydantic errors re-raised with their full field path, e.g. ``engine.micro_batch_size``).
+(``a.b.c=value`` strings applied to a copy), :func:`prefix_validation_error` (a nested model's
+pydantic errors re-raised with their full field path, e.g. ``engine.micro_batch_size``) and
+:func:`explain_unknown_keys` (a refused key's error names the close matches and the valid keys).
 Validation itself belongs to the config models; this module only moves plain data around.
 """
 
 from __future__ import annotations
 
 import copy
+import difflib
+import itertools
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, get_args
 
 import yaml
 from pydantic import ValidationError
-from pydantic_core import InitErrorDetails, PydanticCustomError
+from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError, PydanticKnownError
 from pydantic_core.core_schema import ErrorType
 
 from engine_core.errors import ConfigError
 
-__all__ = ["load_yaml", "apply_overrides", "prefix_validation_error"]
+__all__ = ["load_yaml", "apply_overrides", "prefix_validation_error", "explain_unknown_keys"]
 
 _BUILTIN_ERROR_TYPES = frozenset(get_args(ErrorType))
 
@@ -138,19 +141,97 @@ def prefix_validation_error(
     A nested config validated on its own reports paths relative to itself; this restores the
     path the user wrote in the YAML file or on the command line.
     """
-    details: list[InitErrorDetails] = []
-    for e in err.errors():
-        detail: InitErrorDetails
-        if e["type"] in _BUILTIN_ERROR_TYPES:
-            detail = {"type": e["type"], "loc": (*prefix, *e["loc"]), "input": e["input"]}
-            if "ctx" in e:
-                detail["ctx"] = e["ctx"]
-        else:
-            # A custom type cannot be rebuilt by name; carry its rendered message verbatim.
-            detail = {
-                "type": PydanticCustomError(e["type"], "{message}", {"message": e["msg"]}),
-                "loc": (*prefix, *e["loc"]),
-                "input": e["input"],
-            }
-        details.append(detail)
+    details = [_rebuild(e, (*prefix, *e["loc"])) for e in err.errors()]
     return ValidationError.from_exception_data(title or err.title, details)
+
+
+def explain_unknown_keys(err: ValidationError, valid: Sequence[str]) -> ValidationError:
+    """Return ``err`` with each unknown top-level key's error naming close matches in ``valid``.
+
+    A config model calls this on its own validation error with its field names: an
+    ``extra_forbidden`` error one level deep (a key of that model) gets a message like "unknown
+    key; did you mean 'steps'? Valid keys here: ...". Keys of nested models are explained by
+    those models, so their errors pass through unchanged. ``err`` itself is returned when it
+    refuses no key.
+    """
+    errors = err.errors()
+    if not any(_is_plain_unknown_key(e) for e in errors):
+        return err
+    details: list[InitErrorDetails] = []
+    for e in errors:
+        if _is_plain_unknown_key(e):
+            message = _unknown_key_message(e["loc"][0], e["input"], valid)
+            details.append(
+                {
+                    "type": PydanticCustomError(
+                        "extra_forbidden", "{message}", {"message": message}
+                    ),
+                    "loc": e["loc"],
+                    "input": e["input"],
+                }
+            )
+        else:
+            details.append(_rebuild(e, e["loc"]))
+    return ValidationError.from_exception_data(err.title, details)
+
+
+def _is_plain_unknown_key(e: ErrorDetails) -> bool:
+    return e["type"] == "extra_forbidden" and len(e["loc"]) == 1 and _is_builtin_message(e)
+
+
+def _unknown_key_message(key: str | int, value: Any, valid: Sequence[str]) -> str:
+    # A mistyped section ("trainer.total_steps") is matched by its leaves too: the user meant a
+    # key somewhere, and its last component is the likeliest to be right.
+    wanted: list[tuple[str, str | None]] = [(str(key), None)]
+    if isinstance(value, Mapping):
+        wanted += [(path[-1], ".".join((str(key), *path))) for path in _leaf_paths(value)]
+    hints: dict[str, str | None] = {}
+    for name, written in wanted:
+        for part in dict.fromkeys((name, name.rsplit(".", 1)[-1])):
+            for match in difflib.get_close_matches(part, valid, n=3, cutoff=0.6):
+                hints.setdefault(match, written)
+    message = "Unknown key"
+    if hints:
+        options = " or ".join(
+            repr(m) if written is None else f"{m!r} (for {written!r})"
+            for m, written in hints.items()
+        )
+        message += f"; did you mean {options}?"
+    return f"{message} Valid keys here: {', '.join(valid) or '(none)'}."
+
+
+def _leaf_paths(mapping: Mapping[Any, Any], limit: int = 20) -> list[tuple[str, ...]]:
+    def walk(node: Mapping[Any, Any], path: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
+        for k, v in node.items():
+            if isinstance(v, Mapping) and v:
+                yield from walk(v, (*path, str(k)))
+            else:
+                yield (*path, str(k))
+
+    return list(itertools.islice(walk(mapping, ()), limit))  # of a whole section, the first few
+
+
+def _is_builtin_message(e: ErrorDetails) -> bool:
+    """Whether ``e`` is a pydantic error type with pydantic's own message (rebuildable by name)."""
+    if e["type"] not in _BUILTIN_ERROR_TYPES:
+        return False
+    try:
+        return PydanticKnownError(e["type"], e.get("ctx")).message() == e["msg"]  # type: ignore[arg-type]
+    except Exception:  # a context the type does not take: not pydantic's own error
+        return False
+
+
+def _rebuild(e: ErrorDetails, loc: tuple[str | int, ...]) -> InitErrorDetails:
+    detail: InitErrorDetails
+    if _is_builtin_message(e):
+        detail = {"type": e["type"], "loc": loc, "input": e["input"]}
+        if "ctx" in e:
+            detail["ctx"] = e["ctx"]
+    else:
+        # A custom type or message cannot be rebuilt by name; carry its rendered message verbatim.
+        detail = {
+            "type": PydanticCustomError(e["type"], "{message}", {"message": e["msg"]}),
+            "loc": loc,
+            "input": e["input"],
+        }
+    return detail

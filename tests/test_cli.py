@@ -154,3 +154,28 @@ def test_help_names_each_commands_default_recipe(
     assert info.value.code == 0
     out = capsys.readouterr().out
     assert f"the shipped {recipe}" in out and other not in out
+
+
+@pytest.mark.parametrize(
+    ("override", "loc", "suggestion", "valid"),
+    [
+        ("trainer.total_steps=5", "trainer", "'steps' (for 'trainer.total_steps')", "steps"),
+        ("step=5", "step", "'steps'", "steps"),
+        ("engine.micro_batch_sise=4", "engine.micro_batch_sise", "'micro_batch_size'", "seed"),
+        ("engine.optim.lrr=1", "engine.optim.lrr", "'lr'", "weight_decay"),
+    ],
+)
+def test_run_refuses_unknown_keys_with_suggestions(
+    override: str,
+    loc: str,
+    suggestion: str,
+    valid: str,
+    tmp_path: Path,
+    clean_env: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+) -> None:
+    clean_env.chdir(tmp_path)  # the recipe's output_dir is relative: no earlier run is found
+    assert main(["run", override]) == 2
+    err = capsys.readouterr().err
+    assert f"\n{loc}\n" in err and f"did you mean {suggestion}?" in err
+    assert "Valid keys here: " in err and valid in err.split("Valid keys here: ")[1]

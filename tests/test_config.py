@@ -10,7 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError
 
 from engine_core.capabilities import Capability
-from engine_core.config import EngineConfig
+from engine_core.config import EngineConfig, OptimConfig
 from engine_core.configio import apply_overrides, load_yaml, prefix_validation_error
 from engine_core.errors import CapabilityError, ConfigError, UnknownBackendError
 from engine_core.hookspecs import BackendRegistry, hookimpl
@@ -163,6 +163,39 @@ def test_bad_values_carry_the_full_field_path(
         resolve_engine_config(_engine(**fields), manager)
     assert loc in str(info.value)
     assert tuple(loc.split(".")) in [e["loc"] for e in info.value.errors()]
+
+
+@pytest.mark.parametrize(
+    ("fields", "loc", "suggestion"),
+    [
+        ({"micro_batch_sise": 4}, ("engine", "micro_batch_sise"), "'micro_batch_size'"),
+        ({"optim": {"lrr": 1e-3}}, ("engine", "optim", "lrr"), "'lr'"),
+        (
+            {"optim": {"warmup": {"total_steps": 5}}},
+            ("engine", "optim", "warmup"),
+            "'warmup_steps' or 'total_steps' (for 'warmup.total_steps')",
+        ),
+    ],
+)
+def test_unknown_keys_suggest_close_matches_and_list_valid_keys(
+    manager: PluginManager, fields: dict[str, Any], loc: tuple[str, ...], suggestion: str
+) -> None:
+    with pytest.raises(ValidationError) as info:
+        resolve_engine_config(_engine(**fields), manager)
+    (error,) = info.value.errors()
+    assert error["loc"] == loc and error["type"] == "extra_forbidden"
+    assert f"did you mean {suggestion}?" in error["msg"]
+    model = EngineConfig if len(loc) == 2 else OptimConfig
+    assert f"Valid keys here: {', '.join(model.model_fields)}." in error["msg"]
+
+
+def test_unknown_key_without_close_match_lists_valid_keys() -> None:
+    with pytest.raises(ValidationError) as info:
+        OptimConfig.model_validate({"zzz": 1, "lr": 0})
+    by_loc = {e["loc"]: e for e in info.value.errors()}
+    assert "did you mean" not in by_loc[("zzz",)]["msg"]
+    assert "Valid keys here: lr, weight_decay," in by_loc[("zzz",)]["msg"]
+    assert by_loc[("lr",)]["type"] == "greater_than"  # other errors are kept as they were
 
 
 def test_nested_path_prefix(manager: PluginManager) -> None:
