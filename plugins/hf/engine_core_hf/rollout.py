@@ -4,10 +4,16 @@ Log-probs of sampled tokens come from the model's raw logits at each step, divid
 sampling temperature (1 for greedy) and log-softmaxed over the whole vocabulary — the same
 quantity a trainer computes with ``BatchMeta(temperature=T)``, so the two can be compared
 token by token. Top-k / top-p change which tokens can be sampled, not these log-probs.
+
+Seeds (the config's, for building the model; a request's ``SamplingParams.seed``) apply to a
+fork of the process's RNG, restored afterwards: seeding a rollout never changes the random
+stream of the trainer or anything else sharing the process.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import torch
@@ -50,9 +56,9 @@ class HFRollout(BaseRollout):
             raise TypeError(f"HFRollout needs an HFRolloutConfig, got {type(config).__name__}.")
         super().__init__(config)
         self.cfg = config
-        torch.manual_seed(config.seed)
-        self.model: Any = build_model(config.model).eval()
         self.device = torch.device("cpu")
+        with _seeded(config.seed, self.device):
+            self.model: Any = build_model(config.model).eval()
         pad = getattr(self.model.config, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else config.pad_token_id
 
@@ -61,16 +67,15 @@ class HFRollout(BaseRollout):
     def generate(self, prompts: TensorDict, params: SamplingParams) -> TensorDict:
         ids, mask = prompt_tensors(prompts, "HFRollout.generate")
         ids, mask = ids.repeat_interleave(params.n, dim=0), mask.repeat_interleave(params.n, dim=0)
-        if params.seed is not None:
-            torch.manual_seed(params.seed)
-        parts = [
-            self._generate_chunk(
-                ids[i : i + self.cfg.generation_batch_size],
-                mask[i : i + self.cfg.generation_batch_size],
-                params,
-            )
-            for i in range(0, ids.shape[0], self.cfg.generation_batch_size)
-        ]
+        with _seeded(params.seed, self.device):
+            parts = [
+                self._generate_chunk(
+                    ids[i : i + self.cfg.generation_batch_size],
+                    mask[i : i + self.cfg.generation_batch_size],
+                    params,
+                )
+                for i in range(0, ids.shape[0], self.cfg.generation_batch_size)
+            ]
         width = max(p[0].shape[1] for p in parts)
         resp = torch.cat([_pad_right(p[0], width, self.pad_token_id) for p in parts])
         resp_mask = torch.cat([_pad_right(p[1], width, 0) for p in parts])
@@ -144,6 +149,26 @@ class HFRollout(BaseRollout):
 
     def resume(self) -> None:
         self.model.to(self.device)
+
+
+@contextmanager
+def _seeded(seed: int | None, device: torch.device) -> Iterator[None]:
+    """Run the body on a fork of the RNG of ``device`` (and the CPU) seeded with ``seed``.
+
+    transformers' ``generate`` samples from the global generator and takes no generator of its
+    own, so the global state is forked and restored on exit. ``torch.manual_seed`` is avoided: it
+    would also reseed every CUDA device, outside the fork. ``seed`` None: the body runs as is.
+    """
+    if seed is None:
+        yield
+        return
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if cuda else []):
+        torch.default_generator.manual_seed(seed)
+        if cuda:
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(seed)
+        yield
 
 
 def _pad_right(t: torch.Tensor, width: int, value: float) -> torch.Tensor:

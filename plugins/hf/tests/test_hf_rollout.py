@@ -131,3 +131,18 @@ def test_sync_changes_what_is_generated() -> None:
     )[:, p["prompt_ids"].shape[1] :]
     assert torch.equal(after["response_ids"], want)
     assert not torch.equal(before, want)
+
+
+def test_seeds_leave_the_global_rng_untouched() -> None:
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    r = rollout(seed=5)  # the config's seed builds the model
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=7)
+    a = r.generate(prompts(), params)
+    assert torch.equal(torch.get_rng_state(), before)  # seeded: the caller's stream is kept
+    b = r.generate(prompts(), params)
+    c = r.generate(prompts(), params.model_copy(update={"seed": 8}))
+    assert torch.equal(a["response_ids"], b["response_ids"])
+    assert not torch.equal(a["response_ids"], c["response_ids"])
+    assert torch.equal(rollout(seed=5).model.lm_head.weight, r.model.lm_head.weight)
+    assert torch.equal(torch.get_rng_state(), before)
