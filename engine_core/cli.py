@@ -194,7 +194,7 @@ def _parity_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_parity_command(args: argparse.Namespace, settings: Settings) -> int:
     """Same model, data and steps through several engines; a table and a verdict."""
-    from engine_core.parity import run_parity
+    from engine_core.parity import print_report, run_parity
 
     report = run_parity(
         args.backends,
@@ -205,42 +205,7 @@ def run_parity_command(args: argparse.Namespace, settings: Settings) -> int:
         atol_log_prob=args.atol_logprob,
         seed=args.seed,
     )
-    console = Console()
-    base = report.baseline
-    table = Table(title=f"parity vs {base} ({report.world_size} process(es) per backend)")
-    table.add_column("step", justify="right")
-    for b in report.backends:
-        table.add_column(f"{b} loss", justify="right")
-        table.add_column(f"{b} grad norm", justify="right")
-    for i in range(report.steps):
-        row = [str(i + 1)]
-        for b in report.backends:
-            row += [f"{report.losses[b][i]:.8f}", f"{report.grad_norms[b][i]:.8f}"]
-        table.add_row(*row)
-    console.print(table)
-    diffs = Table(title=f"max differences vs {base}")
-    for col in (
-        "backend",
-        "rel loss",
-        "rel grad norm",
-        "|Δ log-prob| before",
-        "|Δ log-prob| after",
-    ):
-        diffs.add_column(col, justify="right")
-    for b in report.backends[1:]:
-        diffs.add_row(
-            b,
-            f"{report.max_rel_loss_diff[b]:.2e}",
-            f"{report.max_rel_grad_norm_diff[b]:.2e}",
-            f"{report.max_abs_log_prob_diff_before[b]:.2e}",
-            f"{report.max_abs_log_prob_diff_after[b]:.2e}",
-        )
-    console.print(diffs)
-    verdict = "PASS" if report.passed else "FAIL"
-    console.print(
-        f"{verdict}: tolerances rtol={report.rtol:g} (loss, grad norm), "
-        f"atol={report.atol_log_prob:g} (log-probs)"
-    )
+    print_report(report, Console())
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(report.to_dict(), f, indent=2)

@@ -5,6 +5,7 @@ with a fixed seed), runs the same ``steps`` optimizer steps on the same batches 
 clipping, token-mean NLL) on ``world_size`` gloo processes, and reports per step the loss and
 grad norm, plus the per-token log-probs of a fixed evaluation batch before the first step and
 after the last. The first backend is the baseline every other one is compared with.
+:func:`print_report` prints a report as tables whose figures stay whole in an 80-column terminal.
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
 from engine_core.errors import ConfigError
 
-__all__ = ["ParityReport", "run_parity"]
+__all__ = ["ParityReport", "print_report", "run_parity"]
 
 OPTIM = {"lr": 1e-2, "clip_grad": 1.0, "warmup_steps": 1}
 
@@ -136,3 +140,65 @@ def run_parity(
             diff = float((got - want).abs().max())
             getattr(report, f"max_abs_log_prob_diff_{when}")[name] = diff
     return report
+
+
+def print_report(report: ParityReport, console: Console) -> None:
+    """Print ``report``: per-step figures, the largest differences, and the verdict.
+
+    One row per (step, backend), so the width does not grow with the number of backends. Figure
+    columns never wrap and are as wide as their longest figure (headers are split over two
+    lines to stay narrow); only backend names fold.
+    """
+    base = report.baseline
+    steps = _table(
+        f"parity vs {base} ({report.world_size} process(es) per backend)",
+        ("step", "backend"),
+        ("loss", "grad norm"),
+        [
+            (str(i + 1), b, f"{report.losses[b][i]:.8f}", f"{report.grad_norms[b][i]:.8f}")
+            for i in range(report.steps)
+            for b in report.backends
+        ],
+        section_every=len(report.backends),
+    )
+    diffs = _table(
+        f"max differences vs {base}",
+        ("backend",),
+        ("rel\nloss", "rel grad\nnorm", "|Δ log-prob|\nbefore", "|Δ log-prob|\nafter"),
+        [
+            (
+                b,
+                f"{report.max_rel_loss_diff[b]:.2e}",
+                f"{report.max_rel_grad_norm_diff[b]:.2e}",
+                f"{report.max_abs_log_prob_diff_before[b]:.2e}",
+                f"{report.max_abs_log_prob_diff_after[b]:.2e}",
+            )
+            for b in report.backends[1:]
+        ],
+    )
+    console.print(steps)
+    console.print(diffs)
+    verdict = "PASS" if report.passed else "FAIL"
+    console.print(
+        f"{verdict}: tolerances rtol={report.rtol:g} (loss, grad norm), "
+        f"atol={report.atol_log_prob:g} (log-probs)"
+    )
+
+
+def _table(
+    title: str,
+    labels: tuple[str, ...],
+    figures: tuple[str, ...],
+    rows: list[tuple[str, ...]],
+    section_every: int = 0,
+) -> Table:
+    table = Table(title=title)
+    for name in labels:
+        table.add_column(name, overflow="fold")
+    for i, name in enumerate(figures, start=len(labels)):
+        widest = max((len(row[i]) for row in rows), default=0)
+        # no_wrap and min_width: where space is short, rich narrows the label columns instead
+        table.add_column(name, justify="right", no_wrap=True, min_width=widest)
+    for n, row in enumerate(rows, start=1):
+        table.add_row(*row, end_section=bool(section_every) and n % section_every == 0)
+    return table
