@@ -1,13 +1,18 @@
-"""The documentation site builds without warnings, and its Python examples run as written."""
+"""The documentation site builds without warnings, its pages read in full as plain Markdown and
+are current with what they are generated from, and its Python examples run as written."""
 
 from __future__ import annotations
 
+import difflib
+import importlib
 import json
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -15,14 +20,11 @@ from engine_core import load_plugins
 
 ROOT = Path(__file__).parents[1]
 DOCS = ROOT / "docs"
+GENERATOR = "python docs/hooks/generate.py"
 # pages whose ```python blocks are run, in order, in one namespace per page
 EXECUTED_PAGES = ("quickstart.md", "write-your-own-engine.md")
-PYTHON_BLOCK = re.compile(r"^```python[^\n]*\n(.*?)^```", re.M | re.S)
-# a pymdownx.snippets block include (one path per line, resolved from the repository root as
-# in mkdocs.yml); the block form keeps code formatters off the include inside a code fence
-SNIPPET = re.compile(r"^--8<--\n(.*?)^--8<--\n", re.M | re.S)
-# the example plugin is a test fixture; the config reference leaves it out
-HIDDEN_PLUGINS = {"example"}
+PYTHON_BLOCK = re.compile(r"^(`{3,})python[^\n]*\n(.*?)^\1[ \t]*$", re.M | re.S)
+FENCE = re.compile(r"^[ \t]*(`{3,}|~{3,})")
 
 RUNNER = """
 import json, sys
@@ -33,19 +35,20 @@ for name, source in json.load(sys.stdin):
 
 
 def python_blocks(page: Path) -> list[tuple[str, str]]:
-    """(name, source) of each ```python block, with snippet includes replaced by the files."""
+    """(name, source) of each ```python block."""
     text = page.read_text(encoding="utf-8")
     return [
-        (
-            f"{page.relative_to(ROOT)} python block {i + 1}",
-            SNIPPET.sub(lambda m: _included(m.group(1)), block),
-        )
-        for i, block in enumerate(PYTHON_BLOCK.findall(text))
+        (f"{page.relative_to(ROOT)} python block {i + 1}", block)
+        for i, (_, block) in enumerate(PYTHON_BLOCK.findall(text))
     ]
 
 
-def _included(paths: str) -> str:
-    return "".join((ROOT / p).read_text(encoding="utf-8") for p in paths.split())
+@pytest.fixture(scope="module")
+def generator() -> Iterator[ModuleType]:
+    """``docs/hooks/generate.py``, imported with its folder on the path (as a script has it)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(DOCS / "hooks"))
+        yield importlib.import_module("generate")
 
 
 def test_site_builds_strict_without_warnings(tmp_path: Path) -> None:
@@ -66,20 +69,108 @@ def test_site_builds_strict_without_warnings(tmp_path: Path) -> None:
     warnings = [line for line in output.splitlines() if "WARNING" in line]
     assert not warnings, "\n".join(warnings)
 
-    # the hook generated the config reference: every discovered backend has a section
+    # the generated parts are in the pages, the site shows them without a hook
     config = (site / "config" / "index.html").read_text(encoding="utf-8")
     assert 'id="engineconfig"' in config and 'id="grpojobconfig"' in config
-    for spec in load_plugins().registry.specs():
-        if spec.plugin not in HIDDEN_PLUGINS:
-            assert f"<code>{spec.name}</code>" in config, f"{spec.kind} {spec.name} missing"
-    # the tutorial shows the tested files themselves, not copies
+    for name in ("reference", "fsdp", "fsdp2", "megatron", "hf", "vllm", "sglang"):
+        assert f"<code>{name}</code>" in config, f"backend {name} missing"
     tutorial = (site / "write-your-own-engine" / "index.html").read_text(encoding="utf-8")
     for name in ("ExampleEngineConfig", "engine_core_register", "engine_core_example.plugin"):
         assert name in tutorial
     assert "--8&lt;--" not in tutorial
-    # each plugin page includes its README
     fsdp = (site / "plugins" / "fsdp" / "index.html").read_text(encoding="utf-8")
     assert "engine-core-fsdp" in fsdp and "Registered backends" in fsdp
+
+
+# -- generated pages -----------------------------------------------------------------------------
+
+
+def test_generated_pages_are_current(generator: ModuleType) -> None:
+    pages = generator.generated_pages()
+    expected = {"config.md", "write-your-own-engine.md"} | {
+        f"plugins/{p.name}" for p in (DOCS / "plugins").glob("*.md")
+    }
+    assert expected <= {p.relative_to(DOCS).as_posix() for p in pages}, "markers went missing"
+    stale = {p: text for p, text in pages.items() if p.read_text(encoding="utf-8") != text}
+    if stale:
+        first, text = next(iter(stale.items()))
+        diff = difflib.unified_diff(
+            first.read_text(encoding="utf-8").splitlines(),
+            text.splitlines(),
+            str(first.relative_to(ROOT)),
+            "generated",
+            lineterm="",
+        )
+        pytest.fail(
+            f"stale generated pages: {', '.join(str(p.relative_to(ROOT)) for p in stale)}. "
+            f"Run `{GENERATOR}` (e.g. with .venv/bin/python) and commit the pages.\n"
+            + "\n".join(list(diff)[:60])
+        )
+
+
+def test_config_reference_lists_exactly_the_in_repo_backends(generator: ModuleType) -> None:
+    plugins = {p.name for p in generator.in_repo_plugins()}
+    assert {"builtin", "fsdp", "megatron", "hf", "vllm", "sglang"} <= plugins
+    assert "example" not in plugins
+    backends = generator.in_repo_backends()
+    assert {s.plugin for s in backends} == plugins, "an in-repo plugin registers nothing"
+    # the same backends as discovery finds for these plugins, whatever else is installed
+    installed = {(s.plugin, s.name) for s in load_plugins().registry.specs()}
+    assert {(s.plugin, s.name) for s in backends} == {p for p in installed if p[0] in plugins}
+
+    config = (DOCS / "config.md").read_text(encoding="utf-8")
+    headings = re.findall(r"^### (?:Engine|Rollout) (.*?): \w+ \{#", config, re.M)
+    documented = {name for h in headings for name in re.findall(r"`([^`]+)`", h)}
+    assert documented == {s.name for s in backends}
+
+
+def test_generator_ignores_the_environment() -> None:
+    # settings that change what discovery finds leave the generated pages as they are
+    env = {
+        **os.environ,
+        "ENGINE_CORE_PLUGINS": "example",
+        "ENGINE_CORE_DISABLE_PLUGIN_AUTOLOAD": "1",
+    }
+    proc = subprocess.run(
+        [sys.executable, "docs/hooks/generate.py", "--check"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    "page", sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")), ids=str
+)
+def test_page_reads_raw(page: str) -> None:
+    """No include syntax or placeholder that only the site build would fill."""
+    text = (DOCS / page).read_text(encoding="utf-8")
+    assert "--8<--" not in text, f"{page}: an include marker; use <!-- include: PATH -->"
+    assert "<!-- engine-core:" not in text, f"{page}: a build-time placeholder"
+    for start, body in _fences(text):
+        assert body.strip(), f"{page}: the code fence on line {start} is empty"
+
+
+def _fences(text: str) -> list[tuple[int, str]]:
+    """(line number, body) of every fenced code block."""
+    fences: list[tuple[int, str]] = []
+    opened: tuple[int, str] | None = None
+    body: list[str] = []
+    for n, line in enumerate(text.splitlines(), 1):
+        m = FENCE.match(line)
+        if opened is None:
+            if m:
+                opened, body = (n, m.group(1)), []
+        elif m and m.group(1).startswith(opened[1]) and not line.strip().strip(opened[1][0]):
+            fences.append((opened[0], "\n".join(body)))
+            opened = None
+        else:
+            body.append(line)
+    assert opened is None, f"the code fence on line {opened[0]} is never closed"
+    return fences
 
 
 @pytest.mark.parametrize("page", EXECUTED_PAGES)

@@ -1,26 +1,18 @@
-"""MkDocs hook: the parts of the site generated from the code when it is built.
+"""The generated Markdown of the configuration reference and of the plugins' backend tables.
 
-A page asks for generated content with a marker comment on a line of its own:
+:func:`config_reference` renders ``config.md``'s tables: the pydantic models of the jobs, the
+roles, the common engine and rollout fields, and the config class of every backend it is given.
+:func:`backends_table` renders the table of one plugin's backends (``plugins/*.md``).
 
-``<!-- engine-core:config-reference -->``
-    the configuration reference (``config.md``): the pydantic models of the jobs, the roles, the
-    common engine and rollout fields, and the config class of every engine and rollout that the
-    installed plugins register.
-``<!-- engine-core:backends PLUGIN -->``
-    the backends plugin ``PLUGIN`` registers, with their capabilities (``plugins/*.md``).
-
-Backends are discovered with :func:`engine_core.load_plugins`, as ``engine-core plugins`` finds
-them, so a newly installed plugin shows up without editing the docs. A plugin that fails to load,
-or a config class that fails to import, is a build warning (an error under ``strict``); set
-``ENGINE_CORE_PLUGINS`` to build without a plugin on purpose.
+Both take the backends as a list of :class:`~engine_core.BackendSpec`, so the caller decides
+which ones the docs show; ``generate.py`` passes those of the plugins shipped in this repository
+and writes the result into the pages. A config class that fails to import is an error.
 """
 
 from __future__ import annotations
 
 import enum
 import inspect
-import logging
-import re
 import types
 import typing
 from collections.abc import Iterable
@@ -31,63 +23,14 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from engine_core import (
-    BackendKind,
-    BackendSpec,
-    EngineConfig,
-    PluginManager,
-    RolloutConfig,
-    SamplingParams,
-    load_plugins,
-)
+from engine_core import BackendKind, BackendSpec, EngineConfig, RolloutConfig, SamplingParams
 from engine_core.cli import DEFAULT_RL_RECIPE, DEFAULT_TRAIN_RECIPE
 from engine_core.tasks import TaskConfig
 from engine_core.train import SFTJobConfig
 from roles import ActorConfig, CriticConfig
 from roles.grpo import GRPOJobConfig
 
-log = logging.getLogger("mkdocs.hooks.config_reference")
-
-CONFIG_MARKER = "<!-- engine-core:config-reference -->"
-BACKENDS_MARKER = re.compile(r"^<!-- engine-core:backends (?P<plugin>[\w.\-]+) -->$", re.M)
-# The conformance kit's example plugin is a test fixture (write-your-own-engine.md shows it).
-HIDDEN_PLUGINS = frozenset({"example"})
-CONFIG_PAGE = "config.md"
-
-
-# -- hook entry point --------------------------------------------------------------------------
-
-
-def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
-    del config, files
-    if CONFIG_MARKER not in markdown and not BACKENDS_MARKER.search(markdown):
-        return markdown
-    manager = load_plugins()
-    if CONFIG_MARKER in markdown:  # the one page that warns about what it cannot document
-        _warn_failed_plugins(manager, page.file.src_uri)
-        markdown = markdown.replace(CONFIG_MARKER, config_reference(manager))
-    to_config = _relative(page.file.src_uri, CONFIG_PAGE)
-    return BACKENDS_MARKER.sub(
-        lambda m: backends_table(manager, m.group("plugin"), to_config), markdown
-    )
-
-
-def _warn_failed_plugins(manager: PluginManager, where: str) -> None:
-    for p in manager.failed_plugins():
-        if p.name not in HIDDEN_PLUGINS:
-            log.warning(
-                "%s: plugin %r (%s) failed to load, its backends are missing from the docs: %s. "
-                "Fix: `%s`, or leave it out with ENGINE_CORE_PLUGINS.",
-                where,
-                p.name,
-                p.distribution,
-                p.error,
-                p.install_hint,
-            )
-
-
-def _relative(src_uri: str, target: str) -> str:
-    return "../" * src_uri.count("/") + target
+__all__ = ["backends_table", "config_reference"]
 
 
 # -- the configuration reference ---------------------------------------------------------------
@@ -260,22 +203,12 @@ def _own_fields(config: type[BaseModel], base: type[BaseModel]) -> list[str]:
 
 
 def _by_config(
-    manager: PluginManager, kind: BackendKind
-) -> list[tuple[type[BaseModel] | None, list[BackendSpec], str]]:
-    """Visible backends of ``kind`` grouped by config class (or by load error), in name order."""
-    groups: dict[str, tuple[type[BaseModel] | None, list[BackendSpec], str]] = {}
-    for spec in manager.registry.specs(kind):
-        if spec.plugin in HIDDEN_PLUGINS:
-            continue
-        try:
-            cls: type[BaseModel] | None = spec.load_config_class()
-            error = ""
-        except Exception as e:  # reported on the page and as a build warning
-            cls, error = None, f"{type(e).__name__}: {e}"
-            log.warning(
-                "%s: config of %s %r could not be loaded: %s", CONFIG_PAGE, kind, spec.name, error
-            )
-        groups.setdefault(spec.config, (cls, [], error))[1].append(spec)
+    specs: list[BackendSpec], kind: BackendKind
+) -> list[tuple[type[BaseModel], list[BackendSpec]]]:
+    """The backends of ``kind`` grouped by config class, in name order."""
+    groups: dict[str, tuple[type[BaseModel], list[BackendSpec]]] = {}
+    for spec in sorted((s for s in specs if s.kind is kind), key=lambda s: s.name):
+        groups.setdefault(spec.config, (spec.load_config_class(), []))[1].append(spec)
     return list(groups.values())
 
 
@@ -292,10 +225,10 @@ def _backend_intro(
     return "\n".join(lines)
 
 
-def config_reference(manager: PluginManager) -> str:
-    """The generated body of ``config.md``."""
-    engines = _by_config(manager, BackendKind.ENGINE)
-    rollouts = _by_config(manager, BackendKind.ROLLOUT)
+def config_reference(specs: list[BackendSpec]) -> str:
+    """The generated part of ``config.md``: jobs, roles, then every backend in ``specs``."""
+    engines = _by_config(specs, BackendKind.ENGINE)
+    rollouts = _by_config(specs, BackendKind.ROLLOUT)
     planned: list[type[BaseModel]] = [
         GRPOJobConfig,
         SFTJobConfig,
@@ -306,7 +239,7 @@ def config_reference(manager: PluginManager) -> str:
         RolloutConfig,
         SamplingParams,
     ]
-    planned += [cls for cls, _, _ in engines + rollouts if cls is not None]
+    planned += [cls for cls, _ in engines + rollouts]
     r = _Renderer(planned)
 
     r.lines += ["## Jobs", ""]
@@ -321,75 +254,65 @@ def config_reference(manager: PluginManager) -> str:
 
     r.lines += ["## Engines", ""]
     r.section(EngineConfig, anchor="engineconfig")
-    for cls, specs, error in engines:
-        _backend_section(r, cls, specs, error, EngineConfig, "engine")
+    for cls, group in engines:
+        _backend_section(r, cls, group, EngineConfig, "engine")
 
     r.lines += ["## Rollouts", ""]
     r.section(RolloutConfig, anchor="rolloutconfig")
     r.section(SamplingParams, intro="Passed to `BaseRollout.generate` with each call.")
-    for cls, specs, error in rollouts:
-        _backend_section(r, cls, specs, error, RolloutConfig, "rollout")
-    return "\n".join(r.lines)
+    for cls, group in rollouts:
+        _backend_section(r, cls, group, RolloutConfig, "rollout")
+    return "\n".join(r.lines).rstrip("\n")
 
 
 def _backend_section(
     r: _Renderer,
-    cls: type[BaseModel] | None,
+    cls: type[BaseModel],
     specs: list[BackendSpec],
-    error: str,
     base: type[BaseModel],
     kind: str,
 ) -> None:
     names = ", ".join(f"`{s.name}`" for s in specs)
-    anchor = f"{kind}-{specs[0].name}"
-    if cls is None:
-        r.lines += [
-            f"### {kind.capitalize()} {names} {{#{anchor}}}",
-            "",
-            f'!!! warning "Config not loaded"\n    `{specs[0].config}`: {error}',
-            "",
-        ]
-        return
     own = _own_fields(cls, base)
     r.section(
         cls,
         title=f"{kind.capitalize()} {names}: {cls.__name__}",
-        anchor=anchor,
+        anchor=_anchor(specs[0]),
         intro=_backend_intro(specs, base, r.anchor(base), bool(own)),
         only=own,
     )
 
 
+def _anchor(spec: BackendSpec) -> str:
+    return f"{spec.kind}-{spec.name}"
+
+
 # -- per-plugin backend tables -----------------------------------------------------------------
 
 
-def backends_table(manager: PluginManager, plugin: str, to_config: str) -> str:
-    """The backends ``plugin`` registers: kind, name, capabilities, config, description."""
-    specs = [s for s in manager.registry.specs() if s.plugin == plugin]
-    if not specs:
-        failed = [p for p in manager.failed_plugins() if p.name == plugin]
-        why = f"it failed to load: {failed[0].error}" if failed else "it is not installed"
-        return f"!!! note\n    Plugin `{plugin}` registered no backends when this site was built: {why}."
+def backends_table(specs: list[BackendSpec], plugin: str, to_config: str) -> str:
+    """The backends ``plugin`` registers: kind, name, capabilities, config, description.
+
+    ``specs`` are all the backends the reference documents (its anchors are named after the
+    first backend of each config class); ``to_config`` is the link to ``config.md``.
+    """
+    own = [s for s in specs if s.plugin == plugin]
+    if not own:
+        raise ValueError(
+            f"plugin {plugin!r} registers no backends; plugins: {sorted({s.plugin for s in specs})}"
+        )
     rows = [
         "| backend | kind | capabilities | config | description |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for s in specs:
+    for s in own:
         caps = ", ".join(f"`{c}`" for c in sorted(map(str, s.capabilities)))
         config = s.config.rpartition(":")[2]
-        anchor = _backend_anchor(manager, s)
+        first = min(
+            (o for o in specs if o.kind is s.kind and o.config == s.config), key=lambda o: o.name
+        )
         rows.append(
-            f"| `{s.name}` | {s.kind} | {caps} | [{config}]({to_config}#{anchor}) "
+            f"| `{s.name}` | {s.kind} | {caps} | [{config}]({to_config}#{_anchor(first)}) "
             f"| {s.description} |"
         )
     return "\n".join(rows)
-
-
-def _backend_anchor(manager: PluginManager, spec: BackendSpec) -> str:
-    """The config reference's anchor for ``spec``: named after the first backend of its group."""
-    first = next(
-        s
-        for s in manager.registry.specs(spec.kind)
-        if s.config == spec.config and s.plugin not in HIDDEN_PLUGINS
-    )
-    return f"{spec.kind}-{first.name}"
