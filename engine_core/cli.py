@@ -85,7 +85,7 @@ def _plugins_table(infos: Sequence[PluginInfo]) -> Table:
         else:
             status = Text("failed", style="bold red")
             detail = Text(f"{p.error}\nfix: {p.install_hint}", style="red")
-        table.add_row(p.name, p.distribution or "-", p.version or "-", status, detail)
+        table.add_row(p.name, p.distribution or p.source, p.version or "-", status, detail)
     return table
 
 

@@ -4,7 +4,9 @@ Owns :class:`PluginManager` (one pluggy manager and one :class:`BackendRegistry`
 :class:`PluginInfo` and :func:`load_plugins`. The types plugins touch (``BackendKind``,
 ``BackendSpec``, ``BackendRegistry``) live in :mod:`engine_core.hookspecs` and are re-exported.
 
-Loading a plugin imports only its hook module; a backend's class and config are imported when
+Plugins come from the ``engine_core.plugins`` entry points and from ``ENGINE_CORE_EXTRA_PLUGINS``
+(modules named in the environment, for plugins that are not installed, such as test fixtures);
+both are discovered alike, under the same settings. Loading a plugin imports only its hook module; a backend's class and config are imported when
 that backend is selected. A plugin that fails to import is recorded, listed by
 ``engine-core plugins``, and named (with the install command) when one of its backends is asked
 for, instead of surfacing later as an "unknown backend".
@@ -33,7 +35,13 @@ from engine_core.hookspecs import (
     Origin,
     install_hint,
 )
-from engine_core.settings import BUILTIN_PLUGIN, ENV_DISABLE_AUTOLOAD, ENV_PLUGINS, Settings
+from engine_core.settings import (
+    BUILTIN_PLUGIN,
+    ENV_DISABLE_AUTOLOAD,
+    ENV_EXTRA_PLUGINS,
+    ENV_PLUGINS,
+    Settings,
+)
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -51,9 +59,19 @@ _BUILTIN_MODULE = "engine_core.builtin_plugin"
 logger = logging.getLogger(__name__)
 
 
+# Where a plugin came from (PluginInfo.source); one from ENGINE_CORE_EXTRA_PLUGINS names it.
+SOURCE_ENTRY_POINT = "entry point"
+SOURCE_EXPLICIT = "registered"
+
+
 @dataclass(frozen=True)
 class PluginInfo:
-    """What ``engine-core plugins`` shows for one plugin; ``error`` is set when it failed."""
+    """What ``engine-core plugins`` shows for one plugin; ``error`` is set when it failed.
+
+    ``source``: ``"entry point"``, ``"registered"`` (``PluginManager.register``) or, for a plugin
+    named by ``ENGINE_CORE_EXTRA_PLUGINS``, ``"ENGINE_CORE_EXTRA_PLUGINS: <module>"`` (such a
+    plugin belongs to no distribution: ``distribution`` and ``version`` are empty).
+    """
 
     name: str
     distribution: str
@@ -63,6 +81,7 @@ class PluginInfo:
     traceback: str | None = None
     install_hint: str | None = None
     backends: tuple[BackendSpec, ...] = ()
+    source: str = SOURCE_ENTRY_POINT
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -74,6 +93,7 @@ class PluginInfo:
             "traceback": self.traceback,
             "install_hint": self.install_hint,
             "backends": [b.to_dict() for b in self.backends],
+            "source": self.source,
         }
 
 
@@ -95,7 +115,8 @@ class PluginManager:
     # -- loading -------------------------------------------------------------------------------
 
     def load_entry_points(self) -> None:
-        """Load every allowed plugin of group ``engine_core.plugins``, each in isolation.
+        """Load every allowed plugin of group ``engine_core.plugins``, each in isolation, then
+        those named by ``ENGINE_CORE_EXTRA_PLUGINS``.
 
         The built-in plugin is always loaded (directly when autoload is off or the core is
         not installed as a distribution). Failures are recorded, logged and never raised.
@@ -107,6 +128,8 @@ class PluginManager:
             eps = md.entry_points(group=ENTRY_POINT_GROUP)
             for ep in sorted(eps, key=lambda e: (e.name != BUILTIN_PLUGIN, e.name)):
                 self._load_entry_point(ep)
+            for name, module in self.settings.extra_plugins:
+                self._load_extra_plugin(name, module)
             missing = set(self.settings.plugins or ()) - set(self._infos) - {BUILTIN_PLUGIN}
             if missing:
                 logger.warning(
@@ -155,13 +178,68 @@ class PluginManager:
                 "plugin %r (%s) failed to load: %s: %s", ep.name, dist, type(e).__name__, e
             )
 
+    def _load_extra_plugin(self, name: str, module: str) -> None:
+        if not self.settings.allows(name):
+            self._skipped.append(name)
+            return
+        source = f"{ENV_EXTRA_PLUGINS}: {module}"
+        try:
+            plugin = importlib.import_module(module)
+            if self._pm.is_registered(plugin):
+                return  # also installed (found through its entry point) or registered explicitly
+            if name in self._infos:
+                logger.warning(
+                    "%s names plugin %r (%s), but that name is taken by %s; ignoring it",
+                    ENV_EXTRA_PLUGINS,
+                    name,
+                    module,
+                    self._infos[name].distribution or self._infos[name].source,
+                )
+                return
+            self._register(plugin, name, "", "", source=source)
+        except Exception as e:  # as for an entry point: recorded, never hiding the others
+            if name in self._infos:  # taken by a plugin that loaded: keep that one's record
+                logger.warning(
+                    "%s: plugin %r (%s) failed to load: %s", ENV_EXTRA_PLUGINS, name, module, e
+                )
+                return
+            self._infos[name] = PluginInfo(
+                name=name,
+                distribution="",
+                version="",
+                status="failed",
+                error=f"{type(e).__name__}: {e}",
+                traceback="".join(traceback.format_exception(type(e), e, e.__traceback__)),
+                install_hint=(
+                    f"make module {module!r} importable in every process that loads plugins "
+                    f"(e.g. add its folder to PYTHONPATH), or fix {ENV_EXTRA_PLUGINS}"
+                ),
+                source=source,
+            )
+            logger.warning(
+                "plugin %r (module %s, from %s) failed to load: %s: %s",
+                name,
+                module,
+                ENV_EXTRA_PLUGINS,
+                type(e).__name__,
+                e,
+            )
+
     def register(
         self, plugin: object, name: str, *, distribution: str = "", version: str = ""
     ) -> None:
         """Register a plugin module or object explicitly; errors are raised, not recorded."""
-        self._register(plugin, name, distribution, version)
+        self._register(plugin, name, distribution, version, source=SOURCE_EXPLICIT)
 
-    def _register(self, plugin: object, name: str, distribution: str, version: str) -> None:
+    def _register(
+        self,
+        plugin: object,
+        name: str,
+        distribution: str,
+        version: str,
+        *,
+        source: str = SOURCE_ENTRY_POINT,
+    ) -> None:
         if name in self._infos or self._pm.has_plugin(name):
             raise PluginError(
                 f"a plugin named {name!r} is already registered; register this one under "
@@ -191,7 +269,7 @@ class PluginManager:
                 f"plugin {name!r} does not match engine_core.hookspecs: {e}. Hook names and "
                 "arguments must match the specs (e.g. engine_core_register(registry))."
             ) from e
-        self._infos[name] = PluginInfo(name, distribution, version, "ok")
+        self._infos[name] = PluginInfo(name, distribution, version, "ok", source=source)
 
     def check_pending(self) -> None:
         """Raise :class:`PluginError` if a registered plugin implements an unknown hook."""
@@ -226,11 +304,15 @@ class PluginManager:
             return self.registry.get(kind, name)
         culprit = self._failed_provider(str(name))
         if culprit is not None:
+            where = f"{culprit.distribution} {culprit.version}".strip() or culprit.source
+            fix = (
+                f"`{culprit.install_hint}` (reinstalling pulls in its missing dependencies)"
+                if culprit.distribution
+                else str(culprit.install_hint)
+            )
             raise PluginLoadError(
-                f"{kind} {name!r} is provided by plugin {culprit.name!r} "
-                f"({culprit.distribution} {culprit.version}), which failed to load: "
-                f"{culprit.error}. Fix: `{culprit.install_hint}` (reinstalling pulls in its "
-                "missing dependencies); `engine-core plugins` shows the traceback."
+                f"{kind} {name!r} is provided by plugin {culprit.name!r} ({where}), which failed "
+                f"to load: {culprit.error}. Fix: {fix}; `engine-core plugins` shows the traceback."
             )
         raise UnknownBackendError(self._unknown_message(kind, name))
 
@@ -265,7 +347,7 @@ class PluginManager:
             DoctorCheck(
                 name=f"plugin {p.name}",
                 ok=p.status == "ok",
-                detail=p.error or f"{p.distribution} {p.version}",
+                detail=p.error or f"{p.distribution} {p.version}".strip() or p.source,
                 hint=p.install_hint or "",
             )
             for p in self._infos.values()

@@ -3,11 +3,17 @@
 Variables (all optional):
 
 ``ENGINE_CORE_DISABLE_PLUGIN_AUTOLOAD``
-    ``1``/``true``/``yes``/``on`` skips entry-point discovery; only the core's built-in plugin
-    and plugins registered explicitly with ``PluginManager.register`` are loaded.
+    ``1``/``true``/``yes``/``on`` skips discovery (entry points and ``ENGINE_CORE_EXTRA_PLUGINS``);
+    only the core's built-in plugin and plugins registered explicitly with
+    ``PluginManager.register`` are loaded.
 ``ENGINE_CORE_PLUGINS``
-    Comma-separated allow-list of plugin (entry-point) names, e.g. ``fsdp,vllm``. The built-in
-    plugin is always loaded. Unset or empty: every installed plugin is loaded.
+    Comma-separated allow-list of plugin names, e.g. ``fsdp,vllm``. The built-in plugin is always
+    loaded. Unset or empty: every discovered plugin is loaded.
+``ENGINE_CORE_EXTRA_PLUGINS``
+    Comma-separated ``name=package.module`` pairs: plugin modules that are not installed as a
+    distribution, discovered beside the entry points as if each were one (the allow-list applies
+    to them too), e.g. ``mine=my_engine.plugin``. The module must be importable in every process
+    that loads plugins (on ``sys.path``, e.g. through ``PYTHONPATH``).
 ``ENGINE_CORE_LOG_LEVEL``
     ``DEBUG``, ``INFO``, ``WARNING`` (default), ``ERROR`` or ``CRITICAL``.
 
@@ -19,7 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Literal, cast
 
 from pydantic import BaseModel, ConfigDict, field_validator
@@ -29,6 +35,7 @@ from engine_core.errors import ConfigError
 __all__ = [
     "ENV_DISABLE_AUTOLOAD",
     "ENV_PLUGINS",
+    "ENV_EXTRA_PLUGINS",
     "ENV_LOG_LEVEL",
     "BUILTIN_PLUGIN",
     "LogLevel",
@@ -37,6 +44,7 @@ __all__ = [
 
 ENV_DISABLE_AUTOLOAD = "ENGINE_CORE_DISABLE_PLUGIN_AUTOLOAD"
 ENV_PLUGINS = "ENGINE_CORE_PLUGINS"
+ENV_EXTRA_PLUGINS = "ENGINE_CORE_EXTRA_PLUGINS"
 ENV_LOG_LEVEL = "ENGINE_CORE_LOG_LEVEL"
 # Entry-point name of the core's own plugin; never filtered out.
 BUILTIN_PLUGIN = "builtin"
@@ -46,6 +54,7 @@ _LOG_LEVELS: tuple[str, ...] = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
 _PLUGIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+_MODULE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$", re.ASCII)
 
 
 class Settings(BaseModel):
@@ -55,6 +64,7 @@ class Settings(BaseModel):
 
     disable_plugin_autoload: bool = False
     plugins: tuple[str, ...] | None = None
+    extra_plugins: tuple[tuple[str, str], ...] = ()  # (name, module)
     log_level: LogLevel = "WARNING"
 
     @field_validator("plugins")
@@ -68,6 +78,14 @@ class Settings(BaseModel):
                 )
         return v
 
+    @field_validator("extra_plugins")
+    @classmethod
+    def _valid_extra(cls, v: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
+        problems = _extra_plugin_problems(v)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return v
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         """Read the ``ENGINE_CORE_*`` variables from ``environ`` (default: ``os.environ``)."""
@@ -77,6 +95,7 @@ class Settings(BaseModel):
                 ENV_DISABLE_AUTOLOAD, env.get(ENV_DISABLE_AUTOLOAD)
             ),
             plugins=_parse_plugins(env.get(ENV_PLUGINS)),
+            extra_plugins=_parse_extra_plugins(env.get(ENV_EXTRA_PLUGINS)),
             log_level=_parse_log_level(env.get(ENV_LOG_LEVEL)),
         )
 
@@ -114,6 +133,47 @@ def _parse_plugins(raw: str | None) -> tuple[str, ...] | None:
             "(`engine-core plugins` lists them)."
         )
     return names
+
+
+def _parse_extra_plugins(raw: str | None) -> tuple[tuple[str, str], ...]:
+    if raw is None or not raw.strip():
+        return ()
+    pairs = []
+    for item in (i.strip() for i in raw.split(",")):
+        if not item:
+            continue
+        name, eq, module = (part.strip() for part in item.partition("="))
+        if not eq:
+            raise ConfigError(
+                f"{ENV_EXTRA_PLUGINS}={raw!r}: {item!r} has no '='; expected comma-separated "
+                "'name=package.module' pairs, e.g. 'mine=my_engine.plugin'."
+            )
+        pairs.append((name, module))
+    problems = _extra_plugin_problems(pairs)
+    if problems:
+        raise ConfigError(
+            f"{ENV_EXTRA_PLUGINS}={raw!r}: {'; '.join(problems)}. Expected comma-separated "
+            "'name=package.module' pairs, e.g. 'mine=my_engine.plugin'."
+        )
+    return tuple(pairs)
+
+
+def _extra_plugin_problems(pairs: Sequence[tuple[str, str]]) -> list[str]:
+    problems = []
+    seen: set[str] = set()
+    for name, module in pairs:
+        if not _PLUGIN_NAME.match(name):
+            problems.append(f"invalid plugin name {name!r} (letters, digits, '_', '.', '-')")
+        elif name == BUILTIN_PLUGIN:
+            problems.append(f"the name {name!r} is the core's own plugin; pick another name")
+        elif name in seen:
+            problems.append(f"the name {name!r} is given twice; give each plugin one name")
+        if not _MODULE.match(module):
+            problems.append(
+                f"{module!r} (for {name!r}) is not a dotted module path such as 'package.module'"
+            )
+        seen.add(name)
+    return problems
 
 
 def _parse_log_level(raw: str | None) -> LogLevel:

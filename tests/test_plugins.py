@@ -313,3 +313,108 @@ def test_settings_from_env() -> None:
 def test_invalid_settings_name_variable_value_and_allowed(env: dict[str, str], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         Settings.from_env(env)
+
+
+# -- ENGINE_CORE_EXTRA_PLUGINS ---------------------------------------------------------------------
+
+_EXTRA_MODULE = textwrap.dedent(
+    """
+    from engine_core.capabilities import Capability
+    from engine_core.hookspecs import hookimpl
+
+    @hookimpl
+    def engine_core_register(registry):
+        registry.register_engine(
+            "extra-engine",
+            "engine_core.reference_engine:ReferenceEngine",
+            config="engine_core.reference_engine:ReferenceEngineConfig",
+            capabilities=frozenset({Capability.CPU}),
+        )
+    """
+)
+
+
+@pytest.fixture
+def extra_module(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> str:
+    (tmp_path / "engine_core_extra_test_plugin.py").write_text(_EXTRA_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "engine_core_extra_test_plugin"
+
+
+def test_extra_plugin_is_discovered_and_says_where_it_came_from(extra_module: str) -> None:
+    m = load_plugins(Settings(extra_plugins=(("extra", extra_module),)))
+    spec = m.get_engine("extra-engine")
+    assert spec.plugin == "extra"
+    (info,) = [p for p in m.plugins() if p.name == "extra"]
+    assert info.status == "ok" and info.source == f"ENGINE_CORE_EXTRA_PLUGINS: {extra_module}"
+    assert info.to_dict()["source"] == info.source and info.distribution == ""
+    assert [b.name for b in info.backends] == ["extra-engine"]
+
+
+def test_extra_plugins_follow_the_allow_list_and_autoload(extra_module: str) -> None:
+    extra = (("extra", extra_module),)
+    skipped = load_plugins(Settings(plugins=("fsdp",), extra_plugins=extra))
+    with pytest.raises(UnknownBackendError, match=r"Skipped by ENGINE_CORE_PLUGINS: .*extra"):
+        skipped.get_engine("extra-engine")
+    allowed = load_plugins(Settings(plugins=("extra",), extra_plugins=extra))
+    assert [p.name for p in allowed.plugins()] == ["builtin", "extra"]
+    off = load_plugins(Settings(disable_plugin_autoload=True, extra_plugins=extra))
+    assert [p.name for p in off.plugins()] == ["builtin"]
+
+
+def test_extra_plugin_that_cannot_be_imported_is_recorded_and_named() -> None:
+    settings = Settings(disable_plugin_autoload=False, plugins=("gone",),
+                        extra_plugins=(("gone", "no_such_pkg_for_engine_core.plugin"),))  # fmt: skip
+    m = load_plugins(settings)
+    (info,) = m.failed_plugins()
+    assert info.name == "gone" and info.error is not None
+    assert info.error.startswith(
+        "ModuleNotFoundError: No module named 'no_such_pkg_for_engine_core"
+    )
+    assert "PYTHONPATH" in str(info.install_hint)
+    with pytest.raises(PluginLoadError) as err:
+        m.get_engine("gone-engine")
+    message = str(err.value)
+    assert "ENGINE_CORE_EXTRA_PLUGINS: no_such_pkg_for_engine_core.plugin" in message
+    assert "make module 'no_such_pkg_for_engine_core.plugin' importable" in message
+    assert "pip install" not in message
+
+
+def test_settings_read_extra_plugins() -> None:
+    env = {"ENGINE_CORE_EXTRA_PLUGINS": " a = pkg.mod , b=other.plugin,"}
+    assert Settings.from_env(env).extra_plugins == (("a", "pkg.mod"), ("b", "other.plugin"))
+    assert Settings.from_env({"ENGINE_CORE_EXTRA_PLUGINS": ""}).extra_plugins == ()
+
+
+@pytest.mark.parametrize(
+    ("raw", "match"),
+    [
+        ("pkg.mod", r"'pkg\.mod' has no '='.*'name=package\.module'"),
+        ("a=pkg.mod,a=other", r"the name 'a' is given twice"),
+        ("builtin=pkg.mod", r"'builtin' is the core's own plugin"),
+        ("no way=pkg.mod", r"invalid plugin name 'no way'"),
+        ("a=pkg..mod", r"'pkg\.\.mod' \(for 'a'\) is not a dotted module path"),
+        ("a=pkg.mod:register", r"is not a dotted module path"),
+    ],
+)
+def test_invalid_extra_plugins_are_refused(raw: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=rf"ENGINE_CORE_EXTRA_PLUGINS=.*{match}"):
+        Settings.from_env({"ENGINE_CORE_EXTRA_PLUGINS": raw})
+
+
+def test_test_sessions_see_the_example_engine_through_the_setting() -> None:
+    # the root conftest.py names it; nothing installs it
+    (info,) = [p for p in load_plugins().plugins() if p.name == "example"]
+    assert info.source == "ENGINE_CORE_EXTRA_PLUGINS: engine_core_example.plugin"
+    assert "example-bad-order" in [b.name for b in info.backends]
+
+
+def test_a_users_environment_lists_no_example_engines() -> None:
+    # run_python drops every ENGINE_CORE_* variable and PYTHONPATH, as in a user's shell
+    proc = run_python(["-m", "engine_core.cli", "plugins", "--json"], None)
+    assert proc.returncode == 0, proc.stderr
+    plugins = json.loads(proc.stdout)["plugins"]
+    assert "example" not in [p["name"] for p in plugins]
+    backends = [b["name"] for p in plugins for b in p["backends"]]
+    assert "reference" in backends
+    assert not [b for b in backends if b.startswith("example")], backends
