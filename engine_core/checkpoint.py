@@ -40,6 +40,7 @@ __all__ = [
     "list_checkpoints",
     "latest_checkpoint",
     "rotate",
+    "check_max_ckpt_to_keep",
     "staging_dir",
     "commit_staging",
     "is_file",
@@ -133,12 +134,26 @@ def commit_staging(root: str | Path, step: int, max_ckpt_to_keep: int | None) ->
     return final
 
 
+def check_max_ckpt_to_keep(max_ckpt_to_keep: int | None) -> None:
+    """Refuse a rotation limit other than None or an int >= 1 (before anything is written)."""
+    if max_ckpt_to_keep is None:
+        return
+    if isinstance(max_ckpt_to_keep, bool) or not isinstance(max_ckpt_to_keep, int):
+        raise CheckpointError(
+            f"max_ckpt_to_keep must be an int >= 1 or None, got {max_ckpt_to_keep!r}."
+        )
+    if max_ckpt_to_keep < 1:
+        raise CheckpointError(
+            f"max_ckpt_to_keep must be >= 1 or None (keep every checkpoint), got "
+            f"{max_ckpt_to_keep}."
+        )
+
+
 def rotate(root: str | Path, max_ckpt_to_keep: int | None) -> list[str]:
     """Delete the oldest checkpoints so at most ``max_ckpt_to_keep`` remain; return those deleted."""
     if max_ckpt_to_keep is None:
         return []
-    if max_ckpt_to_keep < 1:
-        raise CheckpointError(f"max_ckpt_to_keep must be >= 1 or None, got {max_ckpt_to_keep}.")
+    check_max_ckpt_to_keep(max_ckpt_to_keep)
     found = list_checkpoints(root)
     doomed = [loc for _, loc in found[: max(len(found) - max_ckpt_to_keep, 0)]]
     for loc in doomed:

@@ -45,8 +45,11 @@ from engine_core.packing import PackedSequences, pack, sequence_start_mask, unpa
 
 # attention kernels that take the packed row's sequence boundaries as cu_seq_lens_* kwargs
 VARLEN_KERNELS = frozenset({"sdpa_varlen", "flash_attention_2"})
+# each rank's core state in a checkpoint folder: step, world size, RNG streams, extra state
+CHECKPOINT_STATE_FILE = "engine_state_rank{rank}.pt"
 
 __all__ = [
+    "CHECKPOINT_STATE_FILE",
     "BaseEngine",
     "EngineOutput",
     "MicroBatchResults",
@@ -117,8 +120,28 @@ def token_log_probs(
 class BaseEngine(abc.ABC):
     """A training backend for one model (actor, critic, reference or reward).
 
-    Subclasses set :attr:`capabilities` and :attr:`config_class`, and implement the abstract
-    methods. ``self.module`` is the model built by :meth:`init_model`.
+    Subclasses set :attr:`capabilities` and :attr:`config_class` and implement the abstract
+    methods: :meth:`init_model` (sets ``self.module``), :meth:`optimizer_zero_grad`,
+    :meth:`optimizer_step`, :meth:`lr_scheduler_step` (or list ``SingleOptimizerMixin`` first
+    among the bases), :meth:`to`, :meth:`save_shards`, :meth:`load_shards` and
+    :meth:`named_full_params`.
+
+    Methods with defaults, overridden when the backend needs it:
+
+    - gradient sync: :meth:`backward` (default ``loss.backward()``), :meth:`no_sync` (default: no
+      context) and :meth:`finish_backward` (default: nothing). The defaults are right for a
+      model whose gradients need no reduction (one rank) or are reduced by hooks as a sum; a
+      backend that averages over ranks scales the loss by ``dp_size`` in :meth:`backward`.
+    - layout: :attr:`dp_group`, :attr:`dp_rank`, :attr:`dp_size`, :attr:`is_collect_rank`,
+      :attr:`device`.
+    - the forward step: :meth:`prepare_model_inputs`, :meth:`forward_model`,
+      :meth:`prepare_model_outputs`, :meth:`token_log_probs`, and :meth:`run_micro_batches`
+      for engines whose schedule owns the micro-batch loop.
+    - checkpoints: :meth:`save_checkpoint` / :meth:`load_checkpoint` are the core's sequence;
+      engines add :meth:`checkpoint_preflight`, :meth:`checkpoint_extra_state`,
+      :meth:`rng_state` and their setters when they hold more state.
+
+    Names starting with ``_`` belong to this class; a subclass that redefines one is refused.
     """
 
     capabilities: ClassVar[frozenset[Capability]] = frozenset()
@@ -132,7 +155,31 @@ class BaseEngine(abc.ABC):
             )
         self.config = config
         self.module: nn.Module | None = None
-        self._loss_fn: LossFn | None = None
+        self.__loss_fn: LossFn | None = None  # name-mangled: a subclass cannot shadow it
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Refuse a subclass that redefines one of ``BaseEngine``'s private helpers: the base
+        class relies on them, and a silent shadow would change what it does."""
+        super().__init_subclass__(**kwargs)
+        clash = sorted(
+            name
+            for name in vars(cls)
+            if name.startswith("_")
+            and not name.startswith("__")
+            and name in vars(BaseEngine)
+            and cls is not BaseEngine
+        )
+        if clash:
+            raise TypeError(
+                f"{cls.__name__} redefines {clash}, private to BaseEngine; rename them (public "
+                f"extension points are the documented methods, e.g. is_distributed, "
+                f"save_shards, load_shards, rng_state)."
+            )
+
+    @property
+    def loss_fn(self) -> LossFn | None:
+        """The loss set with :meth:`set_loss_fn` (``None``: forward-only)."""
+        return self.__loss_fn
 
     # ------------------------------------------------------------------ lifecycle
     @abc.abstractmethod
@@ -173,11 +220,11 @@ class BaseEngine(abc.ABC):
 
     @property
     def dp_rank(self) -> int:
-        return dist.get_rank(self.dp_group) if self._distributed else 0
+        return dist.get_rank(self.dp_group) if self.is_distributed else 0
 
     @property
     def dp_size(self) -> int:
-        return dist.get_world_size(self.dp_group) if self._distributed else 1
+        return dist.get_world_size(self.dp_group) if self.is_distributed else 1
 
     @property
     def is_collect_rank(self) -> bool:
@@ -189,7 +236,8 @@ class BaseEngine(abc.ABC):
         return torch.device("cpu")
 
     @property
-    def _distributed(self) -> bool:
+    def is_distributed(self) -> bool:
+        """Whether a default process group is initialized (collectives are possible)."""
         return dist.is_available() and dist.is_initialized()
 
     def shard_data(self, batch: TensorDict) -> TensorDict:
@@ -214,13 +262,13 @@ class BaseEngine(abc.ABC):
     # ------------------------------------------------------------------ forward / backward
     def set_loss_fn(self, fn: LossFn | None) -> None:
         """Set the loss ``fn(micro_batch, outputs, ctx) -> (loss, {name: Metric})``."""
-        self._loss_fn = fn
+        self.__loss_fn = fn
 
     def global_context(self, batch: TensorDict, num_micro_batches: int) -> GlobalBatchContext:
         """Loss-token and sample counts summed over every DP rank (one all-reduce)."""
         mask = loss_mask_of(batch)
         counts = torch.tensor([int(mask.sum()), int(mask.any(-1).sum())], dtype=torch.int64)
-        if self._distributed and self.dp_size > 1:
+        if self.is_distributed and self.dp_size > 1:
             counts = all_reduce_cpu(counts, group=self.dp_group)
         return GlobalBatchContext(
             global_num_tokens=int(counts[0]),
@@ -236,7 +284,7 @@ class BaseEngine(abc.ABC):
         gradient (see :mod:`engine_core.loss`), complete when this returns.
         """
         validate_batch(batch)
-        if not forward_only and self._loss_fn is None:
+        if not forward_only and self.loss_fn is None:
             raise EngineCoreError(
                 "forward_backward_step(forward_only=False) needs a loss; call set_loss_fn() first."
             )
@@ -246,14 +294,14 @@ class BaseEngine(abc.ABC):
             batch,
             micro_batch_size=cfg.micro_batch_size,
             max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
-            group=self.dp_group if self._distributed else None,
+            group=self.dp_group if self.is_distributed else None,
         )
         ctx = self.global_context(batch, len(micro_batches))
         results = self.run_micro_batches(micro_batches, ctx, forward_only=forward_only)
         total_loss: float | None = None
-        if self._loss_fn is not None:
+        if self.loss_fn is not None:
             local_loss = results.loss.detach().double().cpu().reshape(())
-            if self._distributed and self.dp_size > 1:
+            if self.is_distributed and self.dp_size > 1:
                 local_loss = all_reduce_cpu(local_loss, group=self.dp_group)
             total_loss = float(local_loss)
         return EngineOutput(
@@ -283,8 +331,8 @@ class BaseEngine(abc.ABC):
                 inputs = self.prepare_model_inputs(mb)
                 raw = self.forward_model(inputs)
                 out = self.prepare_model_outputs(raw, inputs, mb)
-                if self._loss_fn is not None:
-                    loss, metrics = self._loss_fn(mb, out, ctx)
+                if self.loss_fn is not None:
+                    loss, metrics = self.loss_fn(mb, out, ctx)
                     if not forward_only:
                         self.backward(loss)
                     local_loss += loss.detach().double().cpu()
@@ -295,15 +343,25 @@ class BaseEngine(abc.ABC):
         return MicroBatchResults(outputs, local_loss, acc)
 
     def no_sync(self) -> contextlib.AbstractContextManager[Any]:
-        """Context for non-final micro-batches: skip gradient sync where the backend can."""
+        """Context for non-final micro-batches: skip gradient sync where the backend can.
+
+        Default: no context (every backward syncs, if the backend syncs in backward at all).
+        DDP-style engines return ``module.no_sync()``."""
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate one micro-batch's loss (already globally normalized)."""
+        """Backpropagate one micro-batch's loss (already globally normalized).
+
+        Default: ``loss.backward()``. The contract wants gradients summed over micro-batches
+        and DP ranks; a backend whose reduction averages over ranks (DDP, FSDP) backpropagates
+        ``loss * dp_size`` instead."""
         loss.backward()
 
     def finish_backward(self) -> None:
-        """Called once after the last micro-batch's backward: finish gradient reduction."""
+        """Called once after the last micro-batch's backward: finish gradient reduction.
+
+        Default: nothing (gradients are complete). Engines that reduce explicitly (one
+        all-reduce over the DP group, say) do it here."""
 
     def prepare_model_inputs(self, micro_batch: TensorDict) -> ModelInputs:
         """Model kwargs: packed (padding-free) by default, padded when ``use_packing=False``.
@@ -432,13 +490,147 @@ class BaseEngine(abc.ABC):
     def to(self, device: torch.device | str, *, model: bool = True, optimizer: bool = True) -> None:
         """Move model and/or optimizer state (offload to ``"cpu"`` and back)."""
 
-    @abc.abstractmethod
     def save_checkpoint(self, path: str, *, step: int, max_ckpt_to_keep: int | None = None) -> str:
-        """Save model, optimizer, scheduler, RNG and ``step`` under ``path``; return the folder."""
+        """Save everything a resume needs as ``<path>/global_step_<step>``; return that folder.
+
+        Collective: every rank calls it. The sequence is the core's, the same for every engine:
+        the input is checked and :meth:`checkpoint_preflight` runs (nothing written yet); global
+        rank 0 creates the staging folder ``global_step_<step>.tmp``; every rank writes its part
+        with :meth:`save_shards` and its core state file (``step``, the RNG streams of
+        :meth:`rng_state`, :meth:`checkpoint_extra_state`); rank 0 renames the folder into place
+        and deletes the oldest checkpoints beyond ``max_ckpt_to_keep``. An interrupted save
+        leaves only a ``.tmp`` folder, which :func:`~engine_core.checkpoint.list_checkpoints`
+        ignores; an existing checkpoint is never overwritten.
+        """
+        from engine_core.checkpoint import (
+            check_max_ckpt_to_keep,
+            commit_staging,
+            is_dir,
+            join,
+            save_torch,
+            staging_dir,
+            step_dir,
+        )
+        from engine_core.errors import CheckpointError
+
+        self._require_module()
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"save_checkpoint: step must be an int >= 0, got {step!r}.")
+        check_max_ckpt_to_keep(max_ckpt_to_keep)
+        self.checkpoint_preflight(path, saving=True)
+        final = step_dir(path, step)
+        if is_dir(final):  # every rank sees it: all refuse, none waits at a barrier
+            raise CheckpointError(
+                f"checkpoint {final} already exists; refusing to overwrite it. Save under a new "
+                f"step or another root, or delete it yourself."
+            )
+        rank, world = self._global_rank_and_size()
+        if rank == 0:
+            staging_dir(path, step)
+        self._checkpoint_barrier()
+        folder = final + ".tmp"
+        self.save_shards(folder)
+        core = {
+            "step": step,
+            "world_size": world,
+            "rng": self.rng_state(),
+            "engine": self.checkpoint_extra_state(),
+        }
+        save_torch(core, join(folder, CHECKPOINT_STATE_FILE.format(rank=rank)))
+        self._checkpoint_barrier()
+        if rank == 0:
+            commit_staging(path, step, max_ckpt_to_keep)
+        self._checkpoint_barrier()
+        return final
+
+    def load_checkpoint(self, path: str) -> int:
+        """Restore everything :meth:`save_checkpoint` wrote in the folder ``path``; return its step.
+
+        Collective. The core state file is read and checked first, then :meth:`load_shards`
+        restores model and optimizer, then :meth:`load_checkpoint_extra_state` and, when the
+        checkpoint was written by the same number of ranks, each rank's RNG streams (a resharded
+        load keeps its own: streams belong to ranks).
+        """
+        from engine_core.checkpoint import is_file, join, load_torch
+        from engine_core.errors import CheckpointError
+
+        self._require_module()
+        self.checkpoint_preflight(path, saving=False)
+        rank, world = self._global_rank_and_size()
+        first = join(path, CHECKPOINT_STATE_FILE.format(rank=0))
+        own = join(path, CHECKPOINT_STATE_FILE.format(rank=rank))
+        if not is_file(first):
+            raise CheckpointError(
+                f"{path} is not a complete checkpoint (no {CHECKPOINT_STATE_FILE.format(rank=0)}); "
+                f"pass a global_step_<N> folder written by save_checkpoint()."
+            )
+        core = load_torch(own if is_file(own) else first)
+        step, saved_world = core.get("step"), core.get("world_size")
+        if not isinstance(step, int) or not isinstance(saved_world, int) or "rng" not in core:
+            raise CheckpointError(
+                f"{path}: the core state file lacks step, world_size or rng; it was not written "
+                f"by save_checkpoint() of this engine-core version. Resume from another checkpoint."
+            )
+        self.load_shards(path)
+        self.load_checkpoint_extra_state(core.get("engine") or {})
+        if saved_world == world and is_file(own):
+            self.set_rng_state(core["rng"])
+        return step
+
+    def checkpoint_preflight(self, path: str, *, saving: bool) -> None:
+        """Refuse a save or load this engine cannot do, before anything is written or read.
+
+        Default: nothing to refuse. Engines that need a local folder, or refuse a layout,
+        raise :class:`~engine_core.errors.CheckpointError` here.
+        """
 
     @abc.abstractmethod
-    def load_checkpoint(self, path: str) -> int:
-        """Restore everything :meth:`save_checkpoint` wrote; return the saved step."""
+    def save_shards(self, folder: str) -> None:
+        """Write this rank's model and optimizer state into ``folder`` (the staging folder).
+
+        Called on every rank inside :meth:`save_checkpoint`, after ``folder`` exists. Write
+        rank-specific files under rank-specific names; collective writers
+        (``torch.distributed.checkpoint``) are called by every rank.
+        """
+
+    @abc.abstractmethod
+    def load_shards(self, folder: str) -> None:
+        """Restore what :meth:`save_shards` wrote in ``folder`` (every rank); raise
+        :class:`~engine_core.errors.CheckpointError` naming what is missing."""
+
+    def checkpoint_extra_state(self) -> dict[str, Any]:
+        """Plain data beyond model and optimizer that a resume needs (LR schedule, counters).
+
+        Saved per rank in the core state file. ``SingleOptimizerMixin`` returns the schedule
+        and the skipped-step count; an engine with a schedule of its own must return it here.
+        """
+        return {}
+
+    def load_checkpoint_extra_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`checkpoint_extra_state` returned."""
+
+    def rng_state(self) -> dict[str, Any]:
+        """The random streams a resume must continue: torch (CPU and the current CUDA device),
+        numpy and Python. Engines with streams of their own (a tensor-parallel RNG tracker) add
+        them."""
+        from engine_core.optim import capture_rng
+
+        return capture_rng()
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        """Set the streams :meth:`rng_state` recorded."""
+        from engine_core.optim import restore_rng
+
+        restore_rng(state)
+
+    def _global_rank_and_size(self) -> tuple[int, int]:
+        if self.is_distributed:
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+
+    def _checkpoint_barrier(self) -> None:
+        if self.is_distributed and dist.get_world_size() > 1:
+            dist.barrier()
 
     @abc.abstractmethod
     def named_full_params(
@@ -473,7 +665,7 @@ class BaseEngine(abc.ABC):
             with fsspec.open(join(tmp, "config.json"), "w", encoding="utf-8") as f:
                 f.write(build_hf_config(self.config.model).to_json_string())
             replace_folder(tmp, final)
-        if self._distributed and dist.get_world_size() > 1:
+        if self.is_distributed and dist.get_world_size() > 1:
             dist.barrier()  # every rank returns once the folder is in place
         return final
 

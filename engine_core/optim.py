@@ -137,20 +137,23 @@ class SingleOptimizerMixin:
         self.scheduler.step()
         return float(self.scheduler.get_last_lr()[0])
 
-    def optimizer_extra_state(self) -> dict[str, Any]:
-        """What a checkpoint needs beyond model and optimizer: schedule, counters, RNG."""
-        assert self.scheduler is not None
-        return {
-            "scheduler": scheduler_state(self.scheduler),
-            "skipped_steps": self.skipped_steps,
-            "rng": capture_rng(),
-        }
+    def checkpoint_extra_state(self) -> dict[str, Any]:
+        """What a checkpoint needs beyond model and optimizer: the LR schedule's position and
+        the skipped-step count (``BaseEngine.save_checkpoint`` stores it)."""
+        assert self.scheduler is not None, "call init_model() first"
+        return {"scheduler": scheduler_state(self.scheduler), "skipped_steps": self.skipped_steps}
 
-    def load_optimizer_extra_state(self, state: dict[str, Any]) -> None:
-        assert self.scheduler is not None
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.skipped_steps = state["skipped_steps"]
-        restore_rng(state["rng"])
+    def load_checkpoint_extra_state(self, state: dict[str, Any]) -> None:
+        assert self.scheduler is not None, "call init_model() first"
+        try:
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.skipped_steps = int(state["skipped_steps"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(
+                f"the checkpoint's LR-schedule state is missing or malformed ({type(e).__name__}: "
+                f"{e}); it was not written by save_checkpoint() of this engine. Resume from "
+                f"another checkpoint."
+            ) from e
 
 
 def scheduler_state(scheduler: LambdaLR) -> dict[str, Any]:
@@ -166,14 +169,19 @@ def scheduler_state(scheduler: LambdaLR) -> dict[str, Any]:
 
 
 def capture_rng() -> dict[str, Any]:
-    """torch, numpy and Python RNG states as tensors and plain values, for exact resume.
+    """torch (CPU, and the current CUDA device once CUDA is in use), numpy and Python RNG
+    states as tensors and plain values, for exact resume.
 
     numpy's and Python's own state objects (a tuple holding an ndarray, a tuple of ints) would
     need arbitrary unpickling; they are stored as int64 tensors and restored bit for bit.
     """
     name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
     version, internal, gauss_next = random.getstate()
+    extra: dict[str, Any] = {}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        extra["cuda"] = torch.cuda.get_rng_state()  # the current device's stream
     return {
+        **extra,
         "torch": torch.get_rng_state(),
         "numpy": {
             "bit_generator": str(name),
@@ -207,6 +215,8 @@ def restore_rng(state: dict[str, Any]) -> None:
             py["gauss_next"],
         )
         torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])
         np.random.set_state(numpy_state)
         random.setstate(python_state)
     except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:

@@ -16,15 +16,12 @@ import torch.distributed as dist
 from engine_core._capsets import REFERENCE_CAPABILITIES
 from engine_core.capabilities import Capability
 from engine_core.checkpoint import (
-    commit_staging,
     is_file,
     join,
     load_safetensors,
     load_torch,
     save_safetensors,
     save_torch,
-    staging_dir,
-    step_dir,
 )
 from engine_core.config import EngineConfig
 from engine_core.engine import BaseEngine
@@ -35,6 +32,7 @@ from engine_core.optim import SingleOptimizerMixin
 __all__ = ["ReferenceEngine", "ReferenceEngineConfig"]
 
 MODEL_FILE = "model.safetensors"
+OPTIM_FILE = "optim_rank{rank}.pt"
 
 
 class ReferenceEngineConfig(EngineConfig):
@@ -54,7 +52,7 @@ class ReferenceEngine(SingleOptimizerMixin, BaseEngine):
     def init_model(self) -> None:
         torch.manual_seed(self.config.seed)
         module = build_model(self.config.model, device=self.device)
-        if self._distributed and self.dp_size > 1:
+        if self.is_distributed and self.dp_size > 1:
             # identical replicas: rank 0's initialisation wins
             for t in module.state_dict().values():
                 dist.broadcast(
@@ -66,7 +64,7 @@ class ReferenceEngine(SingleOptimizerMixin, BaseEngine):
         self.init_optimizer(module)
 
     def finish_backward(self) -> None:
-        if not (self._distributed and self.dp_size > 1):
+        if not (self.is_distributed and self.dp_size > 1):
             return
         grads = [p.grad for p in self._require_module().parameters() if p.grad is not None]
         if grads:
@@ -87,46 +85,28 @@ class ReferenceEngine(SingleOptimizerMixin, BaseEngine):
                     if isinstance(v, torch.Tensor):
                         state[k] = v.to(dev)
 
-    def save_checkpoint(self, path: str, *, step: int, max_ckpt_to_keep: int | None = None) -> str:
-        assert self.optimizer is not None and self.scheduler is not None
+    def save_shards(self, folder: str) -> None:
+        assert self.optimizer is not None, "call init_model() first"
         rank = self.dp_rank
-        tmp = staging_dir(path, step) if rank == 0 else None
-        self._barrier()
-        folder = step_dir(path, step) + ".tmp"
-        if rank == 0:
-            assert tmp is not None
+        if rank == 0:  # replicas are identical: one copy of the weights
             save_safetensors(
                 {k: v.contiguous() for k, v in self._require_module().state_dict().items()},
-                join(tmp, MODEL_FILE),
+                join(folder, MODEL_FILE),
             )
-        state = {
-            "optimizer": self.optimizer.state_dict(),
-            "step": step,
-            **self.optimizer_extra_state(),
-        }
-        save_torch(state, join(folder, f"state_rank{rank}.pt"))
-        self._barrier()
-        final = step_dir(path, step)
-        if rank == 0:
-            final = commit_staging(path, step, max_ckpt_to_keep)
-        self._barrier()
-        return str(final)
+        save_torch({"optimizer": self.optimizer.state_dict()}, join(folder, OPTIM_FILE.format(rank=rank)))
 
-    def load_checkpoint(self, path: str) -> int:
-        model_file = join(path, MODEL_FILE)
-        state_name = f"state_rank{self.dp_rank}.pt"
-        state_file = join(path, state_name)
-        if not is_file(model_file) or not is_file(state_file):
+    def load_shards(self, folder: str) -> None:
+        assert self.optimizer is not None, "call init_model() first"
+        model_file = join(folder, MODEL_FILE)
+        optim_name = OPTIM_FILE.format(rank=self.dp_rank)
+        optim_file = join(folder, optim_name)
+        if not is_file(model_file) or not is_file(optim_file):
             raise CheckpointError(
-                f"{path} is not a complete reference-engine checkpoint (need {MODEL_FILE} and "
-                f"{state_name}); pass a global_step_<N> folder written by save_checkpoint()."
+                f"{folder} is not a complete reference-engine checkpoint (need {MODEL_FILE} and "
+                f"{optim_name}); pass a global_step_<N> folder written by save_checkpoint()."
             )
-        assert self.optimizer is not None and self.scheduler is not None
         self._require_module().load_state_dict(load_safetensors(model_file))
-        state = load_torch(state_file)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.load_optimizer_extra_state(state)
-        return int(state["step"])
+        self.optimizer.load_state_dict(load_torch(optim_file)["optimizer"])
 
     def named_full_params(
         self, bucket_bytes: int = 512 << 20
@@ -134,7 +114,3 @@ class ReferenceEngine(SingleOptimizerMixin, BaseEngine):
         # Replicated weights: every tensor is already full, nothing to materialise.
         for name, tensor in self._require_module().state_dict().items():
             yield name, tensor.detach()
-
-    def _barrier(self) -> None:
-        if self._distributed and self.dp_size > 1:
-            dist.barrier(group=self.dp_group)

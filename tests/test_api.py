@@ -40,8 +40,7 @@ def test_roles_import_no_plugin() -> None:
     from pathlib import Path
 
     plugins = {
-        ep.value.split(":")[0].split(".")[0]
-        for ep in md.entry_points(group="engine_core.plugins")
+        ep.value.split(":")[0].split(".")[0] for ep in md.entry_points(group="engine_core.plugins")
     } - {"engine_core"}
     assert plugins, "no plugin installed: this test would check nothing"
     imported: dict[str, set[str]] = {}
@@ -57,3 +56,93 @@ def test_roles_import_no_plugin() -> None:
                 imported.setdefault(name.split(".")[0], set()).add(path.name)
     offending = {p: sorted(imported[p]) for p in plugins if p in imported}
     assert not offending, f"roles/ imports backend plugins: {offending}"
+
+
+# ---------------------------------------------------------------------------- backend surface
+BACKEND_SURFACE = {
+    # the engine contract, configs and registration
+    "BaseEngine", "CHECKPOINT_STATE_FILE", "EngineOutput", "MicroBatchResults", "ModelInputs",
+    "loss_mask_of", "predicted_mask", "token_log_probs", "Capability", "StrEnum",
+    "EngineConfig", "FrozenModel", "LoraConfig", "ModelConfig", "OptimConfig",
+    "BackendRegistry", "hookimpl",
+    # models, optimizer, schedule, RNG
+    "DTYPES", "build_hf_config", "build_model", "merged_lora_tensors", "SingleOptimizerMixin",
+    "build_lr_scheduler", "build_optimizer", "capture_rng", "clip_and_step", "lr_lambda",
+    "restore_rng", "scheduler_state", "total_grad_norm",
+    # checkpoint file I/O
+    "is_dir", "is_file", "join", "load_safetensors", "load_torch", "save_safetensors",
+    "save_torch",
+    # batches, packing, losses, collectives
+    "ATTENTION_MASK", "ENTROPY", "INPUT_IDS", "LOG_PROBS", "LOSS_MASK", "POSITION_IDS",
+    "VALUES", "BatchMeta", "get_meta", "PackedSequences", "pack", "sequence_start_mask",
+    "unpack", "GlobalBatchContext", "Metric", "MetricAccumulator", "all_reduce_cpu",
+    "collective_device",
+    # rollouts and weight sync
+    "BaseRollout", "RolloutConfig", "SamplingParams", "WeightBucket", "confirm_bucket",
+    "model_weight_shapes", "prompt_tensors", "response_batch", "saved_model_folder",
+    "tensor_checksum", "verified_buckets", "FINISH_REASON", "PROMPT_IDS", "PROMPT_MASK",
+    "RESPONSE_IDS", "RESPONSE_MASK", "ROLLOUT_LOG_PROBS",
+    # errors
+    "BatchError", "CheckpointError", "ConfigError", "EngineCoreError", "WeightSyncError",
+}  # fmt: skip
+
+
+def test_backend_surface_is_exactly_the_documented_list() -> None:
+    """Adding or removing a name from engine_core.backend is a decision: update this list."""
+    import engine_core.backend as backend
+
+    assert set(backend.__all__) == BACKEND_SURFACE
+    for name in backend.__all__:
+        assert getattr(backend, name) is not None, name
+    assert sorted(dir(backend)) == sorted(BACKEND_SURFACE)
+
+
+def test_backend_registration_names_are_cheap() -> None:
+    """A plugin's registration module imports hookimpl and Capability from the surface
+    without importing torch."""
+    code = (
+        "import sys\n"
+        "from engine_core.backend import BackendRegistry, Capability, hookimpl\n"
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_plugins_import_only_the_backend_surface() -> None:
+    """Every in-repository plugin (and the example engine) imports engine_core only through
+    engine_core.backend (tests and the conformance kit aside)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    sources = [
+        *root.glob("plugins/*/engine_core_*/*.py"),
+        *root.glob("tests/fixtures/example_engine/engine_core_example/*.py"),
+    ]
+    assert sources
+    offenders = []
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text())):
+            modules = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                modules = [node.module]
+            elif isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            for module in modules:
+                top = module.split(".")[0]
+                if top == "engine_core" and module != "engine_core.backend":
+                    offenders.append(f"{path.relative_to(root)}: {module}")
+    assert not offenders, offenders
+
+
+def test_subclass_cannot_shadow_base_engine_privates() -> None:
+    import pytest
+
+    from engine_core.backend import BaseEngine
+
+    with pytest.raises(TypeError, match=r"redefines \['_require_module'\], private to BaseEngine"):
+
+        class Shadowing(BaseEngine):  # noqa: F841
+            def _require_module(self):  # type: ignore[no-untyped-def, override]
+                return None

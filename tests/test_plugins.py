@@ -403,7 +403,7 @@ def test_invalid_extra_plugins_are_refused(raw: str, match: str) -> None:
 
 
 def test_test_sessions_see_the_example_engine_through_the_setting() -> None:
-    # the root conftest.py names it; nothing installs it
+    # tests/conftest.py names it; nothing installs it
     (info,) = [p for p in load_plugins().plugins() if p.name == "example"]
     assert info.source == "ENGINE_CORE_EXTRA_PLUGINS: engine_core_example.plugin"
     assert "example-bad-order" in [b.name for b in info.backends]

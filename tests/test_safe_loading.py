@@ -165,11 +165,13 @@ def _reference() -> ReferenceEngine:
     return engine
 
 
-def test_reference_engine_state(root: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["engine_state_rank0.pt", "optim_rank0.pt"])
+def test_reference_engine_state(root: str, tmp_path: Path, name: str) -> None:
+    """The core's state file (step, RNG, schedule) and the engine's own optimizer file."""
     engine = _reference()
     train_steps(engine, range(2), 4)
     folder = engine.save_checkpoint(root, step=2)
-    state_file = f"{folder}/state_rank0.pt"
+    state_file = f"{folder}/{name}"
     marker = str(tmp_path / "marker")
     messages = _refusals(state_file, lambda: engine.load_checkpoint(folder), marker)
     _assert_refused(messages, state_file, marker)

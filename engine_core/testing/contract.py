@@ -23,6 +23,7 @@ from engine_core.testing.kit import (
     Baseline,
     declared_capabilities,
     make_baseline,
+    no_process_group_checks,
     single_process_checks,
     two_process_checks,
 )
@@ -47,28 +48,67 @@ def caps(engine_core_backend: str) -> frozenset[Capability]:
     return found
 
 
-def _paths(baseline: Baseline, backend: str, tag: str) -> dict[str, str]:
+def _paths(
+    baseline: Baseline, backend: str, tag: str, request: pytest.FixtureRequest
+) -> dict[str, str]:
     root = Path(baseline.root) / f"ckpt-{backend}-{tag}"
     return {
         "policy_dir": baseline.policy_dir,
         "critic_dir": baseline.critic_dir,
         "checkpoint_root": str(root),
+        "only": ",".join(request.config.getoption("engine_core_kit_only")),
     }
 
 
 @pytest.fixture(scope="module")
-def single(engine_core_backend: str, caps: frozenset, kit_baseline: Baseline) -> dict[str, Any]:
-    paths = _paths(kit_baseline, engine_core_backend, "1")
+def single(
+    engine_core_backend: str,
+    caps: frozenset,
+    kit_baseline: Baseline,
+    request: pytest.FixtureRequest,
+) -> dict[str, Any]:
+    paths = _paths(kit_baseline, engine_core_backend, "1", request)
     (result,) = run_distributed(single_process_checks, 1, engine_core_backend, paths)
     return result
 
 
 @pytest.fixture(scope="module")
-def double(engine_core_backend: str, caps: frozenset, kit_baseline: Baseline) -> list[dict]:
+def double(
+    engine_core_backend: str,
+    caps: frozenset,
+    kit_baseline: Baseline,
+    request: pytest.FixtureRequest,
+) -> list[dict]:
     if Capability.DATA_PARALLEL not in caps:
         pytest.skip(f"{engine_core_backend!r} does not declare 'data_parallel'")
-    paths = _paths(kit_baseline, engine_core_backend, "2")
+    paths = _paths(kit_baseline, engine_core_backend, "2", request)
     return run_distributed(two_process_checks, 2, engine_core_backend, paths)
+
+
+@pytest.fixture(scope="module")
+def plain(
+    engine_core_backend: str,
+    caps: frozenset,
+    kit_baseline: Baseline,
+    request: pytest.FixtureRequest,
+) -> dict[str, Any]:
+    paths = _paths(kit_baseline, engine_core_backend, "0", request)
+    (result,) = run_distributed(
+        no_process_group_checks, 1, engine_core_backend, paths, pg_backend=None
+    )
+    return result
+
+
+_HINTS = {
+    "no process group": (
+        " (a script and `engine-core run` build the engine in a plain process with no process "
+        "group: create a one-rank group in init_model when none exists, or avoid collectives)"
+    ),
+    "checkpoint": (
+        " (every rank must write and read only its own part of sharded state; save_shards and "
+        "load_shards run on every rank)"
+    ),
+}
 
 
 def _get(results: dict[str, Any], key: str, contract: str) -> Any:
@@ -76,7 +116,8 @@ def _get(results: dict[str, Any], key: str, contract: str) -> Any:
         pytest.fail(f"[{contract}] check {key!r} did not run")
     value = results[key]
     if isinstance(value, dict) and "error" in value and isinstance(value["error"], str):
-        pytest.fail(f"[{contract}] check {key!r} raised inside the engine:\n{value['error']}")
+        hint = _HINTS.get(contract.split(",")[0], "")
+        pytest.fail(f"[{contract}] check {key!r} raised inside the engine{hint}:\n{value['error']}")
     return value
 
 
@@ -165,7 +206,7 @@ def test_model_parallel_outputs_match_transformers(
 
 
 # ---------------------------------------------------------------------------- gradients
-def _check_step(step: dict, baseline: Baseline, variant: str) -> None:
+def _check_step(step: dict, baseline: Baseline, variant: str, dp_size: int = 1) -> None:
     loss, norm = step["loss"], step["norm"]
     if loss is None or abs(loss - baseline.loss) > RTOL * abs(baseline.loss):
         pytest.fail(
@@ -175,11 +216,27 @@ def _check_step(step: dict, baseline: Baseline, variant: str) -> None:
         )
     if abs(norm - baseline.grad_norm) > RTOL * baseline.grad_norm:
         ratio = norm / baseline.grad_norm
+        if dp_size > 1 and abs(ratio * dp_size - 1) < 1e-3:
+            fix = (
+                f"the gradients are 1/{dp_size} of the sum: a backend whose reduction averages "
+                f"over ranks must scale the loss by dp_size."
+            )
+        elif dp_size > 1:
+            fix = (
+                "check that the gradient reduction over DP ranks is a sum, runs once after the "
+                "last micro-batch (finish_backward) and covers every parameter."
+            )
+        else:
+            fix = (
+                "on one rank nothing is reduced, so check that every micro-batch's backward "
+                "adds into the same gradients (no zero_grad or averaging between micro-batches, "
+                "no extra scaling in backward()) and that the loss function's value is "
+                "backpropagated as given."
+            )
         pytest.fail(
             f"[gradient invariance] {variant}: grad norm {norm:.8g} is {ratio:.4g}x the "
             f"full-batch gradient norm {baseline.grad_norm:.8g}. Gradients must be the sum over "
-            f"micro-batches and DP ranks of each micro-batch's globally normalized loss: a "
-            f"backend whose reduction averages over ranks must scale the loss by dp_size."
+            f"micro-batches and DP ranks of each micro-batch's globally normalized loss: {fix}"
         )
 
 
@@ -194,7 +251,7 @@ def test_gradient_invariance_two_dp_ranks(double: list, kit_baseline: Baseline) 
     for rank, r in enumerate(double):
         for key in [k for k in r if k.startswith("step_")]:
             step = _get(r, key, "gradient invariance")
-            _check_step(step, kit_baseline, f"dp=2 rank {rank}, {key[5:]}")
+            _check_step(step, kit_baseline, f"dp=2 rank {rank}, {key[5:]}", dp_size=2)
 
 
 def test_micro_batch_counts_agree_across_dp_ranks(double: list, caps: frozenset) -> None:
@@ -259,16 +316,67 @@ def test_optimizer_step_semantics(single: dict) -> None:
     assert opt["unchanged_after_nan"], "[optimizer] a non-finite grad norm must skip the update"
 
 
-def test_checkpoint_resume_and_rotation(single: dict) -> None:
-    ck = _get(single, "checkpoint", "checkpoint")
-    assert ck["step"] == 2, f"[checkpoint] load_checkpoint returned step {ck['step']}, want 2"
-    assert ck["again"] == ck["straight"], (
-        f"[checkpoint] steps after resume {ck['again']} differ from an uninterrupted run "
-        f"{ck['straight']}: save model, optimizer, schedule and RNG state"
+def _check_checkpoint(ck: dict[str, Any], where: str) -> None:
+    assert ck["step"] == 2, (
+        f"[checkpoint] {where}: load_checkpoint returned step {ck['step']}, want 2"
     )
+    lrs = ([r[2] for r in ck["straight"]], [r[2] for r in ck["again"]])
+    if lrs[0] != lrs[1]:
+        pytest.fail(
+            f"[checkpoint: LR schedule] {where}: after resuming, lr_scheduler_step() returned "
+            f"{lrs[1]}, an uninterrupted run {lrs[0]}. Save the scheduler's position "
+            f"(checkpoint_extra_state(); SingleOptimizerMixin does) and restore it on load."
+        )
+    if ck["again_rng"] != ck["straight_rng"]:
+        pytest.fail(
+            f"[checkpoint: RNG] {where}: random draws right after load_checkpoint() differ from "
+            f"those right after save_checkpoint() ({ck['again_rng'][:2]} vs "
+            f"{ck['straight_rng'][:2]}): dropout and sampling diverge after a resume. Let "
+            f"BaseEngine.load_checkpoint restore the RNG streams (rng_state / set_rng_state), "
+            f"and do not reseed after loading."
+        )
+    if ck["again"] != ck["straight"] or ck["weights"][0] != ck["weights"][1]:
+        pytest.fail(
+            f"[checkpoint: model and optimizer] {where}: (loss, grad norm, lr) of the 2 steps "
+            f"after resume {ck['again']} differ from an uninterrupted run {ck['straight']} "
+            f"(final weights sum {ck['weights'][1]!r} vs {ck['weights'][0]!r}). save_shards() "
+            f"must write every rank's model and optimizer state (sharded optimizer state "
+            f"included) and load_shards() must restore each rank's own part."
+        )
     assert ck["kept"] == [3, 4], (
-        f"[checkpoint] max_ckpt_to_keep=2 left steps {ck['kept']}, want [3, 4]"
+        f"[checkpoint: rotation] {where}: max_ckpt_to_keep=2 left steps {ck['kept']}, want [3, 4]"
     )
+
+
+def test_checkpoint_resume_and_rotation(single: dict) -> None:
+    _check_checkpoint(_get(single, "checkpoint", "checkpoint"), "1 rank")
+
+
+def test_checkpoint_with_two_dp_ranks(double: list) -> None:
+    for rank, r in enumerate(double):
+        _check_checkpoint(_get(r, "checkpoint", "checkpoint, dp=2"), f"dp=2 rank {rank}")
+
+
+def test_inputs_left_unmodified(single: dict) -> None:
+    got = _get(single, "inputs", "inputs unmodified")
+    problems = {k: v for k, v in got.items() if v}
+    assert not problems, (
+        f"[inputs unmodified] forward_backward_step changed the caller's batch: {problems}. "
+        f"Work on copies (micro-batches are views of the batch: never write into them in place)."
+    )
+
+
+def test_runs_without_a_process_group(plain: dict, caps: frozenset, kit_baseline: Baseline) -> None:
+    assert not plain["had_group"], "[no process group] the kit's plain process had a group"
+    got = _get(plain, "lifecycle", "no process group")
+    assert_outputs(got["log_probs"], kit_baseline.log_probs, "log_probs", "no process group")
+    _check_step(got["step"], kit_baseline, "no process group")
+    assert got["loaded"] == 1, f"[no process group] load_checkpoint returned {got['loaded']}"
+    if Capability.WEIGHT_EXPORT in caps:
+        assert got["exported"] == len(kit_baseline.state_dict), (
+            f"[no process group] named_full_params() gave {got['exported']} tensors, want "
+            f"{len(kit_baseline.state_dict)}"
+        )
 
 
 def test_weight_export_matches_hf_state_dict(

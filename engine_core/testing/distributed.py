@@ -48,21 +48,26 @@ def _entry(
     fn: Callable[..., Any],
     args: tuple,
     queue: Any,
-    pg_backend: str,
+    pg_backend: str | None,
 ) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        OMP_NUM_THREADS="1",
-    )
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if pg_backend is not None:
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(rank),
+        )
+    else:  # a plain process, as `engine-core run` starts: no rendezvous variables either
+        for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            os.environ.pop(name, None)
     torch.set_num_threads(1)  # torch is imported already, so the env var alone is too late
     try:
         if pg_backend == "nccl":
             torch.cuda.set_device(rank)  # one GPU per rank
-        dist.init_process_group(pg_backend, rank=rank, world_size=world_size)
+        if pg_backend is not None:
+            dist.init_process_group(pg_backend, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         queue.put(
             (rank, "ok", pickle.dumps(result))
@@ -80,13 +85,17 @@ def run_distributed(
     world_size: int,
     *args: Any,
     timeout: float = 300,
-    pg_backend: str = "gloo",
+    pg_backend: str | None = "gloo",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes (a ``pg_backend`` process
-    group: gloo on CPU, nccl with one GPU per rank); return results by rank.
+    group: gloo on CPU, nccl with one GPU per rank; ``None``: one plain process with no process
+    group and no rendezvous variables, as a script or ``engine-core run`` starts); return
+    results by rank.
 
     ``fn`` must be importable (module level). A failure on any rank raises with its traceback.
     """
+    if pg_backend is None and world_size != 1:
+        raise ValueError(f"pg_backend=None runs one process; got world_size={world_size}")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()

@@ -43,6 +43,7 @@ __all__ = [
     "plain_log_probs",
     "plain_values",
     "plain_loss_and_grad_norm",
+    "no_process_group_checks",
     "single_process_checks",
     "two_process_checks",
 ]
@@ -196,7 +197,18 @@ def make_baseline(root: str | None = None) -> Baseline:
 
 
 # ---------------------------------------------------------------------------- in-process checks
+# check-name prefixes to run (empty: every check); set from the kit's --engine-core-kit-only
+_ONLY: tuple[str, ...] = ()
+
+
+def _select(baseline: dict[str, str]) -> None:
+    global _ONLY
+    _ONLY = tuple(p for p in baseline.get("only", "").split(",") if p)
+
+
 def _record(results: dict[str, Any], name: str, fn: Callable[[], Any]) -> None:
+    if _ONLY and not name.startswith(_ONLY):
+        return
     try:
         results[name] = fn()
     except Exception:  # one broken check must not hide the others
@@ -296,21 +308,123 @@ def _optimizer(backend: str, policy: dict[str, Any]) -> dict[str, Any]:
     return {"moved": moved, "lrs": lrs, "nan_norm": nan_norm, "unchanged_after_nan": unchanged}
 
 
+def _rng_draws() -> list[float]:
+    """A few values from every stream a resume must continue (torch, numpy, Python)."""
+    import random
+
+    import numpy as np
+
+    return [*torch.rand(3).tolist(), *np.random.rand(2).tolist(), random.random()]
+
+
+def _fingerprint(engine: BaseEngine) -> float:
+    return float(sum(float(t.double().abs().sum()) for _, t in engine.named_full_params()))
+
+
+# a schedule that moves on every step compared (warm-up over 6), and a model that draws random
+# numbers in training (attention dropout), so a checkpoint that drops the schedule or the RNG
+# state resumes differently
+CKPT_OPTIM = {"lr": 1e-2, "clip_grad": 1.0, "warmup_steps": 6}
+
+
+def _ckpt_model(policy: dict[str, Any]) -> dict[str, Any]:
+    return {"config": {**TINY_QWEN2, "attention_dropout": 0.1}} if "path" in policy else policy
+
+
+def _train_lrs(engine: BaseEngine, seeds: range) -> list[tuple[float | None, float, float]]:
+    out = []
+    for s in seeds:
+        with engine.train_mode():
+            result = engine.forward_backward_step(engine.shard_data(train_batch(s)))
+            norm = engine.optimizer_step()
+            lr = engine.lr_scheduler_step()
+            engine.optimizer_zero_grad()
+        out.append((result.loss, norm, lr))
+    return out
+
+
 def _checkpoint(backend: str, policy: dict[str, Any], root: str) -> dict[str, Any]:
+    """Save after 2 steps; 2 more steps straight on, and the same 2 steps after loading the
+    checkpoint into a fresh engine: losses, grad norms, learning rates, random draws and final
+    weights must agree. Then rotation keeps the newest ``max_ckpt_to_keep``."""
     from engine_core.checkpoint import list_checkpoints
 
-    optim = {"lr": 1e-2, "clip_grad": 1.0, "warmup_steps": 1}
-    engine = build(backend, model=policy, optim=optim)
-    _train(engine, range(2))
+    model = _ckpt_model(policy)
+    engine = build(backend, model=model, optim=CKPT_OPTIM)
+    _train_lrs(engine, range(2))
     folder = engine.save_checkpoint(root, step=2, max_ckpt_to_keep=2)
-    straight = _train(engine, range(2, 4))
-    resumed = build(backend, model=policy, optim=optim)
+    straight_rng = _rng_draws()
+    straight = _train_lrs(engine, range(2, 4))
+    straight_weights = _fingerprint(engine)
+    resumed = build(backend, model=model, optim=CKPT_OPTIM)
     step = resumed.load_checkpoint(folder)
-    again = _train(resumed, range(2, 4))
+    again_rng = _rng_draws()
+    again = _train_lrs(resumed, range(2, 4))
+    again_weights = _fingerprint(resumed)
     for s in (3, 4):
         engine.save_checkpoint(root, step=s, max_ckpt_to_keep=2)
     kept = [s for s, _ in list_checkpoints(root)]
-    return {"step": step, "straight": straight, "again": again, "kept": kept}
+    return {
+        "step": step,
+        "straight": straight,
+        "again": again,
+        "straight_rng": straight_rng,
+        "again_rng": again_rng,
+        "weights": (straight_weights, again_weights),
+        "kept": kept,
+    }
+
+
+def _inputs_unmodified(backend: str, policy: dict[str, Any]) -> dict[str, Any]:
+    """A training step and a forward pass must leave the caller's batch as it was."""
+    engine = build(backend, model=policy, micro_batch_size=3)
+    batch = eval_batch()  # one rank: the whole batch is this rank's
+    before = batch.clone()
+    keys = sorted(str(k) for k in batch.keys())
+    with engine.train_mode():
+        engine.forward_backward_step(batch)
+        engine.optimizer_zero_grad()
+    engine.set_loss_fn(None)
+    with engine.eval_mode():
+        engine.forward_backward_step(batch, forward_only=True)
+    after_keys = sorted(str(k) for k in batch.keys())
+    changed = [k for k in keys if k in after_keys and not _same(batch, before, k)]
+    return {
+        "added": sorted(set(after_keys) - set(keys)),
+        "removed": sorted(set(keys) - set(after_keys)),
+        "changed": changed,
+    }
+
+
+def _same(a: TensorDict, b: TensorDict, key: str) -> bool:
+    x, y = a.get(key), b.get(key)
+    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and not key == "meta":
+        return x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y)
+    return bool(a.get_non_tensor(key) == b.get_non_tensor(key))
+
+
+def no_process_group_checks(
+    rank: int, world: int, backend: str, baseline: dict[str, str]
+) -> dict[str, Any]:
+    """The engine as a script or ``engine-core run`` uses it: one plain process, no process
+    group beforehand. Build, forward, train, checkpoint round trip and export must all work."""
+    _select(baseline)
+    import torch.distributed as dist
+
+    policy = {"path": baseline["policy_dir"]}
+    results: dict[str, Any] = {"had_group": dist.is_available() and dist.is_initialized()}
+
+    def lifecycle() -> dict[str, Any]:
+        engine = build(backend, model=policy, optim={"lr": 1e-3, "clip_grad": None})
+        out = forward(engine, eval_batch())
+        step = first_step(engine, train_batch())
+        folder = engine.save_checkpoint(baseline["checkpoint_root"], step=1)
+        loaded = build(backend, model=policy).load_checkpoint(folder)
+        exported = len(_params(engine))
+        return {"log_probs": out[LOG_PROBS], "step": step, "loaded": loaded, "exported": exported}
+
+    _record(results, "lifecycle", lifecycle)
+    return results
 
 
 def _lora(backend: str, policy_dir: str) -> dict[str, Any]:
@@ -341,6 +455,7 @@ def single_process_checks(
     rank: int, world: int, backend: str, baseline: dict[str, str]
 ) -> dict[str, Any]:
     """Every single-process check; runs inside a one-rank process group."""
+    _select(baseline)
     caps = declared_capabilities(backend)
     policy = {"path": baseline["policy_dir"]}
     critic = {"path": baseline["critic_dir"], "value_head": True}
@@ -374,6 +489,7 @@ def single_process_checks(
     _record(
         results, "checkpoint", lambda: _checkpoint(backend, policy, baseline["checkpoint_root"])
     )
+    _record(results, "inputs", lambda: _inputs_unmodified(backend, policy))
     if Capability.WEIGHT_EXPORT in caps:
         _record(results, "export", lambda: _params(build(backend, model=policy)))
     if Capability.LORA in caps:
@@ -409,6 +525,7 @@ def two_process_checks(
     rank: int, world: int, backend: str, baseline: dict[str, str]
 ) -> dict[str, Any]:
     """Data-parallel checks on two ranks (one DP rank each)."""
+    _select(baseline)
     import torch.distributed as dist
 
     from engine_core.dispatch import Worker
@@ -455,4 +572,8 @@ def two_process_checks(
     if Capability.DYNAMIC_BATCH in caps:
         kw = {"model": policy, "max_tokens_per_micro_batch": 48}
         _record(results, "uneven_counts", partial(_step, backend, kw, _uneven_batch()))
+    # optimizer state sharded (or replicated) over two ranks: saved and restored by every rank
+    _record(
+        results, "checkpoint", lambda: _checkpoint(backend, policy, baseline["checkpoint_root"])
+    )
     return results

@@ -24,6 +24,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="NAME",
         help="Run the engine contract tests against the registered engine NAME (repeatable).",
     )
+    group.addoption(
+        "--engine-core-kit-only",
+        action="append",
+        default=[],
+        metavar="CHECK",
+        help="Run only the kit's checks whose name starts with CHECK (repeatable; e.g. "
+        "checkpoint, inputs, lifecycle, step_, outputs). Select the matching contract tests with "
+        "-k; a test whose check did not run fails with 'did not run'.",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:

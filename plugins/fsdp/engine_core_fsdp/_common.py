@@ -21,21 +21,17 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 
-from engine_core.checkpoint import (
-    commit_staging,
+from engine_core.backend import (
+    DTYPES,
+    BaseEngine,
+    CheckpointError,
+    EngineConfig,
+    FrozenModel,
+    SingleOptimizerMixin,
     is_dir,
-    is_file,
     join,
-    load_torch,
-    save_torch,
-    staging_dir,
-    step_dir,
+    merged_lora_tensors,
 )
-from engine_core.config import EngineConfig, FrozenModel
-from engine_core.engine import BaseEngine
-from engine_core.errors import CheckpointError
-from engine_core.models import DTYPES, merged_lora_tensors
-from engine_core.optim import SingleOptimizerMixin
 
 __all__ = [
     "MixedPrecisionConfig",
@@ -47,7 +43,7 @@ __all__ = [
     "move_optimizer_state",
 ]
 
-STATE_FILE = "engine_state_rank{rank}.pt"
+DCP_DIR = "dcp"
 DtypeName = Literal["float32", "bfloat16", "float16"]
 
 
@@ -189,43 +185,23 @@ class FSDPEngineBase(SingleOptimizerMixin, BaseEngine):
             tensors = merged_lora_tensors(tensors, self.config.model.lora)
         yield from tensors
 
-    def save_checkpoint(self, path: str, *, step: int, max_ckpt_to_keep: int | None = None) -> str:
+    def save_shards(self, folder: str) -> None:
         assert self.optimizer is not None, "call init_model() first"
-        rank = dist.get_rank()
-        if rank == 0:
-            staging_dir(path, step)
-        dist.barrier()
-        folder = step_dir(path, step) + ".tmp"
         model_sd, optim_sd = get_state_dict(self._require_module(), self.optimizer)
-        # a local path uses DCP's file writer, a URL its fsspec writer
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=join(folder, "dcp"))
-        save_torch(
-            {"step": step, **self.optimizer_extra_state()},
-            join(folder, STATE_FILE.format(rank=rank)),
-        )
-        dist.barrier()
-        if rank == 0:
-            commit_staging(path, step, max_ckpt_to_keep)
-        dist.barrier()
-        return step_dir(path, step)
+        # collective; a local path uses DCP's file writer, a URL its fsspec writer
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=join(folder, DCP_DIR))
 
-    def load_checkpoint(self, path: str) -> int:
+    def load_shards(self, folder: str) -> None:
         assert self.optimizer is not None, "call init_model() first"
-        state_name = STATE_FILE.format(rank=dist.get_rank())
-        state_file = join(path, state_name)
-        if not is_dir(join(path, "dcp")) or not is_file(state_file):
+        if not is_dir(join(folder, DCP_DIR)):
             raise CheckpointError(
-                f"{path} is not a complete {self.backend_name} checkpoint (need dcp/ and "
-                f"{state_name}); pass a global_step_<N> folder written by save_checkpoint() "
-                f"with the same number of ranks."
+                f"{folder} is not a complete {self.backend_name} checkpoint (no {DCP_DIR}/); pass "
+                f"a global_step_<N> folder written by save_checkpoint()."
             )
         module = self._require_module()
         model_sd, optim_sd = get_state_dict(module, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=join(path, "dcp"))
+        dcp.load(state, checkpoint_id=join(folder, DCP_DIR))
         set_state_dict(
             module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
-        extra = load_torch(state_file)
-        self.load_optimizer_extra_state(extra)
-        return int(extra["step"])

@@ -21,9 +21,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from engine_core.config import ModelConfig
-from engine_core.errors import CheckpointError
-from engine_core.models import build_model
+from engine_core.backend import (
+    CheckpointError,
+    ModelConfig,
+    build_model,
+)
 
 __all__ = ["build_skeleton", "materialize", "load_sharded_safetensors"]
 

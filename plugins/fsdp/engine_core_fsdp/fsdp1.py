@@ -27,9 +27,11 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from engine_core.capabilities import Capability
-from engine_core.config import EngineConfig
-from engine_core.models import build_model
+from engine_core.backend import (
+    Capability,
+    EngineConfig,
+    build_model,
+)
 from engine_core_fsdp._common import (
     FSDPCommonConfig,
     FSDPEngineBase,

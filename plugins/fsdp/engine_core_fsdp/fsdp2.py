@@ -24,10 +24,14 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from engine_core.capabilities import Capability, StrEnum
-from engine_core.config import EngineConfig
-from engine_core.errors import ConfigError
-from engine_core.models import build_hf_config, build_model
+from engine_core.backend import (
+    Capability,
+    ConfigError,
+    EngineConfig,
+    StrEnum,
+    build_hf_config,
+    build_model,
+)
 from engine_core_fsdp._common import (
     FSDPCommonConfig,
     FSDPEngineBase,

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from engine_core.hookspecs import BackendRegistry, hookimpl
+from engine_core.backend import (
+    BackendRegistry,
+    hookimpl,
+)
 from engine_core_fsdp.capabilities import FSDP2_CAPABILITIES, FSDP_CAPABILITIES
 
 __all__ = ["engine_core_register"]

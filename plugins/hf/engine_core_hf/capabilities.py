@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from engine_core.capabilities import Capability
+from engine_core.backend import (
+    Capability,
+)
 
 __all__ = ["HF_CAPABILITIES"]
 

@@ -20,9 +20,7 @@ import torch
 from pydantic import Field, PositiveInt
 from tensordict import NonTensorStack, TensorDict
 
-from engine_core.capabilities import Capability
-from engine_core.models import build_model
-from engine_core.rollout import (
+from engine_core.backend import (
     FINISH_REASON,
     PROMPT_IDS,
     PROMPT_MASK,
@@ -30,8 +28,10 @@ from engine_core.rollout import (
     RESPONSE_MASK,
     ROLLOUT_LOG_PROBS,
     BaseRollout,
+    Capability,
     RolloutConfig,
     SamplingParams,
+    build_model,
     prompt_tensors,
     tensor_checksum,
 )

@@ -15,8 +15,11 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from engine_core.engine import MicroBatchResults
-from engine_core.loss import Metric, MetricAccumulator
+from engine_core.backend import (
+    Metric,
+    MetricAccumulator,
+    MicroBatchResults,
+)
 
 __all__ = ["broadcast_results"]
 

@@ -6,7 +6,9 @@ from typing import Literal
 
 from pydantic import Field, PositiveInt, model_validator
 
-from engine_core.config import EngineConfig
+from engine_core.backend import (
+    EngineConfig,
+)
 
 __all__ = ["MegatronEngineConfig"]
 

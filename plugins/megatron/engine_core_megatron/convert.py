@@ -24,7 +24,9 @@ from typing import Any
 
 import torch
 
-from engine_core.errors import ConfigError
+from engine_core.backend import (
+    ConfigError,
+)
 
 __all__ = [
     "ModelLayout",

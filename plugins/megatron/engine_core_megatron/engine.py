@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 import warnings
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
@@ -38,26 +39,32 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from engine_core.batch import ATTENTION_MASK, INPUT_IDS, LOG_PROBS, POSITION_IDS, get_meta
-from engine_core.capabilities import Capability
-from engine_core.checkpoint import (
-    commit_staging,
+from engine_core.backend import (
+    ATTENTION_MASK,
+    DTYPES,
+    INPUT_IDS,
+    LOG_PROBS,
+    POSITION_IDS,
+    BaseEngine,
+    Capability,
+    CheckpointError,
+    ConfigError,
+    EngineConfig,
+    EngineCoreError,
+    GlobalBatchContext,
+    MetricAccumulator,
+    MicroBatchResults,
+    ModelInputs,
+    all_reduce_cpu,
+    build_hf_config,
+    build_model,
+    get_meta,
     is_dir,
-    is_file,
     join,
-    load_torch,
-    save_torch,
-    staging_dir,
-    step_dir,
+    lr_lambda,
+    model_weight_shapes,
+    pack,
 )
-from engine_core.comm import all_reduce_cpu
-from engine_core.config import EngineConfig
-from engine_core.engine import BaseEngine, MicroBatchResults, ModelInputs
-from engine_core.errors import CheckpointError, ConfigError, EngineCoreError
-from engine_core.loss import GlobalBatchContext, MetricAccumulator
-from engine_core.models import DTYPES, build_hf_config, build_model
-from engine_core.optim import capture_rng, lr_lambda, restore_rng
-from engine_core.packing import pack
 from engine_core_megatron._cpu_compat import cpu_compat
 from engine_core_megatron._pipeline import broadcast_results
 from engine_core_megatron.capabilities import MEGATRON_CAPABILITIES
@@ -82,7 +89,6 @@ warnings.filterwarnings(
 # a deprecation in megatron-core's own defaults (cuda_graph_scope), not in anything we set
 warnings.filterwarnings("ignore", message=r"full scope is deprecated", category=UserWarning)
 
-STATE_FILE = "engine_state_rank{rank}.pt"
 CKPT_DIR = "dist_ckpt"
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -538,9 +544,9 @@ class MegatronEngine(BaseEngine):
             else:
                 out = self.prepare_model_outputs(SimpleNamespace(logits=output), inputs, mb)
             outputs.append(out.detach())
-            if self._loss_fn is None:
+            if self.loss_fn is None:
                 return torch.zeros((), device=output.device, requires_grad=False), one, {}
-            loss, metrics = self._loss_fn(mb, out, ctx)
+            loss, metrics = self.loss_fn(mb, out, ctx)
             acc.update(metrics)
             loss_sum = loss_sum + loss.detach().double().cpu()
             return loss.to(output.device), one, {}
@@ -639,35 +645,18 @@ class MegatronEngine(BaseEngine):
         optim_sd = self.optimizer.sharded_state_dict(merged, is_loading=is_loading)
         return {**model_sd, "optimizer": optim_sd}
 
+    def checkpoint_preflight(self, path: str, *, saving: bool) -> None:
+        _require_local(path)
+        self._refuse_distributed_optimizer_checkpoint("save" if saving else "load")
+
     @_on_device
-    def save_checkpoint(self, path: str, *, step: int, max_ckpt_to_keep: int | None = None) -> str:
+    def save_shards(self, folder: str) -> None:
         from megatron.core import dist_checkpointing
 
-        _require_local(path)
-        self._refuse_distributed_optimizer_checkpoint("save")
-        rank = dist.get_rank()
-        folder = step_dir(path, step) + ".tmp"
-        if rank == 0:
-            staging_dir(path, step)
-            import os
-
+        if dist.get_rank() == 0:
             os.makedirs(join(folder, CKPT_DIR), exist_ok=True)
         dist.barrier()
         dist_checkpointing.save(self._sharded_state_dict(is_loading=False), join(folder, CKPT_DIR))
-        save_torch(
-            {
-                "step": step,
-                "lr_step": self._lr_step,
-                "skipped_steps": self.skipped_steps,
-                "rng": capture_rng(),
-            },
-            join(folder, STATE_FILE.format(rank=rank)),
-        )
-        dist.barrier()
-        if rank == 0:
-            commit_staging(path, step, max_ckpt_to_keep)
-        dist.barrier()
-        return step_dir(path, step)
 
     def _refuse_distributed_optimizer_checkpoint(self, what: str) -> None:
         if self.config.use_distributed_optimizer:  # type: ignore[attr-defined]
@@ -681,33 +670,53 @@ class MegatronEngine(BaseEngine):
             )
 
     @_on_device
-    def load_checkpoint(self, path: str) -> int:
+    def load_shards(self, folder: str) -> None:
         from megatron.core import dist_checkpointing
 
-        _require_local(path)
-        own = join(path, STATE_FILE.format(rank=dist.get_rank()))
-        first = join(path, STATE_FILE.format(rank=0))
-        if not is_dir(join(path, CKPT_DIR)) or not is_file(first):
+        if not is_dir(join(folder, CKPT_DIR)):
             raise CheckpointError(
-                f"{path} is not a complete megatron checkpoint (need {CKPT_DIR}/ and "
-                f"{STATE_FILE.format(rank=0)}); pass a global_step_<N> folder written by "
-                f"save_checkpoint()."
+                f"{folder} is not a complete megatron checkpoint (no {CKPT_DIR}/); pass a "
+                f"global_step_<N> folder written by save_checkpoint()."
             )
-        self._refuse_distributed_optimizer_checkpoint("load")
         state = dist_checkpointing.load(
-            self._sharded_state_dict(is_loading=True), join(path, CKPT_DIR)
+            self._sharded_state_dict(is_loading=True), join(folder, CKPT_DIR)
         )
         for i, chunk in enumerate(self.chunks):
             chunk.module.load_state_dict(state[f"model{i}"])
         self.optimizer.load_state_dict(state["optimizer"])
-        same_layout = is_file(own)
-        extra = load_torch(own if same_layout else first)
-        self._lr_step = int(extra["lr_step"])
+
+    def rng_state(self) -> dict[str, Any]:
+        state = super().rng_state()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            # the tensor-parallel streams (dropout inside TP regions) of megatron's tracker
+            from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+            tracker = get_cuda_rng_tracker().get_states()
+            state["megatron_tracker"] = {k: v.cpu() for k, v in tracker.items()}
+        return state
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        super().set_rng_state(state)
+        tracker = state.get("megatron_tracker")
+        if tracker and torch.cuda.is_available():
+            from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+            get_cuda_rng_tracker().set_states(tracker)
+
+    def checkpoint_extra_state(self) -> dict[str, Any]:
+        return {"lr_step": self._lr_step, "skipped_steps": self.skipped_steps}
+
+    def load_checkpoint_extra_state(self, state: dict[str, Any]) -> None:
+        try:
+            self._lr_step = int(state["lr_step"])
+            self.skipped_steps = int(state["skipped_steps"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(
+                f"the checkpoint's LR-schedule state is missing or malformed ({e!r}); it was not "
+                f"written by the megatron engine's save_checkpoint(). Resume from another "
+                f"checkpoint."
+            ) from e
         self._apply_lr()
-        self.skipped_steps = int(extra["skipped_steps"])
-        if same_layout:  # RNG streams belong to ranks; a resharded load keeps its own
-            restore_rng(extra["rng"])
-        return int(extra["step"])
 
     # ------------------------------------------------------------------ export
     def named_full_params(
@@ -799,7 +808,6 @@ class MegatronEngine(BaseEngine):
 
     @functools.cached_property
     def _hf_shape_table(self) -> dict[str, tuple[int, ...]]:
-        from engine_core.rollout import model_weight_shapes
 
         return dict(model_weight_shapes(self.config.model))
 

@@ -44,15 +44,17 @@ import torch
 from pydantic import Field, PositiveInt
 from tensordict import TensorDict
 
-from engine_core.capabilities import Capability
-from engine_core.errors import BatchError, ConfigError, WeightSyncError
-from engine_core.rollout import (
+from engine_core.backend import (
     PROMPT_IDS,
     PROMPT_MASK,
     BaseRollout,
+    BatchError,
+    Capability,
+    ConfigError,
     RolloutConfig,
     SamplingParams,
     WeightBucket,
+    WeightSyncError,
     confirm_bucket,
     model_weight_shapes,
     prompt_tensors,

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from engine_core.capabilities import Capability
-from engine_core.hookspecs import BackendRegistry, hookimpl
+from engine_core.backend import (
+    BackendRegistry,
+    Capability,
+    hookimpl,
+)
 
 __all__ = ["engine_core_register", "VLLM_CAPABILITIES"]
 

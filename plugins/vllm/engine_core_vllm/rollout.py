@@ -29,13 +29,13 @@ import torch
 from pydantic import Field, PositiveInt
 from tensordict import TensorDict
 
-from engine_core.capabilities import Capability
-from engine_core.errors import WeightSyncError
-from engine_core.rollout import (
+from engine_core.backend import (
     BaseRollout,
+    Capability,
     RolloutConfig,
     SamplingParams,
     WeightBucket,
+    WeightSyncError,
     confirm_bucket,
     model_weight_shapes,
     prompt_tensors,

@@ -1,0 +1,205 @@
+"""Everything a backend author needs, in one place: ``from engine_core.backend import ...``.
+
+An engine plugin subclasses :class:`BaseEngine` (usually with :class:`SingleOptimizerMixin`),
+builds its model with :func:`build_model`, keeps checkpoint files inside the folder the core's
+checkpoint sequence hands it (:meth:`BaseEngine.save_shards` / :meth:`BaseEngine.load_shards`)
+with the I/O helpers below, and registers itself with :func:`hookimpl` on a
+:class:`BackendRegistry`. A rollout plugin subclasses :class:`BaseRollout` and uses the weight
+bucket helpers. The in-repository plugins import only from here, so this list is the edge of
+what a backend may rely on; anything else in ``engine_core`` may change without notice.
+
+Names are imported on first use: a plugin's registration module can import ``hookimpl`` and
+``Capability`` from here without paying for torch.
+
+What each ``BaseEngine`` method must do, and which ones have defaults, is on the class; the
+conformance kit (``pytest --engine-core-backend=NAME``) checks every clause.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# public name -> module defining it
+_EXPORTS: dict[str, str] = {
+    # the engine contract
+    "BaseEngine": "engine_core.engine",
+    "CHECKPOINT_STATE_FILE": "engine_core.engine",
+    "EngineOutput": "engine_core.engine",
+    "MicroBatchResults": "engine_core.engine",
+    "ModelInputs": "engine_core.engine",
+    "loss_mask_of": "engine_core.engine",
+    "predicted_mask": "engine_core.engine",
+    "token_log_probs": "engine_core.engine",
+    "Capability": "engine_core.capabilities",
+    "StrEnum": "engine_core.capabilities",
+    # configs
+    "EngineConfig": "engine_core.config",
+    "FrozenModel": "engine_core.config",
+    "LoraConfig": "engine_core.config",
+    "ModelConfig": "engine_core.config",
+    "OptimConfig": "engine_core.config",
+    # registration
+    "BackendRegistry": "engine_core.hookspecs",
+    "hookimpl": "engine_core.hookspecs",
+    # models
+    "DTYPES": "engine_core.models",
+    "build_hf_config": "engine_core.models",
+    "build_model": "engine_core.models",
+    "merged_lora_tensors": "engine_core.models",
+    # optimizer, schedule, RNG
+    "SingleOptimizerMixin": "engine_core.optim",
+    "build_lr_scheduler": "engine_core.optim",
+    "build_optimizer": "engine_core.optim",
+    "capture_rng": "engine_core.optim",
+    "clip_and_step": "engine_core.optim",
+    "lr_lambda": "engine_core.optim",
+    "restore_rng": "engine_core.optim",
+    "scheduler_state": "engine_core.optim",
+    "total_grad_norm": "engine_core.optim",
+    # checkpoint file I/O (local paths or fsspec URLs; state files never unpickled)
+    "is_dir": "engine_core.checkpoint",
+    "is_file": "engine_core.checkpoint",
+    "join": "engine_core.checkpoint",
+    "load_safetensors": "engine_core.checkpoint",
+    "load_torch": "engine_core.checkpoint",
+    "save_safetensors": "engine_core.checkpoint",
+    "save_torch": "engine_core.checkpoint",
+    # batches, packing, losses, collectives
+    "ATTENTION_MASK": "engine_core.batch",
+    "ENTROPY": "engine_core.batch",
+    "INPUT_IDS": "engine_core.batch",
+    "LOG_PROBS": "engine_core.batch",
+    "LOSS_MASK": "engine_core.batch",
+    "POSITION_IDS": "engine_core.batch",
+    "VALUES": "engine_core.batch",
+    "BatchMeta": "engine_core.batch",
+    "get_meta": "engine_core.batch",
+    "PackedSequences": "engine_core.packing",
+    "pack": "engine_core.packing",
+    "sequence_start_mask": "engine_core.packing",
+    "unpack": "engine_core.packing",
+    "GlobalBatchContext": "engine_core.loss",
+    "Metric": "engine_core.loss",
+    "MetricAccumulator": "engine_core.loss",
+    "all_reduce_cpu": "engine_core.comm",
+    "collective_device": "engine_core.comm",
+    # rollouts and weight sync
+    "BaseRollout": "engine_core.rollout",
+    "RolloutConfig": "engine_core.rollout",
+    "SamplingParams": "engine_core.rollout",
+    "WeightBucket": "engine_core.rollout",
+    "confirm_bucket": "engine_core.rollout",
+    "model_weight_shapes": "engine_core.rollout",
+    "prompt_tensors": "engine_core.rollout",
+    "response_batch": "engine_core.rollout",
+    "saved_model_folder": "engine_core.rollout",
+    "tensor_checksum": "engine_core.rollout",
+    "verified_buckets": "engine_core.rollout",
+    "FINISH_REASON": "engine_core.rollout",
+    "PROMPT_IDS": "engine_core.rollout",
+    "PROMPT_MASK": "engine_core.rollout",
+    "RESPONSE_IDS": "engine_core.rollout",
+    "RESPONSE_MASK": "engine_core.rollout",
+    "ROLLOUT_LOG_PROBS": "engine_core.rollout",
+    # errors
+    "BatchError": "engine_core.errors",
+    "CheckpointError": "engine_core.errors",
+    "ConfigError": "engine_core.errors",
+    "EngineCoreError": "engine_core.errors",
+    "WeightSyncError": "engine_core.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from engine_core.batch import (
+        ATTENTION_MASK,
+        ENTROPY,
+        INPUT_IDS,
+        LOG_PROBS,
+        LOSS_MASK,
+        POSITION_IDS,
+        VALUES,
+        BatchMeta,
+        get_meta,
+    )
+    from engine_core.capabilities import Capability, StrEnum
+    from engine_core.checkpoint import (
+        is_dir,
+        is_file,
+        join,
+        load_safetensors,
+        load_torch,
+        save_safetensors,
+        save_torch,
+    )
+    from engine_core.comm import all_reduce_cpu, collective_device
+    from engine_core.config import EngineConfig, FrozenModel, LoraConfig, ModelConfig, OptimConfig
+    from engine_core.engine import (
+        CHECKPOINT_STATE_FILE,
+        BaseEngine,
+        EngineOutput,
+        MicroBatchResults,
+        ModelInputs,
+        loss_mask_of,
+        predicted_mask,
+        token_log_probs,
+    )
+    from engine_core.errors import (
+        BatchError,
+        CheckpointError,
+        ConfigError,
+        EngineCoreError,
+        WeightSyncError,
+    )
+    from engine_core.hookspecs import BackendRegistry, hookimpl
+    from engine_core.loss import GlobalBatchContext, Metric, MetricAccumulator
+    from engine_core.models import DTYPES, build_hf_config, build_model, merged_lora_tensors
+    from engine_core.optim import (
+        SingleOptimizerMixin,
+        build_lr_scheduler,
+        build_optimizer,
+        capture_rng,
+        clip_and_step,
+        lr_lambda,
+        restore_rng,
+        scheduler_state,
+        total_grad_norm,
+    )
+    from engine_core.packing import PackedSequences, pack, sequence_start_mask, unpack
+    from engine_core.rollout import (
+        FINISH_REASON,
+        PROMPT_IDS,
+        PROMPT_MASK,
+        RESPONSE_IDS,
+        RESPONSE_MASK,
+        ROLLOUT_LOG_PROBS,
+        BaseRollout,
+        RolloutConfig,
+        SamplingParams,
+        WeightBucket,
+        confirm_bucket,
+        model_weight_shapes,
+        prompt_tensors,
+        response_batch,
+        saved_model_folder,
+        tensor_checksum,
+        verified_buckets,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(
+            f"module 'engine_core.backend' has no attribute {name!r}; the backend surface is "
+            f"engine_core.backend.__all__"
+        )
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # cache: later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return list(__all__)
