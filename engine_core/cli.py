@@ -169,7 +169,7 @@ def _run_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_rl(args: argparse.Namespace, settings: Settings) -> int:
-    """A GRPO run through the roles (see :mod:`roles.grpo`)."""
+    """An RL run (GRPO, or PPO with a critic): :class:`roles.RLTrainer` built from a recipe."""
     from roles.grpo import run_grpo
 
     run_grpo(_recipe(args, DEFAULT_RL_RECIPE), load_plugins(settings), resume=args.resume)

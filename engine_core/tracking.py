@@ -59,6 +59,7 @@ class RunTracker:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
 
         present = [k for k in keys if any(k in r for r in self._rows)]
         cols = min(len(present), 3) or 1
@@ -69,6 +70,7 @@ class RunTracker:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], linewidth=1.2)
             ax.set_title(key, fontsize=10)
             ax.set_xlabel("step")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
             ax.grid(alpha=0.3)
         for ax in list(axes.flat)[len(present) :]:
             ax.axis("off")

@@ -2,12 +2,15 @@
 
 RL losses (:mod:`roles.losses`) and advantage estimators (:mod:`roles.advantages`) as pure
 functions; the :class:`Actor`, :class:`Critic`, :class:`Reference` and :class:`RewardModel` roles
-on any :class:`engine_core.BaseEngine`, in-process or as worker groups (:mod:`roles.workers`).
+on any :class:`engine_core.BaseEngine`, in-process or as worker groups (:mod:`roles.workers`);
+the batches passed between a rollout and the roles, and the names of their fields
+(:mod:`roles.batches`); and :class:`RLTrainer`, the GRPO / PPO loop over all of them
+(:mod:`roles.trainer`).
 """
 
 from __future__ import annotations
 
-from roles.actor import Actor, ActorConfig
+from roles.actor import ADVANTAGES, OLD_LOG_PROBS, REF_LOG_PROBS, Actor, ActorConfig
 from roles.advantages import (
     AdaptiveKLController,
     FixedKLController,
@@ -16,10 +19,19 @@ from roles.advantages import (
     rloo_advantages,
     sequence_to_token_rewards,
 )
-from roles.critic import Critic, CriticConfig
+from roles.batches import prompt_batch, training_batch
+from roles.critic import OLD_VALUES, RETURNS, Critic, CriticConfig
 from roles.losses import KLEstimator, entropy_loss, kl_penalty, policy_loss, value_loss
 from roles.reference import Reference
 from roles.reward_model import RewardModel
+from roles.trainer import (
+    PromptSource,
+    RewardFn,
+    RLTrainer,
+    StepCallback,
+    TrainerConfig,
+    plot_keys,
+)
 
 __all__ = [
     "Actor",
@@ -28,6 +40,19 @@ __all__ = [
     "CriticConfig",
     "Reference",
     "RewardModel",
+    "RLTrainer",
+    "TrainerConfig",
+    "RewardFn",
+    "PromptSource",
+    "StepCallback",
+    "plot_keys",
+    "prompt_batch",
+    "training_batch",
+    "ADVANTAGES",
+    "OLD_LOG_PROBS",
+    "REF_LOG_PROBS",
+    "OLD_VALUES",
+    "RETURNS",
     "AdaptiveKLController",
     "FixedKLController",
     "KLEstimator",

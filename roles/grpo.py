@@ -1,33 +1,28 @@
-"""The RL training loop of ``engine-core run``: GRPO, or PPO with a critic, on the shipped tasks.
+"""The RL job of ``engine-core run``: GRPO, or PPO with a critic, on the shipped digit tasks.
 
-Each step: generate ``samples_per_prompt`` responses per prompt → score them with the task's
-rule-based reward → (reference log-probs) → advantages (``grpo``: group-normalized scores;
-``ppo``: GAE over the critic's values, then a critic update) → actor update → weight sync to
-the rollout (verified) → log. An optional supervised warm-up runs first. The rollout runs in this
+The loop itself is :class:`roles.RLTrainer`; this module builds its pieces from one config
+(engines, rollout, the task's prompts and rule-based reward), and adds what a job needs around
+it: an optional supervised warm-up, exact resume, checkpoints, a progress bar, metrics
+(JSONL, TensorBoard, a plot), a summary and a Hugging Face export. The rollout runs in this
 process or, with ``rollout_placement: process``, in a process of its own that receives weights
 over a gloo group (:mod:`engine_core.remote_rollout`).
 """
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
 from pydantic import Field, PositiveInt, ValidationError, model_validator
 from rich.console import Console
 from rich.panel import Panel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
-from tensordict import TensorDict
 
 from engine_core import (
     BaseEngine,
     FrozenModel,
     PluginManager,
-    SamplingParams,
-    make_batch,
     prefix_validation_error,
     resolve_engine_config,
     resolve_rollout_config,
@@ -35,12 +30,12 @@ from engine_core import (
 from engine_core.checkpoint import latest_checkpoint, load_torch, save_torch, step_dir
 from engine_core.errors import CheckpointError
 from engine_core.rollout import BaseRollout
-from engine_core.tasks import EOS, DigitTask, TaskConfig
+from engine_core.tasks import EOS, PAD, DigitTask, TaskConfig
 from engine_core.tracking import RunTracker
-from roles.actor import ADVANTAGES, OLD_LOG_PROBS, REF_LOG_PROBS, Actor, ActorConfig
-from roles.advantages import gae_advantages, grpo_advantages, sequence_to_token_rewards
-from roles.critic import OLD_VALUES, RETURNS, Critic, CriticConfig
+from roles.actor import Actor, ActorConfig
+from roles.critic import Critic, CriticConfig
 from roles.reference import Reference
+from roles.trainer import RLTrainer, TrainerConfig, plot_keys
 
 __all__ = ["GRPOJobConfig", "run_grpo"]
 
@@ -95,6 +90,19 @@ class GRPOJobConfig(FrozenModel):
             )
         return self
 
+    def trainer_config(self, max_new_tokens: int) -> TrainerConfig:
+        """The loop's settings; each step samples with seed ``task.seed * 100003 + step``."""
+        return TrainerConfig(
+            algorithm=self.algorithm,
+            samples_per_prompt=self.samples_per_prompt,
+            temperature=self.temperature,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=[EOS],
+            gamma=self.gamma,
+            lam=self.lam,
+            seed=self.task.seed,
+        )
+
     def critic_engine_config(self) -> dict[str, Any]:
         if self.critic_engine is not None:
             return self.critic_engine
@@ -133,26 +141,6 @@ def _build(
     return engine, rollout, ref_engine, critic_engine
 
 
-def _training_batch(out: TensorDict) -> TensorDict:
-    prompt, pmask = out["prompt_ids"], out["prompt_mask"]
-    resp, rmask = out["response_ids"], out["response_mask"]
-    return make_batch(
-        torch.cat([prompt, resp], 1),
-        torch.cat([pmask, rmask], 1),
-        loss_mask=torch.cat([torch.zeros_like(pmask), rmask], 1),
-    )
-
-
-PLOT_KEYS = (
-    "reward",
-    "actor/pg_loss",
-    "actor/kl_loss",
-    "actor/approx_kl",
-    "actor/entropy",
-    "actor/clipfrac",
-    "rollout/logprob_diff_max",
-    "critic/vf_loss",
-)
 TRAINER_STATE = "trainer_state.pt"
 
 
@@ -203,27 +191,27 @@ def _run(
     out_dir = Path(job.output_dir)
     ckpt_root = out_dir / "checkpoints"
     critic_root = out_dir / "critic_checkpoints"
-    actor = Actor(job.actor, engine)
-    reference = Reference(ref_engine, temperature=job.temperature) if ref_engine else None
-    critic = Critic(job.critic, critic_engine) if critic_engine is not None else None
     task = DigitTask(job.task)
-    start = 1
+    trainer = RLTrainer(
+        job.trainer_config(task.response_len),
+        actor=Actor(job.actor, engine),
+        rollout=rollout,
+        reward_fn=lambda prompt, response, mask: task.score(
+            prompt, response.masked_fill(mask == 0, PAD)
+        ),
+        prompts=lambda step: task.prompt_ids(task.sample_digits(job.prompts_per_step)),
+        reference=Reference(ref_engine, temperature=job.temperature) if ref_engine else None,
+        critic=Critic(job.critic, critic_engine) if critic_engine is not None else None,
+    )
     if resume_from is not None:
-        start = engine.load_checkpoint(str(resume_from)) + 1
+        trainer.global_step = engine.load_checkpoint(str(resume_from))
         if critic_engine is not None:
-            critic_engine.load_checkpoint(step_dir(critic_root, start - 1))
+            critic_engine.load_checkpoint(step_dir(critic_root, trainer.global_step))
         task.set_rng_state(load_torch(Path(resume_from) / TRAINER_STATE)["task_rng"])
-        console.print(f"resumed from {resume_from} (next step {start})")
+        console.print(f"resumed from {resume_from} (next step {trainer.global_step + 1})")
     elif job.warmup_sft_steps:
         _warmup(engine, task, job)
-    tracker = RunTracker(out_dir, resume_after_step=start - 1)
-    rollout.sync_weights(engine.named_full_params())
-    params = SamplingParams(
-        temperature=job.temperature,
-        max_new_tokens=task.response_len,
-        n=job.samples_per_prompt,
-        stop_token_ids=[EOS],
-    )
+    tracker = RunTracker(out_dir, resume_after_step=trainer.global_step)
     ckpt: str | None = str(resume_from) if resume_from is not None else None
     progress = Progress(
         TextColumn("[bold blue]grpo"),
@@ -236,38 +224,40 @@ def _run(
         console=console,
         transient=True,
     )
+
+    def log(trainer: RLTrainer, row: dict[str, Any]) -> None:
+        tracker.log(row)
+        progress.update(
+            bar, advance=1, reward=row["reward"], loss=row["actor/loss"], tps=row["tokens_per_s"]
+        )
+        step = row["step"]
+        if step % job.log_every == 0 or step == job.steps:
+            console.print(
+                f"step {step:>4}/{job.steps} reward {row['reward']:.3f} "
+                f"pg {row['actor/pg_loss']:+.4f} ent {row['actor/entropy']:.3f} "
+                f"kl {row.get('actor/kl_loss', 0.0):.4f} "
+                f"lp_diff {row['rollout/logprob_diff_max']:.0e} {row['time_s']:.2f}s"
+            )
+
+    def save(trainer: RLTrainer, row: dict[str, Any]) -> None:
+        nonlocal ckpt
+        step = row["step"]
+        if step == job.steps or (job.save_every and step % job.save_every == 0):
+            if critic_engine is not None:  # first, so an actor checkpoint implies both
+                critic_engine.save_checkpoint(
+                    str(critic_root), step=step, max_ckpt_to_keep=job.max_ckpt_to_keep
+                )
+            ckpt = _save(engine, task, ckpt_root, step, job.max_ckpt_to_keep)
+
     with progress:
         bar = progress.add_task(
-            "grpo", total=job.steps, completed=start - 1, reward=0.0, loss=0.0, tps=0.0
+            "grpo", total=job.steps, completed=trainer.global_step, reward=0.0, loss=0.0, tps=0.0
         )
-        for step in range(start, job.steps + 1):
-            row = _step(step, job, task, rollout, actor, reference, critic, engine, params)
-            tracker.log(row)
-            progress.update(
-                bar,
-                advance=1,
-                reward=row["reward"],
-                loss=row["actor/loss"],
-                tps=row["tokens_per_s"],
-            )
-            if step % job.log_every == 0 or step == job.steps:
-                console.print(
-                    f"step {step:>4}/{job.steps} reward {row['reward']:.3f} "
-                    f"pg {row['actor/pg_loss']:+.4f} ent {row['actor/entropy']:.3f} "
-                    f"kl {row.get('actor/kl_loss', 0.0):.4f} "
-                    f"lp_diff {row['rollout/logprob_diff_max']:.0e} {row['time_s']:.2f}s"
-                )
-            if step == job.steps or (job.save_every and step % job.save_every == 0):
-                if critic_engine is not None:  # first, so an actor checkpoint implies both
-                    critic_engine.save_checkpoint(
-                        str(critic_root), step=step, max_ckpt_to_keep=job.max_ckpt_to_keep
-                    )
-                ckpt = _save(engine, task, ckpt_root, step, job.max_ckpt_to_keep)
+        trainer.fit(job.steps, callbacks=[log, save])
     hf_export = engine.export_hf(str(out_dir / "hf_export"))
     rows = tracker.rows
-    keys = tuple(k for k in PLOT_KEYS if critic is not None or not k.startswith("critic/"))
     title = f"{job.algorithm.upper()} on '{job.task.name}' ({job.steps} steps)"
-    plot = tracker.plot(keys, title=title)
+    plot = tracker.plot(plot_keys(rows), title=title)
     tracker.close()
     rewards = [r["reward"] for r in rows]
     first, last = rewards[: min(10, len(rewards))], rewards[-min(10, len(rewards)) :]
@@ -283,72 +273,6 @@ def _run(
     }
     _print_summary(console, summary)
     return summary
-
-
-def _step(
-    step: int,
-    job: GRPOJobConfig,
-    task: DigitTask,
-    rollout: BaseRollout,
-    actor: Actor,
-    reference: Reference | None,
-    critic: Critic | None,
-    engine: BaseEngine,
-    params: SamplingParams,
-) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    prompt = task.prompt_ids(task.sample_digits(job.prompts_per_step))
-    prompts = TensorDict(
-        {"prompt_ids": prompt, "prompt_mask": torch.ones_like(prompt)}, batch_size=[len(prompt)]
-    )
-    # per-step seeds make a resumed run sample exactly what an uninterrupted one would
-    gen = rollout.generate(
-        prompts, params.model_copy(update={"seed": job.task.seed * 100003 + step})
-    )
-    response = gen["response_ids"].masked_fill(gen["response_mask"] == 0, 0)
-    scores = task.score(gen["prompt_ids"], response)
-    batch = _training_batch(gen)
-    batch[OLD_LOG_PROBS] = actor.compute_log_prob(batch)[OLD_LOG_PROBS]
-    if reference is not None:
-        batch[REF_LOG_PROBS] = reference.compute_ref_log_prob(batch)[REF_LOG_PROBS]
-    critic_metrics: dict[str, float] = {}
-    if critic is None:
-        groups = torch.arange(job.prompts_per_step).repeat_interleave(job.samples_per_prompt)
-        batch[ADVANTAGES] = grpo_advantages(scores, groups).unsqueeze(1) * batch["loss_mask"]
-    else:
-        mask = batch["loss_mask"]
-        batch[OLD_VALUES] = critic.compute_values(batch)[OLD_VALUES]
-        rewards = sequence_to_token_rewards(scores, mask)
-        adv, batch[RETURNS] = gae_advantages(
-            rewards, batch[OLD_VALUES], mask, gamma=job.gamma, lam=job.lam
-        )
-        batch[ADVANTAGES] = _whiten(adv, mask)
-        critic_metrics = critic.update_critic(batch)
-    metrics = actor.update_actor(batch)
-    rollout.sync_weights(engine.named_full_params())
-    resp_mask = gen["response_mask"].bool()
-    trainer_lp = batch[OLD_LOG_PROBS][:, prompt.shape[1] :]
-    mismatch = (trainer_lp - gen["rollout_log_probs"]).abs()[resp_mask]
-    dt = time.perf_counter() - t0
-    return {
-        "step": step,
-        "reward": float(scores.mean()),
-        "response_length": float(resp_mask.sum(-1).float().mean()),
-        "rollout/logprob_diff_max": float(mismatch.max()),
-        "rollout/logprob_diff_mean": float(mismatch.mean()),
-        **metrics,
-        **critic_metrics,
-        "time_s": dt,
-        "tokens_per_s": float(batch["attention_mask"].sum()) / dt,
-    }
-
-
-def _whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """Zero-mean, unit-variance over the masked entries (0 elsewhere)."""
-    m = mask.bool()
-    vals = x[m]
-    std = vals.std(unbiased=False) if vals.numel() > 1 else torch.ones(())
-    return ((x - vals.mean()) / (std + eps)) * m
 
 
 def _save(engine: BaseEngine, task: DigitTask, root: Path, step: int, keep: int | None) -> str:

@@ -54,7 +54,13 @@ def kl_penalty(
 
 
 class PolicyLossTerms(dict[str, torch.Tensor]):
-    """``pg_loss`` plus diagnostics (``clipfrac``, ``approx_kl``, ``dual_clipfrac``), all normalized."""
+    """``pg_loss`` plus diagnostics (``clipfrac``, ``approx_kl``, ``dual_clipfrac``), all normalized.
+
+    ``approx_kl`` estimates KL(old policy || current policy) from the sampled tokens with the
+    k3 estimator ``mean(exp(r) - 1 - r)``, ``r = log_probs - old_log_probs``: non-negative for
+    every token (``exp(r) >= 1 + r``), exactly 0 when the two policies agree, unbiased because
+    the tokens were sampled from the old policy.
+    """
 
 
 def policy_loss(
@@ -91,7 +97,10 @@ def policy_loss(
         pg_loss=aggregate_loss(per_token, mask, aggregation, ctx),
         clipfrac=aggregate_loss(clipfrac, mask, token_mean, ctx).detach(),
         dual_clipfrac=aggregate_loss(dual, mask, token_mean, ctx).detach(),
-        approx_kl=aggregate_loss(-log_ratio, mask, token_mean, ctx).detach(),
+        # clamped: rounding must not turn a true 0 into a tiny negative
+        approx_kl=aggregate_loss(
+            (torch.expm1(log_ratio) - log_ratio).clamp_min(0), mask, token_mean, ctx
+        ).detach(),
     )
 
 

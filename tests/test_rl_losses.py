@@ -67,8 +67,23 @@ def test_aggregation_modes() -> None:
     assert float(smts) == pytest.approx(-(6 + 4) / 2)
 
 
-def test_approx_kl_is_mean_negative_log_ratio() -> None:
-    assert pg(0.3, 1.0)["approx_kl"] == pytest.approx(-0.3)
+@pytest.mark.parametrize("log_ratio", [0.3, -0.3, 2.0, -5.0, 0.01])
+def test_approx_kl_is_the_non_negative_k3_estimator(log_ratio: float) -> None:
+    want = math.exp(log_ratio) - 1 - log_ratio
+    assert pg(log_ratio, 1.0)["approx_kl"] == pytest.approx(want, rel=1e-5)
+    assert pg(log_ratio, -1.0)["approx_kl"] > 0.0
+
+
+def test_approx_kl_is_zero_for_equal_policies_and_never_negative() -> None:
+    g = torch.Generator().manual_seed(0)
+    lp = torch.randn(4, 6, generator=g) - 2
+    mask = torch.ones(4, 6)
+    ctx = GlobalBatchContext(global_num_tokens=24, global_num_samples=4)
+    adv = torch.randn(4, 6, generator=g)
+    assert float(policy_loss(lp, lp, adv, mask, ctx)["approx_kl"]) == 0.0
+    for scale in (1e-7, 1e-3, 0.1, 3.0):
+        new = lp + scale * torch.randn(4, 6, generator=g)
+        assert float(policy_loss(new, lp, adv, mask, ctx)["approx_kl"]) >= 0.0
 
 
 @pytest.mark.parametrize(

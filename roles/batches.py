@@ -1,0 +1,99 @@
+"""The batches an RL step passes around: prompts into a rollout, rollout output into the roles.
+
+:func:`prompt_batch` builds the ``generate`` input of :class:`engine_core.BaseRollout` from
+token ids; :func:`training_batch` turns a ``generate`` result (prompt + response) into the batch
+the roles take, with ``loss_mask`` on the response tokens. The roles then add their fields to it
+under the names exported from :mod:`roles` (``OLD_LOG_PROBS``, ``ADVANTAGES``, ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from tensordict import TensorDict
+
+from engine_core import BatchError, make_batch
+from engine_core.rollout import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK
+
+__all__ = ["prompt_batch", "training_batch"]
+
+
+def prompt_batch(
+    prompt_ids: torch.Tensor | Sequence[Sequence[int]],
+    prompt_mask: torch.Tensor | None = None,
+    *,
+    pad_token_id: int = 0,
+) -> TensorDict:
+    """The input of ``rollout.generate``: left-padded ``prompt_ids`` and ``prompt_mask`` ``[B, P]``.
+
+    ``prompt_ids`` is a ``[B, P]`` integer tensor (every token real unless ``prompt_mask`` says
+    otherwise, in which case the padding must be on the left), or one list of token ids per
+    prompt, of any lengths, which are left-padded with ``pad_token_id``.
+    """
+    if not isinstance(prompt_ids, torch.Tensor):
+        if prompt_mask is not None:
+            raise BatchError(
+                "prompt_mask is only taken with a [B, P] tensor of prompt_ids; lists of token "
+                "ids are padded (and masked) here, so drop prompt_mask."
+            )
+        prompt_ids, prompt_mask = _left_pad([list(p) for p in prompt_ids], pad_token_id)
+    if prompt_ids.dim() != 2 or prompt_ids.is_floating_point():
+        raise BatchError(
+            f"prompt_ids must be an integer tensor [batch, prompt_len]; got dtype "
+            f"{prompt_ids.dtype} with shape {tuple(prompt_ids.shape)}."
+        )
+    if prompt_mask is None:
+        prompt_mask = torch.ones_like(prompt_ids)
+    if prompt_mask.shape != prompt_ids.shape:
+        raise BatchError(
+            f"prompt_mask has shape {tuple(prompt_mask.shape)} but prompt_ids has "
+            f"{tuple(prompt_ids.shape)}; they must match."
+        )
+    mask = prompt_mask.long()
+    if mask.shape[1] and bool((mask[:, -1] == 0).any()):
+        raise BatchError(
+            "prompts must be left-padded (a rollout appends the response after the last "
+            "column), but some prompt_mask rows end in 0; pad on the left."
+        )
+    return TensorDict(
+        {PROMPT_IDS: prompt_ids.long(), PROMPT_MASK: mask}, batch_size=[prompt_ids.shape[0]]
+    )
+
+
+def _left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if not rows or any(not r for r in rows):
+        raise BatchError("every prompt needs at least one token, and there must be one prompt.")
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r) :] = 1
+    return ids, mask
+
+
+def training_batch(rollout_output: TensorDict) -> TensorDict:
+    """Prompt + response as one batch, ``loss_mask`` set on the response tokens only.
+
+    ``rollout_output`` is what ``rollout.generate`` returned (``prompt_ids``, ``prompt_mask``,
+    ``response_ids``, ``response_mask``); the result has ``input_ids``, ``attention_mask``,
+    ``position_ids`` and ``loss_mask`` ``[B, P + R]``, ready for ``Actor.compute_log_prob``.
+    """
+    missing = [
+        k
+        for k in (PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK)
+        if k not in rollout_output.keys()
+    ]
+    if missing:
+        raise BatchError(
+            f"training_batch needs a rollout.generate result; missing {missing}, got "
+            f"{sorted(rollout_output.keys())}."
+        )
+    prompt, pmask = rollout_output[PROMPT_IDS], rollout_output[PROMPT_MASK]
+    resp, rmask = rollout_output[RESPONSE_IDS], rollout_output[RESPONSE_MASK]
+    return make_batch(
+        torch.cat([prompt, resp], 1),
+        torch.cat([pmask, rmask], 1),
+        loss_mask=torch.cat([torch.zeros_like(pmask), rmask], 1),
+    )

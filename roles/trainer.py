@@ -1,0 +1,293 @@
+"""``RLTrainer``: the GRPO / PPO loop over the roles, a rollout and a reward function.
+
+One :meth:`RLTrainer.step`: take the next prompts → generate ``samples_per_prompt`` responses
+each → score them with the reward function → old (and reference) log-probs → advantages
+(``grpo``: group-normalized scores; ``ppo``: whitened GAE over the critic's values, then a
+critic update) → actor update → verified weight sync into the rollout → one row of metrics.
+:meth:`RLTrainer.fit` repeats it and hands every row to the callbacks (logging, checkpoints).
+
+``engine-core run`` (:mod:`roles.grpo`) is this trainer plus config files, checkpoints and
+plots; a script builds the same object from its own roles, rollout, prompts and reward.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Literal, Protocol
+
+import torch
+from pydantic import Field, PositiveInt, model_validator
+from tensordict import TensorDict
+
+from engine_core import ATTENTION_MASK, LOSS_MASK, BaseRollout, FrozenModel, SamplingParams
+from engine_core.rollout import PROMPT_IDS, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS
+from roles.actor import ADVANTAGES, OLD_LOG_PROBS, REF_LOG_PROBS, Actor
+from roles.advantages import gae_advantages, grpo_advantages, sequence_to_token_rewards
+from roles.batches import prompt_batch, training_batch
+from roles.critic import OLD_VALUES, RETURNS, Critic
+from roles.reference import Reference
+
+__all__ = [
+    "TrainerConfig",
+    "RLTrainer",
+    "RewardFn",
+    "PromptSource",
+    "StepCallback",
+    "plot_keys",
+    "SEED_STRIDE",
+]
+
+# rollout seed of step s: seed * SEED_STRIDE + s, so a resumed run samples what a straight one did
+SEED_STRIDE = 100003
+
+
+class RewardFn(Protocol):
+    """Scores one step's samples: ``[B*n]`` floats (a sample's reward sits on its last token).
+
+    ``prompt_ids`` ``[B*n, P]`` is left-padded (the ``n`` samples of a prompt are adjacent);
+    ``response_ids`` ``[B*n, R]`` is right-padded where ``response_mask`` is 0.
+    """
+
+    def __call__(
+        self,
+        prompt_ids: torch.Tensor,
+        response_ids: torch.Tensor,
+        response_mask: torch.Tensor,
+        /,
+    ) -> torch.Tensor: ...
+
+
+PromptBatch = torch.Tensor | TensorDict
+PromptSource = Iterable[PromptBatch] | Callable[[int], PromptBatch]
+"""Each step's prompts: an iterable, or a callable taking the step number. A prompt batch is a
+``[B, P]`` tensor of token ids, or the :func:`roles.prompt_batch` of left-padded ones."""
+
+StepCallback = Callable[["RLTrainer", dict[str, Any]], None]
+"""Called by :meth:`RLTrainer.fit` after every step with the trainer and that step's row."""
+
+
+class TrainerConfig(FrozenModel):
+    """How each step samples, and which advantage estimator it uses."""
+
+    algorithm: Literal["grpo", "ppo"] = Field(
+        "grpo",
+        description="grpo: group-normalized scores as advantages, no critic; ppo: GAE over a "
+        "critic's values (whitened), and a critic update every step.",
+    )
+    samples_per_prompt: PositiveInt = 8
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the rollout.")
+    max_new_tokens: PositiveInt = 32
+    stop_token_ids: list[int] = Field(default_factory=list)
+    gamma: float = Field(1.0, ge=0, le=1, description="ppo: GAE discount.")
+    lam: float = Field(0.95, ge=0, le=1, description="ppo: GAE lambda.")
+    seed: int | None = Field(
+        0,
+        description="Step s samples with seed * 100003 + s (a resumed run repeats a straight "
+        "one); None: unseeded.",
+    )
+
+    @model_validator(mode="after")
+    def _check_groups(self) -> TrainerConfig:
+        if self.algorithm == "grpo" and self.samples_per_prompt < 2:
+            raise ValueError(
+                f"grpo normalizes rewards within each prompt's group, so samples_per_prompt "
+                f"must be >= 2 (got {self.samples_per_prompt}); raise it, or use algorithm=ppo."
+            )
+        return self
+
+    def sampling_params(self, step: int) -> SamplingParams:
+        seed = None if self.seed is None else self.seed * SEED_STRIDE + step
+        return SamplingParams(
+            temperature=self.temperature,
+            max_new_tokens=self.max_new_tokens,
+            n=self.samples_per_prompt,
+            stop_token_ids=list(self.stop_token_ids),
+            seed=seed,
+        )
+
+
+class RLTrainer:
+    """GRPO or PPO on an :class:`Actor` (plus optional :class:`Reference` and :class:`Critic`).
+
+    ``rollout`` generates with the actor's weights, synced and verified before the first step and
+    after every update. ``reward_fn`` scores each sample (see :class:`RewardFn`); ``prompts``
+    gives each step's prompts (see :data:`PromptSource`). A ``reference`` is required when the
+    actor uses a KL loss; a ``critic`` exactly when ``config.algorithm`` is ``ppo``.
+    ``global_step`` is the number of steps already taken (set it when resuming a checkpoint).
+
+    >>> trainer = RLTrainer(TrainerConfig(), actor=actor, rollout=rollout,
+    ...                     reward_fn=my_reward, prompts=my_prompts)  # doctest: +SKIP
+    >>> history = trainer.fit(100, callbacks=[lambda t, row: print(row["reward"])])  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        *,
+        actor: Actor,
+        rollout: BaseRollout,
+        reward_fn: RewardFn,
+        prompts: PromptSource,
+        reference: Reference | None = None,
+        critic: Critic | None = None,
+        global_step: int = 0,
+    ) -> None:
+        if config.algorithm == "ppo" and critic is None:
+            raise ValueError("algorithm='ppo' estimates advantages with a critic; pass critic=.")
+        if config.algorithm == "grpo" and critic is not None:
+            raise ValueError(
+                "a critic was passed but algorithm='grpo' trains none; drop critic= or set "
+                "algorithm='ppo'."
+            )
+        if actor.config.use_kl_loss and reference is None:
+            raise ValueError(
+                "the actor has use_kl_loss=True, which needs reference log-probs; pass "
+                "reference=Reference(engine) (a frozen copy of the initial policy)."
+            )
+        self.config = config
+        self.actor = actor
+        self.rollout = rollout
+        self.reward_fn = reward_fn
+        self.reference = reference
+        self.critic = critic
+        self.global_step = global_step
+        self._next_prompts = _prompt_reader(prompts)
+        self._synced = False
+
+    def sync_weights(self) -> None:
+        """Push the actor's weights into the rollout (names, shapes and checksums verified).
+
+        :meth:`step` calls it before its first generation and after every update; call it again
+        after changing the actor's weights yourself (e.g. loading a checkpoint).
+        """
+        self.rollout.sync_weights(self.actor.engine.named_full_params())
+        self._synced = True
+
+    def step(self) -> dict[str, Any]:
+        """One RL step; returns its metrics row (``step``, ``reward``, ``actor/*``, ...)."""
+        if not self._synced:
+            self.sync_weights()
+        step = self.global_step + 1
+        t0 = time.perf_counter()
+        prompts = self._next_prompts(step)
+        gen = self.rollout.generate(prompts, self.config.sampling_params(step))
+        scores = self._score(gen)
+        batch = training_batch(gen)
+        batch[OLD_LOG_PROBS] = self.actor.compute_log_prob(batch)[OLD_LOG_PROBS]
+        if self.reference is not None:
+            batch[REF_LOG_PROBS] = self.reference.compute_ref_log_prob(batch)[REF_LOG_PROBS]
+        critic_metrics: dict[str, float] = {}
+        mask = batch[LOSS_MASK]
+        if self.critic is None:
+            groups = torch.arange(prompts.batch_size[0]).repeat_interleave(
+                self.config.samples_per_prompt
+            )
+            batch[ADVANTAGES] = grpo_advantages(scores, groups).unsqueeze(1) * mask
+        else:
+            batch[OLD_VALUES] = self.critic.compute_values(batch)[OLD_VALUES]
+            rewards = sequence_to_token_rewards(scores, mask)
+            adv, batch[RETURNS] = gae_advantages(
+                rewards, batch[OLD_VALUES], mask, gamma=self.config.gamma, lam=self.config.lam
+            )
+            batch[ADVANTAGES] = _whiten(adv, mask)
+            critic_metrics = self.critic.update_critic(batch)
+        metrics = self.actor.update_actor(batch)
+        self.sync_weights()
+        resp_mask = gen[RESPONSE_MASK].bool()
+        trainer_lp = batch[OLD_LOG_PROBS][:, gen[PROMPT_IDS].shape[1] :]
+        mismatch = (trainer_lp - gen[ROLLOUT_LOG_PROBS]).abs()[resp_mask]
+        dt = time.perf_counter() - t0
+        self.global_step = step
+        return {
+            "step": step,
+            "reward": float(scores.mean()),
+            "response_length": float(resp_mask.sum(-1).float().mean()),
+            "rollout/logprob_diff_max": float(mismatch.max()),
+            "rollout/logprob_diff_mean": float(mismatch.mean()),
+            **metrics,
+            **critic_metrics,
+            "time_s": dt,
+            "tokens_per_s": float(batch[ATTENTION_MASK].sum()) / dt,
+        }
+
+    def fit(
+        self, max_steps: int, *, callbacks: Sequence[StepCallback] = ()
+    ) -> list[dict[str, Any]]:
+        """Step until ``global_step`` reaches ``max_steps``; returns the rows of the steps run.
+
+        Each callback gets ``(trainer, row)`` after every step, in order: log, plot, save a
+        checkpoint there. A trainer resumed at step ``k`` runs steps ``k+1 .. max_steps``.
+        """
+        history = []
+        while self.global_step < max_steps:
+            row = self.step()
+            history.append(row)
+            for callback in callbacks:
+                callback(self, row)
+        return history
+
+    def _score(self, gen: TensorDict) -> torch.Tensor:
+        scores = self.reward_fn(gen[PROMPT_IDS], gen[RESPONSE_IDS], gen[RESPONSE_MASK])
+        scores = torch.as_tensor(scores, dtype=torch.float32)
+        n = int(gen.batch_size[0])
+        if scores.shape != (n,):
+            raise ValueError(
+                f"reward_fn must return one score per sample, shape ({n},); got "
+                f"{tuple(scores.shape)}. Score each row of response_ids."
+            )
+        return scores
+
+
+def plot_keys(rows: Sequence[dict[str, Any]]) -> tuple[str, ...]:
+    """The metrics worth a plot panel for these rows.
+
+    Always how the run goes (reward, response length, grad norm, step time, tokens/s, pg loss,
+    entropy, rollout-vs-trainer log-prob difference); the clip fraction and the policy's
+    approximate KL only where an update took more than one optimizer step (with one on-policy
+    step they are exactly 0); the KL loss and the value loss where they were logged.
+    """
+    keys = [
+        "reward",
+        "response_length",
+        "actor/pg_loss",
+        "actor/entropy",
+        "actor/grad_norm",
+        "rollout/logprob_diff_max",
+        "time_s",
+        "tokens_per_s",
+    ]
+    if any(r.get("actor/num_optimizer_steps", 1.0) > 1 for r in rows):
+        keys += ["actor/clipfrac", "actor/approx_kl"]
+    keys += [k for k in ("actor/kl_loss", "critic/vf_loss") if any(k in r for r in rows)]
+    return tuple(keys)
+
+
+def _prompt_reader(source: PromptSource) -> Callable[[int], TensorDict]:
+    if callable(source):
+        fn = source
+        return lambda step: _as_prompts(fn(step))
+    it: Iterator[PromptBatch] = iter(source)
+
+    def read(step: int) -> TensorDict:
+        try:
+            return _as_prompts(next(it))
+        except StopIteration:
+            raise RuntimeError(
+                f"the prompt source ran out before step {step}; give an endless iterable "
+                "(e.g. a generator with a `while True` loop) or a callable taking the step."
+            ) from None
+
+    return read
+
+
+def _as_prompts(batch: PromptBatch) -> TensorDict:
+    return batch if isinstance(batch, TensorDict) else prompt_batch(batch)
+
+
+def _whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Zero-mean, unit-variance over the masked entries (0 elsewhere)."""
+    m = mask.bool()
+    vals = x[m]
+    std = vals.std(unbiased=False) if vals.numel() > 1 else torch.ones(())
+    return ((x - vals.mean()) / (std + eps)) * m
