@@ -207,12 +207,16 @@ def model_weight_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
 def saved_model_folder(
     model: ModelConfig, seed: int, prefix: str
 ) -> tempfile.TemporaryDirectory[str]:
-    """For backends that load from a folder: ``model.config`` built (seeded) and saved there."""
+    """For backends that load from a folder: ``model.config`` built (seeded) and saved there.
+
+    The seed applies to a fork of the CPU RNG: the process's global RNG state is left as it was.
+    """
     from engine_core.models import build_model
 
-    torch.manual_seed(seed)
     folder = tempfile.TemporaryDirectory(prefix=prefix)
-    module: Any = build_model(model)  # a transformers PreTrainedModel
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        module: Any = build_model(model)  # a transformers PreTrainedModel
     module.save_pretrained(folder.name)
     return folder
 

@@ -102,3 +102,23 @@ def test_sampling_params_validation() -> None:
     with pytest.raises(ValueError, match="top_k=0"):
         SamplingParams(top_k=0)
     assert SamplingParams(temperature=0).greedy
+
+
+def test_saved_model_folder_leaves_the_global_rng_alone() -> None:
+    """Building a rollout's model from a config is seeded on a fork of the RNG."""
+    from engine_core.config import ModelConfig
+    from engine_core.rollout import saved_model_folder
+    from engine_core.testing.models import TINY_QWEN2
+
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    folders = [
+        saved_model_folder(ModelConfig(config=dict(TINY_QWEN2)), 3, "rng-") for _ in range(2)
+    ]
+    assert torch.equal(torch.get_rng_state(), before)
+    from safetensors.torch import load_file
+
+    a, b = (load_file(f"{f.name}/model.safetensors") for f in folders)
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the same seed, the same weights
+    for f in folders:
+        f.cleanup()
