@@ -200,7 +200,7 @@ class BaseEngine(abc.ABC):
 
     @contextlib.contextmanager
     def _mode(self, *, train: bool) -> Iterator[None]:
-        module = self._require_module()
+        module = self.require_module()
         if self.config.offload:
             self.to(self.device)
         was_training = module.training
@@ -288,7 +288,7 @@ class BaseEngine(abc.ABC):
             raise EngineCoreError(
                 "forward_backward_step(forward_only=False) needs a loss; call set_loss_fn() first."
             )
-        self._require_module()
+        self.require_module()
         cfg = self.config
         micro_batches, plan = prepare_micro_batches(
             batch,
@@ -398,7 +398,7 @@ class BaseEngine(abc.ABC):
 
     def forward_model(self, inputs: ModelInputs) -> Any:
         """Call the model."""
-        return self._require_module()(**inputs.kwargs)
+        return self.require_module()(**inputs.kwargs)
 
     def prepare_model_outputs(
         self, raw: Any, inputs: ModelInputs, micro_batch: TensorDict
@@ -513,7 +513,7 @@ class BaseEngine(abc.ABC):
         )
         from engine_core.errors import CheckpointError
 
-        self._require_module()
+        self.require_module()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CheckpointError(f"save_checkpoint: step must be an int >= 0, got {step!r}.")
         check_max_ckpt_to_keep(max_ckpt_to_keep)
@@ -554,7 +554,7 @@ class BaseEngine(abc.ABC):
         from engine_core.checkpoint import is_file, join, load_torch
         from engine_core.errors import CheckpointError
 
-        self._require_module()
+        self.require_module()
         self.checkpoint_preflight(path, saving=False)
         rank, world = self._global_rank_and_size()
         first = join(path, CHECKPOINT_STATE_FILE.format(rank=0))
@@ -670,7 +670,8 @@ class BaseEngine(abc.ABC):
         return final
 
     # ------------------------------------------------------------------ helpers
-    def _require_module(self) -> nn.Module:
+    def require_module(self) -> nn.Module:
+        """``self.module``, or an error saying to call :meth:`init_model` first."""
         if self.module is None:
             raise EngineCoreError(
                 f"{type(self).__name__}: call init_model() before using the engine."

@@ -66,7 +66,7 @@ class ReferenceEngine(SingleOptimizerMixin, BaseEngine):
     def finish_backward(self) -> None:
         if not (self.is_distributed and self.dp_size > 1):
             return
-        grads = [p.grad for p in self._require_module().parameters() if p.grad is not None]
+        grads = [p.grad for p in self.require_module().parameters() if p.grad is not None]
         if grads:
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, group=self.dp_group)  # SUM: losses are globally normalized
@@ -78,7 +78,7 @@ class ReferenceEngine(SingleOptimizerMixin, BaseEngine):
     def to(self, device: torch.device | str, *, model: bool = True, optimizer: bool = True) -> None:
         dev = torch.device(device)
         if model:
-            self._require_module().to(dev)
+            self.require_module().to(dev)
         if optimizer and self.optimizer is not None:
             for state in self.optimizer.state.values():
                 for k, v in state.items():
@@ -90,10 +90,12 @@ class ReferenceEngine(SingleOptimizerMixin, BaseEngine):
         rank = self.dp_rank
         if rank == 0:  # replicas are identical: one copy of the weights
             save_safetensors(
-                {k: v.contiguous() for k, v in self._require_module().state_dict().items()},
+                {k: v.contiguous() for k, v in self.require_module().state_dict().items()},
                 join(folder, MODEL_FILE),
             )
-        save_torch({"optimizer": self.optimizer.state_dict()}, join(folder, OPTIM_FILE.format(rank=rank)))
+        save_torch(
+            {"optimizer": self.optimizer.state_dict()}, join(folder, OPTIM_FILE.format(rank=rank))
+        )
 
     def load_shards(self, folder: str) -> None:
         assert self.optimizer is not None, "call init_model() first"
@@ -105,12 +107,12 @@ class ReferenceEngine(SingleOptimizerMixin, BaseEngine):
                 f"{folder} is not a complete reference-engine checkpoint (need {MODEL_FILE} and "
                 f"{optim_name}); pass a global_step_<N> folder written by save_checkpoint()."
             )
-        self._require_module().load_state_dict(load_safetensors(model_file))
+        self.require_module().load_state_dict(load_safetensors(model_file))
         self.optimizer.load_state_dict(load_torch(optim_file)["optimizer"])
 
     def named_full_params(
         self, bucket_bytes: int = 512 << 20
     ) -> Iterator[tuple[str, torch.Tensor]]:
         # Replicated weights: every tensor is already full, nothing to materialise.
-        for name, tensor in self._require_module().state_dict().items():
+        for name, tensor in self.require_module().state_dict().items():
             yield name, tensor.detach()

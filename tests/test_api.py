@@ -141,8 +141,8 @@ def test_subclass_cannot_shadow_base_engine_privates() -> None:
 
     from engine_core.backend import BaseEngine
 
-    with pytest.raises(TypeError, match=r"redefines \['_require_module'\], private to BaseEngine"):
+    with pytest.raises(TypeError, match=r"redefines \['_mode'\], private to BaseEngine"):
 
         class Shadowing(BaseEngine):  # noqa: F841
-            def _require_module(self):  # type: ignore[no-untyped-def, override]
+            def _mode(self):  # type: ignore[no-untyped-def, override]
                 return None

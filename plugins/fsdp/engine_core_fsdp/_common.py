@@ -167,13 +167,13 @@ class FSDPEngineBase(SingleOptimizerMixin, BaseEngine):
         if target.type == "cpu" and self.device.type == "cpu":
             return  # a CPU-only run has nowhere to offload to: documented no-op
         if model:
-            self._require_module().to(target)
+            self.require_module().to(target)
         if optimizer and self.optimizer is not None:
             move_optimizer_state(self.optimizer, target)
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """The model's state dict with sharded entries (DTensors), never gathered whole."""
-        return get_model_state_dict(self._require_module())
+        return get_model_state_dict(self.require_module())
 
     def named_full_params(
         self, bucket_bytes: int = 512 << 20
@@ -187,7 +187,7 @@ class FSDPEngineBase(SingleOptimizerMixin, BaseEngine):
 
     def save_shards(self, folder: str) -> None:
         assert self.optimizer is not None, "call init_model() first"
-        model_sd, optim_sd = get_state_dict(self._require_module(), self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.require_module(), self.optimizer)
         # collective; a local path uses DCP's file writer, a URL its fsspec writer
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=join(folder, DCP_DIR))
 
@@ -198,7 +198,7 @@ class FSDPEngineBase(SingleOptimizerMixin, BaseEngine):
                 f"{folder} is not a complete {self.backend_name} checkpoint (no {DCP_DIR}/); pass "
                 f"a global_step_<N> folder written by save_checkpoint()."
             )
-        module = self._require_module()
+        module = self.require_module()
         model_sd, optim_sd = get_state_dict(module, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=join(folder, DCP_DIR))

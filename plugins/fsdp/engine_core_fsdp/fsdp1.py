@@ -140,7 +140,7 @@ class FSDPEngine(FSDPEngineBase):
         self.init_optimizer(wrapped)
 
     def no_sync(self) -> contextlib.AbstractContextManager[Any]:
-        module = self._require_module()
+        module = self.require_module()
         if not isinstance(module, FSDP):
             return contextlib.nullcontext()  # one rank: no gradient sync to skip
         return module.no_sync()
@@ -150,11 +150,11 @@ class FSDPEngine(FSDPEngineBase):
         if target.type == "cpu" and self.device.type == "cpu":
             return  # a CPU-only run has nowhere to offload to: documented no-op
         if model and not self.wrapped:
-            self._require_module().to(target)
+            self.require_module().to(target)
         elif model:
             # FSDP1 keeps each unit's shard in one flat parameter (and its ``_local_shard``
             # alias); move that, then re-point the original parameters' views at it.
-            module = self._require_module()
+            module = self.require_module()
             for unit in FSDP.fsdp_modules(module):
                 handle = unit._handle
                 if handle is None:
@@ -168,7 +168,7 @@ class FSDPEngine(FSDPEngineBase):
 
     def optimizer_step(self) -> float:
         assert self.optimizer is not None, "call init_model() first"
-        module = self._require_module()
+        module = self.require_module()
         if not isinstance(module, FSDP):
             return super().optimizer_step()
         max_norm = self.config.optim.clip_grad

@@ -143,7 +143,7 @@ class FSDP2Engine(FSDPEngineBase):
 
     @contextlib.contextmanager
     def _no_sync(self) -> Iterator[None]:
-        module = self._require_module()
+        module = self.require_module()
         assert isinstance(module, FSDPModule)
         module.set_requires_gradient_sync(False)
         try:
