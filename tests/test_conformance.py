@@ -3,9 +3,9 @@ the contract tests of the clause it breaks, with a message naming the fix. (The 
 runs over every engine in the repository are part of ``make test``:
 ``--engine-core-backend=reference,fsdp,fsdp2,megatron,example``.)
 
-Each broken engine runs in a pytest subprocess of its own, on the contract tests around the
-clause it breaks (``-k``) and only the kit checks they need (``--engine-core-kit-only``); the
-JUnit report gives each test's outcome and failure message.
+The broken engines run in a few pytest subprocesses, grouped by the clauses they break, on the
+contract tests around those clauses (``-k``) and only the kit checks they need
+(``--engine-core-kit-only``); the JUnit report gives each test's outcome and failure message.
 """
 
 from __future__ import annotations
@@ -21,91 +21,102 @@ import pytest
 
 from engine_core.testing.plugin import CONTRACT
 
+OUTPUTS = {
+    "test_log_probs_and_entropy_match_transformers",
+    "test_outputs_with_two_dp_ranks_match_transformers",
+}
 GRADIENTS = {"test_gradient_invariance_single_process", "test_gradient_invariance_two_dp_ranks"}
+METRICS = "test_metrics_reduce_over_micro_batches_and_ranks"
+COLLECT = "test_one_collect_rank_per_dp_rank"
 CHECKPOINTS = {"test_checkpoint_resume_and_rotation", "test_checkpoint_with_two_dp_ranks"}
+MODES = "test_train_and_eval_modes"
+OPTIMIZER = "test_optimizer_step_semantics"
+EXPORT = "test_weight_export_matches_hf_state_dict"
+REGISTERED = "test_registered_class_declares_the_registered_capabilities"
+INPUTS = "test_inputs_left_unmodified"
+NO_GROUP = "test_runs_without_a_process_group"
+
+# The broken engines run in a few pytest subprocesses, each on the contract tests around some
+# clauses (-k) and only the kit checks those tests need (--engine-core-kit-only):
+# group -> (contract tests, kit checks)
+GROUPS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
+    "numerics": (
+        frozenset({*OUTPUTS, *GRADIENTS, METRICS, COLLECT}),
+        ("outputs", "step_", "layout"),
+    ),
+    "checkpoints": (frozenset(CHECKPOINTS), ("checkpoint",)),
+    "lifecycle": (
+        frozenset({MODES, OPTIMIZER, EXPORT, REGISTERED, INPUTS}),
+        ("modes", "optimizer", "export", "inputs"),
+    ),
+    "process": (frozenset({NO_GROUP, MODES}), ("lifecycle", "modes")),
+}
 
 
 @dataclass(frozen=True)
 class Broken:
-    """A broken engine, the contract tests run on it (with the kit checks they need), the ones
-    that must fail, and a phrase the failure messages contain (each names its clause in brackets)."""
+    """A broken engine: its group, the contract tests that must fail (all others of the group
+    pass) and a phrase their failure messages contain (each names its clause in brackets)."""
 
-    tests: frozenset[str]
-    checks: tuple[str, ...]
+    group: str
     must_fail: frozenset[str]
     phrase: str
 
 
 BROKEN = {
+    "example-bad-order": Broken(
+        "numerics", frozenset({*OUTPUTS, *GRADIENTS, METRICS}), "outputs are not in input order"
+    ),
     "example-bad-scaling": Broken(
-        frozenset(GRADIENTS),
-        ("step_",),
+        "numerics",
         frozenset({"test_gradient_invariance_two_dp_ranks"}),
         "must scale the loss by dp_size",
     ),
-    "example-bad-order": Broken(
-        frozenset(
-            {
-                "test_log_probs_and_entropy_match_transformers",
-                "test_outputs_with_two_dp_ranks_match_transformers",
-                *GRADIENTS,
-            }
-        ),
-        ("outputs", "step_"),
-        frozenset(
-            {
-                "test_log_probs_and_entropy_match_transformers",
-                "test_outputs_with_two_dp_ranks_match_transformers",
-                *GRADIENTS,
-            }
-        ),
-        "outputs are not in input order",
-    ),
+    "example-bad-loss-report": Broken("numerics", frozenset(GRADIENTS), "[loss contract]"),
+    "example-bad-metrics": Broken("numerics", frozenset({METRICS}), "[metric reduction]"),
     "example-no-collect": Broken(
-        frozenset({"test_one_collect_rank_per_dp_rank"}),
-        ("layout",),
-        frozenset({"test_one_collect_rank_per_dp_rank"}),
+        "numerics",
+        frozenset({COLLECT}),
         "is_collect_rank must be True on exactly one rank per DP rank",
     ),
     "example-bad-scheduler": Broken(
-        frozenset(CHECKPOINTS), ("checkpoint",), frozenset(CHECKPOINTS), "[checkpoint: LR schedule]"
+        "checkpoints", frozenset(CHECKPOINTS), "[checkpoint: LR schedule]"
     ),
-    "example-bad-rng": Broken(
-        frozenset(CHECKPOINTS), ("checkpoint",), frozenset(CHECKPOINTS), "[checkpoint: RNG]"
-    ),
+    "example-bad-rng": Broken("checkpoints", frozenset(CHECKPOINTS), "[checkpoint: RNG]"),
     "example-bad-sharded-optimizer": Broken(
-        frozenset(CHECKPOINTS),
-        ("checkpoint",),
-        frozenset({"test_checkpoint_with_two_dp_ranks"}),
-        "own part",
+        "checkpoints", frozenset({"test_checkpoint_with_two_dp_ranks"}), "own part"
     ),
+    "example-bad-modes": Broken("lifecycle", frozenset({MODES}), "[modes]"),
+    "example-bad-optimizer": Broken(
+        "lifecycle", frozenset({OPTIMIZER}), "a non-finite grad norm must skip the update"
+    ),
+    "example-bad-export": Broken("lifecycle", frozenset({EXPORT}), "[export]"),
+    "example-bad-capabilities": Broken("lifecycle", frozenset({REGISTERED}), "[capabilities]"),
+    "example-modifies-inputs": Broken("lifecycle", frozenset({INPUTS}), "[inputs unmodified]"),
     "example-needs-process-group": Broken(
-        frozenset({"test_runs_without_a_process_group", "test_train_and_eval_modes"}),
-        ("lifecycle", "modes"),
-        frozenset({"test_runs_without_a_process_group"}),
-        "create a one-rank group in init_model",
-    ),
-    "example-modifies-inputs": Broken(
-        frozenset({"test_inputs_left_unmodified", "test_log_probs_and_entropy_match_transformers"}),
-        ("inputs", "outputs_packing"),
-        frozenset({"test_inputs_left_unmodified"}),
-        "[inputs unmodified]",
+        "process", frozenset({NO_GROUP}), "create a one-rank group in init_model"
     ),
 }
 
+_REPORTS: dict[str, dict[tuple[str, str], str | None]] = {}
 
-def run_kit(backend: str, broken: Broken, report: Path) -> dict[str, str | None]:
-    """Run the selected contract tests on ``backend``; {test: failure message or None}."""
+
+def run_group(group: str, report: Path) -> dict[tuple[str, str], str | None]:
+    """Run the group's contract tests on its broken engines: {(backend, test): failure or None}."""
+    if group in _REPORTS:
+        return _REPORTS[group]
+    tests, checks = GROUPS[group]
+    backends = sorted(b for b, broken in BROKEN.items() if broken.group == group)
     proc = subprocess.run(
         [
             sys.executable,
             "-m",
             "pytest",
             str(CONTRACT),
-            f"--engine-core-backend={backend}",
-            *(f"--engine-core-kit-only={c}" for c in broken.checks),
+            *(f"--engine-core-backend={b}" for b in backends),
+            *(f"--engine-core-kit-only={c}" for c in checks),
             "-k",
-            " or ".join(sorted(broken.tests)),
+            " or ".join(sorted(tests)),
             "-q",
             "-p",
             "no:cacheprovider",
@@ -116,28 +127,40 @@ def run_kit(backend: str, broken: Broken, report: Path) -> dict[str, str | None]
         capture_output=True,
         text=True,
         env={**os.environ, "RAY_AUTH_MODE": "disabled"},
-        timeout=900,
+        timeout=1500,
         cwd=Path(__file__).parents[1],
     )
     assert report.exists(), (proc.stdout + proc.stderr)[-3000:]
-    outcomes: dict[str, str | None] = {}
+    outcomes: dict[tuple[str, str], str | None] = {}
     for case in ET.parse(report).getroot().iter("testcase"):
-        name = case.attrib["name"].partition("[")[0]
+        name, _, backend = case.attrib["name"].partition("[")
         failure = case.find("failure")
         if failure is None:
             failure = case.find("error")
-        outcomes[name] = (
+        outcomes[(backend.rstrip("]"), name)] = (
             None if failure is None else failure.attrib.get("message", "") + (failure.text or "")
         )
+    _REPORTS[group] = outcomes
     return outcomes
 
 
 @pytest.mark.parametrize("backend", sorted(BROKEN))
 def test_broken_engine_fails_the_kit_for_the_right_reason(backend: str, tmp_path: Path) -> None:
     broken = BROKEN[backend]
-    results = run_kit(backend, broken, tmp_path / "report.xml")
-    assert set(results) == broken.tests, f"ran {sorted(results)}, want {sorted(broken.tests)}"
+    tests, _ = GROUPS[broken.group]
+    outcomes = run_group(broken.group, tmp_path / "report.xml")
+    results = {test: message for (b, test), message in outcomes.items() if b == backend}
+    assert set(results) == tests, f"ran {sorted(results)}, want {sorted(tests)}"
     failed = {name for name, message in results.items() if message is not None}
     assert failed == broken.must_fail, {n: (m or "")[:800] for n, m in results.items() if m}
     messages = [results[name] or "" for name in sorted(broken.must_fail)]
     assert any(broken.phrase in m for m in messages), "\n---\n".join(m[:1500] for m in messages)
+
+
+def test_every_broken_engine_is_registered_and_checked() -> None:
+    """Each engine the example plugin registers as broken is checked here, and vice versa."""
+    from engine_core.plugins import load_plugins
+
+    (example,) = [p for p in load_plugins().plugins() if p.name == "example"]
+    broken = {b.name for b in example.backends if b.name != "example"}
+    assert broken == set(BROKEN)

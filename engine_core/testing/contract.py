@@ -254,6 +254,34 @@ def test_gradient_invariance_two_dp_ranks(double: list, kit_baseline: Baseline) 
             _check_step(step, kit_baseline, f"dp=2 rank {rank}, {key[5:]}", dp_size=2)
 
 
+def _check_metrics(step: dict, baseline: Baseline, variant: str) -> None:
+    got = step["metrics"].get("nll")
+    if got is None:
+        pytest.fail(
+            f"[metric reduction] {variant}: the loss function's metric 'nll' is missing from "
+            f"forward_backward_step().metrics ({sorted(step['metrics'])}): every micro-batch's "
+            f"metrics must be accumulated and reduced (MetricAccumulator)."
+        )
+    if abs(got - baseline.loss) > RTOL * abs(baseline.loss):
+        pytest.fail(
+            f"[metric reduction] {variant}: the token-mean metric 'nll' reduced to {got:.8g}, "
+            f"the full-batch value is {baseline.loss:.8g} ({got / baseline.loss:.4g}x). Every "
+            f"micro-batch's metrics must be accumulated (not only the last one's) and reduced "
+            f"across DP ranks by their declared reduction (MetricAccumulator.reduce)."
+        )
+
+
+def test_metrics_reduce_over_micro_batches_and_ranks(
+    single: dict, double: list, kit_baseline: Baseline
+) -> None:
+    for key in [k for k in single if k.startswith("step_")]:
+        _check_metrics(_get(single, key, "metric reduction"), kit_baseline, f"1 rank, {key[5:]}")
+    for rank, r in enumerate(double):
+        for key in [k for k in r if k.startswith("step_")]:
+            step = _get(r, key, "metric reduction")
+            _check_metrics(step, kit_baseline, f"dp=2 rank {rank}, {key[5:]}")
+
+
 def test_micro_batch_counts_agree_across_dp_ranks(double: list, caps: frozenset) -> None:
     if Capability.DYNAMIC_BATCH not in caps:
         pytest.skip("dynamic_batch not declared")
@@ -388,11 +416,20 @@ def test_weight_export_matches_hf_state_dict(
     want = kit_baseline.state_dict
     missing, extra = sorted(want.keys() - exported.keys()), sorted(exported.keys() - want.keys())
     assert not missing and not extra, (
-        f"[export] names differ from the HF state dict: missing {missing[:5]}, extra {extra[:5]}"
+        f"[export] names differ from the HF state dict: missing {missing[:5]}, extra {extra[:5]}; "
+        f"named_full_params() must yield Hugging Face names (strip wrapper prefixes such as "
+        f"'module.' or '_fsdp_wrapped_module.', map backend layouts back)"
     )
     for name, tensor in want.items():
         got = exported[name]
-        assert got.shape == tensor.shape, f"[export] {name}: shape {tuple(got.shape)}"
+        assert got.shape == tensor.shape, (
+            f"[export] {name}: shape {tuple(got.shape)}, want {tuple(tensor.shape)}: yield full "
+            f"(unsharded) tensors in the HF layout"
+        )
+        assert got.dtype == tensor.dtype, (
+            f"[export] {name}: dtype {got.dtype}, the model's is {tensor.dtype}: yield the "
+            f"weights in the model's dtype (rollouts cast on their side)"
+        )
         assert torch.equal(got, tensor), f"[export] {name}: values differ from the HF weights"
 
 

@@ -240,7 +240,13 @@ def first_step(engine: BaseEngine, batch: TensorDict) -> dict[str, Any]:
         engine.lr_scheduler_step()
         engine.optimizer_zero_grad()
     engine.set_loss_fn(nll_loss)
-    return {"loss": result.loss, "norm": norm, "calls": len(calls), "declared": calls[:1]}
+    return {
+        "loss": result.loss,
+        "norm": norm,
+        "calls": len(calls),
+        "declared": calls[:1],
+        "metrics": dict(result.metrics),
+    }
 
 
 def _outputs(backend: str, **overrides: Any) -> dict[str, torch.Tensor]:
