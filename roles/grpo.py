@@ -35,7 +35,7 @@ from engine_core.tracking import RunTracker
 from roles.actor import Actor, ActorConfig
 from roles.critic import Critic, CriticConfig
 from roles.reference import Reference
-from roles.trainer import RLTrainer, TrainerConfig, plot_keys
+from roles.trainer import Algorithm, RLTrainer, TrainerConfig, check_group_size, plot_keys
 
 __all__ = ["GRPOJobConfig", "run_grpo"]
 
@@ -43,11 +43,7 @@ __all__ = ["GRPOJobConfig", "run_grpo"]
 class GRPOJobConfig(FrozenModel):
     """An RL run: algorithm, task, sampling, the actor's (and critic's) engine, the rollout."""
 
-    algorithm: Literal["grpo", "ppo"] = Field(
-        "grpo",
-        description="grpo: group-normalized scores as advantages, no critic; ppo: GAE over a "
-        "critic's values (whitened), and a critic update every step.",
-    )
+    algorithm: Algorithm = "grpo"
     steps: PositiveInt = 100
     prompts_per_step: PositiveInt = 16
     samples_per_prompt: PositiveInt = 8
@@ -78,11 +74,7 @@ class GRPOJobConfig(FrozenModel):
 
     @model_validator(mode="after")
     def _check_algorithm(self) -> GRPOJobConfig:
-        if self.algorithm == "grpo" and self.samples_per_prompt < 2:
-            raise ValueError(
-                f"grpo normalizes rewards within each prompt's group, so samples_per_prompt "
-                f"must be >= 2 (got {self.samples_per_prompt}); raise it, or use algorithm=ppo."
-            )
+        check_group_size(self.algorithm, self.samples_per_prompt)
         if self.algorithm == "grpo" and self.critic_engine is not None:
             raise ValueError(
                 "critic_engine is set but algorithm=grpo trains no critic; remove critic_engine "

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol
 
 import torch
 from pydantic import Field, PositiveInt, model_validator
@@ -67,14 +67,28 @@ StepCallback = Callable[["RLTrainer", dict[str, Any]], None]
 """Called by :meth:`RLTrainer.fit` after every step with the trainer and that step's row."""
 
 
+Algorithm = Annotated[
+    Literal["grpo", "ppo"],
+    Field(
+        description="grpo: group-normalized scores as advantages, no critic; ppo: GAE over a "
+        "critic's values (whitened), and a critic update every step."
+    ),
+]
+
+
+def check_group_size(algorithm: str, samples_per_prompt: int) -> None:
+    """grpo needs at least two samples per prompt to normalize within a group."""
+    if algorithm == "grpo" and samples_per_prompt < 2:
+        raise ValueError(
+            f"grpo normalizes rewards within each prompt's group, so samples_per_prompt must "
+            f"be >= 2 (got {samples_per_prompt}); raise it, or use algorithm=ppo."
+        )
+
+
 class TrainerConfig(FrozenModel):
     """How each step samples, and which advantage estimator it uses."""
 
-    algorithm: Literal["grpo", "ppo"] = Field(
-        "grpo",
-        description="grpo: group-normalized scores as advantages, no critic; ppo: GAE over a "
-        "critic's values (whitened), and a critic update every step.",
-    )
+    algorithm: Algorithm = "grpo"
     samples_per_prompt: PositiveInt = 8
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of the rollout.")
     max_new_tokens: PositiveInt = 32
@@ -89,11 +103,7 @@ class TrainerConfig(FrozenModel):
 
     @model_validator(mode="after")
     def _check_groups(self) -> TrainerConfig:
-        if self.algorithm == "grpo" and self.samples_per_prompt < 2:
-            raise ValueError(
-                f"grpo normalizes rewards within each prompt's group, so samples_per_prompt "
-                f"must be >= 2 (got {self.samples_per_prompt}); raise it, or use algorithm=ppo."
-            )
+        check_group_size(self.algorithm, self.samples_per_prompt)
         return self
 
     def sampling_params(self, step: int) -> SamplingParams:
