@@ -20,7 +20,9 @@ anything that would not load back that way.
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
 import re
 import warnings
 from collections import OrderedDict
@@ -51,7 +53,15 @@ __all__ = [
     "load_safetensors",
     "replace_folder",
     "fresh_folder",
+    "MANIFEST_FILE",
+    "write_manifest",
+    "verify_checkpoint",
+    "latest_verified_checkpoint",
+    "set_aside",
 ]
+
+MANIFEST_FILE = "manifest.json"
+_MANIFEST_FORMAT = 1
 
 STEP_DIR_PATTERN = re.compile(r"^global_step_(\d+)$")
 
@@ -182,6 +192,114 @@ def fresh_folder(location: str) -> None:
     if fs.exists(path):
         fs.rm(path, recursive=True)
     fs.makedirs(path, exist_ok=True)
+
+
+def _digest(fs: fsspec.AbstractFileSystem, path: str) -> tuple[int, str]:
+    h = hashlib.sha256()
+    size = 0
+    with fs.open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+def _files_under(fs: fsspec.AbstractFileSystem, root: str) -> dict[str, str]:
+    """relative name -> full path of every file below ``root``."""
+    root = root.rstrip("/")
+    return {
+        path[len(root) :].lstrip("/"): path
+        for path in sorted(fs.find(root))
+        if path.startswith(root + "/")
+    }
+
+
+def write_manifest(folder: str, *, step: int) -> None:
+    """Write ``manifest.json`` into ``folder``: every other file with its size and SHA-256.
+
+    Written last, just before the folder is committed: a checkpoint with a manifest is whole,
+    and :func:`verify_checkpoint` can tell a damaged or changed file from an intact one.
+    """
+    fs, root = _fs(folder)
+    files = {
+        name: dict(zip(("size", "sha256"), _digest(fs, path), strict=True))
+        for name, path in _files_under(fs, root).items()
+        if name != MANIFEST_FILE
+    }
+    manifest = {"format": _MANIFEST_FORMAT, "step": step, "files": files}
+    fs.pipe_file(f"{root.rstrip('/')}/{MANIFEST_FILE}", json.dumps(manifest, indent=1).encode())
+
+
+def verify_checkpoint(folder: str) -> int:
+    """Check every file of the checkpoint ``folder`` against its manifest; return its step.
+
+    A missing or unreadable manifest, a missing, extra, resized or changed file is a
+    :class:`CheckpointError` naming the checkpoint and the file. Never unpickles anything.
+    """
+    fs, root = _fs(folder)
+    where = f"checkpoint {folder}"
+    manifest_path = f"{root.rstrip('/')}/{MANIFEST_FILE}"
+    if not fs.isfile(manifest_path):
+        raise CheckpointError(
+            f"{where} has no {MANIFEST_FILE}: it was not completely written by save_checkpoint() "
+            f"(or not by this engine-core version). Resume from another checkpoint."
+        )
+    try:
+        manifest = json.loads(fs.cat_file(manifest_path))
+        files = manifest["files"]
+        step = manifest["step"]
+        if manifest.get("format") != _MANIFEST_FORMAT or not isinstance(step, int):
+            raise ValueError(f"unknown format {manifest.get('format')!r}")
+        expected = {str(k): (int(v["size"]), str(v["sha256"])) for k, v in files.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(
+            f"{where}: {MANIFEST_FILE} is damaged ({type(e).__name__}: {e}). Resume from another "
+            f"checkpoint."
+        ) from None
+    found = {k: v for k, v in _files_under(fs, root).items() if k != MANIFEST_FILE}
+    missing = sorted(expected.keys() - found.keys())
+    extra = sorted(found.keys() - expected.keys())
+    if missing or extra:
+        raise CheckpointError(
+            f"{where} (step {step}) does not hold the files it was saved with: missing "
+            f"{missing[:5]}, not in the manifest {extra[:5]}. Resume from another checkpoint."
+        )
+    for name, path in found.items():
+        size, digest = _digest(fs, path)
+        want_size, want_digest = expected[name]
+        if size != want_size or digest != want_digest:
+            what = f"{size} bytes, saved with {want_size}" if size != want_size else "SHA-256 differs"
+            raise CheckpointError(
+                f"{where} (step {step}): {name} is damaged or was changed since it was saved "
+                f"({what}). Resume from another checkpoint."
+            )
+    return step
+
+
+def set_aside(location: str | Path) -> str:
+    """Rename a checkpoint that failed verification to ``<name>.rejected`` (``.rejected-2``, ...):
+    out of :func:`list_checkpoints`, its step free to be saved again, its files kept for
+    inspection. Returns the new location."""
+    fs, path = _fs(location)
+    target, n = f"{path}.rejected", 1
+    while fs.exists(target):
+        n += 1
+        target = f"{path}.rejected-{n}"
+    fs.mv(path, target, recursive=True)
+    return f"{str(location).rstrip('/')}{target[len(path):]}"
+
+
+def latest_verified_checkpoint(root: str | Path) -> tuple[str | None, list[str]]:
+    """The newest checkpoint under ``root`` that verifies, and why each newer one was skipped."""
+    skipped: list[str] = []
+    for _, location in reversed(list_checkpoints(root)):
+        try:
+            verify_checkpoint(location)
+        except CheckpointError as e:
+            skipped.append(str(e))
+            continue
+        return location, skipped
+    return None, skipped
 
 
 _PLAIN_SCALARS = (str, int, float, bool, type(None))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_reduce_cpu", "collective_device"]
+__all__ = ["all_reduce_cpu", "broadcast_text", "collective_device"]
 
 
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
@@ -30,3 +30,26 @@ def all_reduce_cpu(
     on_device = t.to(device)
     dist.all_reduce(on_device, op=op, group=group)
     return on_device.cpu()
+
+
+def broadcast_text(text: str | None, src: int = 0, max_bytes: int = 4096) -> str | None:
+    """``text`` of global rank ``src`` (``None`` included) on every rank of the default group.
+
+    Sent as UTF-8 bytes in a fixed-size tensor (no pickling); longer texts are cut at
+    ``max_bytes``.
+    """
+    raw = b"" if text is None else text.encode()[:max_bytes]
+    buf = torch.zeros(max_bytes + 2, dtype=torch.uint8)
+    if text is not None:
+        buf[0] = 1
+        buf[1] = 0
+        buf[2 : 2 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    length = torch.tensor([len(raw)], dtype=torch.int64)
+    device = collective_device()
+    on_device, n = buf.to(device), length.to(device)
+    dist.broadcast(on_device, src=src)
+    dist.broadcast(n, src=src)
+    out = on_device.cpu()
+    if int(out[0]) == 0:
+        return None
+    return bytes(out[2 : 2 + int(n.cpu())].tolist()).decode(errors="replace")

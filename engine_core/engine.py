@@ -47,9 +47,12 @@ from engine_core.packing import PackedSequences, pack, sequence_start_mask, unpa
 VARLEN_KERNELS = frozenset({"sdpa_varlen", "flash_attention_2"})
 # each rank's core state in a checkpoint folder: step, world size, RNG streams, extra state
 CHECKPOINT_STATE_FILE = "engine_state_rank{rank}.pt"
+# the caller's state (a job's data position, say), committed with the engine's
+JOB_STATE_FILE = "job_state.pt"
 
 __all__ = [
     "CHECKPOINT_STATE_FILE",
+    "JOB_STATE_FILE",
     "BaseEngine",
     "EngineOutput",
     "MicroBatchResults",
@@ -490,19 +493,30 @@ class BaseEngine(abc.ABC):
     def to(self, device: torch.device | str, *, model: bool = True, optimizer: bool = True) -> None:
         """Move model and/or optimizer state (offload to ``"cpu"`` and back)."""
 
-    def save_checkpoint(self, path: str, *, step: int, max_ckpt_to_keep: int | None = None) -> str:
+    def save_checkpoint(
+        self,
+        path: str,
+        *,
+        step: int,
+        max_ckpt_to_keep: int | None = None,
+        job_state: dict[str, Any] | None = None,
+    ) -> str:
         """Save everything a resume needs as ``<path>/global_step_<step>``; return that folder.
 
         Collective: every rank calls it. The sequence is the core's, the same for every engine:
         the input is checked and :meth:`checkpoint_preflight` runs (nothing written yet); global
         rank 0 creates the staging folder ``global_step_<step>.tmp``; every rank writes its part
         with :meth:`save_shards` and its core state file (``step``, the RNG streams of
-        :meth:`rng_state`, :meth:`checkpoint_extra_state`); rank 0 renames the folder into place
-        and deletes the oldest checkpoints beyond ``max_ckpt_to_keep``. An interrupted save
-        leaves only a ``.tmp`` folder, which :func:`~engine_core.checkpoint.list_checkpoints`
-        ignores; an existing checkpoint is never overwritten.
+        :meth:`rng_state`, :meth:`checkpoint_extra_state`); rank 0 writes ``job_state`` (plain
+        data of the caller's, e.g. a job's data position: committed together with the engine's
+        state, read back with :func:`load_job_state`) and, last, the manifest (every file's size
+        and SHA-256), renames the folder into place and deletes the oldest checkpoints beyond
+        ``max_ckpt_to_keep``. An interrupted save leaves only a ``.tmp`` folder, which
+        :func:`~engine_core.checkpoint.list_checkpoints` ignores; an existing checkpoint is never
+        overwritten; :meth:`load_checkpoint` verifies every file against the manifest.
         """
         from engine_core.checkpoint import (
+            _non_plain,
             check_max_ckpt_to_keep,
             commit_staging,
             is_dir,
@@ -510,6 +524,7 @@ class BaseEngine(abc.ABC):
             save_torch,
             staging_dir,
             step_dir,
+            write_manifest,
         )
         from engine_core.errors import CheckpointError
 
@@ -517,6 +532,11 @@ class BaseEngine(abc.ABC):
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CheckpointError(f"save_checkpoint: step must be an int >= 0, got {step!r}.")
         check_max_ckpt_to_keep(max_ckpt_to_keep)
+        if job_state is not None and (found := _non_plain(job_state, "job_state")):
+            raise CheckpointError(
+                f"save_checkpoint: {found} is not plain data; job_state holds tensors in dicts, "
+                f"lists and tuples of str, int, float, bool and None."
+            )
         self.checkpoint_preflight(path, saving=True)
         final = step_dir(path, step)
         if is_dir(final):  # every rank sees it: all refuse, none waits at a barrier
@@ -537,8 +557,11 @@ class BaseEngine(abc.ABC):
             "engine": self.checkpoint_extra_state(),
         }
         save_torch(core, join(folder, CHECKPOINT_STATE_FILE.format(rank=rank)))
+        if rank == 0 and job_state is not None:
+            save_torch(job_state, join(folder, JOB_STATE_FILE))
         self._checkpoint_barrier()
         if rank == 0:
+            write_manifest(folder, step=step)  # last: a folder with a manifest is whole
             commit_staging(path, step, max_ckpt_to_keep)
         self._checkpoint_barrier()
         return final
@@ -546,17 +569,31 @@ class BaseEngine(abc.ABC):
     def load_checkpoint(self, path: str) -> int:
         """Restore everything :meth:`save_checkpoint` wrote in the folder ``path``; return its step.
 
-        Collective. The core state file is read and checked first, then :meth:`load_shards`
-        restores model and optimizer, then :meth:`load_checkpoint_extra_state` and, when the
-        checkpoint was written by the same number of ranks, each rank's RNG streams (a resharded
-        load keeps its own: streams belong to ranks).
+        Collective. Every file is verified against the checkpoint's manifest first (global rank
+        0 reads them; a damaged, truncated or changed file is a
+        :class:`~engine_core.errors.CheckpointError` naming it, on every rank, before any state
+        changes). The core state file is read and checked, then :meth:`load_shards` restores
+        model and optimizer, then :meth:`load_checkpoint_extra_state` and, when the checkpoint
+        was written by the same number of ranks, each rank's RNG streams (a resharded load keeps
+        its own: streams belong to ranks).
         """
-        from engine_core.checkpoint import is_file, join, load_torch
+        from engine_core.checkpoint import is_file, join, load_torch, verify_checkpoint
+        from engine_core.comm import broadcast_text
         from engine_core.errors import CheckpointError
 
         self.require_module()
         self.checkpoint_preflight(path, saving=False)
         rank, world = self._global_rank_and_size()
+        problem = None
+        if rank == 0:
+            try:
+                verify_checkpoint(path)
+            except CheckpointError as e:
+                problem = str(e)
+        if world > 1:
+            problem = broadcast_text(problem)
+        if problem is not None:
+            raise CheckpointError(problem)
         first = join(path, CHECKPOINT_STATE_FILE.format(rank=0))
         own = join(path, CHECKPOINT_STATE_FILE.format(rank=rank))
         if not is_file(first):
@@ -576,6 +613,14 @@ class BaseEngine(abc.ABC):
         if saved_world == world and is_file(own):
             self.set_rng_state(core["rng"])
         return step
+
+    @staticmethod
+    def load_job_state(path: str) -> dict[str, Any] | None:
+        """The ``job_state`` saved with the checkpoint folder ``path`` (``None`` if none was)."""
+        from engine_core.checkpoint import is_file, join, load_torch
+
+        location = join(path, JOB_STATE_FILE)
+        return load_torch(location) if is_file(location) else None
 
     def checkpoint_preflight(self, path: str, *, saving: bool) -> None:
         """Refuse a save or load this engine cannot do, before anything is written or read.

@@ -91,7 +91,7 @@ def _outputs_ok(summary: dict, out: Path, last_step: int) -> None:
     assert Path(summary["plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert Path(summary["checkpoint"]).name == f"global_step_{last_step}"
-    assert (Path(summary["checkpoint"]) / "trainer_state.pt").is_file()
+    assert (Path(summary["checkpoint"]) / "job_state.pt").is_file()  # the task's position
     # save_every=2, max_ckpt_to_keep=2: the last two saves are kept
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
         f"global_step_{last_step - 2}",

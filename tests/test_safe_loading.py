@@ -84,14 +84,27 @@ def _damaged(data: bytes) -> dict[str, bytes]:
     return {"truncated": data[: len(data) // 2], "flipped": bytes(flipped), "empty": b""}
 
 
+def _reseal(state_file: str) -> None:
+    """Rewrite the checkpoint's manifest over its current files, as an attacker who can write
+    the folder would: the manifest catches damage, the state-file parser what gets past it."""
+    from engine_core.checkpoint import MANIFEST_FILE, write_manifest
+
+    folder = state_file.rsplit("/", 1)[0]
+    fs, path = fsspec.core.url_to_fs(f"{folder}/{MANIFEST_FILE}")
+    if fs.exists(path):  # a checkpoint folder, not a lone state file
+        write_manifest(folder, step=json.loads(_read(f"{folder}/{MANIFEST_FILE}"))["step"])
+
+
 def _refusals(state_file: str, load: Any, marker: str) -> list[str]:
-    """Plant each malicious and damaged variant of ``state_file``; the messages of the refusals."""
+    """Plant each malicious and damaged variant of ``state_file`` (manifest resealed); the
+    messages of the refusals."""
     original = _read(state_file)
     variants = {kind: _planted_bytes(kind, marker) for kind in ("pickle", "torch")}
     variants.update(_damaged(original))
     messages = []
     for data in variants.values():
         _write(state_file, data)
+        _reseal(state_file)
         try:
             load()
         except CheckpointError as e:
@@ -99,6 +112,7 @@ def _refusals(state_file: str, load: Any, marker: str) -> list[str]:
         else:
             messages.append("<loaded>")
     _write(state_file, original)
+    _reseal(state_file)
     return messages
 
 
@@ -223,8 +237,9 @@ def test_rng_state_round_trips_bit_for_bit_through_a_state_file(tmp_path: Path) 
 
 def test_grpo_trainer_state(tmp_path: Path) -> None:
     from engine_core.configio import apply_overrides, load_yaml
+    from engine_core.engine import JOB_STATE_FILE
     from engine_core.plugins import load_plugins
-    from roles.grpo import TRAINER_STATE, run_grpo
+    from roles.grpo import run_grpo
 
     recipe = Path(__file__).parents[1] / "engine_core" / "recipes" / "grpo_tiny.yaml"
     out = tmp_path / "run"
@@ -236,7 +251,7 @@ def test_grpo_trainer_state(tmp_path: Path) -> None:
 
         console = Console(file=sink)
         run_grpo(raw, manager, console=console)
-        state_file = str(out / "checkpoints" / "global_step_1" / TRAINER_STATE)
+        state_file = str(out / "checkpoints" / "global_step_1" / JOB_STATE_FILE)
         marker = str(tmp_path / "marker")
         resume = apply_overrides(raw, ["steps=2"])
         messages = _refusals(

@@ -1,0 +1,205 @@
+"""Checkpoints are verified when loaded: every file against the manifest written last.
+
+A flipped byte, a truncated, missing or extra file, or a damaged manifest is refused with an
+error naming the checkpoint, its step and the file, before any state of the engine changes;
+``engine-core run --resume`` then falls back to the newest checkpoint that verifies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+
+from engine_core.checkpoint import MANIFEST_FILE, list_checkpoints, verify_checkpoint
+from engine_core.errors import CheckpointError
+from engine_core.reference_engine import ReferenceEngine, ReferenceEngineConfig
+from engine_core.testing.models import engine_config, nll_loss, train_steps
+from tests._dist import run_distributed
+
+
+def _engine() -> ReferenceEngine:
+    engine = ReferenceEngine(ReferenceEngineConfig(**engine_config()))
+    engine.init_model()
+    engine.set_loss_fn(nll_loss)
+    return engine
+
+
+def _weights(engine: ReferenceEngine) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in engine.require_module().state_dict().items()}
+
+
+@pytest.fixture(params=["local", "memory"])
+def root(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "local":
+        yield str(tmp_path / "ckpt")
+        return
+    url = f"memory://integrity-{request.node.name.replace('[', '-').rstrip(']')}"
+    yield url
+    fs = fsspec.filesystem("memory")
+    if fs.exists(url):
+        fs.rm(url, recursive=True)
+
+
+def _files(folder: str) -> list[str]:
+    fs, path = fsspec.core.url_to_fs(folder)
+    return sorted(p[len(path) :].lstrip("/") for p in fs.find(path))
+
+
+def _damage(kind: str, data: bytes) -> bytes:
+    if kind == "flipped":
+        out = bytearray(data)
+        out[len(out) // 2] ^= 0x01  # one bit
+        return bytes(out)
+    return data[: len(data) // 2]
+
+
+@pytest.mark.parametrize("kind", ["flipped", "truncated"])
+def test_every_damaged_file_is_named_before_any_state_changes(root: str, kind: str) -> None:
+    engine = _engine()
+    train_steps(engine, range(1), 4)
+    folder = engine.save_checkpoint(root, step=3)
+    names = [n for n in _files(folder) if n != MANIFEST_FILE]
+    assert {"model.safetensors", "optim_rank0.pt", "engine_state_rank0.pt"} <= set(names)
+    train_steps(engine, range(1, 2), 4)  # move on, so a load would change the weights
+    before = _weights(engine)
+    for name in names:
+        location = f"{folder}/{name}"
+        with fsspec.open(location, "rb") as f:
+            original = f.read()
+        with fsspec.open(location, "wb") as f:
+            f.write(_damage(kind, original))
+        with pytest.raises(CheckpointError) as refused:
+            engine.load_checkpoint(folder)
+        message = str(refused.value)
+        assert name in message and "(step 3)" in message and folder in message, message
+        assert "damaged or was changed" in message, message
+        with fsspec.open(location, "wb") as f:
+            f.write(original)
+        after = _weights(engine)
+        assert all(torch.equal(before[k], after[k]) for k in before), name
+    assert engine.load_checkpoint(folder) == 3  # intact again
+
+
+def test_missing_extra_and_manifest_damage_are_refused(root: str) -> None:
+    engine = _engine()
+    folder = engine.save_checkpoint(root, step=1)
+    fs, path = fsspec.core.url_to_fs(folder)
+    fs.pipe_file(f"{path}/planted.pt", b"not saved by the engine")
+    with pytest.raises(CheckpointError, match=r"not in the manifest \['planted.pt'\]"):
+        engine.load_checkpoint(folder)
+    fs.rm(f"{path}/planted.pt")
+    optim = fs.cat_file(f"{path}/optim_rank0.pt")
+    fs.rm(f"{path}/optim_rank0.pt")
+    with pytest.raises(CheckpointError, match=r"missing \['optim_rank0.pt'\]"):
+        engine.load_checkpoint(folder)
+    fs.pipe_file(f"{path}/optim_rank0.pt", optim)
+    manifest = fs.cat_file(f"{path}/{MANIFEST_FILE}")
+    for bad in (manifest[:20], b"[]", json.dumps({"format": 99, "step": 1, "files": {}}).encode()):
+        fs.pipe_file(f"{path}/{MANIFEST_FILE}", bad)
+        with pytest.raises(CheckpointError, match=f"{MANIFEST_FILE} is damaged"):
+            engine.load_checkpoint(folder)
+    fs.rm(f"{path}/{MANIFEST_FILE}")
+    with pytest.raises(CheckpointError, match=f"has no {MANIFEST_FILE}"):
+        engine.load_checkpoint(folder)
+    fs.pipe_file(f"{path}/{MANIFEST_FILE}", manifest)
+    assert verify_checkpoint(folder) == 1 and engine.load_checkpoint(folder) == 1
+
+
+def test_bad_save_arguments_write_nothing(tmp_path: Path) -> None:
+    engine = _engine()
+    root = tmp_path / "ckpt"
+    for kwargs, match in (
+        ({"step": -1}, "step must be an int >= 0"),
+        ({"step": 1, "max_ckpt_to_keep": 0}, "max_ckpt_to_keep must be >= 1"),
+        ({"step": 1, "job_state": {"f": lambda: 0}}, r"job_state\['f'\].*is not plain data"),
+    ):
+        with pytest.raises(CheckpointError, match=match):
+            engine.save_checkpoint(str(root), **kwargs)  # type: ignore[arg-type]
+    assert not root.exists()
+    engine.save_checkpoint(str(root), step=1)
+    with pytest.raises(CheckpointError, match="already exists; refusing to overwrite"):
+        engine.save_checkpoint(str(root), step=1)
+    assert [s for s, _ in list_checkpoints(root)] == [1]
+
+
+def _fsdp2_shard_worker(rank: int, world: int, tmp: str) -> dict[str, str]:
+    from engine_core.testing.models import registered_engine
+
+    engine = registered_engine("fsdp2")
+    train_steps(engine, range(1), 4)
+    folder = engine.save_checkpoint(f"{tmp}/ckpt", step=1)
+    shards = sorted(n for n in _files(folder) if n.endswith(".distcp"))
+    assert shards, _files(folder)
+    location = f"{folder}/{shards[0]}"
+    data = Path(location).read_bytes()
+    Path(location).write_bytes(_damage("flipped", data))
+    try:
+        engine.load_checkpoint(folder)
+    except CheckpointError as e:
+        return {"shard": shards[0], "error": str(e)}
+    return {"shard": shards[0], "error": "<loaded>"}
+
+
+def test_a_flipped_byte_in_a_dcp_shard_is_refused(tmp_path: Path) -> None:
+    (got,) = run_distributed(_fsdp2_shard_worker, 1, str(tmp_path))
+    assert got["shard"] in got["error"] and "damaged or was changed" in got["error"], got
+
+
+def _run(out: Path, steps: int, *extra: str, resume: bool = False) -> tuple[dict, str]:
+    import io
+
+    from rich.console import Console
+
+    from engine_core.configio import apply_overrides, load_yaml
+    from engine_core.plugins import load_plugins
+    from roles.grpo import run_grpo
+
+    recipe = Path(__file__).parents[1] / "engine_core" / "recipes" / "grpo_tiny.yaml"
+    overrides = [
+        f"output_dir={out}",
+        f"steps={steps}",
+        "engine.backend=reference",
+        "prompts_per_step=2",
+        "samples_per_prompt=2",
+        "save_every=1",
+        "log_every=1",
+        *extra,
+    ]
+    raw = apply_overrides(load_yaml(recipe), overrides)
+    buf = io.StringIO()
+    summary = run_grpo(raw, load_plugins(), resume=resume, console=Console(file=buf, width=200))
+    return summary, buf.getvalue()
+
+
+def _metrics(out: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in ("time_s", "tokens_per_s")} for r in rows]
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_resume_skips_a_damaged_checkpoint_and_says_so(tmp_path: Path, algorithm: str) -> None:
+    extra = [f"algorithm={algorithm}"]
+    if algorithm == "ppo":
+        extra.append("samples_per_prompt=1")
+    straight = tmp_path / "straight"
+    _run(straight, 3, *extra)
+    out = tmp_path / "run"
+    _run(out, 2, *extra)
+    damaged = out / ("critic_checkpoints" if algorithm == "ppo" else "checkpoints")
+    shard = damaged / "global_step_2" / "engine_state_rank0.pt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    summary, log = _run(out, 3, *extra, resume=True)
+    assert "skipped step 2" in log and "engine_state_rank0.pt is damaged" in log, log
+    assert "global_step_1 (next step 2)" in log, log
+    assert summary["checkpoint"].endswith("global_step_3")
+    # steps 2-3 after falling back to step 1 equal the uninterrupted run's
+    assert _metrics(out)[-2:] == _metrics(straight)[-2:]
+    assert os.path.isdir(damaged / "global_step_3")
