@@ -12,7 +12,40 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunTracker"]
+__all__ = ["RunTracker", "claim_output_dir"]
+
+# what marks a folder as holding a run's outputs
+_RUN_MARKERS = ("metrics.jsonl", "checkpoints")
+
+
+def claim_output_dir(out_dir: str | Path, *, command: str, resume: bool = False) -> Path:
+    """Make sure ``out_dir`` can hold this run, before anything is built or written.
+
+    A folder that holds another run (``metrics.jsonl`` or ``checkpoints/``) is refused unless
+    resuming, so no command overwrites an earlier run; a folder that cannot be created or
+    written is a one-line error naming it.
+    """
+    from engine_core.errors import CheckpointError
+
+    path = Path(out_dir)
+    held = [m for m in _RUN_MARKERS if (path / m).exists()]
+    if held and not resume:
+        way_out = "Pass --resume to continue it, or c" if command == "engine-core run" else "C"
+        raise CheckpointError(
+            f"{command}: output_dir {path} already holds a run ({', '.join(held)}); refusing to "
+            f"overwrite it. {way_out}hoose another folder (output_dir=...) or delete it."
+        )
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".engine-core-write-probe"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise CheckpointError(
+            f"{command}: cannot write to output_dir {path} ({e.strerror or e}); choose a "
+            f"writable folder (output_dir=...)."
+        ) from None
+    return path
 
 
 class RunTracker:

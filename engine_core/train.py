@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +25,7 @@ from engine_core.loss import GlobalBatchContext, Metric, aggregate_loss, token_m
 from engine_core.plugins import PluginManager
 from engine_core.resolve import resolve_engine_config
 from engine_core.tasks import DigitTask, TaskConfig
+from engine_core.tracking import claim_output_dir
 
 __all__ = ["SFTJobConfig", "run_sft", "sft_loss"]
 
@@ -63,13 +63,12 @@ def run_sft(
         job = SFTJobConfig.model_validate(raw)
     except ValidationError as e:
         raise prefix_validation_error(e, (), "SFTJobConfig") from None
+    out_dir = claim_output_dir(job.output_dir, command="engine-core train")
     spec, engine_cfg = resolve_engine_config(job.engine, manager, path=("engine",))
     engine: BaseEngine = spec.load_class()(engine_cfg)
     engine.init_model()
     engine.set_loss_fn(sft_loss)
     task = DigitTask(job.task)
-    out_dir = Path(job.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = out_dir / "metrics.jsonl"
     console.print(
         f"[bold]engine-core train[/]: engine={spec.name} task={job.task.name} "

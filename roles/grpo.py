@@ -39,7 +39,7 @@ from engine_core.checkpoint import (
 from engine_core.errors import CheckpointError
 from engine_core.rollout import BaseRollout
 from engine_core.tasks import EOS, PAD, DigitTask, TaskConfig
-from engine_core.tracking import RunTracker
+from engine_core.tracking import RunTracker, claim_output_dir
 from roles.actor import Actor, ActorConfig
 from roles.critic import Critic, CriticConfig
 from roles.reference import Reference
@@ -161,11 +161,9 @@ def run_grpo(
         raise CheckpointError(
             f"--resume: no checkpoint under {ckpt_root}; run without --resume to start fresh."
         )
-    if not resume and latest is not None:  # refused before anything is built or overwritten
-        raise CheckpointError(
-            f"{out_dir} already holds checkpoints of an earlier run (latest: {latest}). Pass "
-            f"--resume to continue it, or start fresh in another folder (output_dir=...)."
-        )
+    # refused before anything is built or overwritten: a folder holding another run, or one
+    # that cannot be written
+    claim_output_dir(out_dir, command="engine-core run", resume=resume)
     resume_from = None
     if resume:
         critic_root = out_dir / "critic_checkpoints" if job.algorithm == "ppo" else None

@@ -203,3 +203,29 @@ def test_resume_skips_a_damaged_checkpoint_and_says_so(tmp_path: Path, algorithm
     # steps 2-3 after falling back to step 1 equal the uninterrupted run's
     assert _metrics(out)[-2:] == _metrics(straight)[-2:]
     assert os.path.isdir(damaged / "global_step_3")
+
+
+def test_no_command_overwrites_a_run_or_writes_where_it_cannot(tmp_path: Path) -> None:
+    from engine_core.configio import apply_overrides, load_yaml
+    from engine_core.plugins import load_plugins
+    from engine_core.train import run_sft
+
+    recipe = Path(__file__).parents[1] / "engine_core" / "recipes" / "sft_tiny.yaml"
+    out = tmp_path / "sft"
+    raw = apply_overrides(load_yaml(recipe), [f"output_dir={out}", "steps=2", "log_every=1"])
+    from rich.console import Console
+
+    quiet = Console(file=open(os.devnull, "w"))  # noqa: SIM115
+    run_sft(raw, load_plugins(), console=quiet)
+    metrics = (out / "metrics.jsonl").read_bytes()
+    with pytest.raises(CheckpointError, match="already holds a run.*refusing to overwrite"):
+        run_sft(raw, load_plugins(), console=quiet)
+    assert (out / "metrics.jsonl").read_bytes() == metrics  # untouched
+    blocked = tmp_path / "file"
+    blocked.write_text("a file, not a folder")
+    bad = apply_overrides(raw, [f"output_dir={blocked}/run"])
+    with pytest.raises(CheckpointError, match=f"cannot write to output_dir {blocked}/run"):
+        run_sft(bad, load_plugins(), console=quiet)
+    with pytest.raises(CheckpointError, match="Pass --resume to continue it"):
+        _run(tmp_path / "grpo", 1)
+        _run(tmp_path / "grpo", 1)
