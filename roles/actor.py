@@ -7,6 +7,8 @@ response tokens, ``advantages`` and ``old_log_probs`` are per token.
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -143,7 +145,12 @@ class Actor:
             global_mini_batch_size=self.config.ppo_mini_batch_size,
             log_loss=True,
         )
-        return mean_over_steps("actor", history, lr=lr)
+        out = mean_over_steps("actor", history, lr=lr)
+        if out["actor/num_skipped_steps"]:
+            warn_skipped(
+                "Actor.update_actor", int(out["actor/num_skipped_steps"]), len(history), batch
+            )
+        return out
 
 
 def run_updates(
@@ -191,8 +198,42 @@ def local_mini_batch_size(global_size: int | None, local_samples: int, dp_size: 
 
 
 def mean_over_steps(prefix: str, history: list[dict[str, Any]], *, lr: float) -> dict[str, float]:
-    """Each metric averaged over the optimizer steps of one update (each step weighs the same)."""
+    """Each metric averaged over the optimizer steps of one update (each step weighs the same).
+
+    ``num_optimizer_steps`` counts the updates applied, ``num_skipped_steps`` those the engine
+    skipped because the gradient norm was not finite.
+    """
     out = {f"{prefix}/{k}": sum(h[k] for h in history) / len(history) for k in history[0]}
+    skipped = sum(not math.isfinite(h["grad_norm"]) for h in history)
     out[f"{prefix}/lr"] = lr
-    out[f"{prefix}/num_optimizer_steps"] = float(len(history))
+    out[f"{prefix}/num_optimizer_steps"] = float(len(history) - skipped)
+    out[f"{prefix}/num_skipped_steps"] = float(skipped)
     return out
+
+
+def non_finite_inputs(batch: TensorDict) -> list[str]:
+    """The floating-point fields of ``batch`` that hold NaN or Inf (the usual cause of a
+    skipped update: advantages or returns from a reward that was not finite)."""
+    return sorted(
+        str(k)
+        for k in batch.keys()
+        if isinstance(batch.get(k), torch.Tensor)
+        and batch[k].is_floating_point()
+        and not bool(torch.isfinite(batch[k]).all())
+    )
+
+
+def warn_skipped(role: str, skipped: int, total: int, batch: TensorDict) -> None:
+    """Warn (once per cause: Python's warning filter) that updates were skipped, and why."""
+    causes = non_finite_inputs(batch)
+    cause = (
+        f"non-finite values in {causes}"
+        if causes
+        else "the gradients themselves (no input field is non-finite: a loss that overflows?)"
+    )
+    warnings.warn(
+        f"{role}: {skipped} of {total} optimizer steps skipped (non-finite gradient norm); "
+        f"cause: {cause}.",
+        RuntimeWarning,
+        stacklevel=3,
+    )

@@ -19,7 +19,7 @@ from engine_core import (
     Metric,
     require_keys,
 )
-from roles.actor import mean_over_steps, run_updates
+from roles.actor import mean_over_steps, run_updates, warn_skipped
 from roles.losses import value_loss
 
 __all__ = ["CriticConfig", "Critic", "OLD_VALUES", "RETURNS"]
@@ -96,4 +96,9 @@ class Critic:
             global_mini_batch_size=self.config.ppo_mini_batch_size,
             log_loss=False,
         )
-        return mean_over_steps("critic", history, lr=lr)
+        out = mean_over_steps("critic", history, lr=lr)
+        if out["critic/num_skipped_steps"]:
+            warn_skipped(
+                "Critic.update_critic", int(out["critic/num_skipped_steps"]), len(history), batch
+            )
+        return out

@@ -77,6 +77,12 @@ class GRPOJobConfig(FrozenModel):
         description="ppo: the critic's engine config; default: the actor's engine config with "
         "model.value_head=true.",
     )
+    max_consecutive_skipped_updates: int = Field(
+        3,
+        ge=0,
+        description="Stop when this many steps in a row applied no actor update (non-finite "
+        "gradient norms); 0: never stop.",
+    )
     gamma: float = Field(1.0, ge=0, le=1, description="ppo: GAE discount.")
     lam: float = Field(0.95, ge=0, le=1, description="ppo: GAE lambda.")
 
@@ -101,6 +107,7 @@ class GRPOJobConfig(FrozenModel):
             gamma=self.gamma,
             lam=self.lam,
             seed=self.task.seed,
+            max_consecutive_skipped_updates=self.max_consecutive_skipped_updates,
         )
 
     def critic_engine_config(self) -> dict[str, Any]:

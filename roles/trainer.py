@@ -20,9 +20,16 @@ import torch
 from pydantic import Field, PositiveInt, model_validator
 from tensordict import TensorDict
 
-from engine_core import ATTENTION_MASK, LOSS_MASK, BaseRollout, FrozenModel, SamplingParams
+from engine_core import (
+    ATTENTION_MASK,
+    LOSS_MASK,
+    BaseRollout,
+    EngineCoreError,
+    FrozenModel,
+    SamplingParams,
+)
 from engine_core.rollout import PROMPT_IDS, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS
-from roles.actor import ADVANTAGES, OLD_LOG_PROBS, REF_LOG_PROBS, Actor
+from roles.actor import ADVANTAGES, OLD_LOG_PROBS, REF_LOG_PROBS, Actor, non_finite_inputs
 from roles.advantages import gae_advantages, grpo_advantages, sequence_to_token_rewards
 from roles.batches import prompt_batch, training_batch
 from roles.critic import OLD_VALUES, RETURNS, Critic
@@ -95,6 +102,12 @@ class TrainerConfig(FrozenModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     gamma: float = Field(1.0, ge=0, le=1, description="ppo: GAE discount.")
     lam: float = Field(0.95, ge=0, le=1, description="ppo: GAE lambda.")
+    max_consecutive_skipped_updates: int = Field(
+        3,
+        ge=0,
+        description="Stop with an error when this many steps in a row applied no actor update "
+        "(every optimizer step skipped for a non-finite gradient norm); 0: never stop.",
+    )
     seed: int | None = Field(
         0,
         description="Step s samples with seed * 100003 + s (a resumed run repeats a straight "
@@ -164,6 +177,7 @@ class RLTrainer:
         self.global_step = global_step
         self._next_prompts = _prompt_reader(prompts)
         self._synced = False
+        self._skipped_in_a_row = 0
 
     def sync_weights(self) -> None:
         """Push the actor's weights into the rollout (names, shapes and checksums verified).
@@ -203,6 +217,7 @@ class RLTrainer:
             batch[ADVANTAGES] = _whiten(adv, mask)
             critic_metrics = self.critic.update_critic(batch)
         metrics = self.actor.update_actor(batch)
+        self._count_skipped(step, metrics, batch)
         self.sync_weights()
         resp_mask = gen[RESPONSE_MASK].bool()
         trainer_lp = batch[OLD_LOG_PROBS][:, gen[PROMPT_IDS].shape[1] :]
@@ -220,6 +235,23 @@ class RLTrainer:
             "time_s": dt,
             "tokens_per_s": float(batch[ATTENTION_MASK].sum()) / dt,
         }
+
+    def _count_skipped(self, step: int, metrics: dict[str, float], batch: TensorDict) -> None:
+        if metrics.get("actor/num_optimizer_steps", 1.0) > 0:
+            self._skipped_in_a_row = 0
+            return
+        self._skipped_in_a_row += 1
+        limit = self.config.max_consecutive_skipped_updates
+        if limit and self._skipped_in_a_row >= limit:
+            causes = non_finite_inputs(batch)
+            raise EngineCoreError(
+                f"step {step}: {self._skipped_in_a_row} steps in a row applied no actor update "
+                f"(every optimizer step skipped: non-finite gradient norm; "
+                f"{'non-finite values in ' + str(causes) if causes else 'no input field is non-finite'}"
+                f"). Stopping before the run goes on without learning; checkpoints already "
+                f"saved are kept. Check the reward function and the learning rate, or raise "
+                f"max_consecutive_skipped_updates."
+            )
 
     def fit(
         self, max_steps: int, *, callbacks: Sequence[StepCallback] = ()
@@ -255,7 +287,8 @@ def plot_keys(rows: Sequence[dict[str, Any]]) -> tuple[str, ...]:
     Always how the run goes (reward, response length, grad norm, step time, tokens/s, pg loss,
     entropy, rollout-vs-trainer log-prob difference); the clip fraction and the policy's
     approximate KL only where an update took more than one optimizer step (with one on-policy
-    step they are exactly 0); the KL loss and the value loss where they were logged.
+    step they are exactly 0); the KL loss and the value loss where they were logged; skipped
+    (non-finite) updates where there were any.
     """
     keys = [
         "reward",
@@ -270,6 +303,8 @@ def plot_keys(rows: Sequence[dict[str, Any]]) -> tuple[str, ...]:
     if any(r.get("actor/num_optimizer_steps", 1.0) > 1 for r in rows):
         keys += ["actor/clipfrac", "actor/approx_kl"]
     keys += [k for k in ("actor/kl_loss", "critic/vf_loss") if any(k in r for r in rows)]
+    if any(r.get("actor/num_skipped_steps", 0.0) for r in rows):
+        keys.append("actor/num_skipped_steps")
     return tuple(keys)
 
 

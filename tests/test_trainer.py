@@ -12,6 +12,7 @@ from engine_core import (
     BaseEngine,
     BaseRollout,
     BatchError,
+    EngineCoreError,
     load_plugins,
     resolve_engine_config,
     resolve_rollout_config,
@@ -47,6 +48,7 @@ ROW_KEYS = {
     "actor/loss",
     "actor/lr",
     "actor/num_optimizer_steps",
+    "actor/num_skipped_steps",
     "time_s",
     "tokens_per_s",
 }
@@ -226,3 +228,29 @@ def test_prompt_batch_left_pads_and_training_batch_masks_the_response() -> None:
     assert batch["position_ids"][1].tolist()[2:4] == [0, 1]
     with pytest.raises(BatchError, match="response_ids"):
         training_batch(prompts)
+
+
+def test_non_finite_updates_are_counted_warned_and_stop_the_run() -> None:
+    """A reward that is NaN makes every advantage NaN: each update is skipped, counted, warned
+    with its cause, and the second such step in a row stops the run."""
+
+    def nan_reward(prompt_ids: torch.Tensor, response_ids: torch.Tensor, mask: torch.Tensor) -> Any:
+        return torch.full((prompt_ids.shape[0],), float("nan"))
+
+    config = TrainerConfig(
+        samples_per_prompt=2, max_new_tokens=3, max_consecutive_skipped_updates=2
+    )
+    t = trainer(config, reward_fn=nan_reward)
+    before = {k: v.clone() for k, v in t.actor.engine.named_full_params()}
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"1 of 1 optimizer steps skipped.*non-finite values in \['advantages'\]",
+    ):
+        row = t.step()
+    assert row["actor/num_optimizer_steps"] == 0.0 and row["actor/num_skipped_steps"] == 1.0
+    after = dict(t.actor.engine.named_full_params())
+    assert all(torch.equal(before[k], after[k]) for k in before)  # nothing was applied
+    with pytest.raises(
+        EngineCoreError, match=r"step 2: 2 steps in a row applied no actor update.*'advantages'"
+    ):
+        t.step()
