@@ -37,6 +37,7 @@ __all__ = [
     "with_meta",
     "split_with_meta",
     "require_keys",
+    "require_token_shaped",
     "sequence_lengths",
     "validate_batch",
 ]
@@ -169,15 +170,62 @@ def sequence_lengths(batch: TensorDict) -> torch.Tensor:
     return batch[ATTENTION_MASK].long().sum(-1)
 
 
+def require_token_shaped(batch: TensorDict, keys: Iterable[str], *, method: str) -> None:
+    """Each of ``keys`` must be per token, shaped like ``input_ids`` ``[batch, seq_len]``; the
+    batch must not be empty."""
+    ids = batch[INPUT_IDS]
+    if ids.shape[0] == 0:
+        raise BatchError(f"{method}: the batch is empty (0 samples); pass at least one sample.")
+    for key in keys:
+        got = tuple(batch[key].shape)
+        if got != tuple(ids.shape):
+            hint = (
+                f"; a per-sequence value of shape [batch] becomes per token with "
+                f"{key}.unsqueeze(1) * loss_mask"
+                if len(got) == 1
+                else ""
+            )
+            raise BatchError(
+                f"{method}: {key} has shape {got}, want [batch, seq_len] = {tuple(ids.shape)} "
+                f"like input_ids (one value per token){hint}."
+            )
+
+
 def validate_batch(batch: TensorDict) -> None:
     """Check the shapes every engine relies on; raise :class:`BatchError` otherwise."""
     require_keys(batch, [INPUT_IDS, ATTENTION_MASK], method="validate_batch")
     ids, mask = batch[INPUT_IDS], batch[ATTENTION_MASK]
     if ids.dim() != 2:
         raise BatchError(f"input_ids must be [batch, seq_len], got shape {tuple(ids.shape)}.")
+    if ids.shape[0] == 0 or ids.shape[1] == 0:
+        raise BatchError(
+            f"the batch is empty (input_ids shape {tuple(ids.shape)}); pass at least one sample "
+            f"with at least one token."
+        )
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise BatchError(
+            f"input_ids must hold integer token ids, got dtype {ids.dtype}; convert them with "
+            f".long() (token ids are indices, not values)."
+        )
+    if int(ids.min()) < 0:
+        raise BatchError(
+            f"input_ids holds a negative token id ({int(ids.min())}); token ids run from 0 to "
+            f"the vocabulary size - 1 (pad with a real id, e.g. 0, and mask it out)."
+        )
     if mask.shape != ids.shape:
         raise BatchError(
             f"attention_mask shape {tuple(mask.shape)} differs from input_ids {tuple(ids.shape)}."
+        )
+    if mask.is_floating_point() or not bool(((mask == 0) | (mask == 1)).all()):
+        raise BatchError(
+            f"attention_mask must hold 0 (padding) and 1 (token) as integers or bools, got "
+            f"dtype {mask.dtype} with values {sorted(set(mask.unique().tolist()))[:5]}."
+        )
+    empty = (mask.sum(-1) == 0).nonzero().flatten().tolist()
+    if empty:
+        raise BatchError(
+            f"samples {empty[:8]} have no token (attention_mask all 0); drop them from the batch "
+            f"(a sample with no response still has its prompt tokens)."
         )
     for key in (POSITION_IDS, LOSS_MASK):
         if key in batch.keys() and batch[key].shape != ids.shape:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, cast
@@ -118,6 +120,15 @@ def token_log_probs(
     out = logp.gather(-1, next_ids.unsqueeze(-1)).squeeze(-1)
     ent = -(logp.exp() * logp).sum(-1) if entropy else None
     return out, ent
+
+
+def _cause(e: BaseException) -> str:
+    """One line saying why a backend's loader failed: the innermost ``XError: ...`` line of a
+    wrapped traceback (distributed checkpoint errors carry the rank's traceback as text)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    causes = [line for line in lines if re.match(r"^[\w.]*(Error|Exception): ", line)]
+    text = causes[-1] if causes else f"{type(e).__name__}: {lines[0] if lines else ''}"
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 class BaseEngine(abc.ABC):
@@ -287,6 +298,7 @@ class BaseEngine(abc.ABC):
         gradient (see :mod:`engine_core.loss`), complete when this returns.
         """
         validate_batch(batch)
+        self._check_model_limits(batch)
         if not forward_only and self.loss_fn is None:
             raise EngineCoreError(
                 "forward_backward_step(forward_only=False) needs a loss; call set_loss_fn() first."
@@ -608,7 +620,16 @@ class BaseEngine(abc.ABC):
                 f"{path}: the core state file lacks step, world_size or rng; it was not written "
                 f"by save_checkpoint() of this engine-core version. Resume from another checkpoint."
             )
-        self.load_shards(path)
+        try:
+            self.load_shards(path)
+        except (CheckpointError, KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # the backend's loader (DCP raises a BaseException)
+            raise CheckpointError(
+                f"checkpoint {path} (step {step}) does not fit this {type(self).__name__}'s model "
+                f"({_cause(e)}). Resume with the model config, backend and layout it was saved "
+                f"with (or one the backend reshards to)."
+            ) from e
         self.load_checkpoint_extra_state(core.get("engine") or {})
         if saved_world == world and is_file(own):
             self.set_rng_state(core["rng"])
@@ -715,6 +736,35 @@ class BaseEngine(abc.ABC):
         return final
 
     # ------------------------------------------------------------------ helpers
+    @functools.cached_property
+    def hf_config(self) -> Any:
+        """The model's transformers config (vocabulary size, maximum positions, ...)."""
+        from engine_core.models import build_hf_config
+
+        return build_hf_config(self.config.model)
+
+    def _check_model_limits(self, batch: TensorDict) -> None:
+        """Token ids inside the vocabulary and sequences within the model's positions, checked
+        before anything runs (a model would index out of range, or extrapolate silently)."""
+        from engine_core.errors import BatchError
+
+        vocab = getattr(self.hf_config, "vocab_size", None)
+        top = int(batch[INPUT_IDS].max())
+        if vocab is not None and top >= vocab:
+            raise BatchError(
+                f"input_ids holds token id {top}, outside the model's vocabulary of {vocab} "
+                f"(ids 0..{vocab - 1}); the tokenizer and the model do not match, or the model's "
+                f"vocab_size is too small for the task's tokens."
+            )
+        positions = getattr(self.hf_config, "max_position_embeddings", None)
+        longest = int(batch[ATTENTION_MASK].sum(-1).max())
+        if positions is not None and longest > positions:
+            raise BatchError(
+                f"a sample holds {longest} tokens, more than the model's "
+                f"max_position_embeddings ({positions}); shorten prompts or max_new_tokens, or "
+                f"use a model with more positions."
+            )
+
     def require_module(self) -> nn.Module:
         """``self.module``, or an error saying to call :meth:`init_model` first."""
         if self.module is None:

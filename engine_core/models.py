@@ -31,6 +31,7 @@ def build_hf_config(cfg: ModelConfig) -> Any:
     from transformers import AutoConfig
 
     if cfg.path is not None:
+        _require_saved_model(cfg.path)
         hf_config = AutoConfig.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
     else:
         kwargs = dict(cfg.config or {})
@@ -46,6 +47,20 @@ def build_hf_config(cfg: ModelConfig) -> Any:
             # or reward model trained with it sees noisy targets that depend on the RNG layout
             hf_config.classifier_dropout = 0.0
     return hf_config
+
+
+def _require_saved_model(path: str) -> None:
+    """``model.path`` must be a local folder holding a saved model (nothing is downloaded)."""
+    from pathlib import Path
+
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        what = "does not exist" if not folder.exists() else "holds no config.json"
+        raise ConfigError(
+            f"model.path {path!r} {what}: it must be a local folder written by "
+            f"save_pretrained() (config.json and the weights); nothing is downloaded. Pass "
+            f"such a folder, or model.config to build the model from a config."
+        )
 
 
 def build_model(

@@ -26,6 +26,7 @@ from engine_core import (
     LossFn,
     Metric,
     require_keys,
+    require_token_shaped,
     token_mean_metric,
     with_meta,
 )
@@ -136,6 +137,7 @@ class Actor:
             [REF_LOG_PROBS] if self.config.use_kl_loss else []
         )
         require_keys(batch, needed, method="Actor.update_actor", producers=PRODUCERS)
+        require_token_shaped(batch, needed, method="Actor.update_actor")
         batch = self._with_meta(batch, entropy=True)
         history, lr = run_updates(
             self.engine,
@@ -194,7 +196,16 @@ def local_mini_batch_size(global_size: int | None, local_samples: int, dp_size: 
             f"ppo_mini_batch_size={global_size} does not divide by the DP size {dp_size}; "
             f"use a multiple of {dp_size}."
         )
-    return global_size // dp_size
+    size = global_size // dp_size
+    if local_samples % size:
+        works = [d * dp_size for d in range(1, local_samples + 1) if local_samples % d == 0]
+        raise ValueError(
+            f"ppo_mini_batch_size={global_size} does not divide this update's "
+            f"{local_samples * dp_size} samples ({local_samples} on each of {dp_size} DP ranks): "
+            f"the last mini-batch would be smaller, and its samples weigh more. Sizes that work: "
+            f"{works}."
+        )
+    return size
 
 
 def mean_over_steps(prefix: str, history: list[dict[str, Any]], *, lr: float) -> dict[str, float]:

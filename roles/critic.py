@@ -18,6 +18,7 @@ from engine_core import (
     LossAggregation,
     Metric,
     require_keys,
+    require_token_shaped,
 )
 from roles.actor import mean_over_steps, run_updates, warn_skipped
 from roles.losses import value_loss
@@ -88,6 +89,7 @@ class Critic:
             method="Critic.update_critic",
             producers=PRODUCERS,
         )
+        require_token_shaped(batch, [LOSS_MASK, OLD_VALUES, RETURNS], method="Critic.update_critic")
         history, lr = run_updates(
             self.engine,
             batch,

@@ -28,7 +28,13 @@ from engine_core import (
     FrozenModel,
     SamplingParams,
 )
-from engine_core.rollout import PROMPT_IDS, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS
+from engine_core.rollout import (
+    PROMPT_IDS,
+    PROMPT_MASK,
+    RESPONSE_IDS,
+    RESPONSE_MASK,
+    ROLLOUT_LOG_PROBS,
+)
 from roles.actor import ADVANTAGES, OLD_LOG_PROBS, REF_LOG_PROBS, Actor, non_finite_inputs
 from roles.advantages import gae_advantages, grpo_advantages, sequence_to_token_rewards
 from roles.batches import prompt_batch, training_batch
@@ -195,6 +201,7 @@ class RLTrainer:
         step = self.global_step + 1
         t0 = time.perf_counter()
         prompts = self._next_prompts(step)
+        self._check_length(prompts)
         gen = self.rollout.generate(prompts, self.config.sampling_params(step))
         scores = self._score(gen)
         batch = training_batch(gen)
@@ -235,6 +242,17 @@ class RLTrainer:
             "time_s": dt,
             "tokens_per_s": float(batch[ATTENTION_MASK].sum()) / dt,
         }
+
+    def _check_length(self, prompts: TensorDict) -> None:
+        limit = getattr(self.actor.engine.hf_config, "max_position_embeddings", None)
+        longest = int(prompts[PROMPT_MASK].sum(-1).max()) if PROMPT_MASK in prompts.keys() else 0
+        longest = longest or int(prompts[PROMPT_IDS].shape[1])
+        if limit is not None and longest + self.config.max_new_tokens > limit:
+            raise ValueError(
+                f"a prompt of {longest} tokens plus max_new_tokens={self.config.max_new_tokens} "
+                f"exceeds the model's max_position_embeddings ({limit}); shorten the prompts "
+                f"or lower max_new_tokens."
+            )
 
     def _count_skipped(self, step: int, metrics: dict[str, float], batch: TensorDict) -> None:
         if metrics.get("actor/num_optimizer_steps", 1.0) > 0:

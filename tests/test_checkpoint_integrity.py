@@ -229,3 +229,36 @@ def test_no_command_overwrites_a_run_or_writes_where_it_cannot(tmp_path: Path) -
     with pytest.raises(CheckpointError, match="Pass --resume to continue it"):
         _run(tmp_path / "grpo", 1)
         _run(tmp_path / "grpo", 1)
+
+
+def test_resuming_with_another_model_shape_is_one_sentence(tmp_path: Path) -> None:
+    engine = _engine()
+    folder = engine.save_checkpoint(str(tmp_path / "ckpt"), step=1)
+    from engine_core.testing.models import TINY_QWEN2
+
+    wider = {"config": {**TINY_QWEN2, "hidden_size": 64, "intermediate_size": 128}}
+    other = ReferenceEngine(ReferenceEngineConfig(**engine_config(model=wider)))
+    other.init_model()
+    with pytest.raises(
+        CheckpointError,
+        match=r"\(step 1\) does not fit this ReferenceEngine's model \(RuntimeError: Error\(s\) in loading state_dict",
+    ):
+        other.load_checkpoint(folder)
+
+
+def _fsdp2_reshape_worker(rank: int, world: int, tmp: str) -> str:
+    from engine_core.testing.models import TINY_QWEN2, registered_engine
+
+    folder = registered_engine("fsdp2").save_checkpoint(f"{tmp}/ckpt", step=1)
+    wider = {"config": {**TINY_QWEN2, "hidden_size": 64, "intermediate_size": 128}}
+    try:
+        registered_engine("fsdp2", model=wider).load_checkpoint(folder)
+    except CheckpointError as e:
+        return str(e)
+    return "<loaded>"
+
+
+def test_dcp_size_mismatch_is_one_sentence(tmp_path: Path) -> None:
+    (message,) = run_distributed(_fsdp2_reshape_worker, 1, str(tmp_path))
+    assert "(step 1) does not fit this FSDP2Engine's model (ValueError: Size mismatch" in message
+    assert "\n" not in message, message

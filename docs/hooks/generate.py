@@ -18,7 +18,9 @@ it between marker comments, which say where it comes from (paths from the reposi
 ``<!-- begin config-reference -->`` ... ``<!-- end config-reference -->``
     the configuration reference tables (:func:`config_reference.config_reference`);
 ``<!-- begin backends: PLUGIN -->`` ... ``<!-- end backends: PLUGIN -->``
-    the backends plugin ``PLUGIN`` registers (:func:`config_reference.backends_table`).
+    the backends plugin ``PLUGIN`` registers (:func:`config_reference.backends_table`);
+``<!-- begin bad-inputs -->`` ... ``<!-- end bad-inputs -->``
+    the bad-input catalogue of ``tests/test_bad_inputs.py`` (the cases its test runs).
 
 A page with markers starts with a comment naming this command.
 
@@ -144,6 +146,8 @@ def render(page: Path, text: str, backends: Callable[[], list[BackendSpec]]) -> 
             body = config_reference(backends())
         elif what == "backends" and arg:
             body = backends_table(backends(), arg, to_config)
+        elif what == "bad-inputs" and not arg:
+            body = _bad_input_catalogue()
         else:
             raise GenerateError(f"{_rel(page)}: unknown marker <!-- begin {m['key']} -->")
         return f"<!-- begin {m['key']} -->\n\n{body.strip(chr(10))}\n\n<!-- end {m['key']} -->"
@@ -176,6 +180,13 @@ def stale_pages() -> dict[Path, str]:
         for page, text in generated_pages().items()
         if page.read_text(encoding="utf-8") != text
     }
+
+
+def _bad_input_catalogue() -> str:
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    module = importlib.import_module("tests.test_bad_inputs")
+    return str(module.catalogue_table())
 
 
 def _read(path: str) -> str:
