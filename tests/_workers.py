@@ -51,6 +51,12 @@ class MeshWorker(Worker):
     def fail(self) -> None:
         raise ValueError(f"worker {self.rank} fails on purpose")
 
+    def die_in_a_collective(self, victim: int) -> float:
+        """Worker ``victim`` exits; the others wait for it in an all-reduce."""
+        if self.rank == victim:
+            os._exit(3)
+        return self.all_reduce_rank()
+
     def all_reduce_rank(self) -> float:
         if not dist.is_initialized():
             dist.init_process_group("gloo")

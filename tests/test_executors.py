@@ -82,3 +82,15 @@ def test_all_to_all_through_a_group() -> None:
     with LocalWorkerGroup(MeshWorker, 3, init_kwargs={"world": 3}, in_process=True) as group:
         group.execute("setup", [0, 1, 2])
         assert group.execute("echo", [1, 2, 3]) == [10, 21, 32]
+
+
+@pytest.mark.parametrize("kind", ["processes", pytest.param("ray", marks=pytest.mark.ray)])
+def test_a_dead_worker_is_named_not_its_waiting_peer(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    with make_group(kind, request, 2, world=2) as group:
+        assert group.call_all("all_reduce_rank") == [1.0, 1.0]  # the group is formed
+        with pytest.raises(DispatchError) as failed:
+            group.call_all("die_in_a_collective", 1)
+    first = str(failed.value).splitlines()[0]
+    assert first.startswith("worker 1 died during 'die_in_a_collective'"), str(failed.value)

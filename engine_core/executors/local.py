@@ -97,7 +97,7 @@ class LocalWorkerGroup(WorkerGroup):
             raise
 
     def _gather(self, method: str) -> list[Any]:
-        results, failures = [], []
+        results, failures, died = [], [], []
         for i, (conn, proc) in enumerate(zip(self._conns, self._procs, strict=True)):
             if not conn.poll(self.timeout):
                 alive = "alive" if proc.is_alive() else f"dead (exit code {proc.exitcode})"
@@ -108,14 +108,17 @@ class LocalWorkerGroup(WorkerGroup):
             try:
                 status, payload = conn.recv()
             except EOFError:
-                failures.append(f"worker {i}: died during {method!r} (exit code {proc.exitcode})")
+                proc.join(timeout=5)
+                died.append(f"worker {i} died during {method!r} (exit code {proc.exitcode})")
                 continue
             if status == "ok":
                 results.append(payload)
             else:
                 failures.append(f"worker {i} raised in {method!r}:\n{payload}")
-        if failures:
-            raise DispatchError("\n".join(failures))
+        if died or failures:
+            # a dead worker leaves its peers failing (or hanging) in collectives: name it first
+            head = [f"{'; '.join(died)}; the other failures follow from it:"] if died else []
+            raise DispatchError("\n".join(head + failures))
         return results
 
     def _call(self, method: str, calls: Calls) -> list[Any]:

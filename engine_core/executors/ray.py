@@ -8,6 +8,7 @@ Actors ask for ``num_cpus`` each (default 0.01) so small hosts can place several
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,6 +16,8 @@ from engine_core.errors import DispatchError
 from engine_core.executors.base import Calls, WorkerGroup, enter_worker_env, free_port, worker_env
 
 __all__ = ["RayWorkerGroup"]
+
+_GRACE_S = 10.0  # how long the other workers may take to report after a first failure
 
 
 def _import_ray() -> Any:
@@ -89,17 +92,45 @@ class RayWorkerGroup(WorkerGroup):
     def _call(self, method: str, calls: Calls) -> list[Any]:
         if not self._actors:
             raise DispatchError("this worker group has been shut down.")
+        ray = self._ray
         refs = [
             a.call.remote(method, args, kwargs)
             for a, (args, kwargs) in zip(self._actors, calls, strict=True)
         ]
-        out = []
-        for i, ref in enumerate(refs):
-            try:
-                out.append(self._ray.get(ref, timeout=self.timeout))
-            except self._ray.exceptions.RayError as e:
-                raise DispatchError(f"worker {i} raised in {method!r}:\n{e}") from None
-        return out
+        index = {ref: i for i, ref in enumerate(refs)}
+        results: dict[int, Any] = {}
+        errors: dict[int, BaseException] = {}
+        pending, deadline = list(refs), time.monotonic() + self.timeout
+        while pending:
+            # after a first failure, give the other workers a moment to report theirs: a dead
+            # worker's peers fail (or hang) in collectives, and the dead one must be named
+            wait = max(deadline - time.monotonic(), 0.0) if not errors else _GRACE_S
+            ready, pending = ray.wait(pending, num_returns=1, timeout=wait)
+            if not ready:
+                break
+            for ref in ready:
+                try:
+                    results[index[ref]] = ray.get(ref)
+                except ray.exceptions.RayError as e:
+                    errors[index[ref]] = e
+        if not errors and pending:
+            silent = sorted(index[r] for r in pending)
+            raise DispatchError(
+                f"workers {silent}: no answer to {method!r} within {self.timeout} s"
+            )
+        if errors:
+            died = sorted(
+                i for i, e in errors.items() if isinstance(e, ray.exceptions.ActorDiedError)
+            )
+            lines = [f"worker {i} died during {method!r}" for i in died]
+            head = [f"{'; '.join(lines)}; the other failures follow from it:"] if died else []
+            rest = [
+                f"worker {i} raised in {method!r}:\n{e}"
+                for i, e in sorted(errors.items())
+                if i not in died
+            ]
+            raise DispatchError("\n".join(head + rest)) from None
+        return [results[i] for i in range(len(refs))]
 
     def shutdown(self) -> None:
         for actor in getattr(self, "_actors", []):
