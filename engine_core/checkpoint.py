@@ -56,7 +56,6 @@ __all__ = [
     "MANIFEST_FILE",
     "write_manifest",
     "verify_checkpoint",
-    "latest_verified_checkpoint",
     "set_aside",
 ]
 
@@ -268,7 +267,9 @@ def verify_checkpoint(folder: str) -> int:
         size, digest = _digest(fs, path)
         want_size, want_digest = expected[name]
         if size != want_size or digest != want_digest:
-            what = f"{size} bytes, saved with {want_size}" if size != want_size else "SHA-256 differs"
+            what = (
+                f"{size} bytes, saved with {want_size}" if size != want_size else "SHA-256 differs"
+            )
             raise CheckpointError(
                 f"{where} (step {step}): {name} is damaged or was changed since it was saved "
                 f"({what}). Resume from another checkpoint."
@@ -286,20 +287,7 @@ def set_aside(location: str | Path) -> str:
         n += 1
         target = f"{path}.rejected-{n}"
     fs.mv(path, target, recursive=True)
-    return f"{str(location).rstrip('/')}{target[len(path):]}"
-
-
-def latest_verified_checkpoint(root: str | Path) -> tuple[str | None, list[str]]:
-    """The newest checkpoint under ``root`` that verifies, and why each newer one was skipped."""
-    skipped: list[str] = []
-    for _, location in reversed(list_checkpoints(root)):
-        try:
-            verify_checkpoint(location)
-        except CheckpointError as e:
-            skipped.append(str(e))
-            continue
-        return location, skipped
-    return None, skipped
+    return f"{str(location).rstrip('/')}{target[len(path) :]}"
 
 
 _PLAIN_SCALARS = (str, int, float, bool, type(None))

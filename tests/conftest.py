@@ -50,3 +50,18 @@ def ray_session() -> Iterator[Any]:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(params=["local", "memory"])
+def root(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A checkpoint root: a local folder, or an fsspec ``memory://`` URL (removed afterwards)."""
+    if request.param == "local":
+        yield str(tmp_path / "ckpt")
+        return
+    import fsspec
+
+    url = f"memory://{request.node.name.replace('[', '-').rstrip(']')}"
+    yield url
+    fs = fsspec.filesystem("memory")
+    if fs.exists(url):
+        fs.rm(url, recursive=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import fsspec
@@ -32,18 +31,6 @@ def _engine() -> ReferenceEngine:
 
 def _weights(engine: ReferenceEngine) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in engine.require_module().state_dict().items()}
-
-
-@pytest.fixture(params=["local", "memory"])
-def root(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    if request.param == "local":
-        yield str(tmp_path / "ckpt")
-        return
-    url = f"memory://integrity-{request.node.name.replace('[', '-').rstrip(']')}"
-    yield url
-    fs = fsspec.filesystem("memory")
-    if fs.exists(url):
-        fs.rm(url, recursive=True)
 
 
 def _files(folder: str) -> list[str]:

@@ -19,7 +19,6 @@ import re
 import socket
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -121,18 +120,6 @@ def _assert_refused(messages: list[str], state_file: str, marker: str) -> None:
     for msg in messages:
         assert state_file in msg and "not a valid engine-core state file" in msg, msg
     assert not os.path.exists(marker)
-
-
-@pytest.fixture(params=["local", "memory"])
-def root(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    if request.param == "local":
-        yield str(tmp_path / "ckpt")
-        return
-    url = f"memory://safe-loading-{request.node.originalname}"
-    yield url
-    fs = fsspec.filesystem("memory")
-    if fs.exists(url):
-        fs.rm(url, recursive=True)
 
 
 # -- the I/O helpers --------------------------------------------------------------------------

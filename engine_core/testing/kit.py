@@ -260,15 +260,7 @@ def _step(
 
 
 def _train(engine: BaseEngine, seeds: range) -> list[tuple[float | None, float]]:
-    out = []
-    for s in seeds:
-        with engine.train_mode():
-            result = engine.forward_backward_step(engine.shard_data(train_batch(s)))
-            norm = engine.optimizer_step()
-            engine.lr_scheduler_step()
-            engine.optimizer_zero_grad()
-        out.append((result.loss, norm))
-    return out
+    return [(loss, norm) for loss, norm, _ in _train_lrs(engine, seeds)]
 
 
 def _params(engine: BaseEngine) -> dict[str, torch.Tensor]:
