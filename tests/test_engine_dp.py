@@ -81,3 +81,25 @@ def test_token_budget_agrees_on_micro_batch_count_across_ranks() -> None:
     want = _single({})
     for r in ranks:
         assert torch.allclose(r["grad"], want["grad"], rtol=1e-5, atol=1e-7)
+
+
+def _rank_and_world(rank: int, world: int) -> tuple[int, int]:
+    return rank, world
+
+
+def test_a_taken_rendezvous_port_is_retried_on_a_new_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    import engine_core.testing.distributed as launcher
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    taken = held.getsockname()[1]
+    ports = iter([taken])
+    real = launcher.free_port
+    monkeypatch.setattr(launcher, "free_port", lambda: next(ports, None) or real())
+    try:
+        assert launcher.run_distributed(_rank_and_world, 2) == [(0, 2), (1, 2)]
+    finally:
+        held.close()

@@ -96,6 +96,29 @@ def run_distributed(
     """
     if pg_backend is None and world_size != 1:
         raise ValueError(f"pg_backend=None runs one process; got world_size={world_size}")
+    # the rendezvous port is free when chosen, but another process may bind it before rank 0
+    # listens: a launch whose rendezvous fails that way (before `fn` ran) starts again on a
+    # new port
+    for attempt in range(_PORT_ATTEMPTS):
+        try:
+            return _launch(fn, world_size, args, timeout, pg_backend)
+        except AssertionError as e:
+            rendezvous = "EADDRINUSE" in str(e) and "dist.init_process_group(" in str(e)
+            if not rendezvous or attempt == _PORT_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+_PORT_ATTEMPTS = 3
+
+
+def _launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...],
+    timeout: float,
+    pg_backend: str | None,
+) -> list[Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
