@@ -189,13 +189,21 @@ def _parity_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rtol", type=float, default=1e-5, help="loss / grad-norm tolerance")
     parser.add_argument("--atol-logprob", type=float, default=1e-5, help="log-prob tolerance")
     parser.add_argument("--seed", type=int, default=0, help="seed of the shared initial weights")
-    parser.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help="also write every figure as JSON to PATH; an existing file is refused unless "
+        "--overwrite is given",
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --json file")
 
 
 def run_parity_command(args: argparse.Namespace, settings: Settings) -> int:
     """Same model, data and steps through several engines; a table and a verdict."""
-    from engine_core.parity import print_report, run_parity
+    from engine_core.parity import claim_report_path, print_report, run_parity, write_report
 
+    if args.json:  # refused before any model is built, not after the run
+        claim_report_path(args.json, overwrite=args.overwrite)
     report = run_parity(
         args.backends,
         steps=args.steps,
@@ -207,9 +215,7 @@ def run_parity_command(args: argparse.Namespace, settings: Settings) -> int:
     )
     print_report(report, Console())
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report.to_dict(), f, indent=2)
-            f.write("\n")
+        write_report(report, args.json, overwrite=args.overwrite)
     return 0 if report.passed else 1
 
 

@@ -6,12 +6,21 @@ clipping, token-mean NLL) on ``world_size`` gloo processes, and reports per step
 grad norm, plus the per-token log-probs of a fixed evaluation batch before the first step and
 after the last. The first backend is the baseline every other one is compared with.
 :func:`print_report` prints a report as tables whose figures stay whole in an 80-column terminal.
+
+The JSON report never replaces an earlier one by accident: :func:`claim_report_path` refuses an
+existing file (unless asked to overwrite it) and a place that cannot be written, before any model
+is built, and :func:`write_report` writes a temporary file beside the target and renames it, so an
+interrupted run leaves either the old report or the new one, never half of one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import tempfile
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -19,7 +28,7 @@ from rich.table import Table
 
 from engine_core.errors import ConfigError
 
-__all__ = ["ParityReport", "print_report", "run_parity"]
+__all__ = ["ParityReport", "claim_report_path", "print_report", "run_parity", "write_report"]
 
 OPTIM = {"lr": 1e-2, "clip_grad": 1.0, "warmup_steps": 1}
 
@@ -140,6 +149,56 @@ def run_parity(
             diff = float((got - want).abs().max())
             getattr(report, f"max_abs_log_prob_diff_{when}")[name] = diff
     return report
+
+
+def claim_report_path(path: str | Path, *, overwrite: bool = False) -> Path:
+    """Make sure the JSON report can be written to ``path``; call it before any model is built.
+
+    An existing file is refused unless ``overwrite``; a folder, or a place that cannot be
+    created or written, is always refused. Missing parent folders are created.
+    """
+    target = Path(path)
+    if target.is_dir():
+        raise ConfigError(
+            f"engine-core parity: --json {target} is a folder; give a file path such as "
+            f"{target / 'parity.json'}."
+        )
+    if target.exists() and not overwrite:
+        raise ConfigError(
+            f"engine-core parity: --json {target} already exists; pass --overwrite to replace "
+            "it, or choose another path."
+        )
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # the report is renamed into place, so the folder (not the file) must take new files
+        fd, probe = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".probe")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(
+            f"engine-core parity: cannot write --json {target} ({e.strerror or e}); choose a "
+            "path in a writable folder."
+        ) from None
+    return target
+
+
+def write_report(report: ParityReport, path: str | Path, *, overwrite: bool = False) -> Path:
+    """Write ``report`` as JSON to ``path``: a temporary file beside it, then a rename."""
+    # claimed again: another command may have written the path while the backends ran
+    target = claim_report_path(path, overwrite=overwrite)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "x", encoding="utf-8") as f:
+            json.dump(report.to_dict(), f, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    return target
 
 
 def print_report(report: ParityReport, console: Console) -> None:

@@ -8,8 +8,10 @@ compared before and after every case).
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -92,6 +94,15 @@ def _model_path(state: Any) -> Any:
     return build_model(cfg.model)
 
 
+def _parity_report_at(state: Any, taken: str) -> Any:
+    """``engine-core parity --json`` to a path that is a file already, or under a file."""
+    from engine_core.parity import claim_report_path
+
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "taken").write_text("an earlier report")
+        return claim_report_path(Path(folder) / taken)
+
+
 V = TINY_QWEN2["vocab_size"]
 CATALOGUE = [
     Case("empty batch", "forward_backward_step", BatchError, "the batch is empty",
@@ -131,6 +142,12 @@ CATALOGUE = [
          "exceeds the model's max_position_embeddings", _long_prompts),
     Case("a model.path that does not exist", "engine init_model / build_model", ConfigError,
          "model.path '/no/such/model' does not exist", _model_path),
+    Case("a parity report that exists already", "engine-core parity --json", ConfigError,
+         "already exists; pass --overwrite to replace it, or choose another path",
+         lambda s: _parity_report_at(s, "taken")),
+    Case("a parity report where nothing can be written", "engine-core parity --json",
+         ConfigError, "choose a path in a writable folder",
+         lambda s: _parity_report_at(s, "taken/parity.json")),
 ]  # fmt: skip
 
 
