@@ -14,6 +14,7 @@ values added (one per micro-batch and rank) and is meant for per-step scalars.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tensordict import TensorDict
 
 from engine_core.capabilities import StrEnum
-from engine_core.comm import all_reduce_cpu
+from engine_core.comm import all_gather_bytes, all_reduce_cpu
 
 __all__ = [
     "GlobalBatchContext",
@@ -144,8 +145,10 @@ class MetricAccumulator:
         distributed = dist.is_available() and dist.is_initialized()
         # Every rank must hold the same metric names, or the collectives below would mismatch.
         if distributed:
-            gathered: list[list[str] | None] = [None] * dist.get_world_size(group)
-            dist.all_gather_object(gathered, names, group=group)
+            # JSON: a metric name may hold any character, a newline included
+            gathered = [
+                json.loads(raw) for raw in all_gather_bytes(json.dumps(names).encode(), group)
+            ]
             if any(g != names for g in gathered):
                 raise ValueError(f"ranks logged different metric names: {gathered}")
         sums, counts, mins, maxs = [], [], [], []
