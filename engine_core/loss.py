@@ -140,10 +140,9 @@ class MetricAccumulator:
     def reduce(self, group: dist.ProcessGroup | None = None) -> dict[str, float]:
         """Reduce locally, then across ``group`` (if distributed is initialized): one collective per kind."""
         names = sorted(self._values)
-        if not names:
-            return {}
         distributed = dist.is_available() and dist.is_initialized()
-        # Every rank must hold the same metric names, or the collectives below would mismatch.
+        # Every rank must hold the same metric names (none included: a rank that logged nothing
+        # must not leave the others waiting), or the collectives below would mismatch.
         if distributed:
             # JSON: a metric name may hold any character, a newline included
             gathered = [
@@ -151,6 +150,8 @@ class MetricAccumulator:
             ]
             if any(g != names for g in gathered):
                 raise ValueError(f"ranks logged different metric names: {gathered}")
+        if not names:
+            return {}
         sums, counts, mins, maxs = [], [], [], []
         for n in names:
             vals = self._values[n]
