@@ -26,14 +26,18 @@ import json
 import re
 import warnings
 from collections import OrderedDict
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from engine_core.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from engine_core.engine import BaseEngine
 
 __all__ = [
     "STEP_DIR_PATTERN",
@@ -54,12 +58,16 @@ __all__ = [
     "replace_folder",
     "fresh_folder",
     "MANIFEST_FILE",
+    "JOB_STATE_FILE",
+    "JobCheckpoints",
     "write_manifest",
     "verify_checkpoint",
     "set_aside",
 ]
 
 MANIFEST_FILE = "manifest.json"
+# the caller's state (a job's data position, say), committed with the engines' state
+JOB_STATE_FILE = "job_state.pt"
 _MANIFEST_FORMAT = 1
 
 STEP_DIR_PATTERN = re.compile(r"^global_step_(\d+)$")
@@ -393,3 +401,132 @@ def load_safetensors(location: str) -> dict[str, torch.Tensor]:
         return load_file(_fs(location)[1])
     fs, path = _fs(location)
     return load(fs.cat_file(path))
+
+
+_PART_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+def _rank_and_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if _rank_and_world()[1] > 1:
+        dist.barrier()
+
+
+class JobCheckpoints:
+    """A job's checkpoints under ``root``: one folder per step for the whole job.
+
+    ``global_step_<N>/`` holds each engine's files in a subfolder named after its part
+    (``actor/``, ``critic/``, ...), the job's own state (``job_state.pt``: plain data, its
+    data position say) and one manifest over all of them, written last. The folder is staged as
+    ``global_step_<N>.tmp`` and committed by one rename, so a step is saved for every part or
+    for none; rotation then deletes only older committed steps. Collective like the engines'
+    methods: every rank of the engines' process group calls each method (rank 0 stages,
+    writes the manifest and commits).
+    """
+
+    def __init__(self, root: str | Path, *, max_ckpt_to_keep: int | None = None) -> None:
+        check_max_ckpt_to_keep(max_ckpt_to_keep)
+        self.root = str(root)
+        self.max_ckpt_to_keep = max_ckpt_to_keep
+
+    def save(self, step: int, parts: Mapping[str, BaseEngine], job_state: dict[str, Any]) -> str:
+        """Write every part and ``job_state`` as step ``step``; return the committed folder."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"JobCheckpoints.save: step must be an int >= 0, got {step!r}.")
+        bad = sorted(name for name in parts if not _PART_NAME.match(name))
+        if bad or not parts:
+            raise CheckpointError(
+                f"JobCheckpoints.save: part names must be lowercase identifiers (a folder each), "
+                f"at least one; got {sorted(parts)}."
+            )
+        if found := _non_plain(job_state, "job_state"):
+            raise CheckpointError(
+                f"JobCheckpoints.save: {found} is not plain data; job_state holds tensors in "
+                f"dicts, lists and tuples of str, int, float, bool and None."
+            )
+        for engine in parts.values():
+            engine.checkpoint_preflight(self.root, saving=True)
+        final = step_dir(self.root, step)
+        if is_dir(final):  # every rank sees it: all refuse, none waits at a barrier
+            raise CheckpointError(
+                f"checkpoint {final} already exists; refusing to overwrite it. Save under a new "
+                f"step or another root, or delete it yourself."
+            )
+        rank, _ = _rank_and_world()
+        if rank == 0:
+            staging_dir(self.root, step)
+        folder = final + ".tmp"
+        for name, engine in parts.items():
+            engine.write_checkpoint_files(join(folder, name), step=step)
+        if rank == 0:
+            save_torch(job_state, join(folder, JOB_STATE_FILE))
+            write_manifest(folder, step=step)  # last: a folder with a manifest is whole
+            commit_staging(self.root, step, self.max_ckpt_to_keep)
+        _barrier()
+        return final
+
+    def verify(self, folder: str, names: list[str]) -> int:
+        """Check ``folder`` against its manifest and that it holds every part in ``names``."""
+        step = verify_checkpoint(folder)
+        missing = [f"{name}/" for name in names if not is_dir(join(folder, name))]
+        if not is_file(join(folder, JOB_STATE_FILE)):
+            missing.append(JOB_STATE_FILE)
+        if missing:
+            raise CheckpointError(
+                f"checkpoint {folder} (step {step}) holds no {', '.join(missing)}: it was not "
+                f"saved by this job (parts {names}). Resume from a checkpoint the same job wrote."
+            )
+        return step
+
+    def load(self, folder: str, parts: Mapping[str, BaseEngine]) -> dict[str, Any]:
+        """Verify ``folder``, restore every part from it and return its job state."""
+        from engine_core.comm import broadcast_text
+
+        for engine in parts.values():
+            engine.checkpoint_preflight(self.root, saving=False)
+        rank, world = _rank_and_world()
+        problem = None
+        if rank == 0:
+            try:
+                self.verify(folder, list(parts))
+            except CheckpointError as e:
+                problem = str(e)
+        if world > 1:
+            problem = broadcast_text(problem)
+        if problem is not None:
+            raise CheckpointError(problem)
+        job_state = load_torch(join(folder, JOB_STATE_FILE))
+        if not isinstance(job_state, dict):
+            raise CheckpointError(f"{join(folder, JOB_STATE_FILE)} holds no job state mapping.")
+        for name, engine in parts.items():
+            engine.read_checkpoint_files(join(folder, name))
+        return job_state
+
+    def newest_verified(self, names: list[str]) -> tuple[str, list[tuple[int, str, str]]]:
+        """The newest committed step that verifies, and the newer ones that did not as
+        (step, reason, where it was set aside): renamed ``*.rejected``, files kept. Single
+        process (a driver's resume decision); raises when no step verifies."""
+        skipped: list[tuple[int, str]] = []
+        for step, location in reversed(list_checkpoints(self.root)):
+            try:
+                self.verify(location, names)
+            except CheckpointError as e:
+                skipped.append((step, str(e)))
+                continue
+            moved = [(bad, reason, set_aside(step_dir(self.root, bad))) for bad, reason in skipped]
+            return location, moved
+        if not skipped:
+            raise CheckpointError(f"no checkpoint under {self.root}.")
+        raise CheckpointError(
+            f"no checkpoint under {self.root} verifies: "
+            + " | ".join(f"step {step}: {reason}" for step, reason in skipped)
+        )

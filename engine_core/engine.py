@@ -18,7 +18,7 @@ import functools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,7 @@ from engine_core.batch import (
     validate_batch,
 )
 from engine_core.capabilities import Capability
+from engine_core.checkpoint import JOB_STATE_FILE
 from engine_core.comm import all_reduce_cpu
 from engine_core.config import EngineConfig
 from engine_core.errors import EngineCoreError
@@ -49,8 +50,6 @@ from engine_core.packing import PackedSequences, pack, sequence_start_mask, unpa
 VARLEN_KERNELS = frozenset({"sdpa_varlen", "flash_attention_2"})
 # each rank's core state in a checkpoint folder: step, world size, RNG streams, extra state
 CHECKPOINT_STATE_FILE = "engine_state_rank{rank}.pt"
-# the caller's state (a job's data position, say), committed with the engine's
-JOB_STATE_FILE = "job_state.pt"
 
 __all__ = [
     "CHECKPOINT_STATE_FILE",
@@ -267,11 +266,11 @@ class BaseEngine(abc.ABC):
 
     def unshard_data(self, outputs: TensorDict) -> TensorDict:
         """Gather every DP rank's outputs into the global batch, ordered by DP rank."""
+        from engine_core.comm import all_gather_tensordict
+
         if self.dp_size == 1:
             return outputs
-        parts: list[TensorDict | None] = [None] * self.dp_size
-        dist.all_gather_object(parts, outputs, group=self.dp_group)
-        return cast(TensorDict, torch.cat([p for p in parts if p is not None]))
+        return all_gather_tensordict(outputs, group=self.dp_group)
 
     # ------------------------------------------------------------------ forward / backward
     def set_loss_fn(self, fn: LossFn | None) -> None:
@@ -556,11 +555,37 @@ class BaseEngine(abc.ABC):
                 f"checkpoint {final} already exists; refusing to overwrite it. Save under a new "
                 f"step or another root, or delete it yourself."
             )
-        rank, world = self._global_rank_and_size()
+        rank, _ = self._global_rank_and_size()
         if rank == 0:
             staging_dir(path, step)
-        self._checkpoint_barrier()
         folder = final + ".tmp"
+        self.write_checkpoint_files(folder, step=step)
+        if rank == 0:
+            if job_state is not None:
+                save_torch(job_state, join(folder, JOB_STATE_FILE))
+            write_manifest(folder, step=step)  # last: a folder with a manifest is whole
+            commit_staging(path, step, max_ckpt_to_keep)
+        self._checkpoint_barrier()
+        return final
+
+    def write_checkpoint_files(self, folder: str, *, step: int) -> None:
+        """Write this engine's checkpoint files into ``folder`` (created if missing): every
+        rank's shards (:meth:`save_shards`) and core state file. Collective; returns when every
+        rank is done.
+
+        No staging, manifest or commit: :meth:`save_checkpoint` wraps it in those. A caller that
+        commits several engines' state as one checkpoint (an actor and a critic, say: see
+        :class:`~engine_core.checkpoint.JobCheckpoints`) writes each engine into a subfolder of
+        its own staging folder and commits once.
+        """
+        from engine_core.checkpoint import _fs, join, save_torch
+
+        self.require_module()
+        rank, world = self._global_rank_and_size()
+        if rank == 0:
+            fs, local = _fs(folder)
+            fs.makedirs(local, exist_ok=True)
+        self._checkpoint_barrier()
         self.save_shards(folder)
         core = {
             "step": step,
@@ -569,14 +594,7 @@ class BaseEngine(abc.ABC):
             "engine": self.checkpoint_extra_state(),
         }
         save_torch(core, join(folder, CHECKPOINT_STATE_FILE.format(rank=rank)))
-        if rank == 0 and job_state is not None:
-            save_torch(job_state, join(folder, JOB_STATE_FILE))
         self._checkpoint_barrier()
-        if rank == 0:
-            write_manifest(folder, step=step)  # last: a folder with a manifest is whole
-            commit_staging(path, step, max_ckpt_to_keep)
-        self._checkpoint_barrier()
-        return final
 
     def load_checkpoint(self, path: str) -> int:
         """Restore everything :meth:`save_checkpoint` wrote in the folder ``path``; return its step.
@@ -589,7 +607,7 @@ class BaseEngine(abc.ABC):
         was written by the same number of ranks, each rank's RNG streams (a resharded load keeps
         its own: streams belong to ranks).
         """
-        from engine_core.checkpoint import is_file, join, load_torch, verify_checkpoint
+        from engine_core.checkpoint import verify_checkpoint
         from engine_core.comm import broadcast_text
         from engine_core.errors import CheckpointError
 
@@ -606,27 +624,42 @@ class BaseEngine(abc.ABC):
             problem = broadcast_text(problem)
         if problem is not None:
             raise CheckpointError(problem)
-        first = join(path, CHECKPOINT_STATE_FILE.format(rank=0))
-        own = join(path, CHECKPOINT_STATE_FILE.format(rank=rank))
+        return self.read_checkpoint_files(path)
+
+    def read_checkpoint_files(self, folder: str) -> int:
+        """Restore what :meth:`write_checkpoint_files` wrote in ``folder``; return its step.
+
+        Collective. Does not verify the files: :meth:`load_checkpoint` verifies the folder
+        against its manifest first, and a caller that committed several engines as one
+        checkpoint verifies that checkpoint's manifest (:meth:`JobCheckpoints.verify
+        <engine_core.checkpoint.JobCheckpoints.verify>`) before reading each engine's part.
+        """
+        from engine_core.checkpoint import is_file, join, load_torch
+        from engine_core.errors import CheckpointError
+
+        self.require_module()
+        rank, world = self._global_rank_and_size()
+        first = join(folder, CHECKPOINT_STATE_FILE.format(rank=0))
+        own = join(folder, CHECKPOINT_STATE_FILE.format(rank=rank))
         if not is_file(first):
             raise CheckpointError(
-                f"{path} is not a complete checkpoint (no {CHECKPOINT_STATE_FILE.format(rank=0)}); "
+                f"{folder} is not a complete checkpoint (no {CHECKPOINT_STATE_FILE.format(rank=0)}); "
                 f"pass a global_step_<N> folder written by save_checkpoint()."
             )
         core = load_torch(own if is_file(own) else first)
         step, saved_world = core.get("step"), core.get("world_size")
         if not isinstance(step, int) or not isinstance(saved_world, int) or "rng" not in core:
             raise CheckpointError(
-                f"{path}: the core state file lacks step, world_size or rng; it was not written "
+                f"{folder}: the core state file lacks step, world_size or rng; it was not written "
                 f"by save_checkpoint() of this engine-core version. Resume from another checkpoint."
             )
         try:
-            self.load_shards(path)
+            self.load_shards(folder)
         except (CheckpointError, KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # the backend's loader (DCP raises a BaseException)
             raise CheckpointError(
-                f"checkpoint {path} (step {step}) does not fit this {type(self).__name__}'s model "
+                f"checkpoint {folder} (step {step}) does not fit this {type(self).__name__}'s model "
                 f"({_cause(e)}). Resume with the model config, backend and layout it was saved "
                 f"with (or one the backend reshards to)."
             ) from e

@@ -10,7 +10,6 @@ over a gloo group (:mod:`engine_core.remote_rollout`).
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,14 +27,7 @@ from engine_core import (
     resolve_engine_config,
     resolve_rollout_config,
 )
-from engine_core.checkpoint import (
-    latest_checkpoint,
-    list_checkpoints,
-    rotate,
-    set_aside,
-    step_dir,
-    verify_checkpoint,
-)
+from engine_core.checkpoint import JobCheckpoints, latest_checkpoint
 from engine_core.errors import CheckpointError
 from engine_core.rollout import BaseRollout
 from engine_core.tasks import EOS, PAD, DigitTask, TaskConfig
@@ -173,8 +165,7 @@ def run_grpo(
     claim_output_dir(out_dir, command="engine-core run", resume=resume)
     resume_from = None
     if resume:
-        critic_root = out_dir / "critic_checkpoints" if job.algorithm == "ppo" else None
-        resume_from = _resume_point(ckpt_root, critic_root, console)
+        resume_from = _resume_point(job, console)
     engine, rollout, ref_engine, critic_engine = _build(job, manager)
     try:
         return _run(job, engine, rollout, ref_engine, critic_engine, resume_from, console)
@@ -194,7 +185,6 @@ def _run(
     console: Console,
 ) -> dict[str, Any]:
     out_dir = Path(job.output_dir)
-    critic_root = out_dir / "critic_checkpoints"
     task = DigitTask(job.task)
     trainer = RLTrainer(
         job.trainer_config(task.response_len),
@@ -207,16 +197,16 @@ def _run(
         reference=Reference(ref_engine, temperature=job.temperature) if ref_engine else None,
         critic=Critic(job.critic, critic_engine) if critic_engine is not None else None,
     )
+    checkpoints = JobCheckpoints(out_dir / "checkpoints", max_ckpt_to_keep=job.max_ckpt_to_keep)
+    parts = {"actor": engine, **({"critic": critic_engine} if critic_engine is not None else {})}
     if resume_from is not None:
-        trainer.global_step = engine.load_checkpoint(str(resume_from))
-        if critic_engine is not None:
-            critic_engine.load_checkpoint(step_dir(critic_root, trainer.global_step))
-        job_state = engine.load_job_state(str(resume_from))
-        if job_state is None or "task_rng" not in job_state:
+        job_state = checkpoints.load(resume_from, parts)
+        if not isinstance(job_state.get("step"), int) or "task_rng" not in job_state:
             raise CheckpointError(
-                f"{resume_from} holds no job state (task position); it was not saved by "
+                f"{resume_from} holds no job position (step, task_rng); it was not saved by "
                 f"engine-core run. Resume from another checkpoint."
             )
+        trainer.global_step = job_state["step"]
         task.set_rng_state(job_state["task_rng"])
         console.print(f"resumed from {resume_from} (next step {trainer.global_step + 1})")
     elif job.warmup_sft_steps:
@@ -253,7 +243,8 @@ def _run(
         nonlocal ckpt
         step = row["step"]
         if step == job.steps or (job.save_every and step % job.save_every == 0):
-            ckpt = _save(engine, critic_engine, task, out_dir, step, job.max_ckpt_to_keep)
+            # actor, critic and the task position: one folder, committed by one rename
+            ckpt = checkpoints.save(step, parts, {"step": step, "task_rng": task.rng_state()})
 
     with progress:
         bar = progress.add_task(
@@ -281,65 +272,21 @@ def _run(
     return summary
 
 
-def _save(
-    engine: BaseEngine,
-    critic_engine: BaseEngine | None,
-    task: DigitTask,
-    out_dir: Path,
-    step: int,
-    keep: int | None,
-) -> str:
-    """The critic's checkpoint of ``step`` first, then the actor's with the job state (task
-    position) committed in the same folder; only then are older steps of both rotated away, so
-    a kill at any point leaves the previous complete (actor, critic) pair."""
-    ckpt_root, critic_root = out_dir / "checkpoints", out_dir / "critic_checkpoints"
-    if critic_engine is not None:
-        orphan = Path(step_dir(critic_root, step))
-        if orphan.exists():  # a critic of an interrupted save whose actor never committed
-            shutil.rmtree(orphan)
-        critic_engine.save_checkpoint(str(critic_root), step=step)
-    job_state = {"step": step, "task_rng": task.rng_state()}
-    folder = engine.save_checkpoint(str(ckpt_root), step=step, job_state=job_state)
-    rotate(ckpt_root, keep)
-    if critic_engine is not None:
-        kept = {s for s, _ in list_checkpoints(ckpt_root)}
-        for s, location in list_checkpoints(critic_root):
-            if s < step and s not in kept:
-                shutil.rmtree(location)
+def _resume_point(job: GRPOJobConfig, console: Console) -> str:
+    """The newest step whose checkpoint (actor, critic under ppo, job state) verifies; newer
+    ones are set aside (renamed ``*.rejected``, kept) and the console says which and why."""
+    names = ["actor", "critic"] if job.algorithm == "ppo" else ["actor"]
+    root = Path(job.output_dir) / "checkpoints"
+    try:
+        folder, skipped = JobCheckpoints(root).newest_verified(names)
+    except CheckpointError as e:
+        raise CheckpointError(f"--resume: {e}") from None
+    for step, reason, moved in skipped:
+        console.print(
+            f"[yellow]--resume: skipped step {step}: {reason} Set aside as {moved}.[/yellow]",
+            soft_wrap=True,
+        )
     return folder
-
-
-def _resume_point(ckpt_root: Path, critic_root: Path | None, console: Console) -> str:
-    """The newest step whose checkpoints (actor, and critic under ppo) verify; the newer ones
-    are set aside (renamed ``*.rejected``, kept) and the console says which and why."""
-    skipped: list[tuple[int, str]] = []
-    for step, location in reversed(list_checkpoints(ckpt_root)):
-        try:
-            verify_checkpoint(location)
-            if critic_root is not None:
-                verify_checkpoint(step_dir(critic_root, step))
-        except CheckpointError as e:
-            skipped.append((step, str(e)))
-            continue
-        for bad, reason in skipped:
-            moved = [
-                set_aside(folder)
-                for folder in (
-                    step_dir(ckpt_root, bad),
-                    *([step_dir(critic_root, bad)] if critic_root is not None else []),
-                )
-                if Path(folder).exists()
-            ]
-            console.print(
-                f"[yellow]--resume: skipped step {bad}: {reason} Set aside as "
-                f"{', '.join(moved)}.[/yellow]",
-                soft_wrap=True,
-            )
-        return location
-    raise CheckpointError(
-        f"--resume: no checkpoint under {ckpt_root} verifies: "
-        + " | ".join(f"step {step}: {reason}" for step, reason in skipped)
-    )
 
 
 def _print_summary(console: Console, summary: dict[str, Any]) -> None:

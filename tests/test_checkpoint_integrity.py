@@ -15,7 +15,7 @@ import fsspec
 import pytest
 import torch
 
-from engine_core.checkpoint import MANIFEST_FILE, list_checkpoints, verify_checkpoint
+from engine_core.checkpoint import MANIFEST_FILE, is_dir, list_checkpoints, verify_checkpoint
 from engine_core.errors import CheckpointError
 from engine_core.reference_engine import ReferenceEngine, ReferenceEngineConfig
 from engine_core.testing.models import engine_config, nll_loss, train_steps
@@ -178,13 +178,14 @@ def test_resume_skips_a_damaged_checkpoint_and_says_so(tmp_path: Path, algorithm
     _run(straight, 3, *extra)
     out = tmp_path / "run"
     _run(out, 2, *extra)
-    damaged = out / ("critic_checkpoints" if algorithm == "ppo" else "checkpoints")
-    shard = damaged / "global_step_2" / "engine_state_rank0.pt"
+    damaged = out / "checkpoints"
+    part = "critic" if algorithm == "ppo" else "actor"
+    shard = damaged / "global_step_2" / part / "engine_state_rank0.pt"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
     shard.write_bytes(bytes(data))
     summary, log = _run(out, 3, *extra, resume=True)
-    assert "skipped step 2" in log and "engine_state_rank0.pt is damaged" in log, log
+    assert "skipped step 2" in log and f"{part}/engine_state_rank0.pt is damaged" in log, log
     assert "global_step_1 (next step 2)" in log, log
     assert summary["checkpoint"].endswith("global_step_3")
     # steps 2-3 after falling back to step 1 equal the uninterrupted run's
@@ -249,3 +250,42 @@ def test_dcp_size_mismatch_is_one_sentence(tmp_path: Path) -> None:
     (message,) = run_distributed(_fsdp2_reshape_worker, 1, str(tmp_path))
     assert "(step 1) does not fit this FSDP2Engine's model (ValueError: Size mismatch" in message
     assert "\n" not in message, message
+
+
+# -- one checkpoint for the whole job ---------------------------------------------------------
+
+
+def test_a_job_checkpoint_is_committed_whole_or_not_at_all(root: str) -> None:
+    from engine_core.checkpoint import JOB_STATE_FILE, JobCheckpoints, join
+
+    actor, critic = _engine(), _engine()
+    train_steps(actor, range(1))
+    checkpoints = JobCheckpoints(root, max_ckpt_to_keep=1)
+    folder = checkpoints.save(1, {"actor": actor, "critic": critic}, {"step": 1})
+    assert _files(folder)[-2:] == [JOB_STATE_FILE, MANIFEST_FILE]
+    assert verify_checkpoint(folder) == 1  # one manifest over every part
+
+    def broken(folder: str) -> None:
+        raise OSError("disk full")
+
+    critic.save_shards = broken  # type: ignore[method-assign]
+    with pytest.raises(OSError, match="disk full"):
+        checkpoints.save(2, {"actor": actor, "critic": critic}, {"step": 2})
+    # the actor's part of step 2 was written, but step 2 was never committed nor step 1 rotated
+    assert [s for s, _ in list_checkpoints(root)] == [1]
+    del critic.save_shards
+    want = _weights(actor)
+    train_steps(actor, range(1))
+    fresh = {"actor": _engine(), "critic": _engine()}
+    assert checkpoints.load(folder, fresh) == {"step": 1}
+    assert all(torch.equal(v, want[k]) for k, v in _weights(fresh["actor"]).items())
+    with pytest.raises(CheckpointError, match=r"holds no extra/: it was not saved by this job"):
+        checkpoints.load(folder, {**fresh, "extra": _engine()})
+    for bad in ({}, {"Actor": actor}, {"../x": actor}):
+        with pytest.raises(CheckpointError, match="part names must be lowercase identifiers"):
+            checkpoints.save(3, bad, {"step": 3})
+    with pytest.raises(CheckpointError, match=r"job_state\['f'\] \(builtins.builtin_function"):
+        checkpoints.save(3, {"actor": actor}, {"f": print})
+    assert [s for s, _ in list_checkpoints(root)] == [1] and not is_dir(
+        join(root, "global_step_3.tmp")
+    )

@@ -91,7 +91,9 @@ def _outputs_ok(summary: dict, out: Path, last_step: int) -> None:
     assert Path(summary["plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert Path(summary["checkpoint"]).name == f"global_step_{last_step}"
-    assert (Path(summary["checkpoint"]) / "job_state.pt").is_file()  # the task's position
+    # one folder per step for the whole job: the actor (critic), the task position, a manifest
+    assert (Path(summary["checkpoint"]) / "job_state.pt").is_file()
+    assert (Path(summary["checkpoint"]) / "manifest.json").is_file()
     # save_every=2, max_ckpt_to_keep=2: the last two saves are kept
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
         f"global_step_{last_step - 2}",
@@ -141,9 +143,11 @@ def test_ppo_with_a_critic_writes_its_outputs_and_resumes_exactly(tmp_path: Path
     rows = _rows(straight)
     assert all("critic/vf_loss" in r for r in rows)
     assert rows[-1]["critic/vf_loss"] != rows[0]["critic/vf_loss"]  # the critic trains
-    assert sorted(p.name for p in (straight / "critic_checkpoints").iterdir()) == [
-        "global_step_2",
-        "global_step_4",
+    assert sorted(p.name for p in (straight / "checkpoints" / "global_step_4").iterdir()) == [
+        "actor",
+        "critic",
+        "job_state.pt",
+        "manifest.json",
     ]
     # the critic's state comes back too: every critic metric after the resume is identical
     assert _rows(interrupted) == rows

@@ -88,10 +88,13 @@ def _reseal(state_file: str) -> None:
     the folder would: the manifest catches damage, the state-file parser what gets past it."""
     from engine_core.checkpoint import MANIFEST_FILE, write_manifest
 
-    folder = state_file.rsplit("/", 1)[0]
-    fs, path = fsspec.core.url_to_fs(f"{folder}/{MANIFEST_FILE}")
-    if fs.exists(path):  # a checkpoint folder, not a lone state file
-        write_manifest(folder, step=json.loads(_read(f"{folder}/{MANIFEST_FILE}"))["step"])
+    parent = state_file.rsplit("/", 1)[0]
+    for folder in (parent, parent.rsplit("/", 1)[0]):  # an engine's folder, or a job's part
+        fs, path = fsspec.core.url_to_fs(f"{folder}/{MANIFEST_FILE}")
+        if fs.exists(path):  # a checkpoint folder, not a lone state file
+            step = json.loads(_read(f"{folder}/{MANIFEST_FILE}"))["step"]
+            write_manifest(folder, step=step)
+            return
 
 
 def _refusals(state_file: str, load: Any, marker: str) -> list[str]:
@@ -224,7 +227,7 @@ def test_rng_state_round_trips_bit_for_bit_through_a_state_file(tmp_path: Path) 
 
 def test_grpo_trainer_state(tmp_path: Path) -> None:
     from engine_core.configio import apply_overrides, load_yaml
-    from engine_core.engine import JOB_STATE_FILE
+    from engine_core.engine import CHECKPOINT_STATE_FILE, JOB_STATE_FILE
     from engine_core.plugins import load_plugins
     from roles.grpo import run_grpo
 
@@ -238,13 +241,17 @@ def test_grpo_trainer_state(tmp_path: Path) -> None:
 
         console = Console(file=sink)
         run_grpo(raw, manager, console=console)
-        state_file = str(out / "checkpoints" / "global_step_1" / JOB_STATE_FILE)
-        marker = str(tmp_path / "marker")
         resume = apply_overrides(raw, ["steps=2"])
-        messages = _refusals(
-            state_file, lambda: run_grpo(resume, manager, resume=True, console=console), marker
-        )
-    _assert_refused(messages, state_file, marker)
+        folder = out / "checkpoints" / "global_step_1"
+        for state_file in (
+            str(folder / JOB_STATE_FILE),
+            str(folder / "actor" / CHECKPOINT_STATE_FILE.format(rank=0)),
+        ):
+            marker = str(tmp_path / "marker")
+            messages = _refusals(
+                state_file, lambda: run_grpo(resume, manager, resume=True, console=console), marker
+            )
+            _assert_refused(messages, state_file, marker)
 
 
 # -- the weight-sync wire format --------------------------------------------------------------

@@ -1,0 +1,162 @@
+"""A job killed (SIGKILL) at any point of a save stays resumable, and resumes exactly.
+
+``engine-core run`` runs in child processes with an audit hook (``sys.addaudithook``) that
+watches the file-system calls Python makes under the run's output folder (files opened for
+writing, renames, deletions, new folders). A first run records the calls of the save at step 2;
+then, for a spread of those calls, a fresh run is killed with ``SIGKILL`` by its own hook right
+before the call. Each killed run is resumed (``--resume``) to step 3 in this process, and its
+metrics must equal those of the uninterrupted run, step by step.
+
+The runs are forked from one server process that has imported the job's modules (and run no
+torch operation, so no thread pool is forked): each kill then costs a run, not an interpreter
+start. The server reads one JSON request per line and answers with the run's exit status.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+RECIPE = Path(__file__).parents[1] / "engine_core" / "recipes" / "grpo_tiny.yaml"
+
+SERVER = r"""
+import json, os, signal, sys
+from engine_core.cli import main  # imported once, before any fork
+import roles.grpo  # noqa: F401
+
+WATCH = {"open", "os.rename", "os.replace", "os.remove", "os.unlink", "os.rmdir", "os.mkdir",
+         "shutil.rmtree", "shutil.move"}
+
+def run(out, args, kill_at, record):
+    seen, calls = [False], []
+
+    def hook(event, hargs):
+        if event not in WATCH or not hargs:
+            return
+        if not isinstance(hargs[0], (str, os.PathLike)):
+            return
+        path = os.fspath(hargs[0])
+        if not path.startswith(out):
+            return
+        if event == "open" and not (
+            len(hargs) > 1 and isinstance(hargs[1], str) and set(hargs[1]) & set("wax+")
+        ):
+            return
+        if "global_step_2" in path:
+            seen[0] = True
+        if not seen[0]:
+            return
+        calls.append(f"{event} {os.path.relpath(path, out)}")
+        if kill_at and len(calls) == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    sys.addaudithook(hook)
+    with open(os.devnull, "w") as sink:
+        os.dup2(sink.fileno(), 1)
+    code = main(["run", *args])
+    if record:
+        with open(record, "w") as f:
+            json.dump(calls, f)
+    return code
+
+for line in sys.stdin:
+    req = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(run(req["out"], req["args"], req["kill_at"], req["record"]))
+    _, status = os.waitpid(pid, 0)
+    code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+    print(json.dumps({"code": code}), flush=True)
+"""
+
+
+class _Runs:
+    """The fork server: ``run(...)`` forks one ``engine-core run`` and returns its exit status."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", SERVER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "RAY_AUTH_MODE": "disabled"},
+        )
+
+    def run(self, out: Path, args: list[str], kill_at: int = 0, record: str = "") -> int:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        req = {"out": str(out), "args": args, "kill_at": kill_at, "record": record}
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline()
+        assert answer, f"the run server died (exit {self.proc.poll()})"
+        return int(json.loads(answer)["code"])
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def runs() -> Any:
+    server = _Runs()
+    yield server
+    server.close()
+
+
+def _overrides(out: Path, algorithm: str, keep: int) -> list[str]:
+    return [
+        str(RECIPE),
+        f"output_dir={out}",
+        "steps=3",
+        f"algorithm={algorithm}",
+        f"max_ckpt_to_keep={keep}",
+        "engine.backend=reference",
+        "prompts_per_step=2",
+        f"samples_per_prompt={1 if algorithm == 'ppo' else 2}",
+        "save_every=1",
+        "log_every=1",
+    ]
+
+
+def _rows(out: Path) -> list[dict[str, Any]]:
+    drop = ("time_s", "tokens_per_s")
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k not in drop} for line in lines]
+
+
+@pytest.mark.parametrize(("algorithm", "keep"), [("grpo", 1), ("grpo", 2), ("ppo", 1), ("ppo", 2)])
+def test_a_kill_anywhere_in_a_save_leaves_a_run_that_resumes_exactly(
+    runs: _Runs, tmp_path: Path, algorithm: str, keep: int
+) -> None:
+    from engine_core.cli import main
+
+    straight, record = tmp_path / "straight", tmp_path / "calls.json"
+    assert runs.run(straight, _overrides(straight, algorithm, keep), record=str(record)) == 0
+    calls = json.loads(record.read_text())
+    save = [i + 1 for i, c in enumerate(calls) if "global_step_3" not in c]  # step 2's save
+    assert len(save) >= 6, calls
+    assert any(c.startswith("os.rename") for c in calls), calls  # the commit is watched
+    # a spread over the whole save: its first call, evenly spaced ones, its last
+    points = sorted({save[0], save[-1], *(save[len(save) * k // 4] for k in range(1, 4))})
+    want = _rows(straight)
+    for point in points:
+        out = tmp_path / f"killed-at-{point}"
+        where = (point, calls[point - 1])
+        assert runs.run(out, _overrides(out, algorithm, keep), kill_at=point) == -9, where
+        with open(os.devnull, "w") as sink:
+            saved, sys.stdout = sys.stdout, sink
+            try:
+                code = main(["run", *_overrides(out, algorithm, keep), "--resume"])
+            finally:
+                sys.stdout = saved
+        assert code == 0, where
+        assert _rows(out) == want, where
+        kept = sorted(p.name for p in (out / "checkpoints").iterdir())
+        assert kept == [f"global_step_{s}" for s in range(4 - keep, 4)], (where, kept)
