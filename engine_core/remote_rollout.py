@@ -102,7 +102,7 @@ class ProcessRollout(BaseRollout):
             1,
             init_args=(config.model_dump(),),
             env={"OMP_NUM_THREADS": str(torch.get_num_threads())},
-            timeout=timeout_s,
+            call_timeout_s=timeout_s,
         )
         try:
             self.capabilities = self._workers.call_all("capabilities")[0]  # type: ignore[misc]

@@ -16,13 +16,19 @@ Variables (all optional):
     that loads plugins (on ``sys.path``, e.g. through ``PYTHONPATH``).
 ``ENGINE_CORE_LOG_LEVEL``
     ``DEBUG``, ``INFO``, ``WARNING`` (default), ``ERROR`` or ``CRITICAL``.
+``ENGINE_CORE_COLLECTIVE_TIMEOUT_S``
+    Seconds a collective of a worker's process group may wait for the other ranks before it
+    fails (a positive number); unset: torch's default. The executors set it for their workers
+    from their ``collective_timeout_s`` argument.
 
 Every worker process calls :meth:`Settings.from_env` for itself, so set these before launching.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -37,6 +43,7 @@ __all__ = [
     "ENV_PLUGINS",
     "ENV_EXTRA_PLUGINS",
     "ENV_LOG_LEVEL",
+    "ENV_COLLECTIVE_TIMEOUT",
     "BUILTIN_PLUGIN",
     "LogLevel",
     "Settings",
@@ -46,6 +53,7 @@ ENV_DISABLE_AUTOLOAD = "ENGINE_CORE_DISABLE_PLUGIN_AUTOLOAD"
 ENV_PLUGINS = "ENGINE_CORE_PLUGINS"
 ENV_EXTRA_PLUGINS = "ENGINE_CORE_EXTRA_PLUGINS"
 ENV_LOG_LEVEL = "ENGINE_CORE_LOG_LEVEL"
+ENV_COLLECTIVE_TIMEOUT = "ENGINE_CORE_COLLECTIVE_TIMEOUT_S"
 # Entry-point name of the core's own plugin; never filtered out.
 BUILTIN_PLUGIN = "builtin"
 
@@ -66,6 +74,7 @@ class Settings(BaseModel):
     plugins: tuple[str, ...] | None = None
     extra_plugins: tuple[tuple[str, str], ...] = ()  # (name, module)
     log_level: LogLevel = "WARNING"
+    collective_timeout_s: float | None = None  # None: torch's default
 
     @field_validator("plugins")
     @classmethod
@@ -76,6 +85,15 @@ class Settings(BaseModel):
                     f"invalid plugin name {name!r}: use entry-point names such as 'fsdp' "
                     "(letters, digits, '_', '.', '-')"
                 )
+        return v
+
+    @field_validator("collective_timeout_s")
+    @classmethod
+    def _valid_timeout(cls, v: float | None) -> float | None:
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise ValueError(
+                f"collective_timeout_s={v!r}: use a positive, finite number of seconds"
+            )
         return v
 
     @field_validator("extra_plugins")
@@ -97,7 +115,17 @@ class Settings(BaseModel):
             plugins=_parse_plugins(env.get(ENV_PLUGINS)),
             extra_plugins=_parse_extra_plugins(env.get(ENV_EXTRA_PLUGINS)),
             log_level=_parse_log_level(env.get(ENV_LOG_LEVEL)),
+            collective_timeout_s=_parse_seconds(
+                ENV_COLLECTIVE_TIMEOUT, env.get(ENV_COLLECTIVE_TIMEOUT)
+            ),
         )
+
+    @property
+    def collective_timeout(self) -> datetime.timedelta | None:
+        """:attr:`collective_timeout_s` as ``init_process_group`` takes it (None: its default)."""
+        if self.collective_timeout_s is None:
+            return None
+        return datetime.timedelta(seconds=self.collective_timeout_s)
 
     def allows(self, plugin: str) -> bool:
         """Whether entry-point plugin ``plugin`` may be loaded under the allow-list."""
@@ -186,3 +214,18 @@ def _parse_log_level(raw: str | None) -> LogLevel:
         f"{ENV_LOG_LEVEL}={raw!r} is not a log level; allowed: {', '.join(_LOG_LEVELS)} "
         "(case-insensitive). Fix or unset the variable."
     )
+
+
+def _parse_seconds(var: str, raw: str | None) -> float | None:
+    if raw is None or not raw.strip():
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(
+            f"{var}={raw!r} is not a timeout; allowed: a positive, finite number of seconds, "
+            "e.g. 600. Fix or unset the variable."
+        )
+    return value

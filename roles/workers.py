@@ -10,12 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from tensordict import TensorDict
 
 from engine_core import BaseEngine, load_plugins, resolve_engine_config
 from engine_core.dispatch import DispatchMode, Worker, register
+from engine_core.executors import join_process_group
 from roles.actor import Actor, ActorConfig
 from roles.critic import Critic, CriticConfig
 from roles.reference import Reference
@@ -32,18 +31,11 @@ def build_engine(engine_config: dict[str, Any]) -> BaseEngine:
     return engine
 
 
-def _init_distributed() -> None:
-    import os
-
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
-
-
 class _RoleWorker(Worker):
     mesh = ""
 
     def __init__(self, engine_config: dict[str, Any]) -> None:
-        _init_distributed()
+        join_process_group()  # with the collective timeout the executor set
         self.engine = build_engine(engine_config)
         e = self.engine
         self.register_mesh(

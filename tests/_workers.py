@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
 from engine_core.dispatch import DispatchMode, Worker, register
+from engine_core.executors import join_process_group
 
 
 class MeshWorker(Worker):
@@ -57,9 +59,20 @@ class MeshWorker(Worker):
             os._exit(3)
         return self.all_reduce_rank()
 
+    def nap(self, sleeper: int, seconds: float) -> int:
+        """Worker ``sleeper`` answers after ``seconds``; the others at once."""
+        if self.rank == sleeper:
+            time.sleep(seconds)
+        return self.rank
+
+    def skip_a_collective(self, absent: int) -> float:
+        """Worker ``absent`` never joins the all-reduce the others wait in."""
+        if self.rank == absent:
+            return -1.0
+        return self.all_reduce_rank()
+
     def all_reduce_rank(self) -> float:
-        if not dist.is_initialized():
-            dist.init_process_group("gloo")
+        join_process_group("gloo")  # with the executor's collective timeout
         t = torch.tensor([float(self.rank)])
         dist.all_reduce(t)
         return float(t)

@@ -2,27 +2,41 @@
 
 from __future__ import annotations
 
+import datetime
+import time
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
 import torch
 from tensordict import TensorDict
 
-from engine_core.errors import DispatchError, MeshRegistrationError
-from engine_core.executors import LocalWorkerGroup, WorkerGroup
+from engine_core.errors import ConfigError, DispatchError, MeshRegistrationError
+from engine_core.executors import LocalWorkerGroup, WorkerGroup, worker_env
+from engine_core.settings import ENV_COLLECTIVE_TIMEOUT, Settings
 from tests._workers import MeshWorker
 
 EXECUTORS = ["in_process", "processes", pytest.param("ray", marks=pytest.mark.ray)]
 
 
-def make_group(kind: str, request: pytest.FixtureRequest, n: int, **init: Any) -> WorkerGroup:
+def make_group(
+    kind: str,
+    request: pytest.FixtureRequest,
+    n: int,
+    executor: Mapping[str, Any] | None = None,
+    **init: Any,
+) -> WorkerGroup:
+    """A group of ``n`` MeshWorkers built with ``init``; ``executor``: the executor's options."""
+    options = dict(executor or {})
     if kind == "ray":
         request.getfixturevalue("ray_session")
         from engine_core.executors import RayWorkerGroup
 
-        group: WorkerGroup = RayWorkerGroup(MeshWorker, n, init_kwargs=init)
+        group: WorkerGroup = RayWorkerGroup(MeshWorker, n, init_kwargs=init, **options)
     else:
-        group = LocalWorkerGroup(MeshWorker, n, init_kwargs=init, in_process=kind == "in_process")
+        group = LocalWorkerGroup(
+            MeshWorker, n, init_kwargs=init, in_process=kind == "in_process", **options
+        )
     group.execute("setup", list(range(n)))
     return group
 
@@ -94,3 +108,69 @@ def test_a_dead_worker_is_named_not_its_waiting_peer(
             group.call_all("die_in_a_collective", 1)
     first = str(failed.value).splitlines()[0]
     assert first.startswith("worker 1 died during 'die_in_a_collective'"), str(failed.value)
+
+
+@pytest.mark.parametrize("kind", ["processes", pytest.param("ray", marks=pytest.mark.ray)])
+def test_a_call_past_call_timeout_names_the_worker_that_did_not_answer(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    with make_group(kind, request, 2, world=2) as group:
+        # starting the workers may take long; the timeout may be lowered once they are up
+        group.call_timeout_s = 0.5
+        start = time.monotonic()
+        with pytest.raises(DispatchError) as late:
+            group.call_all("nap", 1, 3.0)
+        waited = time.monotonic() - start
+        group.call_timeout_s = 60
+    assert waited < 2.5, waited
+    assert str(late.value).startswith("worker 1: no answer to 'nap' within call_timeout_s=0.5 s")
+    assert "worker 0" not in str(late.value)
+
+
+@pytest.mark.parametrize("kind", ["processes", pytest.param("ray", marks=pytest.mark.ray)])
+def test_a_collective_missing_a_rank_fails_after_collective_timeout(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    timeouts = {"collective_timeout_s": 3, "call_timeout_s": 120}
+    with make_group(kind, request, 2, timeouts, world=2) as group:
+        assert group.call_all("all_reduce_rank") == [1.0, 1.0]  # the group is formed
+        start = time.monotonic()
+        with pytest.raises(DispatchError) as stuck:
+            group.call_all("skip_a_collective", 1)  # worker 1 never joins; torch's default: 30 min
+        waited = time.monotonic() - start
+    message = str(stuck.value)
+    assert message.startswith("worker 0 raised in 'skip_a_collective'"), message
+    assert "timed out" in message.lower(), message  # the collective's own error, not a hang
+    assert "no answer" not in message and "worker 1" not in message, message
+    assert 2.5 < waited < 60, waited
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"call_timeout_s": 0}, "call_timeout_s=0 is not allowed"),
+        ({"call_timeout_s": -1.0}, "call_timeout_s=-1.0 is not allowed"),
+        ({"call_timeout_s": float("inf")}, "call_timeout_s=inf is not allowed"),
+        ({"call_timeout_s": "600"}, "call_timeout_s='600' is not allowed"),
+        ({"collective_timeout_s": float("nan")}, "collective_timeout_s=nan is not allowed"),
+        ({"collective_timeout_s": True}, "collective_timeout_s=True is not allowed"),
+    ],
+)
+def test_invalid_timeouts_are_refused_before_any_worker_starts(
+    options: dict[str, Any], named: str
+) -> None:
+    with pytest.raises(ConfigError, match="use a positive, finite number of seconds") as bad:
+        LocalWorkerGroup(MeshWorker, 2, **options)
+    assert str(bad.value).startswith(named)
+    with LocalWorkerGroup(MeshWorker, 1, in_process=True) as group:
+        with pytest.raises(ConfigError, match="call_timeout_s=0 is not allowed"):
+            group.call_timeout_s = 0
+        assert group.call_timeout_s == 600.0
+
+
+def test_the_collective_timeout_reaches_the_workers_environment() -> None:
+    env = worker_env(0, 2, 1234, {ENV_COLLECTIVE_TIMEOUT: "9"}, collective_timeout_s=3)
+    assert Settings.from_env(env).collective_timeout == datetime.timedelta(seconds=3)
+    assert Settings.from_env(worker_env(0, 2, 1234)).collective_timeout is None
+    with pytest.raises(ConfigError, match=f"{ENV_COLLECTIVE_TIMEOUT}='soon' is not a timeout"):
+        Settings.from_env({ENV_COLLECTIVE_TIMEOUT: "soon"})

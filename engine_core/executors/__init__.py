@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from engine_core.executors.base import WorkerGroup, worker_env
+from engine_core.executors.base import WorkerGroup, join_process_group, worker_env
 from engine_core.executors.local import LocalWorkerGroup
 
 if TYPE_CHECKING:
     from engine_core.executors.ray import RayWorkerGroup
 
-__all__ = ["WorkerGroup", "LocalWorkerGroup", "RayWorkerGroup", "worker_env"]
+__all__ = ["WorkerGroup", "LocalWorkerGroup", "RayWorkerGroup", "join_process_group", "worker_env"]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,8 +1,14 @@
-"""``WorkerGroup``: a set of workers called through the dispatch/collect functions."""
+"""``WorkerGroup``: a set of workers called through the dispatch/collect functions.
+
+Also the contract between an executor and its worker processes: :func:`worker_env` is the
+environment it hands each worker (the rendezvous, and the collective timeout), and
+:func:`join_process_group` is how a worker forms its process group from that environment.
+"""
 
 from __future__ import annotations
 
 import abc
+import math
 import os
 import socket
 from collections.abc import Mapping
@@ -17,8 +23,21 @@ from engine_core.dispatch import (
     dispatch_nd,
     dispatch_one_to_all,
 )
+from engine_core.errors import ConfigError
+from engine_core.settings import ENV_COLLECTIVE_TIMEOUT, Settings
 
-__all__ = ["WorkerGroup", "enter_worker_env", "free_port", "worker_env"]
+__all__ = [
+    "DEFAULT_CALL_TIMEOUT_S",
+    "WorkerGroup",
+    "check_timeout",
+    "enter_worker_env",
+    "free_port",
+    "join_process_group",
+    "worker_env",
+]
+
+# how long a call may take on every worker of a group before the executor gives up on it
+DEFAULT_CALL_TIMEOUT_S = 600.0
 
 Calls = list[tuple[tuple[Any, ...], dict[str, Any]]]
 
@@ -30,10 +49,38 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def check_timeout(name: str, value: object, *, or_else: str = "") -> float:
+    """``value`` as a float if it is a positive, finite number of seconds; else a ConfigError.
+
+    ``or_else`` names what else the caller takes, for the message (e.g. "None for the default").
+    """
+    if (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    ):
+        return float(value)
+    other = f", or {or_else}" if or_else else ""
+    raise ConfigError(
+        f"{name}={value!r} is not allowed: use a positive, finite number of seconds, e.g. "
+        f"600{other}."
+    )
+
+
 def worker_env(
-    rank: int, world_size: int, port: int, extra: Mapping[str, str] | None = None
+    rank: int,
+    world_size: int,
+    port: int,
+    extra: Mapping[str, str] | None = None,
+    *,
+    collective_timeout_s: float | None = None,
 ) -> dict[str, str]:
-    """The environment a worker needs to call ``torch.distributed.init_process_group``."""
+    """The environment a worker needs to call ``torch.distributed.init_process_group``.
+
+    ``collective_timeout_s`` (None: torch's default) becomes ``ENGINE_CORE_COLLECTIVE_TIMEOUT_S``,
+    which :func:`join_process_group` reads; it wins over the same variable in ``extra``.
+    """
     env = {
         "RANK": str(rank),
         "WORLD_SIZE": str(world_size),
@@ -43,6 +90,8 @@ def worker_env(
         "OMP_NUM_THREADS": "1",
     }
     env.update(extra or {})
+    if collective_timeout_s is not None:
+        env[ENV_COLLECTIVE_TIMEOUT] = repr(float(collective_timeout_s))
     return env
 
 
@@ -57,16 +106,64 @@ def enter_worker_env(env: Mapping[str, str]) -> None:
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
 
 
+def join_process_group(backend: str | None = None) -> bool:
+    """Inside a worker of a group of several: form the group's process group, once.
+
+    ``backend`` defaults to NCCL where CUDA is available and gloo elsewhere. The rendezvous and
+    every collective wait for the other ranks at most ``ENGINE_CORE_COLLECTIVE_TIMEOUT_S``
+    seconds (the executor's ``collective_timeout_s``; unset, torch's default), then fail instead
+    of hanging. Returns whether a process group is up; a single worker has none.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return True
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=Settings.from_env().collective_timeout)
+    return True
+
+
 class WorkerGroup(abc.ABC):
     """Workers of one class; :meth:`execute` dispatches by the method's declared mode."""
 
-    def __init__(self, worker_cls: type, num_workers: int) -> None:
+    def __init__(
+        self,
+        worker_cls: type,
+        num_workers: int,
+        *,
+        call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+        collective_timeout_s: float | None = None,
+    ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}.")
         self.worker_cls = worker_cls
         self.num_workers = num_workers
+        self.call_timeout_s = call_timeout_s
+        # handed to worker processes, whose process group's collectives wait at most this long
+        self.collective_timeout_s = (
+            None
+            if collective_timeout_s is None
+            else check_timeout(
+                "collective_timeout_s", collective_timeout_s, or_else="None for torch's default"
+            )
+        )
         # a mesh cannot be re-registered, so its ranks are fixed once every worker has it
         self._mesh_ranks: dict[str, list[MeshRank]] = {}
+
+    @property
+    def call_timeout_s(self) -> float:
+        """Seconds every worker has to answer a call (the workers' start included); a worker
+        that has not answered by then is named in a :class:`DispatchError`. It may be changed
+        between calls, e.g. lowered once slow start-up work such as loading a model is done."""
+        return self._call_timeout_s
+
+    @call_timeout_s.setter
+    def call_timeout_s(self, value: float) -> None:
+        self._call_timeout_s = check_timeout("call_timeout_s", value)
 
     @abc.abstractmethod
     def _call(self, method: str, calls: Calls) -> list[Any]:

@@ -4,10 +4,16 @@ Multi-process workers get the rendezvous environment (``RANK``, ``WORLD_SIZE``, 
 ``MASTER_PORT``, ...) before their class is constructed, so they can form a real gloo (or NCCL)
 group. Calls are sent to every worker before any result is awaited, so workers that meet in a
 collective do not deadlock. Tensors travel through shared memory (torch's pickler).
+
+Two timeouts bound a call: ``call_timeout_s``, after which a worker that has not answered is
+named in a :class:`DispatchError`, and ``collective_timeout_s``, handed to the worker processes
+for their process group (:func:`join_process_group`), after which a collective that waits for a
+rank fails in the ranks that wait; in-process workers have neither.
 """
 
 from __future__ import annotations
 
+import time
 import traceback
 from collections.abc import Mapping
 from typing import Any
@@ -15,7 +21,14 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from engine_core.errors import DispatchError
-from engine_core.executors.base import Calls, WorkerGroup, enter_worker_env, free_port, worker_env
+from engine_core.executors.base import (
+    DEFAULT_CALL_TIMEOUT_S,
+    Calls,
+    WorkerGroup,
+    enter_worker_env,
+    free_port,
+    worker_env,
+)
 
 __all__ = ["LocalWorkerGroup"]
 
@@ -56,11 +69,16 @@ class LocalWorkerGroup(WorkerGroup):
         init_kwargs: Mapping[str, Any] | None = None,
         in_process: bool = False,
         env: Mapping[str, str] | None = None,
-        timeout: float = 600.0,
+        call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+        collective_timeout_s: float | None = None,
     ) -> None:
-        super().__init__(worker_cls, num_workers)
+        super().__init__(
+            worker_cls,
+            num_workers,
+            call_timeout_s=call_timeout_s,
+            collective_timeout_s=collective_timeout_s,
+        )
         self.in_process = in_process
-        self.timeout = timeout
         self._workers: list[Any] = []
         self._procs: list[Any] = []
         self._conns: list[Any] = []
@@ -80,7 +98,9 @@ class LocalWorkerGroup(WorkerGroup):
                     worker_cls,
                     init_args,
                     dict(init_kwargs or {}),
-                    worker_env(rank, num_workers, port, env),
+                    worker_env(
+                        rank, num_workers, port, env, collective_timeout_s=self.collective_timeout_s
+                    ),
                 ),
                 # not daemonic: a worker may start processes of its own (megatron-core's
                 # checkpoint writers do); shutdown() stops every worker, and a worker whose
@@ -98,11 +118,13 @@ class LocalWorkerGroup(WorkerGroup):
 
     def _gather(self, method: str) -> list[Any]:
         results, failures, died = [], [], []
+        deadline = time.monotonic() + self.call_timeout_s  # for the whole call, not per worker
         for i, (conn, proc) in enumerate(zip(self._conns, self._procs, strict=True)):
-            if not conn.poll(self.timeout):
+            if not conn.poll(max(deadline - time.monotonic(), 0.0)):
                 alive = "alive" if proc.is_alive() else f"dead (exit code {proc.exitcode})"
                 failures.append(
-                    f"worker {i}: no answer to {method!r} within {self.timeout} s ({alive})"
+                    f"worker {i}: no answer to {method!r} within call_timeout_s="
+                    f"{self.call_timeout_s:g} s ({alive})"
                 )
                 continue
             try:

@@ -3,7 +3,9 @@
 Needs the optional extra: ``pip install 'engine-core[ray]'``. Ray is imported only when a
 ``RayWorkerGroup`` is created. Ray writes an auth token under the home directory unless
 ``RAY_AUTH_MODE=disabled`` is set before ``ray.init``; set it where that matters (tests do).
-Actors ask for ``num_cpus`` each (default 0.01) so small hosts can place several.
+Actors ask for ``num_cpus`` each (default 0.01) so small hosts can place several. The timeouts
+are the local executor's: ``call_timeout_s`` per call (and for the actors to start),
+``collective_timeout_s`` for the workers' process group.
 """
 
 from __future__ import annotations
@@ -13,7 +15,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from engine_core.errors import DispatchError
-from engine_core.executors.base import Calls, WorkerGroup, enter_worker_env, free_port, worker_env
+from engine_core.executors.base import (
+    DEFAULT_CALL_TIMEOUT_S,
+    Calls,
+    WorkerGroup,
+    enter_worker_env,
+    free_port,
+    worker_env,
+)
 
 __all__ = ["RayWorkerGroup"]
 
@@ -57,9 +66,15 @@ class RayWorkerGroup(WorkerGroup):
         init_kwargs: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
         num_cpus: float = 0.01,
-        timeout: float = 600.0,
+        call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+        collective_timeout_s: float | None = None,
     ) -> None:
-        super().__init__(worker_cls, num_workers)
+        super().__init__(
+            worker_cls,
+            num_workers,
+            call_timeout_s=call_timeout_s,
+            collective_timeout_s=collective_timeout_s,
+        )
         ray = _import_ray()
         if not ray.is_initialized():
             raise DispatchError(
@@ -67,7 +82,6 @@ class RayWorkerGroup(WorkerGroup):
                 "creating a RayWorkerGroup."
             )
         self._ray = ray
-        self.timeout = timeout
         host = ray.remote(num_cpus=num_cpus)(_Host)
         port = free_port()
         self._actors = [
@@ -75,14 +89,16 @@ class RayWorkerGroup(WorkerGroup):
                 worker_cls,
                 init_args,
                 dict(init_kwargs or {}),
-                worker_env(r, num_workers, port, env),
+                worker_env(
+                    r, num_workers, port, env, collective_timeout_s=self.collective_timeout_s
+                ),
             )
             for r in range(num_workers)
         ]
         try:  # surfaces a constructor failure here, with the worker index
             for i, actor in enumerate(self._actors):
                 try:
-                    ray.get(actor.ready.remote(), timeout=timeout)
+                    ray.get(actor.ready.remote(), timeout=self.call_timeout_s)
                 except ray.exceptions.RayError as e:
                     raise DispatchError(f"worker {i} failed to start:\n{e}") from None
         except BaseException:
@@ -100,7 +116,7 @@ class RayWorkerGroup(WorkerGroup):
         index = {ref: i for i, ref in enumerate(refs)}
         results: dict[int, Any] = {}
         errors: dict[int, BaseException] = {}
-        pending, deadline = list(refs), time.monotonic() + self.timeout
+        pending, deadline = list(refs), time.monotonic() + self.call_timeout_s
         while pending:
             # after a first failure, give the other workers a moment to report theirs: a dead
             # worker's peers fail (or hang) in collectives, and the dead one must be named
@@ -114,9 +130,12 @@ class RayWorkerGroup(WorkerGroup):
                 except ray.exceptions.RayError as e:
                     errors[index[ref]] = e
         if not errors and pending:
-            silent = sorted(index[r] for r in pending)
             raise DispatchError(
-                f"workers {silent}: no answer to {method!r} within {self.timeout} s"
+                "\n".join(
+                    f"worker {i}: no answer to {method!r} within call_timeout_s="
+                    f"{self.call_timeout_s:g} s"
+                    for i in sorted(index[r] for r in pending)
+                )
             )
         if errors:
             died = sorted(
