@@ -10,7 +10,14 @@ the batches passed between a rollout and the roles, and the names of their field
 
 from __future__ import annotations
 
-from roles.actor import ADVANTAGES, OLD_LOG_PROBS, REF_LOG_PROBS, Actor, ActorConfig
+from roles.actor import (
+    ADVANTAGES,
+    OLD_LOG_PROBS,
+    REF_LOG_PROBS,
+    ROLLOUT_LOG_PROBS,
+    Actor,
+    ActorConfig,
+)
 from roles.advantages import (
     AdaptiveKLController,
     FixedKLController,
@@ -21,7 +28,17 @@ from roles.advantages import (
 )
 from roles.batches import prompt_batch, training_batch
 from roles.critic import OLD_VALUES, RETURNS, Critic, CriticConfig
-from roles.losses import KLEstimator, entropy_loss, kl_penalty, policy_loss, value_loss
+from roles.losses import (
+    KLEstimator,
+    MISLevel,
+    MismatchCorrection,
+    entropy_loss,
+    kl_penalty,
+    mis_weights,
+    policy_loss,
+    tis_weights,
+    value_loss,
+)
 from roles.reference import Reference
 from roles.reward_model import RewardModel
 from roles.trainer import (
@@ -51,17 +68,22 @@ __all__ = [
     "ADVANTAGES",
     "OLD_LOG_PROBS",
     "REF_LOG_PROBS",
+    "ROLLOUT_LOG_PROBS",
     "OLD_VALUES",
     "RETURNS",
     "AdaptiveKLController",
     "FixedKLController",
     "KLEstimator",
+    "MismatchCorrection",
+    "MISLevel",
     "entropy_loss",
     "gae_advantages",
     "grpo_advantages",
     "kl_penalty",
+    "mis_weights",
     "policy_loss",
     "rloo_advantages",
     "sequence_to_token_rewards",
+    "tis_weights",
     "value_loss",
 ]

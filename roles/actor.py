@@ -2,7 +2,9 @@
 
 Works with any engine through :class:`engine_core.BaseEngine` only. Batch fields are padded
 ``[B, L]`` and aligned to ``input_ids`` (see :mod:`engine_core.batch`): ``loss_mask`` marks the
-response tokens, ``advantages`` and ``old_log_probs`` are per token.
+response tokens, ``advantages`` and ``old_log_probs`` are per token, and so is
+``rollout_log_probs`` when a mismatch correction is on (:func:`roles.training_batch` carries it
+over from the rollout output).
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from pydantic import Field, PositiveInt
 from tensordict import TensorDict
 
 from engine_core import (
+    INPUT_IDS,
     LOG_PROBS,
     LOSS_MASK,
     BaseEngine,
+    BatchError,
     FrozenModel,
     GlobalBatchContext,
     LossAggregation,
@@ -30,7 +34,18 @@ from engine_core import (
     token_mean_metric,
     with_meta,
 )
-from roles.losses import KLEstimator, entropy_loss, kl_penalty, policy_loss
+from engine_core.rollout import ROLLOUT_LOG_PROBS
+from roles.losses import (
+    CorrectionWeights,
+    KLEstimator,
+    MISLevel,
+    MismatchCorrection,
+    entropy_loss,
+    kl_penalty,
+    mis_weights,
+    policy_loss,
+    tis_weights,
+)
 
 __all__ = [
     "ActorConfig",
@@ -38,6 +53,7 @@ __all__ = [
     "OLD_LOG_PROBS",
     "REF_LOG_PROBS",
     "ADVANTAGES",
+    "ROLLOUT_LOG_PROBS",
     "mean_over_steps",
 ]
 
@@ -50,6 +66,7 @@ PRODUCERS = {
     REF_LOG_PROBS: "Reference.compute_ref_log_prob",
     ADVANTAGES: "an advantage estimator in roles.advantages",
     LOSS_MASK: "the rollout (response mask)",
+    ROLLOUT_LOG_PROBS: "roles.training_batch(rollout_output); mismatch_correction needs it",
 }
 
 
@@ -70,6 +87,32 @@ class ActorConfig(FrozenModel):
     kl_loss_coef: float = Field(0.001, ge=0)
     kl_loss_type: KLEstimator = KLEstimator.LOW_VAR
     temperature: float = Field(1.0, gt=0)
+    mismatch_correction: MismatchCorrection = Field(
+        MismatchCorrection.NONE,
+        description=(
+            "Correct the policy loss for rollout/trainer log-prob mismatch, with ratio = "
+            "exp(old_log_probs - rollout_log_probs): 'tis' weights each token by "
+            "min(ratio, tis_cap), 'mis' drops the tokens whose ratio leaves [mis_low, mis_high] "
+            "(they still count in the mean's denominator). Needs the batch field "
+            "rollout_log_probs (training_batch carries it)."
+        ),
+    )
+    tis_cap: float = Field(
+        2.0, gt=0, description="TIS: the largest token weight; inf: untruncated weights."
+    )
+    mis_low: float = Field(
+        0.5, ge=0, le=1, description="MIS: lower end of the kept ratios; 0: no lower end."
+    )
+    mis_high: float = Field(
+        2.0, ge=1, description="MIS: upper end of the kept ratios; inf: no upper end."
+    )
+    mis_level: MISLevel = Field(
+        MISLevel.TOKEN,
+        description=(
+            "MIS: 'token' drops single tokens; 'sequence' drops a whole response when its "
+            "geometric-mean ratio (exp of its mean log-ratio) leaves the band."
+        ),
+    )
 
 
 class Actor:
@@ -100,6 +143,7 @@ class Actor:
     ) -> tuple[torch.Tensor, Mapping[str, Metric]]:
         cfg = self.config
         mask = mb[LOSS_MASK]
+        correction = self._mismatch_weights(mb, ctx)
         terms = policy_loss(
             out[LOG_PROBS],
             mb[OLD_LOG_PROBS],
@@ -110,9 +154,12 @@ class Actor:
             clip_ratio_high=cfg.clip_ratio_high,
             clip_ratio_c=cfg.clip_ratio_c,
             aggregation=cfg.loss_agg_mode,
+            weights=None if correction is None else correction.weights,
         )
         loss = terms["pg_loss"]
         metrics: dict[str, Metric] = {k: Metric.of(v, "sum") for k, v in terms.items()}
+        if correction is not None:
+            metrics.update({k: Metric.of(v, "sum") for k, v in correction.metrics.items()})
         if "entropy" in out.keys():  # always computed during updates: a key health metric
             ent = entropy_loss(out["entropy"], mask, ctx, cfg.loss_agg_mode)
             if cfg.entropy_coeff != 0:
@@ -127,17 +174,33 @@ class Actor:
             metrics["kl_loss"] = token_mean_metric(kl, mask, ctx)
         return loss, metrics
 
+    def _mismatch_weights(
+        self, mb: TensorDict, ctx: GlobalBatchContext
+    ) -> CorrectionWeights | None:
+        cfg = self.config
+        if cfg.mismatch_correction is MismatchCorrection.NONE:
+            return None
+        args = (mb[OLD_LOG_PROBS], mb[ROLLOUT_LOG_PROBS], mb[LOSS_MASK], ctx)
+        if cfg.mismatch_correction is MismatchCorrection.TIS:
+            return tis_weights(*args, cap=cfg.tis_cap)
+        return mis_weights(*args, low=cfg.mis_low, high=cfg.mis_high, level=cfg.mis_level)
+
     def update_actor(self, batch: TensorDict) -> dict[str, float]:
         """PPO epochs over mini-batches; one optimizer step per mini-batch, one LR step per call.
 
         Under DP each rank walks its own chunk, so global mini-batch ``k`` is the union of every
         rank's ``k``-th local mini-batch (a different composition than one process would use).
         """
-        needed = [LOSS_MASK, OLD_LOG_PROBS, ADVANTAGES] + (
-            [REF_LOG_PROBS] if self.config.use_kl_loss else []
-        )
+        correct = self.config.mismatch_correction is not MismatchCorrection.NONE
+        needed = [LOSS_MASK, OLD_LOG_PROBS, ADVANTAGES]
+        needed += [REF_LOG_PROBS] if self.config.use_kl_loss else []
+        needed += [ROLLOUT_LOG_PROBS] if correct else []
         require_keys(batch, needed, method="Actor.update_actor", producers=PRODUCERS)
-        require_token_shaped(batch, needed, method="Actor.update_actor")
+        require_token_shaped(
+            batch, [k for k in needed if k != ROLLOUT_LOG_PROBS], method="Actor.update_actor"
+        )
+        if correct:
+            _require_aligned_rollout_log_probs(batch)
         batch = self._with_meta(batch, entropy=True)
         history, lr = run_updates(
             self.engine,
@@ -153,6 +216,17 @@ class Actor:
                 "Actor.update_actor", int(out["actor/num_skipped_steps"]), len(history), batch
             )
         return out
+
+
+def _require_aligned_rollout_log_probs(batch: TensorDict) -> None:
+    got, want = tuple(batch[ROLLOUT_LOG_PROBS].shape), tuple(batch[INPUT_IDS].shape)
+    if got != want:
+        raise BatchError(
+            f"Actor.update_actor: {ROLLOUT_LOG_PROBS} has shape {got}, want {want} like "
+            f"input_ids. A rollout returns it over the response tokens only ([batch, "
+            f"response_len]); roles.training_batch(rollout_output) aligns it to the prompt + "
+            f"response (zeros on the prompt)."
+        )
 
 
 def run_updates(

@@ -14,7 +14,13 @@ import torch
 from tensordict import TensorDict
 
 from engine_core import BatchError, make_batch
-from engine_core.rollout import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK
+from engine_core.rollout import (
+    PROMPT_IDS,
+    PROMPT_MASK,
+    RESPONSE_IDS,
+    RESPONSE_MASK,
+    ROLLOUT_LOG_PROBS,
+)
 
 __all__ = ["prompt_batch", "training_batch"]
 
@@ -79,6 +85,9 @@ def training_batch(rollout_output: TensorDict) -> TensorDict:
     ``rollout_output`` is what ``rollout.generate`` returned (``prompt_ids``, ``prompt_mask``,
     ``response_ids``, ``response_mask``); the result has ``input_ids``, ``attention_mask``,
     ``position_ids`` and ``loss_mask`` ``[B, P + R]``, ready for ``Actor.compute_log_prob``.
+    When the rollout output holds ``rollout_log_probs`` ``[B, R]``, the result holds it too,
+    aligned to ``input_ids`` like ``old_log_probs`` (0 on the prompt): the actor's mismatch
+    correction reads it.
     """
     missing = [
         k
@@ -92,8 +101,18 @@ def training_batch(rollout_output: TensorDict) -> TensorDict:
         )
     prompt, pmask = rollout_output[PROMPT_IDS], rollout_output[PROMPT_MASK]
     resp, rmask = rollout_output[RESPONSE_IDS], rollout_output[RESPONSE_MASK]
-    return make_batch(
+    batch = make_batch(
         torch.cat([prompt, resp], 1),
         torch.cat([pmask, rmask], 1),
         loss_mask=torch.cat([torch.zeros_like(pmask), rmask], 1),
     )
+    if ROLLOUT_LOG_PROBS in rollout_output.keys():
+        lp = rollout_output[ROLLOUT_LOG_PROBS]
+        if lp.shape != resp.shape:
+            raise BatchError(
+                f"{ROLLOUT_LOG_PROBS} has shape {tuple(lp.shape)} but response_ids "
+                f"{tuple(resp.shape)}; a rollout returns one log-prob per response token."
+            )
+        prompt_zeros = torch.zeros(pmask.shape, dtype=lp.dtype, device=lp.device)
+        batch[ROLLOUT_LOG_PROBS] = torch.cat([prompt_zeros, lp], 1)
+    return batch

@@ -3,9 +3,16 @@
 Every loss returns this micro-batch's share of the mini-batch loss (see
 :mod:`engine_core.loss`): summed over micro-batches and DP ranks it is the mini-batch mean, so
 gradients and logged values do not depend on how the batch was split.
+
+:func:`tis_weights` and :func:`mis_weights` correct the policy loss for the mismatch between
+the rollout's log-probs of the sampled tokens and the trainer's (``old_log_probs``): their
+per-token weights go to :func:`policy_loss` as ``weights``.
 """
 
 from __future__ import annotations
+
+import math
+from typing import NamedTuple
 
 import torch
 
@@ -15,6 +22,11 @@ from engine_core.capabilities import StrEnum
 __all__ = [
     "KLEstimator",
     "kl_penalty",
+    "MismatchCorrection",
+    "MISLevel",
+    "CorrectionWeights",
+    "tis_weights",
+    "mis_weights",
     "policy_loss",
     "value_loss",
     "entropy_loss",
@@ -53,6 +65,111 @@ def kl_penalty(
     return k3.clamp(-10, 10) if est is KLEstimator.LOW_VAR else k3
 
 
+class MismatchCorrection(StrEnum):
+    """How the policy loss corrects for rollout/trainer log-prob mismatch.
+
+    The rollout samples with its own kernels (and precision), so its log-probs of the sampled
+    tokens differ from the trainer's ``old_log_probs``, against which the PPO ratio is taken.
+    With ``ratio = exp(old_log_probs - rollout_log_probs)``: ``tis`` weights each token by the
+    truncated ratio (:func:`tis_weights`), ``mis`` drops the tokens (or whole sequences) whose
+    ratio leaves a band (:func:`mis_weights`), ``none`` uses every token as it is.
+    """
+
+    NONE = "none"
+    TIS = "tis"
+    MIS = "mis"
+
+
+class MISLevel(StrEnum):
+    """What :func:`mis_weights` drops: single tokens, or whole responses."""
+
+    TOKEN = "token"
+    SEQUENCE = "sequence"
+
+
+class CorrectionWeights(NamedTuple):
+    """Per-token multipliers of the policy-gradient loss, detached, and their diagnostics.
+
+    ``metrics`` holds one fraction of loss tokens (``tis_truncated_frac`` or
+    ``mis_masked_frac``), normalized like ``clipfrac``: this micro-batch's share of the global
+    mean, to be reduced with ``sum``.
+    """
+
+    weights: torch.Tensor
+    metrics: dict[str, torch.Tensor]
+
+
+def _mismatch_log_ratio(
+    old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor
+) -> torch.Tensor:
+    return (old_log_probs - rollout_log_probs).detach()
+
+
+def tis_weights(
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    ctx: GlobalBatchContext,
+    *,
+    cap: float = 2.0,
+) -> CorrectionWeights:
+    """Truncated importance sampling: ``w = min(exp(old_log_probs - rollout_log_probs), cap)``.
+
+    ``cap`` must be > 0; ``math.inf`` gives untruncated importance sampling. Reports
+    ``tis_truncated_frac``, the fraction of loss tokens whose ratio exceeds ``cap``.
+    """
+    if not cap > 0:  # NaN included
+        raise ValueError(
+            f"tis cap must be > 0 (math.inf: no truncation), got {cap}; the usual value is 2."
+        )
+    log_ratio = _mismatch_log_ratio(old_log_probs, rollout_log_probs)
+    log_cap = math.log(cap)
+    # truncated in log space: exp stays finite under a finite cap, and a ratio of 1 weighs 1
+    weights = torch.exp(log_ratio.clamp(max=log_cap))
+    truncated = (log_ratio > log_cap).to(weights.dtype)
+    frac = aggregate_loss(truncated, mask, LossAggregation.TOKEN_MEAN, ctx)
+    return CorrectionWeights(weights, {"tis_truncated_frac": frac})
+
+
+def mis_weights(
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    ctx: GlobalBatchContext,
+    *,
+    low: float = 0.5,
+    high: float = 2.0,
+    level: MISLevel | str = MISLevel.TOKEN,
+) -> CorrectionWeights:
+    """Masked importance sampling: weight 0 where ``exp(old_log_probs - rollout_log_probs)``
+    leaves ``[low, high]``, 1 elsewhere.
+
+    At ``level="sequence"`` a response is dropped whole when its geometric-mean ratio (``exp``
+    of the mean log-ratio over its loss tokens) leaves the band. The band must hold 1
+    (``0 <= low <= 1 <= high``: a token on which rollout and trainer agree is always kept);
+    ``low=0, high=math.inf`` keeps every token. Reports ``mis_masked_frac``, the fraction of
+    loss tokens dropped.
+    """
+    if not 0 <= low <= 1 <= high:  # NaN included
+        raise ValueError(
+            f"the mis band must satisfy 0 <= low <= 1 <= high (it must hold the ratio 1, where "
+            f"rollout and trainer agree), got low={low}, high={high}."
+        )
+    level = MISLevel(level)
+    log_ratio = _mismatch_log_ratio(old_log_probs, rollout_log_probs)
+    if level is MISLevel.SEQUENCE:
+        on = mask.bool()
+        # where(), not a product: outside the mask (the prompt) the log-ratio may be anything
+        total = torch.where(on, log_ratio, torch.zeros_like(log_ratio)).sum(-1)
+        mean = total / on.sum(-1).clamp_min(1)
+        log_ratio = mean.unsqueeze(-1).expand_as(log_ratio)
+    log_low = math.log(low) if low > 0 else -math.inf
+    keep = (log_ratio >= log_low) & (log_ratio <= math.log(high))
+    weights = keep.to(old_log_probs.dtype)
+    frac = aggregate_loss(1 - weights, mask, LossAggregation.TOKEN_MEAN, ctx)
+    return CorrectionWeights(weights, {"mis_masked_frac": frac})
+
+
 class PolicyLossTerms(dict[str, torch.Tensor]):
     """``pg_loss`` plus diagnostics (``clipfrac``, ``approx_kl``, ``dual_clipfrac``), all normalized.
 
@@ -74,11 +191,24 @@ def policy_loss(
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float | None = 3.0,
     aggregation: LossAggregation | str = LossAggregation.TOKEN_MEAN,
+    weights: torch.Tensor | None = None,
 ) -> PolicyLossTerms:
-    """PPO clipped surrogate with optional dual-clip (``clip_ratio_c > 1`` bounds negative advantages)."""
+    """PPO clipped surrogate with optional dual-clip (``clip_ratio_c > 1`` bounds negative advantages).
+
+    ``weights`` (from :func:`tis_weights` or :func:`mis_weights`) multiply the per-token loss
+    and are constants to the gradient. A token of weight 0 still counts in the denominator
+    (the global loss-token count, or its sequence's token count), so the loss keeps the scale
+    of a mean over every loss token and masking more tokens never enlarges the others' step.
+    The diagnostics stay unweighted, over every loss token.
+    """
     if clip_ratio_c is not None and clip_ratio_c <= 1.0:
         raise ValueError(
             f"clip_ratio_c must be > 1 (or None to disable dual-clip), got {clip_ratio_c}."
+        )
+    if weights is not None and weights.shape != log_probs.shape:
+        raise ValueError(
+            f"weights have shape {tuple(weights.shape)} but log_probs {tuple(log_probs.shape)}; "
+            f"pass one weight per token."
         )
     log_ratio = (log_probs - old_log_probs).clamp(-20.0, 20.0)
     ratio = torch.exp(log_ratio)
@@ -92,6 +222,8 @@ def policy_loss(
         dual_active = (advantages < 0) & (per_token > bound)
         per_token = torch.where(advantages < 0, torch.minimum(per_token, bound), per_token)
         dual = dual_active.float()
+    if weights is not None:
+        per_token = per_token * weights.detach()
     token_mean = LossAggregation.TOKEN_MEAN
     return PolicyLossTerms(
         pg_loss=aggregate_loss(per_token, mask, aggregation, ctx),

@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from engine_core import GlobalBatchContext
-from roles.losses import entropy_loss, kl_penalty, policy_loss, value_loss
+from roles.losses import (
+    entropy_loss,
+    kl_penalty,
+    mis_weights,
+    policy_loss,
+    tis_weights,
+    value_loss,
+)
 
 CTX1 = GlobalBatchContext(global_num_tokens=1, global_num_samples=1)
 
@@ -122,3 +129,85 @@ def test_entropy_mean() -> None:
     mask = torch.tensor([[1, 1, 0]])
     ctx = GlobalBatchContext(global_num_tokens=2, global_num_samples=1)
     assert float(entropy_loss(ent, mask, ctx)) == pytest.approx(2.0)
+
+
+# ------------------------------------------------------------- rollout/trainer mismatch correction
+def row(*xs: float) -> torch.Tensor:
+    return torch.tensor([list(xs)])
+
+
+def test_tis_weights_are_the_ratio_truncated_at_the_cap() -> None:
+    old = row(0.0, 0.0, 0.0, 0.0)
+    rollout = row(0.0, math.log(2.0), -math.log(3.0), 5.0)  # ratios 1, 0.5, 3, e^-5
+    mask = row(1, 1, 1, 0)  # the last token carries no loss: not counted as truncated
+    ctx = GlobalBatchContext(global_num_tokens=3, global_num_samples=1)
+    weights, metrics = tis_weights(old, rollout, mask, ctx, cap=2.0)
+    assert weights.tolist()[0] == pytest.approx([1.0, 0.5, 2.0, math.exp(-5.0)])
+    assert float(metrics["tis_truncated_frac"]) == pytest.approx(1 / 3)
+    weights, metrics = tis_weights(old, rollout, mask, ctx, cap=math.inf)
+    assert weights.tolist()[0] == pytest.approx([1.0, 0.5, 3.0, math.exp(-5.0)])
+    assert float(metrics["tis_truncated_frac"]) == 0.0
+
+
+@pytest.mark.parametrize("cap", [0.0, -1.0, math.nan])
+def test_tis_cap_must_be_positive(cap: float) -> None:
+    with pytest.raises(ValueError, match="tis cap must be > 0"):
+        tis_weights(one(0.0), one(0.0), one(1.0), CTX1, cap=cap)
+
+
+def test_mis_token_level_drops_the_tokens_outside_the_band() -> None:
+    old = row(0.0, 0.0, 0.0, 0.0, 0.0)
+    # ratios 1, 0.4 (below 0.5), 2.5 (above 2), 0.5 and 2 (the ends, kept)
+    rollout = row(0.0, -math.log(0.4), -math.log(2.5), math.log(2.0), -math.log(2.0))
+    mask = row(1, 1, 1, 1, 1)
+    ctx = GlobalBatchContext(global_num_tokens=10, global_num_samples=2)  # a second micro-batch
+    weights, metrics = mis_weights(old, rollout, mask, ctx, low=0.5, high=2.0)
+    assert weights.tolist() == [[1.0, 0.0, 0.0, 1.0, 1.0]]
+    assert float(metrics["mis_masked_frac"]) == pytest.approx(2 / 10)  # this share of the mean
+    weights, metrics = mis_weights(old, rollout, mask, ctx, low=0.0, high=math.inf)
+    assert weights.tolist() == [[1.0] * 5] and float(metrics["mis_masked_frac"]) == 0.0
+
+
+def test_mis_sequence_level_uses_the_geometric_mean_ratio() -> None:
+    old = torch.zeros(2, 4)
+    # row 0: log-ratios 1.0, -0.2 (prompt position 0 ignored): mean 0.4, ratio e^0.4 = 1.49, kept
+    # row 1: log-ratios 1.0, 0.6, 0.5: mean 0.7, ratio e^0.7 = 2.01 > 2, dropped whole
+    rollout = -torch.tensor([[9.0, 1.0, -0.2, 0.0], [9.0, 1.0, 0.6, 0.5]])
+    mask = torch.tensor([[0, 1, 1, 0], [0, 1, 1, 1]])
+    ctx = GlobalBatchContext(global_num_tokens=5, global_num_samples=2)
+    weights, metrics = mis_weights(old, rollout, mask, ctx, level="sequence")
+    assert (weights * mask).tolist() == [[0, 1, 1, 0], [0, 0, 0, 0]]
+    assert float(metrics["mis_masked_frac"]) == pytest.approx(3 / 5)
+    # token level drops only the tokens of log-ratio 1 (e^1 = 2.72 > 2): one in each row
+    weights, metrics = mis_weights(old, rollout, mask, ctx, level="token")
+    assert (weights * mask).tolist() == [[0, 0, 1, 0], [0, 0, 1, 1]]
+    assert float(metrics["mis_masked_frac"]) == pytest.approx(2 / 5)
+
+
+@pytest.mark.parametrize(("low", "high"), [(-0.1, 2.0), (1.5, 2.0), (0.5, 0.9), (math.nan, 2.0)])
+def test_mis_band_must_hold_one(low: float, high: float) -> None:
+    with pytest.raises(ValueError, match="0 <= low <= 1 <= high"):
+        mis_weights(one(0.0), one(0.0), one(1.0), CTX1, low=low, high=high)
+
+
+def test_policy_loss_weights_scale_tokens_but_keep_the_denominator() -> None:
+    lp = torch.zeros(1, 3)
+    adv = row(1.0, 2.0, 3.0)
+    mask = row(1, 1, 1)
+    ctx = GlobalBatchContext(global_num_tokens=3, global_num_samples=1)
+    # on policy: per-token loss -adv; weights 2, 0, 0.5 -> -(2 + 0 + 1.5) / 3 (not / 2)
+    for agg in ("token-mean", "seq-mean-token-mean"):
+        terms = policy_loss(lp, lp, adv, mask, ctx, aggregation=agg, weights=row(2.0, 0.0, 0.5))
+        assert float(terms["pg_loss"]) == pytest.approx(-3.5 / 3)
+    with pytest.raises(ValueError, match="one weight per token"):
+        policy_loss(lp, lp, adv, mask, ctx, weights=torch.ones(3))
+
+
+def test_policy_loss_weights_are_constants_to_the_gradient() -> None:
+    lp = torch.zeros(1, 2, requires_grad=True)
+    w = torch.tensor([[3.0, 0.0]], requires_grad=True)
+    ctx = GlobalBatchContext(global_num_tokens=2, global_num_samples=1)
+    policy_loss(lp, lp.detach(), row(1.0, 1.0), row(1, 1), ctx, weights=w)["pg_loss"].backward()
+    # d/dlp of -adv * exp(lp - old) * w / 2 at lp = old: -w / 2
+    assert lp.grad is not None and lp.grad.tolist() == [[-1.5, 0.0]]
+    assert w.grad is None

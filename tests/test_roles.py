@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from math import inf
+
 import pytest
 import torch
 
 from engine_core import BatchError, CapabilityError, predicted_mask
 from engine_core.reference_engine import ReferenceEngine, ReferenceEngineConfig
-from roles.actor import ADVANTAGES, OLD_LOG_PROBS, Actor, ActorConfig
+from roles.actor import ADVANTAGES, OLD_LOG_PROBS, ROLLOUT_LOG_PROBS, Actor, ActorConfig
 from roles.critic import OLD_VALUES, RETURNS, Critic, CriticConfig
 from tests._models import engine_config, random_batch
 
@@ -67,17 +69,72 @@ def test_mini_batches_and_epochs() -> None:
     "batching",
     [{"micro_batch_size": 1}, {"micro_batch_size": 3}, {"max_tokens_per_micro_batch": 40}],
 )
-def test_logged_metrics_do_not_depend_on_micro_batching(batching: dict) -> None:
-    cfg = ActorConfig(entropy_coeff=0.01, use_kl_loss=True, ppo_mini_batch_size=4)
+@pytest.mark.parametrize(
+    "correction", [{}, {"mismatch_correction": "tis", "tis_cap": 1.2}], ids=["plain", "tis"]
+)
+def test_logged_metrics_do_not_depend_on_micro_batching(batching: dict, correction: dict) -> None:
+    cfg = ActorConfig(entropy_coeff=0.01, use_kl_loss=True, ppo_mini_batch_size=4, **correction)
     batch = ppo_batch()
     ref = Actor(cfg, engine())
     batch[OLD_LOG_PROBS] = ref.compute_log_prob(batch)[OLD_LOG_PROBS] + 0.05  # slightly off-policy
     batch["ref_log_probs"] = batch[OLD_LOG_PROBS] - 0.1
+    g = torch.Generator().manual_seed(5)  # some ratios above the cap, some below
+    batch[ROLLOUT_LOG_PROBS] = batch[OLD_LOG_PROBS] + 0.3 * torch.randn(
+        batch[OLD_LOG_PROBS].shape, generator=g
+    )
     want = ref.update_actor(batch)
     got = Actor(cfg, engine(**batching)).update_actor(batch)
     assert got.keys() == want.keys()
     for k in want:
         assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-7), k
+    if correction:
+        assert 0.0 < want["actor/tis_truncated_frac"] < 1.0
+
+
+def test_mismatch_correction_needs_token_aligned_rollout_log_probs() -> None:
+    actor = Actor(ActorConfig(mismatch_correction="tis"), engine())
+    batch = ppo_batch()
+    batch[OLD_LOG_PROBS] = torch.zeros_like(batch[ADVANTAGES])
+    with pytest.raises(BatchError, match="rollout_log_probs.*training_batch"):
+        actor.update_actor(batch)
+    batch[ROLLOUT_LOG_PROBS] = torch.zeros(8, 4)  # as a rollout returns it: response tokens only
+    with pytest.raises(BatchError, match=r"rollout_log_probs has shape \(8, 4\).*training_batch"):
+        actor.update_actor(batch)
+    with pytest.raises(ValueError, match="mis_low"):
+        ActorConfig(mismatch_correction="mis", mis_low=1.5)
+    with pytest.raises(ValueError, match="mis_level"):
+        ActorConfig(mis_level="response")
+
+
+def test_mismatch_corrections_that_change_nothing_leave_the_update_exact() -> None:
+    """TIS with an infinite cap on matching log-probs, and MIS with an infinitely wide band on
+    mismatched ones, give the uncorrected update bit for bit; a tiny cap scales the gradient."""
+    batch = ppo_batch()
+    batch[OLD_LOG_PROBS] = Actor(ActorConfig(), engine()).compute_log_prob(batch)[OLD_LOG_PROBS]
+
+    def update(rollout_log_probs: torch.Tensor, **cfg: object) -> tuple[dict, list]:
+        actor = Actor(ActorConfig(**cfg), engine())  # type: ignore[arg-type]
+        b = batch.clone()
+        b[ROLLOUT_LOG_PROBS] = rollout_log_probs
+        metrics = actor.update_actor(b)
+        return metrics, [p.detach().clone() for p in actor.engine.module.parameters()]
+
+    g = torch.Generator().manual_seed(3)
+    off = batch[OLD_LOG_PROBS] + 0.5 * torch.randn(batch[ADVANTAGES].shape, generator=g)
+    want, want_params = update(batch[OLD_LOG_PROBS])
+    cases = {
+        "tis_truncated_frac": update(batch[OLD_LOG_PROBS], mismatch_correction="tis", tis_cap=inf),
+        "mis_masked_frac": update(off, mismatch_correction="mis", mis_low=0.0, mis_high=inf),
+    }
+    for extra, (got, params) in cases.items():
+        assert got.pop(f"actor/{extra}") == 0.0
+        assert got == want
+        assert all(torch.equal(a, b) for a, b in zip(params, want_params, strict=True))
+    got, params = update(batch[OLD_LOG_PROBS], mismatch_correction="tis", tis_cap=1e-3)
+    assert got["actor/tis_truncated_frac"] == 1.0  # every ratio, 1, exceeds the cap: w = 1e-3
+    assert got["actor/pg_loss"] == pytest.approx(1e-3 * want["actor/pg_loss"], rel=1e-4)
+    assert got["actor/grad_norm"] == pytest.approx(1e-3 * want["actor/grad_norm"], rel=1e-4)
+    assert any(not torch.equal(a, b) for a, b in zip(params, want_params, strict=True))
 
 
 def test_critic_learns_returns_and_refuses_a_policy_engine() -> None:

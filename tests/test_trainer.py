@@ -18,6 +18,7 @@ from engine_core import (
     resolve_rollout_config,
 )
 from roles import (
+    ROLLOUT_LOG_PROBS,
     Actor,
     ActorConfig,
     Critic,
@@ -228,6 +229,23 @@ def test_prompt_batch_left_pads_and_training_batch_masks_the_response() -> None:
     assert batch["position_ids"][1].tolist()[2:4] == [0, 1]
     with pytest.raises(BatchError, match="response_ids"):
         training_batch(prompts)
+
+
+def test_training_batch_aligns_the_rollout_log_probs_to_input_ids() -> None:
+    out = TensorDict(
+        {
+            **prompt_batch([[5, 6, 7], [8]]),
+            "response_ids": torch.tensor([[9, 3], [9, 0]]),
+            "response_mask": torch.tensor([[1, 1], [1, 0]]),
+            "rollout_log_probs": torch.tensor([[-0.5, -1.5], [-0.25, 0.0]]),
+        },
+        batch_size=[2],
+    )
+    batch = training_batch(out)
+    assert batch[ROLLOUT_LOG_PROBS].tolist() == [[0, 0, 0, -0.5, -1.5], [0, 0, 0, -0.25, 0]]
+    out["rollout_log_probs"] = torch.zeros(2, 3)
+    with pytest.raises(BatchError, match="rollout_log_probs has shape"):
+        training_batch(out)
 
 
 def test_non_finite_updates_are_counted_warned_and_stop_the_run() -> None:
