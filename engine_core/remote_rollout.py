@@ -94,6 +94,8 @@ class _Call(threading.Thread):
 class ProcessRollout(BaseRollout):
     """Run ``config``'s rollout backend in a separate process; this process sends weights."""
 
+    generates_elsewhere = True
+
     def __init__(self, config: RolloutConfig, *, timeout_s: float = 600.0) -> None:
         super().__init__(config)
         backend = "nccl" if torch.cuda.is_available() else "gloo"

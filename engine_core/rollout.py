@@ -255,6 +255,9 @@ class BaseRollout(abc.ABC):
 
     capabilities: ClassVar[frozenset[Capability]] = frozenset()
     config_class: ClassVar[type[RolloutConfig]] = RolloutConfig
+    #: generate() runs in another process (this one only waits), so a trainer may call it on a
+    #: thread while it trains: the asynchronous mode of ``roles.RLTrainer``
+    generates_elsewhere: ClassVar[bool] = False
 
     def __init__(self, config: RolloutConfig) -> None:
         self.config = config

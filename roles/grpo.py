@@ -40,6 +40,17 @@ from roles.trainer import Algorithm, RLTrainer, TrainerConfig, check_group_size,
 __all__ = ["GRPOJobConfig", "run_grpo"]
 
 
+class AsyncConfig(FrozenModel):
+    """Overlap generation with training (needs ``rollout_placement: process``)."""
+
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="0: synchronous. >= 1: step t+1 is generated while step t trains (samples "
+        "one weight version old, never more than max_staleness versions).",
+    )
+
+
 class GRPOJobConfig(FrozenModel):
     """An RL run: algorithm, task, sampling, the actor's (and critic's) engine, the rollout."""
 
@@ -63,6 +74,7 @@ class GRPOJobConfig(FrozenModel):
         description="colocated: the rollout runs in this process; process: in a process of its "
         "own, weights streamed to it over a gloo (NCCL on GPUs) group and verified.",
     )
+    async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
     critic: CriticConfig = CriticConfig()
     critic_engine: dict[str, Any] | None = Field(
         None,
@@ -86,6 +98,12 @@ class GRPOJobConfig(FrozenModel):
                 "critic_engine is set but algorithm=grpo trains no critic; remove critic_engine "
                 "or set algorithm=ppo."
             )
+        if self.async_.max_staleness and self.rollout_placement != "process":
+            raise ValueError(
+                f"async.max_staleness={self.async_.max_staleness} generates while the actor "
+                f"trains, which needs the rollout in a process of its own; set "
+                f"rollout_placement=process, or async.max_staleness=0."
+            )
         return self
 
     def trainer_config(self, max_new_tokens: int) -> TrainerConfig:
@@ -100,6 +118,7 @@ class GRPOJobConfig(FrozenModel):
             lam=self.lam,
             seed=self.task.seed,
             max_consecutive_skipped_updates=self.max_consecutive_skipped_updates,
+            max_staleness=self.async_.max_staleness,
         )
 
     def critic_engine_config(self) -> dict[str, Any]:
@@ -206,7 +225,7 @@ def _run(
                 f"{resume_from} holds no job position (step, task_rng); it was not saved by "
                 f"engine-core run. Resume from another checkpoint."
             )
-        trainer.global_step = job_state["step"]
+        trainer.load_state_dict(job_state.get("trainer") or {"global_step": job_state["step"]})
         task.set_rng_state(job_state["task_rng"])
         console.print(f"resumed from {resume_from} (next step {trainer.global_step + 1})")
     elif job.warmup_sft_steps:
@@ -244,13 +263,18 @@ def _run(
         step = row["step"]
         if step == job.steps or (job.save_every and step % job.save_every == 0):
             # actor, critic and the task position: one folder, committed by one rename
-            ckpt = checkpoints.save(step, parts, {"step": step, "task_rng": task.rng_state()})
+            # (and, asynchronous, the generation in flight: a resume trains on the same samples)
+            state = {"step": step, "task_rng": task.rng_state(), "trainer": trainer.state_dict()}
+            ckpt = checkpoints.save(step, parts, state)
 
     with progress:
         bar = progress.add_task(
             "grpo", total=job.steps, completed=trainer.global_step, reward=0.0, loss=0.0, tps=0.0
         )
-        trainer.fit(job.steps, callbacks=[log, save])
+        try:
+            trainer.fit(job.steps, callbacks=[log, save])
+        finally:
+            trainer.close()
     hf_export = engine.export_hf(str(out_dir / "hf_export"))
     rows = tracker.rows
     title = f"{job.algorithm.upper()} on '{job.task.name}' ({job.steps} steps)"

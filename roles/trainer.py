@@ -6,6 +6,13 @@ each → score them with the reward function → old (and reference) log-probs �
 critic update) → actor update → verified weight sync into the rollout → one row of metrics.
 :meth:`RLTrainer.fit` repeats it and hands every row to the callbacks (logging, checkpoints).
 
+With ``max_staleness >= 1`` the loop is asynchronous: while the actor trains on step ``t``'s
+samples, the rollout already generates step ``t + 1``'s with the weights of before that update
+(one version old), on a thread that waits for a rollout running in another process. Every
+sample's weight version is known; a batch more than ``max_staleness`` versions old is never
+trained on; the generation in flight is part of :meth:`RLTrainer.state_dict`, so a resumed run
+trains on exactly the samples a straight one would.
+
 ``engine-core run`` (:mod:`roles.grpo`) is this trainer plus config files, checkpoints and
 plots; a script builds the same object from its own roles, rollout, prompts and reward.
 """
@@ -14,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Annotated, Any, Literal, Protocol
 
 import torch
@@ -49,6 +57,7 @@ __all__ = [
     "StepCallback",
     "plot_keys",
     "SEED_STRIDE",
+    "PromptsExhausted",
 ]
 
 # rollout seed of step s: seed * SEED_STRIDE + s, so a resumed run samples what a straight one did
@@ -119,6 +128,14 @@ class TrainerConfig(FrozenModel):
         description="Step s samples with seed * 100003 + s (a resumed run repeats a straight "
         "one); None: unseeded.",
     )
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="0: synchronous (each step generates with the weights of the step before). "
+        ">= 1: asynchronous; step t+1 is generated while step t trains, so samples are one "
+        "weight version old, never more than max_staleness. Needs a rollout that generates in "
+        "another process (rollout_placement: process).",
+    )
 
     @model_validator(mode="after")
     def _check_groups(self) -> TrainerConfig:
@@ -134,6 +151,10 @@ class TrainerConfig(FrozenModel):
             stop_token_ids=list(self.stop_token_ids),
             seed=seed,
         )
+
+
+class PromptsExhausted(RuntimeError):
+    """The prompt source (an iterable) has no prompts left for the step asked for."""
 
 
 class RLTrainer:
@@ -174,6 +195,13 @@ class RLTrainer:
                 "the actor has use_kl_loss=True, which needs reference log-probs; pass "
                 "reference=Reference(engine) (a frozen copy of the initial policy)."
             )
+        if config.max_staleness and not rollout.generates_elsewhere:
+            raise ValueError(
+                f"max_staleness={config.max_staleness} overlaps generation with training, which "
+                f"needs a rollout that generates in another process; "
+                f"{type(rollout).__name__} generates in this one. Use a ProcessRollout "
+                f"(engine-core run: rollout_placement=process), or max_staleness=0."
+            )
         self.config = config
         self.actor = actor
         self.rollout = rollout
@@ -184,6 +212,10 @@ class RLTrainer:
         self._next_prompts = _prompt_reader(prompts)
         self._synced = False
         self._skipped_in_a_row = 0
+        # asynchronous mode: the weight version in the rollout, the generation in flight
+        self._rollout_version = -1
+        self._pending: Future[tuple[TensorDict, TensorDict, int]] | None = None
+        self._pool: ThreadPoolExecutor | None = None
 
     def sync_weights(self) -> None:
         """Push the actor's weights into the rollout (names, shapes and checksums verified).
@@ -191,8 +223,36 @@ class RLTrainer:
         :meth:`step` calls it before its first generation and after every update; call it again
         after changing the actor's weights yourself (e.g. loading a checkpoint).
         """
+        if self._pending is not None:  # never swap weights under a generation in flight
+            self._pending.result()
         self.rollout.sync_weights(self.actor.engine.named_full_params())
         self._synced = True
+        self._rollout_version = self.global_step
+
+    def _generate(self, step: int) -> tuple[TensorDict, TensorDict, int]:
+        """Step ``step``'s prompts, their samples, and the weight version that generated them."""
+        prompts = self._next_prompts(step)
+        self._check_length(prompts)
+        return prompts, self.rollout.generate(prompts, self.config.sampling_params(step)), (
+            self._rollout_version
+        )
+
+    def _submit(self, step: int) -> Future[tuple[TensorDict, TensorDict, int]]:
+        """Start step ``step``'s generation on the rollout thread (prompts drawn here, in order)."""
+        future: Future[tuple[TensorDict, TensorDict, int]]
+        try:
+            prompts = self._next_prompts(step)
+            self._check_length(prompts)
+        except PromptsExhausted as e:  # raised when (and if) that step is run
+            future = Future()
+            future.set_exception(e)
+            return future
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="rollout")
+        params, version = self.config.sampling_params(step), self._rollout_version
+        return self._pool.submit(
+            lambda: (prompts, self.rollout.generate(prompts, params), version)
+        )
 
     def step(self) -> dict[str, Any]:
         """One RL step; returns its metrics row (``step``, ``reward``, ``actor/*``, ...)."""
@@ -200,9 +260,20 @@ class RLTrainer:
             self.sync_weights()
         step = self.global_step + 1
         t0 = time.perf_counter()
-        prompts = self._next_prompts(step)
-        self._check_length(prompts)
-        gen = self.rollout.generate(prompts, self.config.sampling_params(step))
+        if not self.config.max_staleness:
+            prompts, gen, version = self._generate(step)
+        else:
+            pending, self._pending = self._pending or self._submit(step), None
+            prompts, gen, version = pending.result()
+            if self._rollout_version < self.global_step:
+                self.sync_weights()  # the previous update, before the next generation starts
+            self._pending = self._submit(step + 1)
+        staleness = self.global_step - version
+        if staleness > self.config.max_staleness:  # a broken invariant, never a user error
+            raise EngineCoreError(
+                f"step {step}: samples generated by weight version {version} are {staleness} "
+                f"versions old, more than max_staleness={self.config.max_staleness}."
+            )
         scores = self._score(gen)
         batch = training_batch(gen)
         batch[OLD_LOG_PROBS] = self.actor.compute_log_prob(batch)[OLD_LOG_PROBS]
@@ -225,18 +296,24 @@ class RLTrainer:
             critic_metrics = self.critic.update_critic(batch)
         metrics = self.actor.update_actor(batch)
         self._count_skipped(step, metrics, batch)
-        self.sync_weights()
+        self.global_step = step  # the actor's weights are version `step` now
+        if not self.config.max_staleness:
+            self.sync_weights()
         resp_mask = gen[RESPONSE_MASK].bool()
         trainer_lp = batch[OLD_LOG_PROBS][:, gen[PROMPT_IDS].shape[1] :]
         mismatch = (trainer_lp - gen[ROLLOUT_LOG_PROBS]).abs()[resp_mask]
         dt = time.perf_counter() - t0
-        self.global_step = step
         return {
             "step": step,
             "reward": float(scores.mean()),
             "response_length": float(resp_mask.sum(-1).float().mean()),
             "rollout/logprob_diff_max": float(mismatch.max()),
             "rollout/logprob_diff_mean": float(mismatch.mean()),
+            **(  # asynchronous: the weights that generated the samples, how many updates old
+                {"rollout/weight_version": float(version), "rollout/staleness": float(staleness)}
+                if self.config.max_staleness
+                else {}
+            ),
             **metrics,
             **critic_metrics,
             "time_s": dt,
@@ -287,6 +364,42 @@ class RLTrainer:
                 callback(self, row)
         return history
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a resume needs beyond the engines' checkpoints, as plain data: the step, the
+        count of skipped updates in a row and, in asynchronous mode, the generation in flight
+        (waited for: its prompts, samples and weight version)."""
+        pending = None
+        if self._pending is not None and self._pending.exception() is None:
+            prompts, gen, version = self._pending.result()
+            pending = {"prompts": _plain(prompts), "samples": _plain(gen), "version": version}
+        return {
+            "global_step": self.global_step,
+            "skipped_in_a_row": self._skipped_in_a_row,
+            "pending": pending,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (after the engines' checkpoints were loaded)."""
+        self.global_step = int(state["global_step"])
+        self._skipped_in_a_row = int(state.get("skipped_in_a_row", 0))
+        self._synced = False
+        pending = state.get("pending")
+        if pending is not None and self.config.max_staleness:
+            future: Future[tuple[TensorDict, TensorDict, int]] = Future()
+            future.set_result(
+                (_batch(pending["prompts"]), _batch(pending["samples"]), int(pending["version"]))
+            )
+            self._pending = future
+
+    def close(self) -> None:
+        """Wait for a generation in flight and stop the rollout thread (asynchronous mode)."""
+        if self._pending is not None:
+            self._pending.exception()  # wait; an error there belongs to a step never run
+            self._pending = None
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
     def _score(self, gen: TensorDict) -> torch.Tensor:
         scores = self.reward_fn(gen[PROMPT_IDS], gen[RESPONSE_IDS], gen[RESPONSE_MASK])
         scores = torch.as_tensor(scores, dtype=torch.float32)
@@ -336,7 +449,7 @@ def _prompt_reader(source: PromptSource) -> Callable[[int], TensorDict]:
         try:
             return _as_prompts(next(it))
         except StopIteration:
-            raise RuntimeError(
+            raise PromptsExhausted(
                 f"the prompt source ran out before step {step}; give an endless iterable "
                 "(e.g. a generator with a `while True` loop) or a callable taking the step."
             ) from None
@@ -354,3 +467,22 @@ def _whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Ten
     vals = x[m]
     std = vals.std(unbiased=False) if vals.numel() > 1 else torch.ones(())
     return ((x - vals.mean()) / (std + eps)) * m
+
+
+def _plain(td: TensorDict) -> dict[str, Any]:
+    """A flat batch as plain data (tensors, and lists for non-tensor fields) for a checkpoint."""
+    out: dict[str, Any] = {"batch_size": list(td.batch_size)}
+    for key in td.keys():
+        value = td.get(key)
+        out[str(key)] = value if isinstance(value, torch.Tensor) else list(value.tolist())
+    return out
+
+
+def _batch(plain: dict[str, Any]) -> TensorDict:
+    from tensordict import NonTensorStack
+
+    td = TensorDict({}, batch_size=plain["batch_size"])
+    for key, value in plain.items():
+        if key != "batch_size":
+            td[key] = value if isinstance(value, torch.Tensor) else NonTensorStack.from_list(value)
+    return td

@@ -169,6 +169,22 @@ def test_a_rollout_in_its_own_process_gets_verified_weights(tmp_path: Path) -> N
             assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k
 
 
+def test_asynchronous_training_resumes_exactly_and_never_trains_on_stale_samples(
+    tmp_path: Path,
+) -> None:
+    """``async.max_staleness=1``: step t+1 generates (in the rollout's process) while step t
+    trains; the generation in flight is checkpointed, so a resumed run equals a straight one."""
+    extra = ["rollout_placement=process", "async.max_staleness=1", "prompts_per_step=4"]
+    straight, interrupted = _straight_and_resumed(load_yaml(RECIPE), tmp_path, extra)
+    rows = _rows(straight)
+    assert _rows(interrupted) == rows
+    for r in rows:  # the weights before step s's update are version s - 1
+        age = r["step"] - 1 - r["rollout/weight_version"]
+        assert age == r["rollout/staleness"] <= 1, r
+    # every step after the first trained on samples of the weights one update back
+    assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
+
+
 def test_bad_job_configs_are_refused_before_anything_is_built(tmp_path: Path) -> None:
     from engine_core.errors import ConfigError
 
@@ -177,4 +193,6 @@ def test_bad_job_configs_are_refused_before_anything_is_built(tmp_path: Path) ->
         run_grpo(apply_overrides(base, ["samples_per_prompt=1"]), load_plugins())
     with pytest.raises((ConfigError, ValueError), match="rollout_placement"):
         run_grpo(apply_overrides(base, ["rollout_placement=elsewhere"]), load_plugins())
+    with pytest.raises((ConfigError, ValueError), match="set rollout_placement=process"):
+        run_grpo(apply_overrides(base, ["async.max_staleness=1"]), load_plugins())
     assert not (tmp_path / "outputs").exists()

@@ -80,7 +80,7 @@ class _Renderer:
         for name in names:
             field = model.model_fields[name]
             cells = [
-                f'<code class="config-field">{name}</code>',
+                f'<code class="config-field">{field.alias or name}</code>',
                 self.type_of(field.annotation),
                 _default(field),
                 ", ".join(_constraints(field)),
