@@ -66,7 +66,8 @@ class ModelConfig(FrozenModel):
         Field(
             None,
             description=(
-                "transformers attention kernel; None keeps the model's default (sdpa). "
+                "transformers attention kernel; None: in a packed engine (use_packing) "
+                "sdpa_varlen, elsewhere the model's default (sdpa). "
                 "sdpa_varlen: SDPA per packed sequence, no dense mask (engine_core.attention). "
                 "flash_attention_2 needs a GPU, the flash-attn package and bf16/fp16 compute."
             ),
@@ -135,6 +136,11 @@ class EngineConfig(FrozenModel):
                 "set micro_batch_size (fixed) or max_tokens_per_micro_batch (token budget), not "
                 f"both; got {self.micro_batch_size} and {self.max_tokens_per_micro_batch}."
             )
+        if self.use_packing and self.model.attn_implementation is None:
+            # transformers attends over a packed row with one dense [T, T] mask: quadratic in
+            # the whole row, several times the cost of the padded batch for many short samples
+            varlen = self.model.model_copy(update={"attn_implementation": "sdpa_varlen"})
+            object.__setattr__(self, "model", varlen)
         return self
 
     def required_capabilities(self) -> set[Capability]:
