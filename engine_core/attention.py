@@ -80,7 +80,7 @@ def register_sdpa_varlen() -> None:
 
 def _mask_unless_packed(
     batch_size: int, *args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any
-) -> torch.Tensor | None:
+) -> Any:
     """SDPA's mask for padded calls; none for a packed row (one row, no padding mask): the
     attention above runs each of its sequences causally from ``cu_seq_lens``, and building the
     row's dense ``[T, T]`` block-diagonal mask would cost more than the attention itself."""
@@ -88,4 +88,5 @@ def _mask_unless_packed(
 
     if batch_size == 1 and attention_mask is None:
         return None
-    return sdpa_mask(batch_size, *args, attention_mask=attention_mask, **kwargs)
+    kwargs["attention_mask"] = attention_mask
+    return sdpa_mask(batch_size, *args, **kwargs)
