@@ -43,7 +43,9 @@ __all__ = ["HFRollout", "HFRolloutConfig"]
 class HFRolloutConfig(RolloutConfig):
     """The HF rollout: the common fields plus generation batching."""
 
-    generation_batch_size: PositiveInt = Field(64, description="Prompts per generate() call.")
+    generation_batch_size: PositiveInt = Field(
+        64, description="Prompts per generate() call (each with its n samples)."
+    )
     pad_token_id: int = Field(0, ge=0, description="Used when the model config names none.")
 
 
@@ -67,14 +69,11 @@ class HFRollout(BaseRollout):
     def generate(self, prompts: TensorDict, params: SamplingParams) -> TensorDict:
         ids, mask = prompt_tensors(prompts, "HFRollout.generate")
         ids, mask = ids.repeat_interleave(params.n, dim=0), mask.repeat_interleave(params.n, dim=0)
+        rows = self.cfg.generation_batch_size * params.n  # every sample of a prompt in one call
         with _seeded(params.seed, self.device):
             parts = [
-                self._generate_chunk(
-                    ids[i : i + self.cfg.generation_batch_size],
-                    mask[i : i + self.cfg.generation_batch_size],
-                    params,
-                )
-                for i in range(0, ids.shape[0], self.cfg.generation_batch_size)
+                self._generate_chunk(ids[i : i + rows], mask[i : i + rows], params)
+                for i in range(0, ids.shape[0], rows)
             ]
         width = max(p[0].shape[1] for p in parts)
         resp = torch.cat([_pad_right(p[0], width, self.pad_token_id) for p in parts])
