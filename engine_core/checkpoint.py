@@ -6,7 +6,8 @@ into place only when complete, so an interrupted save never leaves a half-writte
 ``global_step_<N>`` and never touches an existing one. On local and POSIX filesystems the move is
 an atomic rename; on object stores it is a copy then delete, and the ``.tmp`` name keeps an
 unfinished move out of :func:`list_checkpoints`. Rotation deletes the oldest complete
-checkpoints beyond the limit.
+checkpoints beyond the limit, each renamed ``global_step_<N>.deleting`` first, so an interrupted
+deletion never leaves a partial checkpoint under a checkpoint's name.
 
 The small I/O helpers (``save_torch``, ``load_torch``, ``save_safetensors``, ``load_safetensors``,
 ``is_file``, ``is_dir``) take the same kind of location, so engines never assume a local disk.
@@ -71,6 +72,7 @@ JOB_STATE_FILE = "job_state.pt"
 _MANIFEST_FORMAT = 1
 
 STEP_DIR_PATTERN = re.compile(r"^global_step_(\d+)$")
+_DELETING = ".deleting"  # suffix of a rotated-out checkpoint while it is being deleted
 
 
 def _fs(location: str | Path) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -174,8 +176,16 @@ def rotate(root: str | Path, max_ckpt_to_keep: int | None) -> list[str]:
     found = list_checkpoints(root)
     doomed = [loc for _, loc in found[: max(len(found) - max_ckpt_to_keep, 0)]]
     for loc in doomed:
+        # renamed out of the checkpoint names first, so an interrupted deletion never leaves a
+        # half-deleted global_step_<N> behind; leftovers are cleared below on a later rotation
         fs, path = _fs(loc)
-        fs.rm(path, recursive=True)
+        if fs.exists(path + _DELETING):
+            fs.rm(path + _DELETING, recursive=True)
+        fs.mv(path, path + _DELETING, recursive=True)
+    fs, path = _fs(root)
+    for entry in fs.ls(path, detail=True):
+        if entry["name"].rstrip("/").endswith(_DELETING):
+            fs.rm(entry["name"], recursive=True)
     return doomed
 
 
