@@ -31,7 +31,7 @@ lint: setup
 KIT := $(foreach b,reference fsdp fsdp2 megatron example,--engine-core-backend=$(b))
 
 test: setup lint
-	RAY_AUTH_MODE=disabled $(PY) -m pytest -q $(KIT)
+	RAY_AUTH_MODE=disabled $(PY) -m pytest -q --durations=30 $(KIT)
 
 bench: setup
 	for b in benchmarks/*.py; do $(PY) $$b; done
