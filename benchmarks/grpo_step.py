@@ -107,7 +107,9 @@ def _timed(times: dict[str, list[float]], owner: Any, name: str, label: str) -> 
     return lambda: setattr(owner, name, original)
 
 
-def _engine_core(steps: int) -> tuple[list[tuple[float, float]], dict[str, list[float]]]:
+def _engine_core(
+    steps: int, extra: list[str]
+) -> tuple[list[tuple[float, float]], dict[str, list[float]]]:
     from rich.console import Console
 
     from engine_core.configio import apply_overrides, load_yaml
@@ -125,11 +127,13 @@ def _engine_core(steps: int) -> tuple[list[tuple[float, float]], dict[str, list[
     ]
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            overrides = [f"output_dir={tmp}/run", f"steps={steps}", f"save_every={steps}"]
+            overrides = [f"output_dir={tmp}/run", f"steps={steps}", f"save_every={steps}", *extra]
             raw = apply_overrides(load_yaml(RECIPE), overrides)
             with open(os.devnull, "w") as sink:
                 run_grpo(raw, load_plugins(), console=Console(file=sink))
-            rows = [json.loads(x) for x in Path(tmp, "run", "metrics.jsonl").read_text().splitlines()]
+            rows = [
+                json.loads(x) for x in Path(tmp, "run", "metrics.jsonl").read_text().splitlines()
+            ]
     finally:
         for undo in restore:
             undo()
@@ -140,9 +144,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        help="recipe overrides for engine-core run, e.g. engine.backend=reference",
+    )
     args = parser.parse_args()
     minimal = _minimal(args.steps)
-    ours, parts = _engine_core(args.steps)
+    ours, parts = _engine_core(args.steps, args.overrides)
 
     def median(rows: list[tuple[float, float]]) -> float:
         return statistics.median(t for t, _ in rows[args.warmup :])
@@ -160,6 +169,7 @@ def main() -> None:
                 "benchmark": "grpo_step",
                 "recipe": RECIPE.name,
                 "steps": args.steps,
+                "overrides": args.overrides,
                 "torch_threads": torch.get_num_threads(),
                 "minimal_median_step_s": round(median(minimal), 4),
                 "engine_core_median_step_s": round(step, 4),

@@ -10,9 +10,11 @@ over a gloo group (:mod:`engine_core.remote_rollout`).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from pydantic import Field, PositiveInt, ValidationError, model_validator
 from rich.console import Console
 from rich.panel import Panel
@@ -47,7 +49,8 @@ class AsyncConfig(FrozenModel):
         0,
         ge=0,
         description="0: synchronous. >= 1: step t+1 is generated while step t trains (samples "
-        "one weight version old, never more than max_staleness versions).",
+        "one weight version old, never more than max_staleness versions); the job and the "
+        "rollout's process then take half the CPU threads each.",
     )
 
 
@@ -145,6 +148,12 @@ def _build(
     if job.rollout_placement == "process":
         from engine_core.remote_rollout import ProcessRollout
 
+        if job.async_.max_staleness:
+            # generation and training run at once: half the cores each (the rollout's process
+            # takes this process's thread count), not both processes on every core; run_grpo
+            # restores the count when the job ends
+            torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+
         rollout: BaseRollout = ProcessRollout(rollout_cfg)  # type: ignore[arg-type]
     else:
         rollout = rspec.load_class()(rollout_cfg)
@@ -185,13 +194,17 @@ def run_grpo(
     resume_from = None
     if resume:
         resume_from = _resume_point(job, console)
-    engine, rollout, ref_engine, critic_engine = _build(job, manager)
+    threads = torch.get_num_threads()
     try:
-        return _run(job, engine, rollout, ref_engine, critic_engine, resume_from, console)
+        engine, rollout, ref_engine, critic_engine = _build(job, manager)
+        try:
+            return _run(job, engine, rollout, ref_engine, critic_engine, resume_from, console)
+        finally:
+            shutdown = getattr(rollout, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
     finally:
-        shutdown = getattr(rollout, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        torch.set_num_threads(threads)
 
 
 def _run(
