@@ -27,7 +27,7 @@ import json
 import re
 import warnings
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +64,7 @@ __all__ = [
     "write_manifest",
     "verify_checkpoint",
     "set_aside",
+    "verify_on_rank_zero",
 ]
 
 MANIFEST_FILE = "manifest.json"
@@ -431,6 +432,24 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def verify_on_rank_zero(check: Callable[[], object]) -> None:
+    """Run ``check`` on global rank 0 only (it reads every file once) and raise its
+    :class:`CheckpointError` on every rank, the verdict sent as text (no pickle)."""
+    from engine_core.comm import broadcast_text
+
+    rank, world = _rank_and_world()
+    problem = None
+    if rank == 0:
+        try:
+            check()
+        except CheckpointError as e:
+            problem = str(e)
+    if world > 1:
+        problem = broadcast_text(problem)
+    if problem is not None:
+        raise CheckpointError(problem)
+
+
 class JobCheckpoints:
     """A job's checkpoints under ``root``: one folder per step for the whole job.
 
@@ -499,21 +518,9 @@ class JobCheckpoints:
 
     def load(self, folder: str, parts: Mapping[str, BaseEngine]) -> dict[str, Any]:
         """Verify ``folder``, restore every part from it and return its job state."""
-        from engine_core.comm import broadcast_text
-
         for engine in parts.values():
             engine.checkpoint_preflight(self.root, saving=False)
-        rank, world = _rank_and_world()
-        problem = None
-        if rank == 0:
-            try:
-                self.verify(folder, list(parts))
-            except CheckpointError as e:
-                problem = str(e)
-        if world > 1:
-            problem = broadcast_text(problem)
-        if problem is not None:
-            raise CheckpointError(problem)
+        verify_on_rank_zero(lambda: self.verify(folder, list(parts)))
         job_state = load_torch(join(folder, JOB_STATE_FILE))
         if not isinstance(job_state, dict):
             raise CheckpointError(f"{join(folder, JOB_STATE_FILE)} holds no job state mapping.")

@@ -607,23 +607,11 @@ class BaseEngine(abc.ABC):
         was written by the same number of ranks, each rank's RNG streams (a resharded load keeps
         its own: streams belong to ranks).
         """
-        from engine_core.checkpoint import verify_checkpoint
-        from engine_core.comm import broadcast_text
-        from engine_core.errors import CheckpointError
+        from engine_core.checkpoint import verify_checkpoint, verify_on_rank_zero
 
         self.require_module()
         self.checkpoint_preflight(path, saving=False)
-        rank, world = self._global_rank_and_size()
-        problem = None
-        if rank == 0:
-            try:
-                verify_checkpoint(path)
-            except CheckpointError as e:
-                problem = str(e)
-        if world > 1:
-            problem = broadcast_text(problem)
-        if problem is not None:
-            raise CheckpointError(problem)
+        verify_on_rank_zero(lambda: verify_checkpoint(path))
         return self.read_checkpoint_files(path)
 
     def read_checkpoint_files(self, folder: str) -> int:
