@@ -233,12 +233,12 @@ def _run(
     parts = {"actor": engine, **({"critic": critic_engine} if critic_engine is not None else {})}
     if resume_from is not None:
         job_state = checkpoints.load(resume_from, parts)
-        if not isinstance(job_state.get("step"), int) or "task_rng" not in job_state:
+        if not isinstance(job_state.get("trainer"), dict) or "task_rng" not in job_state:
             raise CheckpointError(
-                f"{resume_from} holds no job position (step, task_rng); it was not saved by "
+                f"{resume_from} holds no job position (trainer, task_rng); it was not saved by "
                 f"engine-core run. Resume from another checkpoint."
             )
-        trainer.load_state_dict(job_state.get("trainer") or {"global_step": job_state["step"]})
+        trainer.load_state_dict(job_state["trainer"])
         task.set_rng_state(job_state["task_rng"])
         console.print(f"resumed from {resume_from} (next step {trainer.global_step + 1})")
     elif job.warmup_sft_steps:
@@ -277,7 +277,7 @@ def _run(
         if step == job.steps or (job.save_every and step % job.save_every == 0):
             # actor, critic and the task position: one folder, committed by one rename
             # (and, asynchronous, the generation in flight: a resume trains on the same samples)
-            state = {"step": step, "task_rng": task.rng_state(), "trainer": trainer.state_dict()}
+            state = {"task_rng": task.rng_state(), "trainer": trainer.state_dict()}
             ckpt = checkpoints.save(step, parts, state)
 
     with progress:
