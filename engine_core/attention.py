@@ -7,8 +7,8 @@ sequence of the row on its own — cost ``sum(L_i^2)``, no mask at all — the r
 varlen kernel plays on GPUs. Sequences of the same length go through one batched SDPA call, so
 a batch of many short sequences costs as many calls as it has distinct lengths, and no dense
 mask is built for a packed row (one row without a padding mask: a packed row must come with its
-``cu_seq_lens_q``, as every packed call of ``BaseEngine`` does). Unpacked (padded) calls fall back to transformers' SDPA with its
-usual mask. Select it with ``model.attn_implementation: sdpa_varlen``.
+``cu_seq_lens_q``, as every packed call of ``BaseEngine`` does). Unpacked (padded) calls fall
+back to transformers' SDPA with its usual mask. Select it with ``model.attn_implementation: sdpa_varlen``.
 """
 
 from __future__ import annotations

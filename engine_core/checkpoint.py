@@ -374,7 +374,7 @@ def load_torch(location: str | Path) -> Any:
             warnings.simplefilter("ignore", UserWarning)
             obj = torch.load(io.BytesIO(data), weights_only=True)
     except Exception as e:  # torch raises UnpicklingError, RuntimeError, EOFError, ...
-        # `from None`: the chained error would repeat torch's advice to load with weights_only=False
+        # `from None`: the chained error would repeat torch's advice to turn the safe loader off
         raise CheckpointError(
             f"{location} is not a valid engine-core state file ({_reason(e)}). State files hold "
             f"only tensors and plain containers and are never unpickled beyond that; the file is "
@@ -432,6 +432,48 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _check_save_args(where: str, step: object, job_state: dict[str, Any] | None) -> None:
+    """Refuse a step other than an int >= 0 and a job state that is not plain data."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"{where}: step must be an int >= 0, got {step!r}.")
+    if job_state is not None and (found := _non_plain(job_state, "job_state")):
+        raise CheckpointError(
+            f"{where}: {found} is not plain data; job_state holds tensors in dicts, lists and "
+            f"tuples of str, int, float, bool and None."
+        )
+
+
+def _save_step(
+    root: str,
+    step: int,
+    write: Callable[[str], None],
+    *,
+    job_state: dict[str, Any] | None,
+    max_ckpt_to_keep: int | None,
+) -> str:
+    """The commit sequence of a checkpoint step, collective: refuse an existing step, stage
+    ``global_step_<step>.tmp`` (rank 0), ``write(folder)`` on every rank, then rank 0 writes
+    ``job_state`` and, last, the manifest, renames the folder into place and rotates."""
+    final = step_dir(root, step)
+    if is_dir(final):  # every rank sees it: all refuse, none waits at a barrier
+        raise CheckpointError(
+            f"checkpoint {final} already exists; refusing to overwrite it. Save under a new "
+            f"step or another root, or delete it yourself."
+        )
+    rank, _ = _rank_and_world()
+    if rank == 0:
+        staging_dir(root, step)
+    folder = final + ".tmp"
+    write(folder)
+    if rank == 0:
+        if job_state is not None:
+            save_torch(job_state, join(folder, JOB_STATE_FILE))
+        write_manifest(folder, step=step)  # last: a folder with a manifest is whole
+        commit_staging(root, step, max_ckpt_to_keep)
+    _barrier()
+    return final
+
+
 def verify_on_rank_zero(check: Callable[[], object]) -> None:
     """Run ``check`` on global rank 0 only (it reads every file once) and raise its
     :class:`CheckpointError` on every rank, the verdict sent as text (no pickle)."""
@@ -469,39 +511,23 @@ class JobCheckpoints:
 
     def save(self, step: int, parts: Mapping[str, BaseEngine], job_state: dict[str, Any]) -> str:
         """Write every part and ``job_state`` as step ``step``; return the committed folder."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise CheckpointError(f"JobCheckpoints.save: step must be an int >= 0, got {step!r}.")
+        _check_save_args("JobCheckpoints.save", step, job_state)
         bad = sorted(name for name in parts if not _PART_NAME.match(name))
         if bad or not parts:
             raise CheckpointError(
                 f"JobCheckpoints.save: part names must be lowercase identifiers (a folder each), "
                 f"at least one; got {sorted(parts)}."
             )
-        if found := _non_plain(job_state, "job_state"):
-            raise CheckpointError(
-                f"JobCheckpoints.save: {found} is not plain data; job_state holds tensors in "
-                f"dicts, lists and tuples of str, int, float, bool and None."
-            )
         for engine in parts.values():
             engine.checkpoint_preflight(self.root, saving=True)
-        final = step_dir(self.root, step)
-        if is_dir(final):  # every rank sees it: all refuse, none waits at a barrier
-            raise CheckpointError(
-                f"checkpoint {final} already exists; refusing to overwrite it. Save under a new "
-                f"step or another root, or delete it yourself."
-            )
-        rank, _ = _rank_and_world()
-        if rank == 0:
-            staging_dir(self.root, step)
-        folder = final + ".tmp"
-        for name, engine in parts.items():
-            engine.write_checkpoint_files(join(folder, name), step=step)
-        if rank == 0:
-            save_torch(job_state, join(folder, JOB_STATE_FILE))
-            write_manifest(folder, step=step)  # last: a folder with a manifest is whole
-            commit_staging(self.root, step, self.max_ckpt_to_keep)
-        _barrier()
-        return final
+
+        def write(folder: str) -> None:
+            for name, engine in parts.items():
+                engine.write_checkpoint_files(join(folder, name), step=step)
+
+        return _save_step(
+            self.root, step, write, job_state=job_state, max_ckpt_to_keep=self.max_ckpt_to_keep
+        )
 
     def verify(self, folder: str, names: list[str]) -> int:
         """Check ``folder`` against its manifest and that it holds every part in ``names``."""

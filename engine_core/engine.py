@@ -526,47 +526,19 @@ class BaseEngine(abc.ABC):
         :func:`~engine_core.checkpoint.list_checkpoints` ignores; an existing checkpoint is never
         overwritten; :meth:`load_checkpoint` verifies every file against the manifest.
         """
-        from engine_core.checkpoint import (
-            _non_plain,
-            check_max_ckpt_to_keep,
-            commit_staging,
-            is_dir,
-            join,
-            save_torch,
-            staging_dir,
-            step_dir,
-            write_manifest,
-        )
-        from engine_core.errors import CheckpointError
+        from engine_core.checkpoint import _check_save_args, _save_step, check_max_ckpt_to_keep
 
         self.require_module()
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise CheckpointError(f"save_checkpoint: step must be an int >= 0, got {step!r}.")
+        _check_save_args("save_checkpoint", step, job_state)
         check_max_ckpt_to_keep(max_ckpt_to_keep)
-        if job_state is not None and (found := _non_plain(job_state, "job_state")):
-            raise CheckpointError(
-                f"save_checkpoint: {found} is not plain data; job_state holds tensors in dicts, "
-                f"lists and tuples of str, int, float, bool and None."
-            )
         self.checkpoint_preflight(path, saving=True)
-        final = step_dir(path, step)
-        if is_dir(final):  # every rank sees it: all refuse, none waits at a barrier
-            raise CheckpointError(
-                f"checkpoint {final} already exists; refusing to overwrite it. Save under a new "
-                f"step or another root, or delete it yourself."
-            )
-        rank, _ = self._global_rank_and_size()
-        if rank == 0:
-            staging_dir(path, step)
-        folder = final + ".tmp"
-        self.write_checkpoint_files(folder, step=step)
-        if rank == 0:
-            if job_state is not None:
-                save_torch(job_state, join(folder, JOB_STATE_FILE))
-            write_manifest(folder, step=step)  # last: a folder with a manifest is whole
-            commit_staging(path, step, max_ckpt_to_keep)
-        self._checkpoint_barrier()
-        return final
+        return _save_step(
+            path,
+            step,
+            lambda folder: self.write_checkpoint_files(folder, step=step),
+            job_state=job_state,
+            max_ckpt_to_keep=max_ckpt_to_keep,
+        )
 
     def write_checkpoint_files(self, folder: str, *, step: int) -> None:
         """Write this engine's checkpoint files into ``folder`` (created if missing): every

@@ -229,20 +229,23 @@ class RLTrainer:
         self._synced = True
         self._rollout_version = self.global_step
 
-    def _generate(self, step: int) -> tuple[TensorDict, TensorDict, int]:
-        """Step ``step``'s prompts, their samples, and the weight version that generated them."""
+    def _prompts(self, step: int) -> TensorDict:
+        """Step ``step``'s prompts, drawn in step order and checked against the model's length."""
         prompts = self._next_prompts(step)
         self._check_length(prompts)
-        return prompts, self.rollout.generate(prompts, self.config.sampling_params(step)), (
-            self._rollout_version
-        )
+        return prompts
+
+    def _generate(self, step: int) -> tuple[TensorDict, TensorDict, int]:
+        """Step ``step``'s prompts, their samples, and the weight version that generated them."""
+        prompts = self._prompts(step)
+        samples = self.rollout.generate(prompts, self.config.sampling_params(step))
+        return prompts, samples, self._rollout_version
 
     def _submit(self, step: int) -> Future[tuple[TensorDict, TensorDict, int]]:
         """Start step ``step``'s generation on the rollout thread (prompts drawn here, in order)."""
         future: Future[tuple[TensorDict, TensorDict, int]]
         try:
-            prompts = self._next_prompts(step)
-            self._check_length(prompts)
+            prompts = self._prompts(step)
         except PromptsExhausted as e:  # raised when (and if) that step is run
             future = Future()
             future.set_exception(e)
@@ -250,9 +253,7 @@ class RLTrainer:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="rollout")
         params, version = self.config.sampling_params(step), self._rollout_version
-        return self._pool.submit(
-            lambda: (prompts, self.rollout.generate(prompts, params), version)
-        )
+        return self._pool.submit(lambda: (prompts, self.rollout.generate(prompts, params), version))
 
     def step(self) -> dict[str, Any]:
         """One RL step; returns its metrics row (``step``, ``reward``, ``actor/*``, ...)."""
@@ -309,7 +310,8 @@ class RLTrainer:
             "response_length": float(resp_mask.sum(-1).float().mean()),
             "rollout/logprob_diff_max": float(mismatch.max()),
             "rollout/logprob_diff_mean": float(mismatch.mean()),
-            **(  # asynchronous: the weights that generated the samples, how many updates old
+            # asynchronous: the weights that generated the samples, how many updates old
+            **(
                 {"rollout/weight_version": float(version), "rollout/staleness": float(staleness)}
                 if self.config.max_staleness
                 else {}
