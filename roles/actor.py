@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -121,6 +121,16 @@ class Actor:
     def __init__(self, config: ActorConfig, engine: BaseEngine) -> None:
         self.config = config
         self.engine = engine
+
+    def named_full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The policy's (HF name, full tensor) pairs, for a weight sync into a rollout."""
+        return self.engine.named_full_params()
+
+    @property
+    def max_position_embeddings(self) -> int | None:
+        """The longest prompt + response the model takes (None: not limited by its config)."""
+        limit = getattr(self.engine.hf_config, "max_position_embeddings", None)
+        return None if limit is None else int(limit)
 
     def _with_meta(self, batch: TensorDict, *, entropy: bool) -> TensorDict:
         """A copy whose metadata carries this role's temperature and entropy switch."""

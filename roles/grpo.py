@@ -10,7 +10,9 @@ over a gloo group (:mod:`engine_core.remote_rollout`).
 
 from __future__ import annotations
 
+import contextlib
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,14 +32,33 @@ from engine_core import (
     resolve_rollout_config,
 )
 from engine_core.checkpoint import JobCheckpoints, latest_checkpoint
-from engine_core.errors import CheckpointError
+from engine_core.errors import CheckpointError, ConfigError
 from engine_core.rollout import BaseRollout
 from engine_core.tasks import EOS, PAD, DigitTask, TaskConfig
 from engine_core.tracking import RunTracker, claim_output_dir
 from roles.actor import Actor, ActorConfig
 from roles.critic import Critic, CriticConfig
+from roles.placement import (
+    ActorGroup,
+    CriticGroup,
+    PlacementConfig,
+    RayConfig,
+    ReferenceGroup,
+    RoleGroup,
+    num_workers,
+    start_group,
+)
 from roles.reference import Reference
-from roles.trainer import Algorithm, RLTrainer, TrainerConfig, check_group_size, plot_keys
+from roles.trainer import (
+    Algorithm,
+    PolicyRole,
+    ReferenceRole,
+    RLTrainer,
+    TrainerConfig,
+    ValueRole,
+    check_group_size,
+    plot_keys,
+)
 
 __all__ = ["GRPOJobConfig", "run_grpo"]
 
@@ -74,8 +95,23 @@ class GRPOJobConfig(FrozenModel):
     rollout: dict[str, Any] = Field(default_factory=lambda: {"backend": "hf"})
     rollout_placement: Literal["colocated", "process"] = Field(
         "colocated",
-        description="colocated: the rollout runs in this process; process: in a process of its "
-        "own, weights streamed to it over a gloo (NCCL on GPUs) group and verified.",
+        description="colocated: the rollout runs in this process; process: in processes of its "
+        "own (rollout_replicas of them), weights streamed to them over a gloo (NCCL on GPUs) "
+        "group and verified per replica.",
+    )
+    rollout_replicas: PositiveInt = Field(
+        1,
+        description="rollout_placement=process: rollout processes; each step's prompts are "
+        "split across them (a prompt's samples stay in one) and the samples gathered back in "
+        "prompt order.",
+    )
+    placement: PlacementConfig = Field(
+        default_factory=PlacementConfig,
+        description="Where the actor, critic and reference run: in this process, or as "
+        "data-parallel worker groups on local processes or Ray.",
+    )
+    ray: RayConfig = Field(
+        default_factory=RayConfig, description="placement.executor=ray: the cluster to run on."
     )
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
     critic: CriticConfig = CriticConfig()
@@ -100,6 +136,22 @@ class GRPOJobConfig(FrozenModel):
             raise ValueError(
                 "critic_engine is set but algorithm=grpo trains no critic; remove critic_engine "
                 "or set algorithm=ppo."
+            )
+        if self.rollout_replicas > 1 and self.rollout_placement != "process":
+            raise ValueError(
+                f"rollout_replicas={self.rollout_replicas} runs each replica in a process of its "
+                f"own; set rollout_placement=process, or rollout_replicas=1."
+            )
+        if self.placement.grouped and self.warmup_sft_steps:
+            raise ValueError(
+                f"warmup_sft_steps={self.warmup_sft_steps} runs on an actor in this process; "
+                f"with placement.executor={self.placement.executor} set warmup_sft_steps=0 (or "
+                f"warm up first, and start from that checkpoint's export)."
+            )
+        if self.ray.model_fields_set and self.placement.executor != "ray":
+            raise ValueError(
+                f"ray.{sorted(self.ray.model_fields_set)[0]} is set but placement.executor="
+                f"{self.placement.executor}; set placement.executor=ray, or drop the ray block."
             )
         if self.async_.max_staleness and self.rollout_placement != "process":
             raise ValueError(
@@ -130,9 +182,35 @@ class GRPOJobConfig(FrozenModel):
         return {**self.engine, "model": {**self.engine["model"], "value_head": True}}
 
 
-def _build(
-    job: GRPOJobConfig, manager: PluginManager
-) -> tuple[BaseEngine, BaseRollout, BaseEngine | None, BaseEngine | None]:
+@dataclass
+class _Roles:
+    """The job's roles as the trainer calls them, and what holds their engines."""
+
+    actor: PolicyRole
+    rollout: BaseRollout
+    reference: ReferenceRole | None
+    critic: ValueRole | None
+    parts: dict[str, Any]  # checkpoint parts: engines, or role groups
+    groups: list[RoleGroup] = field(default_factory=list)
+    owns_ray: bool = False
+
+    @property
+    def actor_part(self) -> Any:
+        return self.parts["actor"]
+
+    def close(self) -> None:
+        shutdown = getattr(self.rollout, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        for group in self.groups:
+            group.shutdown()
+        if self.owns_ray:
+            import ray
+
+            ray.shutdown()
+
+
+def _build(job: GRPOJobConfig, manager: PluginManager, stack: contextlib.ExitStack) -> _Roles:
     # every config is resolved (and refused, naming the field) before anything is built
     spec, engine_cfg = resolve_engine_config(job.engine, manager, path=("engine",))
     rollout_raw = {"model": job.engine["model"], **job.rollout}
@@ -143,8 +221,22 @@ def _build(
         critic_spec, critic_cfg = resolve_engine_config(
             job.critic_engine_config(), manager, path=path
         )
-    engine: BaseEngine = spec.load_class()(engine_cfg)
-    engine.init_model()
+    roles = _Roles(actor=None, rollout=None, reference=None, critic=None, parts={})  # type: ignore[arg-type]
+    stack.callback(roles.close)
+    if job.placement.grouped:
+        _build_groups(job, roles, engine_cfg, critic_cfg)
+    else:
+        engine: BaseEngine = spec.load_class()(engine_cfg)
+        engine.init_model()
+        roles.actor, roles.parts["actor"] = Actor(job.actor, engine), engine
+        if job.actor.use_kl_loss:
+            ref_engine = spec.load_class()(engine_cfg)
+            ref_engine.init_model()  # same seed: the initial policy
+            roles.reference = Reference(ref_engine, temperature=job.temperature)
+        if critic_spec is not None:
+            critic_engine = critic_spec.load_class()(critic_cfg)
+            critic_engine.init_model()
+            roles.critic, roles.parts["critic"] = Critic(job.critic, critic_engine), critic_engine
     if job.rollout_placement == "process":
         from engine_core.remote_rollout import ProcessRollout
 
@@ -153,19 +245,52 @@ def _build(
             # takes this process's thread count), not both processes on every core; run_grpo
             # restores the count when the job ends
             torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-
-        rollout: BaseRollout = ProcessRollout(rollout_cfg)  # type: ignore[arg-type]
+        replicas = {"replicas": job.rollout_replicas} if job.rollout_replicas > 1 else {}
+        roles.rollout = ProcessRollout(rollout_cfg, **replicas)  # type: ignore[arg-type]
     else:
-        rollout = rspec.load_class()(rollout_cfg)
-    ref_engine = None
+        roles.rollout = rspec.load_class()(rollout_cfg)
+    return roles
+
+
+def _build_groups(job: GRPOJobConfig, roles: _Roles, engine_cfg: Any, critic_cfg: Any) -> None:
+    """The roles as worker groups on ``job.placement.executor`` (local processes or Ray)."""
+    from roles.workers import ActorWorker, CriticWorker, ReferenceWorker
+
+    placement = job.placement
+    if placement.executor == "ray":
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=job.ray.address, num_cpus=job.ray.num_cpus, log_to_driver=False)
+            roles.owns_ray = True
+    policy_raw = engine_cfg.model_dump()
+    actor = start_group(
+        placement,
+        ActorWorker,
+        num_workers(placement.actor.dp, engine_cfg),
+        (policy_raw, job.actor.model_dump()),
+    )
+    roles.groups.append(ActorGroup(actor, job.actor))
+    roles.actor = roles.parts["actor"] = roles.groups[-1]  # type: ignore[assignment]
     if job.actor.use_kl_loss:
-        ref_engine = spec.load_class()(engine_cfg)
-        ref_engine.init_model()  # same seed: the initial policy
-    critic_engine = None
-    if critic_spec is not None:
-        critic_engine = critic_spec.load_class()(critic_cfg)
-        critic_engine.init_model()
-    return engine, rollout, ref_engine, critic_engine
+        workers = num_workers(placement.reference.dp, engine_cfg)
+        ref = start_group(placement, ReferenceWorker, workers, (policy_raw, job.temperature))
+        roles.groups.append(ReferenceGroup(ref))
+        roles.reference = roles.groups[-1]  # type: ignore[assignment]
+    if critic_cfg is not None:
+        workers = num_workers(placement.critic.dp, critic_cfg)
+        critic_args = (critic_cfg.model_dump(), job.critic.model_dump())
+        critic = start_group(placement, CriticWorker, workers, critic_args)
+        roles.groups.append(CriticGroup(critic))
+        roles.critic = roles.parts["critic"] = roles.groups[-1]  # type: ignore[assignment]
+    for role, group in zip(("actor", "reference", "critic"), roles.groups, strict=False):
+        want = getattr(placement, role).dp
+        if group.dp_size != want:
+            raise ConfigError(
+                f"placement.{role}.dp={want}, but its engine formed dp={group.dp_size} from "
+                f"{group.group.num_workers} workers; the engine's tensor_parallel_size × "
+                f"pipeline_parallel_size must divide them. Check the role's engine config."
+            )
 
 
 def run_grpo(
@@ -196,23 +321,16 @@ def run_grpo(
         resume_from = _resume_point(job, console)
     threads = torch.get_num_threads()
     try:
-        engine, rollout, ref_engine, critic_engine = _build(job, manager)
-        try:
-            return _run(job, engine, rollout, ref_engine, critic_engine, resume_from, console)
-        finally:
-            shutdown = getattr(rollout, "shutdown", None)
-            if shutdown is not None:
-                shutdown()
+        with contextlib.ExitStack() as stack:
+            roles = _build(job, manager, stack)
+            return _run(job, roles, resume_from, console)
     finally:
         torch.set_num_threads(threads)
 
 
 def _run(
     job: GRPOJobConfig,
-    engine: BaseEngine,
-    rollout: BaseRollout,
-    ref_engine: BaseEngine | None,
-    critic_engine: BaseEngine | None,
+    roles: _Roles,
     resume_from: str | None,
     console: Console,
 ) -> dict[str, Any]:
@@ -220,17 +338,17 @@ def _run(
     task = DigitTask(job.task)
     trainer = RLTrainer(
         job.trainer_config(task.response_len),
-        actor=Actor(job.actor, engine),
-        rollout=rollout,
+        actor=roles.actor,
+        rollout=roles.rollout,
         reward_fn=lambda prompt, response, mask: task.score(
             prompt, response.masked_fill(mask == 0, PAD)
         ),
         prompts=lambda step: task.prompt_ids(task.sample_digits(job.prompts_per_step)),
-        reference=Reference(ref_engine, temperature=job.temperature) if ref_engine else None,
-        critic=Critic(job.critic, critic_engine) if critic_engine is not None else None,
+        reference=roles.reference,
+        critic=roles.critic,
     )
     checkpoints = JobCheckpoints(out_dir / "checkpoints", max_ckpt_to_keep=job.max_ckpt_to_keep)
-    parts = {"actor": engine, **({"critic": critic_engine} if critic_engine is not None else {})}
+    parts = roles.parts
     if resume_from is not None:
         job_state = checkpoints.load(resume_from, parts)
         if not isinstance(job_state.get("trainer"), dict) or "task_rng" not in job_state:
@@ -242,7 +360,7 @@ def _run(
         task.set_rng_state(job_state["task_rng"])
         console.print(f"resumed from {resume_from} (next step {trainer.global_step + 1})")
     elif job.warmup_sft_steps:
-        _warmup(engine, task, job)
+        _warmup(roles.actor_part, task, job)
     tracker = RunTracker(out_dir, resume_after_step=trainer.global_step)
     ckpt: str | None = str(resume_from) if resume_from is not None else None
     progress = Progress(
@@ -288,7 +406,7 @@ def _run(
             trainer.fit(job.steps, callbacks=[log, save])
         finally:
             trainer.close()
-    hf_export = engine.export_hf(str(out_dir / "hf_export"))
+    hf_export = roles.actor_part.export_hf(str(out_dir / "hf_export"))
     rows = tracker.rows
     title = f"{job.algorithm.upper()} on '{job.task.name}' ({job.steps} steps)"
     plot = tracker.plot(plot_keys(rows), title=title)

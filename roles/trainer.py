@@ -43,11 +43,16 @@ from engine_core.rollout import (
     RESPONSE_MASK,
     ROLLOUT_LOG_PROBS,
 )
-from roles.actor import ADVANTAGES, OLD_LOG_PROBS, REF_LOG_PROBS, Actor, non_finite_inputs
+from roles.actor import (
+    ADVANTAGES,
+    OLD_LOG_PROBS,
+    REF_LOG_PROBS,
+    ActorConfig,
+    non_finite_inputs,
+)
 from roles.advantages import gae_advantages, grpo_advantages, sequence_to_token_rewards
 from roles.batches import prompt_batch, training_batch
-from roles.critic import OLD_VALUES, RETURNS, Critic
-from roles.reference import Reference
+from roles.critic import OLD_VALUES, RETURNS
 
 __all__ = [
     "TrainerConfig",
@@ -58,7 +63,13 @@ __all__ = [
     "plot_keys",
     "SEED_STRIDE",
     "PromptsExhausted",
+    "PolicyRole",
+    "ValueRole",
+    "ReferenceRole",
+    "TIMING_KEYS",
 ]
+
+ROLLOUT_REPLICA = "rollout_replica"  # TODO-REPLICA: import from engine_core.rollout
 
 # rollout seed of step s: seed * SEED_STRIDE + s, so a resumed run samples what a straight one did
 SEED_STRIDE = 100003
@@ -153,6 +164,40 @@ class TrainerConfig(FrozenModel):
         )
 
 
+class PolicyRole(Protocol):
+    """What the trainer calls on the policy: an :class:`Actor`, or an
+    :class:`roles.placement.ActorGroup` (the same calls on a data-parallel worker group)."""
+
+    config: ActorConfig
+
+    def compute_log_prob(self, batch: TensorDict) -> TensorDict: ...
+
+    def update_actor(self, batch: TensorDict) -> dict[str, float]: ...
+
+    def named_full_params(self) -> Iterable[tuple[str, torch.Tensor]]: ...
+
+    @property
+    def max_position_embeddings(self) -> int | None: ...
+
+
+class ValueRole(Protocol):
+    """A :class:`Critic` or a :class:`roles.placement.CriticGroup`."""
+
+    def compute_values(self, batch: TensorDict) -> TensorDict: ...
+
+    def update_critic(self, batch: TensorDict) -> dict[str, float]: ...
+
+
+class ReferenceRole(Protocol):
+    """A :class:`Reference` or a :class:`roles.placement.ReferenceGroup`."""
+
+    def compute_ref_log_prob(self, batch: TensorDict) -> TensorDict: ...
+
+
+TIMING_KEYS = ("time_s", "tokens_per_s", "weight_sync/time_s")
+"""Row keys that measure time: they differ between otherwise identical runs."""
+
+
 class PromptsExhausted(RuntimeError):
     """The prompt source (an iterable) has no prompts left for the step asked for."""
 
@@ -175,12 +220,12 @@ class RLTrainer:
         self,
         config: TrainerConfig,
         *,
-        actor: Actor,
+        actor: PolicyRole,
         rollout: BaseRollout,
         reward_fn: RewardFn,
         prompts: PromptSource,
-        reference: Reference | None = None,
-        critic: Critic | None = None,
+        reference: ReferenceRole | None = None,
+        critic: ValueRole | None = None,
         global_step: int = 0,
     ) -> None:
         if config.algorithm == "ppo" and critic is None:
@@ -216,6 +261,7 @@ class RLTrainer:
         self._rollout_version = -1
         self._pending: Future[tuple[TensorDict, TensorDict, int]] | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._last_sync: dict[str, float] = {}
 
     def sync_weights(self) -> None:
         """Push the actor's weights into the rollout (names, shapes and checksums verified).
@@ -225,7 +271,19 @@ class RLTrainer:
         """
         if self._pending is not None:  # never swap weights under a generation in flight
             self._pending.result()
-        self.rollout.sync_weights(self.actor.engine.named_full_params())
+        moved = [0]
+
+        def counted() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in self.actor.named_full_params():
+                moved[0] += t.numel() * t.element_size()
+                yield name, t
+
+        t0 = time.perf_counter()
+        self.rollout.sync_weights(counted())
+        self._last_sync = {
+            "weight_sync/time_s": time.perf_counter() - t0,
+            "weight_sync/bytes": float(moved[0]),
+        }
         self._synced = True
         self._rollout_version = self.global_step
 
@@ -302,7 +360,8 @@ class RLTrainer:
             self.sync_weights()
         resp_mask = gen[RESPONSE_MASK].bool()
         trainer_lp = batch[OLD_LOG_PROBS][:, gen[PROMPT_IDS].shape[1] :]
-        mismatch = (trainer_lp - gen[ROLLOUT_LOG_PROBS]).abs()[resp_mask]
+        gap = (trainer_lp - gen[ROLLOUT_LOG_PROBS]).abs()
+        mismatch = gap[resp_mask]
         dt = time.perf_counter() - t0
         return {
             "step": step,
@@ -316,6 +375,8 @@ class RLTrainer:
                 if self.config.max_staleness
                 else {}
             ),
+            **_per_replica(gen, gap, resp_mask),
+            **self._last_sync,
             **metrics,
             **critic_metrics,
             "time_s": dt,
@@ -323,7 +384,7 @@ class RLTrainer:
         }
 
     def _check_length(self, prompts: TensorDict) -> None:
-        limit = getattr(self.actor.engine.hf_config, "max_position_embeddings", None)
+        limit = self.actor.max_position_embeddings
         longest = int(prompts[PROMPT_MASK].sum(-1).max()) if PROMPT_MASK in prompts.keys() else 0
         longest = longest or int(prompts[PROMPT_IDS].shape[1])
         if limit is not None and longest + self.config.max_new_tokens > limit:
@@ -439,6 +500,21 @@ def plot_keys(rows: Sequence[dict[str, Any]]) -> tuple[str, ...]:
     if any(r.get("actor/num_skipped_steps", 0.0) for r in rows):
         keys.append("actor/num_skipped_steps")
     return tuple(keys)
+
+
+def _per_replica(gen: TensorDict, gap: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """With several rollout replicas: each one's largest rollout-vs-trainer log-prob gap."""
+    if ROLLOUT_REPLICA not in gen.keys():
+        return {}
+    replica = gen[ROLLOUT_REPLICA]
+    ids = sorted({int(i) for i in replica.tolist()})
+    if len(ids) < 2:
+        return {}
+    out = {}
+    for i in ids:
+        rows = replica == i
+        out[f"rollout/replica{i}/logprob_diff_max"] = float(gap[rows][mask[rows]].max())
+    return out
 
 
 def _prompt_reader(source: PromptSource) -> Callable[[int], TensorDict]:

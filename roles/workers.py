@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from tensordict import TensorDict
 
 from engine_core import BaseEngine, load_plugins, resolve_engine_config
@@ -41,6 +42,36 @@ class _RoleWorker(Worker):
         self.register_mesh(
             self.mesh, dp_rank=e.dp_rank, dp_size=e.dp_size, is_collect=e.is_collect_rank
         )
+
+    # what a driver needs of a role it does not hold: checkpoints, the export, the full weights
+    # (each collective: call it on every worker of the group)
+
+    def checkpoint_preflight(self, root: str, saving: bool) -> None:
+        self.engine.checkpoint_preflight(root, saving=saving)
+
+    def write_checkpoint_files(self, folder: str, step: int) -> None:
+        self.engine.write_checkpoint_files(folder, step=step)
+
+    def read_checkpoint_files(self, folder: str) -> int:
+        return self.engine.read_checkpoint_files(folder)
+
+    def export_hf(self, path: str) -> str:
+        return self.engine.export_hf(path)
+
+    def full_params(self) -> dict[str, torch.Tensor] | None:
+        """Every (HF name, full tensor), gathered on every rank; returned by the collect rank
+        of DP rank 0 only (copies: nothing handed out aliases the engine's own storage)."""
+        e = self.engine
+        writer = e.dp_rank == 0 and e.is_collect_rank
+        out = {}
+        for name, t in e.named_full_params():
+            if writer:
+                out[name] = t.detach().to("cpu", copy=True)
+        return out if writer else None
+
+    def max_position_embeddings(self) -> int | None:
+        limit = getattr(self.engine.hf_config, "max_position_embeddings", None)
+        return None if limit is None else int(limit)
 
     def params_checksum(self) -> float:
         """A cheap fingerprint of the full weights (sum of |w|), to compare runs across engines

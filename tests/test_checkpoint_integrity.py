@@ -19,6 +19,7 @@ from engine_core.checkpoint import MANIFEST_FILE, is_dir, list_checkpoints, veri
 from engine_core.errors import CheckpointError
 from engine_core.reference_engine import ReferenceEngine, ReferenceEngineConfig
 from engine_core.testing.models import engine_config, nll_loss, train_steps
+from roles.trainer import TIMING_KEYS
 from tests._dist import run_distributed
 
 
@@ -166,7 +167,7 @@ def _run(out: Path, steps: int, *extra: str, resume: bool = False) -> tuple[dict
 
 def _metrics(out: Path) -> list[dict]:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if k not in ("time_s", "tokens_per_s")} for r in rows]
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])

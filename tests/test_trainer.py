@@ -50,6 +50,8 @@ ROW_KEYS = {
     "actor/lr",
     "actor/num_optimizer_steps",
     "actor/num_skipped_steps",
+    "weight_sync/time_s",
+    "weight_sync/bytes",
     "time_s",
     "tokens_per_s",
 }
