@@ -29,16 +29,13 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from engine_core.errors import CheckpointError
-
-if TYPE_CHECKING:
-    from engine_core.engine import BaseEngine
 
 __all__ = [
     "STEP_DIR_PATTERN",
@@ -60,6 +57,7 @@ __all__ = [
     "fresh_folder",
     "MANIFEST_FILE",
     "JOB_STATE_FILE",
+    "CheckpointPart",
     "JobCheckpoints",
     "write_manifest",
     "verify_checkpoint",
@@ -492,6 +490,17 @@ def verify_on_rank_zero(check: Callable[[], object]) -> None:
         raise CheckpointError(problem)
 
 
+class CheckpointPart(Protocol):
+    """What :class:`JobCheckpoints` calls on each part of a job: a :class:`BaseEngine`, or a
+    role's worker group (``roles.placement.RoleGroup``) whose workers write their own shards."""
+
+    def checkpoint_preflight(self, path: str, *, saving: bool) -> None: ...
+
+    def write_checkpoint_files(self, folder: str, *, step: int) -> None: ...
+
+    def read_checkpoint_files(self, folder: str) -> int: ...
+
+
 class JobCheckpoints:
     """A job's checkpoints under ``root``: one folder per step for the whole job.
 
@@ -509,7 +518,9 @@ class JobCheckpoints:
         self.root = str(root)
         self.max_ckpt_to_keep = max_ckpt_to_keep
 
-    def save(self, step: int, parts: Mapping[str, BaseEngine], job_state: dict[str, Any]) -> str:
+    def save(
+        self, step: int, parts: Mapping[str, CheckpointPart], job_state: dict[str, Any]
+    ) -> str:
         """Write every part and ``job_state`` as step ``step``; return the committed folder."""
         _check_save_args("JobCheckpoints.save", step, job_state)
         bad = sorted(name for name in parts if not _PART_NAME.match(name))
@@ -542,7 +553,7 @@ class JobCheckpoints:
             )
         return step
 
-    def load(self, folder: str, parts: Mapping[str, BaseEngine]) -> dict[str, Any]:
+    def load(self, folder: str, parts: Mapping[str, CheckpointPart]) -> dict[str, Any]:
         """Verify ``folder``, restore every part from it and return its job state."""
         for engine in parts.values():
             engine.checkpoint_preflight(self.root, saving=False)

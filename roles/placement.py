@@ -170,8 +170,8 @@ class RoleGroup:
     def dp_size(self) -> int:
         return self.group.mesh_ranks(self.mesh)[0].dp_size
 
-    def checkpoint_preflight(self, root: str, *, saving: bool) -> None:
-        self.group.call_all("checkpoint_preflight", str(root), saving)
+    def checkpoint_preflight(self, path: str, *, saving: bool) -> None:
+        self.group.call_all("checkpoint_preflight", str(path), saving)
 
     def write_checkpoint_files(self, folder: str, *, step: int) -> None:
         self.group.call_all("write_checkpoint_files", folder, step)
