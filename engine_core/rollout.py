@@ -44,6 +44,7 @@ __all__ = [
     "RESPONSE_MASK",
     "ROLLOUT_LOG_PROBS",
     "FINISH_REASON",
+    "ROLLOUT_REPLICA",
 ]
 
 PROMPT_IDS = "prompt_ids"
@@ -52,6 +53,7 @@ RESPONSE_IDS = "response_ids"
 RESPONSE_MASK = "response_mask"
 ROLLOUT_LOG_PROBS = "rollout_log_probs"
 FINISH_REASON = "finish_reason"
+ROLLOUT_REPLICA = "rollout_replica"  # which replica of a multi-process rollout generated a row
 
 
 class SamplingParams(FrozenModel):

@@ -21,7 +21,7 @@ process can both join it.
   still drains the stream, so both sides stay in step for the next sync.
 
 Executed here on CPU with gloo (trainer and rollout in separate processes, 1 and 2 trainer
-ranks). The NCCL path (``backend="nccl"``, buffers on the current CUDA device) is written
+ranks, 1 and 2 rollout processes). The NCCL path (``backend="nccl"``, buffers on the current CUDA device) is written
 against the same public API and has never run.
 """
 
@@ -33,7 +33,7 @@ import ipaddress
 import json
 import math
 import socket
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -356,12 +356,15 @@ def send_weights(
     named: Iterable[tuple[str, torch.Tensor]],
     *,
     bucket_bytes: int = 256 << 20,
+    receiver_names: Sequence[str] | None = None,
 ) -> list[WeightBucket]:
     """Stream ``named`` to every rollout process of ``group`` and wait for their verdicts.
 
     Call it on every trainer rank: sharded engines gather full parameters collectively, so each
     rank iterates ``named``; ranks that are not the sender pass ``group=None`` and send nothing.
-    Raises :class:`WeightSyncError` naming each receiver that refused a bucket.
+    Raises :class:`WeightSyncError` naming each receiver that refused a bucket: as
+    ``receiver_names[r - 1]`` for rank ``r`` when given (one name per receiving rank), else as
+    "rollout rank r".
     """
     if group is None:
         for _ in named:  # take part in the engine's collectives
@@ -370,7 +373,9 @@ def send_weights(
     if group.rank != 0:
         raise ValueError(f"send_weights runs on rank 0 of the sync group, not rank {group.rank}.")
     done: list[WeightBucket] = []
+    names: list[str] | None = None
     try:
+        names = _receiver_names(group, receiver_names)
         for bucket in iter_buckets(named, bucket_bytes):
             header = _header(bucket)
             group.broadcast_message(header, 0)
@@ -379,23 +384,39 @@ def send_weights(
     except BaseException as e:
         # the receivers are waiting for a header: tell them the stream ended badly
         group.broadcast_message(_Abort(f"{type(e).__name__}: {e}"), 0)
-        _collect_verdicts(group)
+        _collect_verdicts(group, names=names)
         raise
     group.broadcast_message(_End(), 0)
-    failures = [f"rollout rank {r}: {msg}" for r, msg in _collect_verdicts(group) if msg]
+    failures = [f"{names[r - 1]}: {msg}" for r, msg in _collect_verdicts(group, names=names) if msg]
     if failures:
         raise WeightSyncError("weight sync failed on the rollout side; " + " | ".join(failures))
     return done
 
 
-def _collect_verdicts(group: WeightSyncGroup, mine: str | None = None) -> list[tuple[int, str]]:
+def _receiver_names(group: WeightSyncGroup, given: Sequence[str] | None) -> list[str]:
+    """How failures name each receiving rank 1..N: ``given`` in rank order, or "rollout rank r"."""
+    if given is None:
+        return [f"rollout rank {r}" for r in range(1, group.world_size)]
+    if isinstance(given, str) or len(given) != group.world_size - 1:
+        raise ValueError(
+            f"receiver_names names each receiving rank 1..{group.world_size - 1} of the sync "
+            f"group in order, so it needs {group.world_size - 1} name(s); got {given!r}. Pass one "
+            f"name per rollout process, or None for 'rollout rank r'."
+        )
+    return [str(n) for n in given]
+
+
+def _collect_verdicts(
+    group: WeightSyncGroup, mine: str | None = None, *, names: Sequence[str] | None = None
+) -> list[tuple[int, str]]:
     """Every receiver broadcasts its verdict ('' when fine) in rank order."""
     out = []
     for r in range(1, group.world_size):
         msg = group.broadcast_message(_Verdict(mine or "") if r == group.rank else None, r)
         if not isinstance(msg, _Verdict):
+            who = names[r - 1] if names is not None else f"rollout rank {r}"
             raise WeightSyncError(
-                f"rollout rank {r} sent a {type(msg).__name__.strip('_').lower()} message where "
+                f"{who} sent a {type(msg).__name__.strip('_').lower()} message where "
                 f"its verdict was expected; the weight-sync group is out of step."
             )
         out.append((r, msg.error))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -11,6 +12,8 @@ from tensordict import TensorDict
 
 from engine_core.dispatch import DispatchMode, Worker, register
 from engine_core.executors import join_process_group
+from engine_core.remote_rollout import RolloutWorker
+from engine_core.rollout import tensor_checksum
 
 
 class MeshWorker(Worker):
@@ -76,3 +79,37 @@ class MeshWorker(Worker):
         t = torch.tensor([float(self.rank)])
         dist.all_reduce(t)
         return float(t)
+
+
+CORRUPTED = "model.norm.weight"
+
+
+class CorruptingRolloutWorker(RolloutWorker):
+    """A rollout replica whose replica 1 corrupts what it loads: after the real load of the
+    bucket holding :data:`CORRUPTED`, that weight is shifted, so the rollout's checksum of its
+    loaded weights no longer matches what the trainer sent. Other replicas load faithfully."""
+
+    def __init__(self, config: dict[str, Any], replica: int = 0) -> None:
+        super().__init__(config, replica=replica)
+        if replica == 1:
+            rollout: Any = self.rollout
+            load = rollout.load_weight_bucket
+
+            @torch.no_grad()
+            def corrupting_load(bucket: list[tuple[str, torch.Tensor]]) -> str:
+                load(bucket)
+                state = rollout.model.state_dict()
+                if CORRUPTED in state and any(name == CORRUPTED for name, _ in bucket):
+                    state[CORRUPTED].add_(1.0)
+                return tensor_checksum((name, state[name]) for name, _ in bucket)
+
+            rollout.load_weight_bucket = corrupting_load
+
+
+class FailingRolloutWorker(RolloutWorker):
+    """Replica 1 fails to start; the others start as usual."""
+
+    def __init__(self, config: dict[str, Any], replica: int = 0) -> None:
+        if replica == 1:
+            raise RuntimeError(f"replica {replica} cannot start on purpose")
+        super().__init__(config, replica=replica)

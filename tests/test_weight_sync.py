@@ -91,7 +91,7 @@ def test_a_refused_sync_names_the_parameter_on_the_trainer_side() -> None:
             for name, t in engine.named_full_params():
                 yield name, (t[:-1] if name == "lm_head.weight" else t)
 
-        with pytest.raises(WeightSyncError, match=r"rollout rank 1: .*lm_head\.weight"):
+        with pytest.raises(WeightSyncError, match=r"rollout replica 0: .*lm_head\.weight"):
             rollout.sync_weights(wrong())
         # both ends stayed in step: the next sync goes through and is followed
         rollout.sync_weights(engine.named_full_params())

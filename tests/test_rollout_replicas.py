@@ -1,0 +1,275 @@
+"""A ProcessRollout of several replicas: one weight stream to all, prompts split between them.
+
+Real processes and a real gloo weight-sync group: an HF rollout backend in each replica process,
+weights built from the tiny model config (nothing downloaded).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from engine_core_hf.rollout import HFRollout, HFRolloutConfig
+from tensordict import NonTensorStack, TensorDict
+
+import engine_core.remote_rollout as remote_rollout
+from engine_core.config import ModelConfig
+from engine_core.errors import DispatchError, WeightSyncError
+from engine_core.executors.base import free_port
+from engine_core.models import build_model
+from engine_core.remote_rollout import (
+    ProcessRollout,
+    RolloutWorker,
+    _merge_replica_outputs,
+    _replica_bounds,
+    _replica_seed,
+)
+from engine_core.rollout import (
+    FINISH_REASON,
+    PROMPT_IDS,
+    PROMPT_MASK,
+    RESPONSE_IDS,
+    RESPONSE_MASK,
+    ROLLOUT_LOG_PROBS,
+    ROLLOUT_REPLICA,
+    SamplingParams,
+)
+from engine_core.weight_sync import WeightSyncGroup, receive_weights, send_weights
+from tests._models import TINY_QWEN2
+from tests._workers import CORRUPTED, CorruptingRolloutWorker, FailingRolloutWorker
+
+PARAMS = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=3)
+
+
+def _hf_config() -> HFRolloutConfig:
+    return HFRolloutConfig(backend="hf", model=ModelConfig(config=dict(TINY_QWEN2)), seed=7)
+
+
+def _model(seed: int) -> Any:
+    """A transformers model of the tiny config, its weights drawn from ``seed``."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build_model(ModelConfig(config=dict(TINY_QWEN2))).eval()
+
+
+def _prompts(n: int, seed: int = 1) -> TensorDict:
+    ids = torch.randint(
+        1, TINY_QWEN2["vocab_size"], (n, 5), generator=torch.Generator().manual_seed(seed)
+    )
+    return TensorDict({PROMPT_IDS: ids, PROMPT_MASK: torch.ones_like(ids)}, batch_size=[n])
+
+
+def _gap(model: Any, out: TensorDict) -> float:
+    """Largest |rollout log-prob - log-prob a plain forward of ``model`` gives| over ``out``."""
+    ids = torch.cat([out[PROMPT_IDS], out[RESPONSE_IDS]], 1)
+    with torch.no_grad():
+        logits = model(ids).logits[:, out[PROMPT_IDS].shape[1] - 1 : -1]
+    lp = torch.log_softmax(logits.float(), -1).gather(-1, out[RESPONSE_IDS].unsqueeze(-1))[..., 0]
+    return float((lp - out[ROLLOUT_LOG_PROBS]).abs()[out[RESPONSE_MASK].bool()].max())
+
+
+SENT = 11  # the seed of the weights the shared rollout is synced with
+
+
+@pytest.fixture(scope="module")
+def two() -> Iterator[ProcessRollout]:
+    rollout = ProcessRollout(_hf_config(), replicas=2, timeout_s=300)
+    try:
+        rollout.sync_weights(_model(SENT).state_dict().items(), bucket_bytes=64 << 10)
+        yield rollout
+    finally:
+        rollout.shutdown()
+        rollout.shutdown()  # safe twice
+
+
+def test_every_replica_samples_from_the_sent_weights_in_prompt_order(
+    two: ProcessRollout,
+) -> None:
+    prompts = _prompts(5)
+    out = two.generate(prompts, PARAMS)
+    n = PARAMS.n
+    assert out.batch_size[0] == 5 * n
+    # prompt i's n samples at rows i*n .. i*n+n-1; prompts 0-2 on replica 0, 3-4 on replica 1
+    assert torch.equal(out[PROMPT_IDS], prompts[PROMPT_IDS].repeat_interleave(n, 0))
+    assert out[ROLLOUT_REPLICA].dtype == torch.int64
+    assert out[ROLLOUT_REPLICA].tolist() == [0] * 3 * n + [1] * 2 * n
+    assert len(out[FINISH_REASON].tolist()) == 5 * n
+    model = _model(SENT)
+    for replica in (0, 1):
+        rows = out[ROLLOUT_REPLICA] == replica
+        assert _gap(model, out[rows]) <= 1e-5, replica
+    # and the rollout was really synced: its own initial weights give other log-probs
+    assert _gap(_model(_hf_config().seed), out) > 1e-3
+
+
+def test_replicas_sample_with_their_own_seeds_and_repeat_with_the_same_seed(
+    two: ProcessRollout,
+) -> None:
+    prompts = _prompts(4)
+    prompts[PROMPT_IDS][2] = prompts[PROMPT_IDS][0]  # the same prompt on replica 0 and replica 1
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, n=1, seed=5)
+    out = two.generate(prompts, params)
+    assert out[ROLLOUT_REPLICA].tolist() == [0, 0, 1, 1]
+    assert not torch.equal(out[RESPONSE_IDS][0], out[RESPONSE_IDS][2])  # different seeds
+    again = two.generate(prompts, params)
+    assert torch.equal(again[RESPONSE_IDS], out[RESPONSE_IDS])
+
+
+def test_fewer_prompts_than_replicas_and_release_resume(two: ProcessRollout) -> None:
+    two.release()
+    two.resume()
+    out = two.generate(_prompts(1), PARAMS)
+    assert out[ROLLOUT_REPLICA].tolist() == [0] * PARAMS.n
+    assert _gap(_model(SENT), out) <= 1e-5
+
+
+def test_a_replica_that_corrupts_its_weights_is_named() -> None:
+    rollout = ProcessRollout(
+        _hf_config(), replicas=2, worker_cls=CorruptingRolloutWorker, timeout_s=300
+    )
+    try:
+        weights = list(_model(SENT).state_dict().items())
+        for _ in range(2):  # the group is still in step after a failure: the same verdict again
+            with pytest.raises(WeightSyncError) as failed:
+                rollout.sync_weights(weights, bucket_bytes=64 << 10)
+            message = str(failed.value)
+            assert "rollout replica 1: checksum mismatch" in message
+            assert CORRUPTED in message
+            assert "replica 0" not in message
+        # replica 0 took the weights all the same
+        out = rollout.generate(_prompts(2), PARAMS)
+        assert _gap(_model(SENT), out[out[ROLLOUT_REPLICA] == 0]) <= 1e-5
+    finally:
+        rollout.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("replicas", "error"),
+    [(0, ValueError), (-2, ValueError), (1.5, TypeError), (True, TypeError), ("2", TypeError)],
+)
+def test_bad_replica_counts_are_refused_before_any_process_starts(
+    replicas: Any, error: type[Exception], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_process(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a rollout process was started")
+
+    monkeypatch.setattr(remote_rollout, "LocalWorkerGroup", no_process)
+    with pytest.raises(error) as refused:
+        ProcessRollout(_hf_config(), replicas=replicas)
+    message = str(refused.value)
+    assert f"replicas={replicas!r}" in message
+    assert "int >= 1" in message and "Pass e.g. replicas=2" in message
+
+
+def test_a_replica_that_fails_to_start_stops_the_others() -> None:
+    before = set(multiprocessing.active_children())
+    with pytest.raises(
+        DispatchError, match=r"(?s)rollout replica 1 of 2 failed to start.*on purpose"
+    ):
+        ProcessRollout(_hf_config(), replicas=2, worker_cls=FailingRolloutWorker, timeout_s=300)
+    assert set(multiprocessing.active_children()) <= before
+
+
+def test_worker_cls_must_be_a_rollout_worker() -> None:
+    with pytest.raises(TypeError, match="RolloutWorker or a subclass"):
+        ProcessRollout(_hf_config(), worker_cls=dict)  # type: ignore[arg-type]
+    assert issubclass(CorruptingRolloutWorker, RolloutWorker)
+
+
+# -- splitting, seeds and merging, without processes ----------------------------------------
+
+
+def test_prompts_are_split_in_contiguous_near_equal_chunks() -> None:
+    assert _replica_bounds(5, 2) == [(0, 3), (3, 5)]
+    assert _replica_bounds(7, 3) == [(0, 3), (3, 5), (5, 7)]
+    assert _replica_bounds(1, 3) == [(0, 1), (1, 1), (1, 1)]
+    assert _replica_bounds(4, 1) == [(0, 4)]
+
+
+def test_replica_seeds() -> None:
+    assert _replica_seed(3, 0, 1) == 3  # a single replica keeps the seed as given
+    assert _replica_seed(None, 1, 2) is None
+    seeds = [_replica_seed(3, i, 4) for i in range(4)]
+    assert len(set(seeds)) == 4
+    for big in (2**63 - 1, -(2**63), 2**80):
+        assert all(0 <= _replica_seed(big, i, 4) < 2**63 for i in range(4))  # type: ignore[operator]
+
+
+def _part(rows: int, width: int, token: int) -> TensorDict:
+    td = TensorDict(
+        {
+            PROMPT_IDS: torch.full((rows, 2), token),
+            PROMPT_MASK: torch.ones(rows, 2, dtype=torch.long),
+            RESPONSE_IDS: torch.full((rows, width), token),
+            RESPONSE_MASK: torch.ones(rows, width, dtype=torch.long),
+            ROLLOUT_LOG_PROBS: torch.full((rows, width), -0.5),
+        },
+        batch_size=[rows],
+    )
+    td[FINISH_REASON] = NonTensorStack.from_list([f"r{token}"] * rows)
+    return td
+
+
+def test_replica_results_are_padded_to_the_widest_and_concatenated() -> None:
+    out = _merge_replica_outputs([(0, _part(2, 3, 5)), (1, _part(1, 1, 6))], pad_token_id=9)
+    assert out.batch_size[0] == 3
+    assert out[RESPONSE_IDS].tolist() == [[5, 5, 5], [5, 5, 5], [6, 9, 9]]
+    assert out[RESPONSE_MASK].tolist() == [[1, 1, 1], [1, 1, 1], [1, 0, 0]]
+    assert out[ROLLOUT_LOG_PROBS].tolist() == [[-0.5] * 3, [-0.5] * 3, [-0.5, 0.0, 0.0]]
+    assert out[PROMPT_IDS][:, 0].tolist() == [5, 5, 6]
+    assert out[FINISH_REASON].tolist() == ["r5", "r5", "r6"]
+    assert out[ROLLOUT_REPLICA].tolist() == [0, 0, 1]
+    single = _merge_replica_outputs([(0, _part(2, 3, 5))], pad_token_id=9)
+    assert single[ROLLOUT_REPLICA].tolist() == [0, 0]
+
+
+def test_send_weights_labels_receivers_with_the_names_given() -> None:
+    """Both ends on threads of this process; a wrong count of names aborts the stream."""
+    port, groups = free_port(), {}
+
+    def join(rank: int) -> None:
+        groups[rank] = WeightSyncGroup(
+            host="127.0.0.1", port=port, rank=rank, world_size=2, timeout_s=60
+        )
+
+    joining = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
+    for t in joining:
+        t.start()
+    for t in joining:
+        t.join()
+    rollout = HFRollout(_hf_config())
+    weights = list(_model(SENT).state_dict().items())
+
+    def send(named: Any, names: Any) -> tuple[BaseException | None, BaseException | None]:
+        received: list[BaseException] = []
+
+        def receive() -> None:
+            try:
+                receive_weights(groups[1], rollout)
+            except Exception as e:  # checked below
+                received.append(e)
+
+        receiver = threading.Thread(target=receive)
+        receiver.start()
+        try:
+            send_weights(groups[0], named, receiver_names=names)
+            sent = None
+        except Exception as e:  # checked below
+            sent = e
+        receiver.join()
+        return sent, (received[0] if received else None)
+
+    sent, received = send(weights, ["a", "b"])
+    assert isinstance(sent, ValueError) and "needs 1 name(s)" in str(sent)
+    assert received is not None and "trainer aborted" in str(received)
+    wrong = [(n, t[:-1] if n == "lm_head.weight" else t) for n, t in weights]
+    sent, _ = send(wrong, ["the rollout"])
+    assert isinstance(sent, WeightSyncError)
+    assert "the rollout: weight sync refused" in str(sent) and "lm_head.weight" in str(sent)
+    assert send(weights, None) == (None, None)  # and the group is still in step
+    for group in groups.values():
+        group.close()
