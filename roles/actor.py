@@ -12,10 +12,10 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
-from pydantic import Field, PositiveInt
+from pydantic import Field, PositiveInt, model_validator
 from tensordict import TensorDict
 
 from engine_core import (
@@ -24,6 +24,7 @@ from engine_core import (
     LOSS_MASK,
     BaseEngine,
     BatchError,
+    EngineCoreError,
     FrozenModel,
     GlobalBatchContext,
     LossAggregation,
@@ -113,6 +114,36 @@ class ActorConfig(FrozenModel):
             "geometric-mean ratio (exp of its mean log-ratio) leaves the band."
         ),
     )
+    old_log_probs: Literal["recompute", "update", "auto"] = Field(
+        "recompute",
+        description="recompute: the old log-probs come from a forward of their own before the "
+        "update (Actor.compute_log_prob; any ppo_epochs and mini-batches). update: the update "
+        "is one on-policy optimizer step (ppo_epochs=1, ppo_mini_batch_size unset), so the "
+        "old log-probs are its own forward's, detached: the same values, one forward fewer; "
+        "read them afterwards with Actor.update_log_probs(). auto: update when the update "
+        "is one optimizer step, else recompute.",
+    )
+
+    @model_validator(mode="after")
+    def _check_old_log_probs(self) -> ActorConfig:
+        if self.old_log_probs == "update" and (
+            self.ppo_epochs != 1 or self.ppo_mini_batch_size is not None
+        ):
+            raise ValueError(
+                f"old_log_probs=update takes the old log-probs from the update's own forward, "
+                f"exact only when the update is one optimizer step on the whole batch; got "
+                f"ppo_epochs={self.ppo_epochs}, ppo_mini_batch_size={self.ppo_mini_batch_size}. "
+                f"Set ppo_epochs=1 and leave ppo_mini_batch_size unset, or "
+                f"old_log_probs=recompute."
+            )
+        return self
+
+    @property
+    def old_log_probs_from_update(self) -> bool:
+        """Whether the update takes the old log-probs from its own forward (no separate one)."""
+        if self.old_log_probs == "auto":
+            return self.ppo_epochs == 1 and self.ppo_mini_batch_size is None
+        return self.old_log_probs == "update"
 
 
 class Actor:
@@ -121,6 +152,7 @@ class Actor:
     def __init__(self, config: ActorConfig, engine: BaseEngine) -> None:
         self.config = config
         self.engine = engine
+        self._update_log_probs: TensorDict | None = None
 
     def named_full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The policy's (HF name, full tensor) pairs, for a weight sync into a rollout."""
@@ -131,6 +163,18 @@ class Actor:
         """The longest prompt + response the model takes (None: not limited by its config)."""
         limit = getattr(self.engine.hf_config, "max_position_embeddings", None)
         return None if limit is None else int(limit)
+
+    def update_log_probs(self) -> TensorDict:
+        """``old_log_probs`` of the last :meth:`update_actor` with ``old_log_probs=update``: its
+        forward's per-token log-probs, before its optimizer step (what
+        :meth:`compute_log_prob` would have returned before the update)."""
+        if self._update_log_probs is None:
+            raise EngineCoreError(
+                "update_log_probs() reads the log-probs of an update run with "
+                "old_log_probs=update; call update_actor() first, with that setting (now "
+                f"old_log_probs={self.config.old_log_probs})."
+            )
+        return self._update_log_probs
 
     def _with_meta(self, batch: TensorDict, *, entropy: bool) -> TensorDict:
         """A copy whose metadata carries this role's temperature and entropy switch."""
@@ -153,10 +197,12 @@ class Actor:
     ) -> tuple[torch.Tensor, Mapping[str, Metric]]:
         cfg = self.config
         mask = mb[LOSS_MASK]
-        correction = self._mismatch_weights(mb, ctx)
+        # on-policy, one optimizer step: the old policy is this forward's, detached
+        old = out[LOG_PROBS].detach() if cfg.old_log_probs_from_update else mb[OLD_LOG_PROBS]
+        correction = self._mismatch_weights(mb, old, ctx)
         terms = policy_loss(
             out[LOG_PROBS],
-            mb[OLD_LOG_PROBS],
+            old,
             mb[ADVANTAGES],
             mask,
             ctx,
@@ -185,12 +231,12 @@ class Actor:
         return loss, metrics
 
     def _mismatch_weights(
-        self, mb: TensorDict, ctx: GlobalBatchContext
+        self, mb: TensorDict, old: torch.Tensor, ctx: GlobalBatchContext
     ) -> CorrectionWeights | None:
         cfg = self.config
         if cfg.mismatch_correction is MismatchCorrection.NONE:
             return None
-        args = (mb[OLD_LOG_PROBS], mb[ROLLOUT_LOG_PROBS], mb[LOSS_MASK], ctx)
+        args = (old, mb[ROLLOUT_LOG_PROBS], mb[LOSS_MASK], ctx)
         if cfg.mismatch_correction is MismatchCorrection.TIS:
             return tis_weights(*args, cap=cfg.tis_cap)
         return mis_weights(*args, low=cfg.mis_low, high=cfg.mis_high, level=cfg.mis_level)
@@ -202,7 +248,8 @@ class Actor:
         rank's ``k``-th local mini-batch (a different composition than one process would use).
         """
         correct = self.config.mismatch_correction is not MismatchCorrection.NONE
-        needed = [LOSS_MASK, OLD_LOG_PROBS, ADVANTAGES]
+        on_policy = self.config.old_log_probs_from_update
+        needed = [LOSS_MASK, ADVANTAGES] + ([] if on_policy else [OLD_LOG_PROBS])
         needed += [REF_LOG_PROBS] if self.config.use_kl_loss else []
         needed += [ROLLOUT_LOG_PROBS] if correct else []
         require_keys(batch, needed, method="Actor.update_actor", producers=PRODUCERS)
@@ -212,7 +259,8 @@ class Actor:
         if correct:
             _require_aligned_rollout_log_probs(batch)
         batch = self._with_meta(batch, entropy=True)
-        history, lr = run_updates(
+        self._update_log_probs = None
+        history, lr, first = run_updates(
             self.engine,
             batch,
             self.loss_fn,
@@ -220,6 +268,10 @@ class Actor:
             global_mini_batch_size=self.config.ppo_mini_batch_size,
             log_loss=True,
         )
+        if on_policy:
+            self._update_log_probs = TensorDict(
+                {OLD_LOG_PROBS: first[LOG_PROBS]}, batch_size=batch.batch_size
+            )
         out = mean_over_steps("actor", history, lr=lr)
         if out["actor/num_skipped_steps"]:
             warn_skipped(
@@ -247,19 +299,22 @@ def run_updates(
     epochs: int,
     global_mini_batch_size: int | None,
     log_loss: bool,
-) -> tuple[list[dict[str, float]], float]:
+) -> tuple[list[dict[str, float]], float, TensorDict]:
     """Epochs × mini-batches of forward/backward + optimizer step, then one LR step.
 
-    Returns one metrics dict per optimizer step, and the new learning rate.
+    Returns one metrics dict per optimizer step, the new learning rate, and the per-token
+    outputs of the first mini-batch's forward (before any optimizer step).
     """
     n = int(batch.batch_size[0])
     size = local_mini_batch_size(global_mini_batch_size, n, engine.dp_size)
     engine.set_loss_fn(loss_fn)
     history: list[dict[str, float]] = []
+    first: TensorDict | None = None
     with engine.train_mode():
         for _ in range(epochs):
             for start in range(0, n, size):
                 out = engine.forward_backward_step(batch[start : start + size])
+                first = out.outputs if first is None else first
                 grad_norm = engine.optimizer_step()
                 engine.optimizer_zero_grad()
                 row = {**out.metrics, "grad_norm": grad_norm}
@@ -268,7 +323,8 @@ def run_updates(
                 history.append(row)
         lr = engine.lr_scheduler_step()
     engine.set_loss_fn(None)
-    return history, lr
+    assert first is not None  # epochs >= 1 and a non-empty batch
+    return history, lr, first
 
 
 def local_mini_batch_size(global_size: int | None, local_samples: int, dp_size: int) -> int:

@@ -90,7 +90,7 @@ class Critic:
             producers=PRODUCERS,
         )
         require_token_shaped(batch, [LOSS_MASK, OLD_VALUES, RETURNS], method="Critic.update_critic")
-        history, lr = run_updates(
+        history, lr, _ = run_updates(
             self.engine,
             batch,
             self.loss_fn,

@@ -245,8 +245,7 @@ def _build(job: GRPOJobConfig, manager: PluginManager, stack: contextlib.ExitSta
             # takes this process's thread count), not both processes on every core; run_grpo
             # restores the count when the job ends
             torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-        replicas = {"replicas": job.rollout_replicas} if job.rollout_replicas > 1 else {}
-        roles.rollout = ProcessRollout(rollout_cfg, **replicas)  # type: ignore[arg-type]
+        roles.rollout = ProcessRollout(rollout_cfg, replicas=job.rollout_replicas)  # type: ignore[arg-type]
     else:
         roles.rollout = rspec.load_class()(rollout_cfg)
     return roles

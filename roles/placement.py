@@ -200,13 +200,19 @@ class ActorGroup(RoleGroup):
         super().__init__(group)
         self.config = config
         self._max_positions: int | None = group.call_all("max_position_embeddings")[0]
+        self._rows = 0
 
     def compute_log_prob(self, batch: TensorDict) -> TensorDict:
         out: TensorDict = self.group.execute("compute_log_prob", batch)
         return out
 
     def update_actor(self, batch: TensorDict) -> dict[str, float]:
+        self._rows = int(batch.batch_size[0])
         return _first(self.group.execute("update_actor", batch))
+
+    def update_log_probs(self) -> TensorDict:
+        out: TensorDict = self.group.execute("update_log_probs")
+        return out[: self._rows]  # without the rows that padded the batch to the DP size
 
     def named_full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
         (full,) = [p for p in self.group.call_all("full_params") if p is not None]

@@ -42,6 +42,7 @@ from engine_core.rollout import (
     RESPONSE_IDS,
     RESPONSE_MASK,
     ROLLOUT_LOG_PROBS,
+    ROLLOUT_REPLICA,
 )
 from roles.actor import (
     ADVANTAGES,
@@ -68,8 +69,6 @@ __all__ = [
     "ReferenceRole",
     "TIMING_KEYS",
 ]
-
-ROLLOUT_REPLICA = "rollout_replica"  # TODO-REPLICA: import from engine_core.rollout
 
 # rollout seed of step s: seed * SEED_STRIDE + s, so a resumed run samples what a straight one did
 SEED_STRIDE = 100003
@@ -173,6 +172,8 @@ class PolicyRole(Protocol):
     def compute_log_prob(self, batch: TensorDict) -> TensorDict: ...
 
     def update_actor(self, batch: TensorDict) -> dict[str, float]: ...
+
+    def update_log_probs(self) -> TensorDict: ...
 
     def named_full_params(self) -> Iterable[tuple[str, torch.Tensor]]: ...
 
@@ -335,7 +336,11 @@ class RLTrainer:
             )
         scores = self._score(gen)
         batch = training_batch(gen)
-        batch[OLD_LOG_PROBS] = self.actor.compute_log_prob(batch)[OLD_LOG_PROBS]
+        # on-policy with one optimizer step (old_log_probs=update), the update's own forward
+        # gives the old log-probs: read back after it, for the same checks
+        on_policy = self.actor.config.old_log_probs_from_update
+        if not on_policy:
+            batch[OLD_LOG_PROBS] = self.actor.compute_log_prob(batch)[OLD_LOG_PROBS]
         if self.reference is not None:
             batch[REF_LOG_PROBS] = self.reference.compute_ref_log_prob(batch)[REF_LOG_PROBS]
         critic_metrics: dict[str, float] = {}
@@ -354,6 +359,8 @@ class RLTrainer:
             batch[ADVANTAGES] = _whiten(adv, mask)
             critic_metrics = self.critic.update_critic(batch)
         metrics = self.actor.update_actor(batch)
+        if on_policy:
+            batch[OLD_LOG_PROBS] = self.actor.update_log_probs()[OLD_LOG_PROBS]
         self._count_skipped(step, metrics, batch)
         self.global_step = step  # the actor's weights are version `step` now
         if not self.config.max_staleness:

@@ -94,6 +94,10 @@ class ActorWorker(_RoleWorker):
     def update_actor(self, batch: TensorDict) -> dict[str, float]:
         return self.actor.update_actor(batch)
 
+    @register(DispatchMode.ND_COMPUTE, mesh="actor")
+    def update_log_probs(self) -> TensorDict:
+        return self.actor.update_log_probs()
+
 
 class CriticWorker(_RoleWorker):
     mesh = "critic"

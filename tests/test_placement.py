@@ -76,6 +76,17 @@ def test_ray_dp2_matches_in_process_dp1(
     _same(_rows(tmp_path), dp1[:3])
 
 
+def test_two_rollout_replicas_follow_the_trainer_every_step(tmp_path: Path) -> None:
+    _run(tmp_path, "steps=2", "rollout_placement=process", "rollout_replicas=2")
+    rows = _rows(tmp_path)
+    assert len(rows) == 2
+    for row in rows:
+        # each replica's log-probs, after that step's verified sync, against the trainer's
+        gaps = [row[f"rollout/replica{i}/logprob_diff_max"] for i in (0, 1)]
+        assert max(gaps) <= 1e-5, row
+        assert row["weight_sync/bytes"] > 0
+
+
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [

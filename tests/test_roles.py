@@ -7,7 +7,7 @@ from math import inf
 import pytest
 import torch
 
-from engine_core import BatchError, CapabilityError, predicted_mask
+from engine_core import BatchError, CapabilityError, EngineCoreError, predicted_mask
 from engine_core.reference_engine import ReferenceEngine, ReferenceEngineConfig
 from roles.actor import ADVANTAGES, OLD_LOG_PROBS, ROLLOUT_LOG_PROBS, Actor, ActorConfig
 from roles.critic import OLD_VALUES, RETURNS, Critic, CriticConfig
@@ -53,6 +53,35 @@ def test_on_policy_step_semantics() -> None:
     assert any(
         not torch.equal(a, b) for a, b in zip(before, actor.engine.module.parameters(), strict=True)
     )
+
+
+def test_old_log_probs_from_the_update_equal_a_separate_forward() -> None:
+    """old_log_probs=update: one forward fewer, the same old log-probs, loss, metrics and
+    weights as recomputing them first (ratio 1 exactly instead of to rounding)."""
+    batch = ppo_batch()
+    recompute = Actor(ActorConfig(), engine())
+    batch[OLD_LOG_PROBS] = recompute.compute_log_prob(batch)[OLD_LOG_PROBS]
+    want = recompute.update_actor(batch)
+    on_policy = Actor(ActorConfig(old_log_probs="update"), engine())
+    with pytest.raises(EngineCoreError, match="call update_actor\\(\\) first"):
+        on_policy.update_log_probs()
+    got = on_policy.update_actor(batch.exclude(OLD_LOG_PROBS))
+    mask = batch["loss_mask"].bool()
+    old = on_policy.update_log_probs()[OLD_LOG_PROBS]
+    assert torch.allclose(old[mask], batch[OLD_LOG_PROBS][mask], atol=1e-6)
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
+    for a, b in zip(
+        on_policy.engine.module.parameters(), recompute.engine.module.parameters(), strict=True
+    ):
+        assert torch.allclose(a, b, atol=1e-6)
+    with pytest.raises(ValueError, match="old_log_probs=update.*ppo_epochs=2"):
+        ActorConfig(old_log_probs="update", ppo_epochs=2)
+    with pytest.raises(ValueError, match="ppo_mini_batch_size=4"):
+        ActorConfig(old_log_probs="update", ppo_mini_batch_size=4)
+    assert ActorConfig(old_log_probs="auto").old_log_probs_from_update
+    assert not ActorConfig(old_log_probs="auto", ppo_epochs=2).old_log_probs_from_update
 
 
 def test_mini_batches_and_epochs() -> None:
