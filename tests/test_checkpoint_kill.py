@@ -7,25 +7,26 @@ then, for a spread of those calls, a fresh run is killed with ``SIGKILL`` by its
 before the call. Each killed run is resumed (``--resume``) to step 3 in this process, and its
 metrics must equal those of the uninterrupted run, step by step.
 
-The runs are forked from one server process that has imported the job's modules (and run no
-torch operation, so no thread pool is forked): each kill then costs a run, not an interpreter
-start. The server reads one JSON request per line and answers with the run's exit status.
+The runs are forked from one server process (``tests/_forkserver.py``) that has imported the
+job's modules (and run no torch operation, so no thread pool is forked): each kill then costs a
+run, not an interpreter start.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests._forkserver import ForkServer
+
 RECIPE = Path(__file__).parents[1] / "engine_core" / "recipes" / "grpo_tiny.yaml"
 
-SERVER = r"""
+SETUP = r"""
 import json, os, signal, sys
 from engine_core.cli import main  # imported once, before any fork
 import roles.grpo  # noqa: F401
@@ -33,7 +34,8 @@ import roles.grpo  # noqa: F401
 WATCH = {"open", "os.rename", "os.replace", "os.remove", "os.unlink", "os.rmdir", "os.mkdir",
          "shutil.rmtree", "shutil.move"}
 
-def run(out, args, kill_at, record):
+def run(request):
+    out, kill_at, record = request["out"], request["kill_at"], request["record"]
     seen, calls = [False], []
 
     def hook(event, hargs):
@@ -59,20 +61,11 @@ def run(out, args, kill_at, record):
     sys.addaudithook(hook)
     with open(os.devnull, "w") as sink:
         os.dup2(sink.fileno(), 1)
-    code = main(["run", *args])
+    code = main(["run", *request["args"]])
     if record:
         with open(record, "w") as f:
             json.dump(calls, f)
     return code
-
-for line in sys.stdin:
-    req = json.loads(line)
-    pid = os.fork()
-    if pid == 0:
-        os._exit(run(req["out"], req["args"], req["kill_at"], req["record"]))
-    _, status = os.waitpid(pid, 0)
-    code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-    print(json.dumps({"code": code}), flush=True)
 """
 
 
@@ -80,27 +73,13 @@ class _Runs:
     """The fork server: ``run(...)`` forks one ``engine-core run`` and returns its exit status."""
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", SERVER],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "RAY_AUTH_MODE": "disabled"},
-        )
+        self.server = ForkServer(SETUP, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
 
     def run(self, out: Path, args: list[str], kill_at: int = 0, record: str = "") -> int:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        req = {"out": str(out), "args": args, "kill_at": kill_at, "record": record}
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
-        answer = self.proc.stdout.readline()
-        assert answer, f"the run server died (exit {self.proc.poll()})"
-        return int(json.loads(answer)["code"])
+        return self.server.run(out=str(out), args=args, kill_at=kill_at, record=record)
 
     def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        self.proc.wait(timeout=60)
+        self.server.close()
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from types import ModuleType
 import pytest
 
 from engine_core import load_plugins
+from tests._forkserver import ForkServer
 
 ROOT = Path(__file__).parents[1]
 DOCS = ROOT / "docs"
@@ -210,8 +211,19 @@ def shell_commands() -> list[str]:
     return commands
 
 
+# Each command runs in a child forked from one server (tests/_forkserver.py) that has imported
+# what the commands import: a run costs the command, not an interpreter start and its imports.
+COMMAND_SERVER = """
+from engine_core.cli import main
+import engine_core.parity, engine_core.train, roles.grpo  # noqa: F401
+
+def run(request):
+    return main(request["args"])
+"""
+
+
 def _shortened(command: str, out: Path, previous: Path | None) -> tuple[list[str], Path]:
-    """The documented command, with only its length and output folder changed."""
+    """The documented command's arguments, with only its length and output folder changed."""
     words = command.split()
     assert words[0].endswith("engine-core"), f"unexpected command in the docs: {command}"
     args = words[1:]
@@ -225,21 +237,23 @@ def _shortened(command: str, out: Path, previous: Path | None) -> tuple[list[str
         args += [f"steps={steps}", "log_every=1", f"output_dir={folder}"]
     elif args[0] == "parity":
         args += ["--steps", "2"]
-    return [sys.executable, "-m", "engine_core.cli", *args], folder
+    return args, folder
 
 
 def test_documented_commands_run(tmp_path: Path) -> None:
     commands = shell_commands()
     assert any("--resume" in c for c in commands) and any(" plugins" in c for c in commands)
-    previous: Path | None = None
-    for i, command in enumerate(commands):
-        argv, previous = _shortened(command, tmp_path / f"command_{i}", previous)
-        proc = subprocess.run(
-            argv,
-            cwd=ROOT,  # recipe paths in the docs are relative to the repository root
-            env={**os.environ, "COLUMNS": "160"},
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert proc.returncode == 0, f"{command}\n{proc.stdout}\n{proc.stderr}"
+    server = ForkServer(
+        COMMAND_SERVER,
+        cwd=ROOT,  # recipe paths in the docs are relative to the repository root
+        env={**os.environ, "COLUMNS": "160"},
+    )
+    try:
+        previous: Path | None = None
+        for i, command in enumerate(commands):
+            args, previous = _shortened(command, tmp_path / f"command_{i}", previous)
+            log = tmp_path / f"command_{i}.log"
+            code = server.run(args=args, log=str(log), timeout=600)
+            assert code == 0, f"{command}\n{log.read_text(errors='replace')}"
+    finally:
+        server.close()

@@ -48,6 +48,13 @@ def caps(engine_core_backend: str) -> frozenset[Capability]:
     return found
 
 
+def _engine_module(backend: str) -> tuple[str, ...]:
+    """Modules the kit's processes start with imported: ``backend``'s engine class and the
+    transformers model of the kit's tiny Qwen2."""
+    engine = load_plugins().get_engine(backend).target.partition(":")[0]
+    return (engine, "transformers.models.qwen2.modeling_qwen2")
+
+
 def _paths(
     baseline: Baseline, backend: str, tag: str, request: pytest.FixtureRequest
 ) -> dict[str, str]:
@@ -68,7 +75,13 @@ def single(
     request: pytest.FixtureRequest,
 ) -> dict[str, Any]:
     paths = _paths(kit_baseline, engine_core_backend, "1", request)
-    (result,) = run_distributed(single_process_checks, 1, engine_core_backend, paths)
+    (result,) = run_distributed(
+        single_process_checks,
+        1,
+        engine_core_backend,
+        paths,
+        preload=_engine_module(engine_core_backend),
+    )
     return result
 
 
@@ -82,7 +95,13 @@ def double(
     if Capability.DATA_PARALLEL not in caps:
         pytest.skip(f"{engine_core_backend!r} does not declare 'data_parallel'")
     paths = _paths(kit_baseline, engine_core_backend, "2", request)
-    return run_distributed(two_process_checks, 2, engine_core_backend, paths)
+    return run_distributed(
+        two_process_checks,
+        2,
+        engine_core_backend,
+        paths,
+        preload=_engine_module(engine_core_backend),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +113,12 @@ def plain(
 ) -> dict[str, Any]:
     paths = _paths(kit_baseline, engine_core_backend, "0", request)
     (result,) = run_distributed(
-        no_process_group_checks, 1, engine_core_backend, paths, pg_backend=None
+        no_process_group_checks,
+        1,
+        engine_core_backend,
+        paths,
+        pg_backend=None,
+        preload=_engine_module(engine_core_backend),
     )
     return result
 

@@ -14,17 +14,28 @@ Usage from a test module (the worker must be a module-level function, so spawn c
 Each child gets ``MASTER_ADDR=127.0.0.1``, a free port, ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``
 and one intra-op thread (``OMP_NUM_THREADS=1``), so two ranks do not oversubscribe a small host.
 Return values must be picklable; a child's traceback becomes the test failure.
+
+The children are forked from a fork server (``multiprocessing``'s ``forkserver``): a fresh
+interpreter, started with this process's environment, working folder and ``sys.path``, that has
+imported ``fn``'s module and the modules named in ``preload`` once (and run nothing else); each
+child then starts with those imports done instead of importing torch, transformers and the
+engine again. The child gets this process's ``os.environ`` and ``sys.path`` as a spawned one
+would. The server is started again when the environment, the working folder or ``sys.path``
+changed since it started (modules may read them on import), or when a module to preload is new.
 """
 
 from __future__ import annotations
 
+import multiprocessing.forkserver as forkserver
 import os
 import pickle
 import queue as queue_mod
 import socket
+import sys
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -49,7 +60,10 @@ def _entry(
     args: tuple,
     queue: Any,
     pg_backend: str | None,
+    env: dict[str, str],
 ) -> None:
+    os.environ.clear()  # the caller's environment, as a spawned child has it
+    os.environ.update(env)
     os.environ["OMP_NUM_THREADS"] = "1"
     if pg_backend is not None:
         os.environ.update(
@@ -86,6 +100,7 @@ def run_distributed(
     *args: Any,
     timeout: float = 300,
     pg_backend: str | None = "gloo",
+    preload: Sequence[str] = (),
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes (a ``pg_backend`` process
     group: gloo on CPU, nccl with one GPU per rank; ``None``: one plain process with no process
@@ -93,6 +108,8 @@ def run_distributed(
     results by rank.
 
     ``fn`` must be importable (module level). A failure on any rank raises with its traceback.
+    ``preload``: modules the processes need besides ``fn``'s (an engine's module, say), imported
+    once by the fork server they start from.
     """
     if pg_backend is None and world_size != 1:
         raise ValueError(f"pg_backend=None runs one process; got world_size={world_size}")
@@ -101,7 +118,7 @@ def run_distributed(
     # new port
     for attempt in range(_PORT_ATTEMPTS):
         try:
-            return _launch(fn, world_size, args, timeout, pg_backend)
+            return _launch(fn, world_size, args, timeout, pg_backend, preload)
         except AssertionError as e:
             rendezvous = "EADDRINUSE" in str(e) and "dist.init_process_group(" in str(e)
             if not rendezvous or attempt == _PORT_ATTEMPTS - 1:
@@ -118,8 +135,9 @@ def _launch(
     args: tuple[Any, ...],
     timeout: float,
     pg_backend: str | None,
+    preload: Sequence[str],
 ) -> list[Any]:
-    ctx = mp.get_context("spawn")
+    ctx = _fork_server([fn.__module__, *preload])
     queue = ctx.Queue()
     port = free_port()
     procs = [
@@ -127,7 +145,7 @@ def _launch(
             # not daemonic: the function may start processes (megatron-core's checkpoint
             # writers do); every child is joined or killed below
             target=_entry,
-            args=(r, world_size, port, fn, args, queue, pg_backend),
+            args=(r, world_size, port, fn, args, queue, pg_backend, dict(os.environ)),
             daemon=False,
         )
         for r in range(world_size)
@@ -161,3 +179,40 @@ def _launch(
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+# what the running fork server was started with: (environment, working folder, sys.path) and
+# the modules it imported
+_SERVER_LOCK = threading.Lock()
+_server_key: tuple[Any, ...] | None = None
+_server_modules: frozenset[str] = frozenset()
+# set by pytest for each test; not read on import, and each child gets the caller's value
+_VOLATILE = ("PYTEST_CURRENT_TEST",)
+
+
+def _fork_server(modules: Sequence[str]) -> Any:
+    """The ``forkserver`` context, its server (re)started as the module docstring says."""
+    global _server_key, _server_modules
+    ctx = mp.get_context("forkserver")
+    wanted = frozenset(m for m in modules if m and m != "__main__")
+    env = {k: v for k, v in os.environ.items() if k not in _VOLATILE}
+    key = (tuple(sorted(env.items())), os.getcwd(), tuple(sys.path))
+    with _SERVER_LOCK:
+        server = forkserver._forkserver
+        if key != _server_key or not wanted <= _server_modules:
+            server._stop()  # type: ignore[attr-defined]  # children already forked run on
+            _server_modules = wanted | (_server_modules if key == _server_key else frozenset())
+            _server_key = key
+            ctx.set_forkserver_preload(sorted(_server_modules))
+            # the server imports with this process's sys.path (a test module's folder, say)
+            path = os.pathsep.join(p for p in sys.path if p)
+            saved = os.environ.get("PYTHONPATH")
+            os.environ["PYTHONPATH"] = path
+            try:
+                server.ensure_running()
+            finally:
+                if saved is None:
+                    del os.environ["PYTHONPATH"]
+                else:
+                    os.environ["PYTHONPATH"] = saved
+    return ctx

@@ -21,6 +21,12 @@ from engine_core.testing.distributed import run_distributed
 from engine_core.testing.kit import Baseline, build, eval_batch, forward, make_baseline
 from engine_core.testing.models import train_steps
 
+# what every run below imports: its processes start from a fork server that imported it once
+PRELOAD = (
+    "engine_core_megatron.engine",
+    "engine_core_fsdp.fsdp2",
+    "transformers.models.qwen2.modeling_qwen2",
+)
 OPTIM = {"lr": 1e-2, "clip_grad": 1.0, "warmup_steps": 1}
 BATCHING: dict[str, dict[str, Any]] = {
     "mbs1": {"micro_batch_size": 1},
@@ -120,10 +126,10 @@ def baseline(tmp_path_factory: pytest.TempPathFactory) -> Baseline:
 def runs(baseline: Baseline, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = str(tmp_path_factory.mktemp("megatron-runs"))
     policy = baseline.policy_dir
-    (fsdp2,) = run_distributed(_fsdp2_steps, 1, policy)
-    grid = run_distributed(_grid, 4, policy, root, timeout=600)
-    two = run_distributed(_two_ranks, 2, policy, root, timeout=600)
-    (resharded,) = run_distributed(_resharded, 1, policy, root)
+    (fsdp2,) = run_distributed(_fsdp2_steps, 1, policy, preload=PRELOAD)
+    grid = run_distributed(_grid, 4, policy, root, timeout=600, preload=PRELOAD)
+    two = run_distributed(_two_ranks, 2, policy, root, timeout=600, preload=PRELOAD)
+    (resharded,) = run_distributed(_resharded, 1, policy, root, preload=PRELOAD)
     return {"root": root, "fsdp2": fsdp2, "grid": grid, "two": two, "resharded": resharded}
 
 

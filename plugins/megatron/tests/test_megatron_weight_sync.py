@@ -37,6 +37,8 @@ MODEL = {
     "max_position_embeddings": 64,
     "tie_word_embeddings": False,
 }
+# the trainers' processes start from a fork server that imported the engine once
+PRELOAD = ("engine_core_megatron.engine", "transformers.models.qwen2.modeling_qwen2")
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=3)
 
 
@@ -63,7 +65,7 @@ def _sync(workers: LocalWorkerGroup, folder: Path, layout: str) -> list[Any]:
 
     def train() -> None:
         try:
-            run_distributed(_trainer, 2, port, str(folder), layout, timeout=600)
+            run_distributed(_trainer, 2, port, str(folder), layout, timeout=600, preload=PRELOAD)
         except BaseException as e:  # re-raised below
             errors.append(e)
 
