@@ -10,9 +10,10 @@ import pytest
 from engine_core.configio import apply_overrides, load_yaml
 from engine_core.plugins import load_plugins
 from roles.grpo import run_grpo
+from roles.trainer import TIMING_KEYS
 
 RECIPES = Path(__file__).parents[3] / "engine_core" / "recipes"
-VOLATILE = {"time_s", "tokens_per_s"}
+VOLATILE = set(TIMING_KEYS)
 
 
 def _rows(path: Path) -> list[dict]:
