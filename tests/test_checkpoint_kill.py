@@ -105,7 +105,9 @@ def _overrides(out: Path, algorithm: str, keep: int) -> list[str]:
 
 
 def _rows(out: Path) -> list[dict[str, Any]]:
-    drop = ("time_s", "tokens_per_s")
+    from roles.trainer import TIMING_KEYS
+
+    drop = TIMING_KEYS
     lines = (out / "metrics.jsonl").read_text().splitlines()
     return [{k: v for k, v in json.loads(line).items() if k not in drop} for line in lines]
 
