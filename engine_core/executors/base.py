@@ -109,7 +109,8 @@ def enter_worker_env(env: Mapping[str, str]) -> None:
 def join_process_group(backend: str | None = None) -> bool:
     """Inside a worker of a group of several: form the group's process group, once.
 
-    ``backend`` defaults to NCCL where CUDA is available and gloo elsewhere. The rendezvous and
+    ``backend`` defaults to NCCL where CUDA is available and gloo elsewhere; under NCCL each
+    worker takes the GPU of its ``LOCAL_RANK`` (modulo the GPUs visible). The rendezvous and
     every collective wait for the other ranks at most ``ENGINE_CORE_COLLECTIVE_TIMEOUT_S``
     seconds (the executor's ``collective_timeout_s``; unset, torch's default), then fail instead
     of hanging. Returns whether a process group is up; a single worker has none.
@@ -123,6 +124,8 @@ def join_process_group(backend: str | None = None) -> bool:
         return False
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":  # one GPU per rank of this host (never executed here)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     dist.init_process_group(backend, timeout=Settings.from_env().collective_timeout)
     return True
 
