@@ -32,9 +32,10 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> t
     trainable = [p for p in params if p.requires_grad]
     if not trainable:
         raise ValueError("the model has no trainable parameters; check model.lora / freezing.")
-    # on CUDA one fused kernel updates every parameter (DTensor shards included); the default
-    # multi-tensor path launches several elementwise kernels per step
-    fused = all(p.is_cuda and p.is_floating_point() for p in trainable) or None
+    # one fused kernel updates every parameter (DTensor shards included), on CUDA and on the
+    # CPU: the default per-parameter loop dispatches each elementwise op of each parameter on
+    # its own (through DTensor, for sharded engines)
+    fused = all(p.is_floating_point() for p in trainable) or None
     return torch.optim.AdamW(
         trainable,
         lr=cfg.lr,
