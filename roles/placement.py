@@ -135,20 +135,10 @@ def start_group(
     """``workers`` instances of a role worker class on ``placement.executor``."""
     # each worker takes its share of this machine's cores (the driver keeps its own)
     threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // workers))}
-    if placement.executor == "ray":
-        from engine_core.executors import RayWorkerGroup
+    from engine_core.executors import LocalWorkerGroup, RayWorkerGroup
 
-        return RayWorkerGroup(
-            worker_cls,
-            workers,
-            init_args=init_args,
-            env=threads,
-            call_timeout_s=placement.call_timeout_s,
-            collective_timeout_s=placement.collective_timeout_s,
-        )
-    from engine_core.executors import LocalWorkerGroup
-
-    return LocalWorkerGroup(
+    group_cls = RayWorkerGroup if placement.executor == "ray" else LocalWorkerGroup
+    return group_cls(
         worker_cls,
         workers,
         init_args=init_args,

@@ -69,10 +69,6 @@ class _RoleWorker(Worker):
                 out[name] = t.detach().to("cpu", copy=True)
         return out if writer else None
 
-    def max_position_embeddings(self) -> int | None:
-        limit = getattr(self.engine.hf_config, "max_position_embeddings", None)
-        return None if limit is None else int(limit)
-
     def params_checksum(self) -> float:
         """A cheap fingerprint of the full weights (sum of |w|), to compare runs across engines
         and layouts. Collective for sharded engines: call it on every worker."""
@@ -85,6 +81,9 @@ class ActorWorker(_RoleWorker):
     def __init__(self, engine_config: dict[str, Any], actor_config: dict[str, Any]) -> None:
         super().__init__(engine_config)
         self.actor = Actor(ActorConfig(**actor_config), self.engine)
+
+    def max_position_embeddings(self) -> int | None:
+        return self.actor.max_position_embeddings
 
     @register(DispatchMode.ND_COMPUTE, mesh="actor")
     def compute_log_prob(self, batch: TensorDict) -> TensorDict:

@@ -19,7 +19,6 @@ from tensordict import NonTensorStack, TensorDict
 import engine_core.remote_rollout as remote_rollout
 from engine_core.config import ModelConfig
 from engine_core.errors import DispatchError, WeightSyncError
-from engine_core.executors.base import free_port
 from engine_core.models import build_model
 from engine_core.remote_rollout import (
     ProcessRollout,
@@ -38,9 +37,10 @@ from engine_core.rollout import (
     ROLLOUT_REPLICA,
     SamplingParams,
 )
-from engine_core.weight_sync import WeightSyncGroup, receive_weights, send_weights
+from engine_core.weight_sync import receive_weights, send_weights
 from tests._models import TINY_QWEN2
 from tests._workers import CORRUPTED, CorruptingRolloutWorker, FailingRolloutWorker
+from tests.test_weight_sync import _pair
 
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=3)
 
@@ -229,18 +229,7 @@ def test_replica_results_are_padded_to_the_widest_and_concatenated() -> None:
 
 def test_send_weights_labels_receivers_with_the_names_given() -> None:
     """Both ends on threads of this process; a wrong count of names aborts the stream."""
-    port, groups = free_port(), {}
-
-    def join(rank: int) -> None:
-        groups[rank] = WeightSyncGroup(
-            host="127.0.0.1", port=port, rank=rank, world_size=2, timeout_s=60
-        )
-
-    joining = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
-    for t in joining:
-        t.start()
-    for t in joining:
-        t.join()
+    to_rollout, at_rollout = _pair()
     rollout = HFRollout(_hf_config())
     weights = list(_model(SENT).state_dict().items())
 
@@ -249,14 +238,14 @@ def test_send_weights_labels_receivers_with_the_names_given() -> None:
 
         def receive() -> None:
             try:
-                receive_weights(groups[1], rollout)
+                receive_weights(at_rollout, rollout)
             except Exception as e:  # checked below
                 received.append(e)
 
         receiver = threading.Thread(target=receive)
         receiver.start()
         try:
-            send_weights(groups[0], named, receiver_names=names)
+            send_weights(to_rollout, named, receiver_names=names)
             sent = None
         except Exception as e:  # checked below
             sent = e
@@ -271,5 +260,5 @@ def test_send_weights_labels_receivers_with_the_names_given() -> None:
     assert isinstance(sent, WeightSyncError)
     assert "the rollout: weight sync refused" in str(sent) and "lm_head.weight" in str(sent)
     assert send(weights, None) == (None, None)  # and the group is still in step
-    for group in groups.values():
+    for group in (to_rollout, at_rollout):
         group.close()
