@@ -97,6 +97,7 @@ class FSDP2Engine(FSDPEngineBase):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self.dp_mesh: DeviceMesh | None = None
+        self.sharded = False  # set by init_model: False on a one-rank mesh without mixed precision
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
@@ -120,6 +121,12 @@ class FSDP2Engine(FSDPEngineBase):
         assert isinstance(cfg, FSDP2EngineConfig)
         self.mesh, self.dp_mesh = build_mesh(cfg, self.device.type)
         torch.manual_seed(cfg.seed)  # identical initialisation on every rank before sharding
+        self.sharded = self.mesh.size() > 1 or cfg.mixed_precision is not None
+        if not self.sharded:
+            # one rank holds the whole model whatever the init mode; model.path loads as usual
+            self.module = build_model(cfg.model, device=self.device)
+            self.init_optimizer(self.module)
+            return
         full_state = None
         if cfg.init == "all_ranks":
             module = build_model(cfg.model, device=self.device)
@@ -141,10 +148,13 @@ class FSDP2Engine(FSDPEngineBase):
         self.module = module
         self.init_optimizer(module)
 
+    def sharded_state_dict(self) -> dict[str, Any]:
+        if not self.sharded:  # plain tensors: the module's own state dict, without the DCP walk
+            return self.require_module().state_dict()
+        return super().sharded_state_dict()
+
     @contextlib.contextmanager
-    def _no_sync(self) -> Iterator[None]:
-        module = self.require_module()
-        assert isinstance(module, FSDPModule)
+    def _no_sync(self, module: FSDPModule) -> Iterator[None]:
         module.set_requires_gradient_sync(False)
         try:
             yield
@@ -152,7 +162,10 @@ class FSDP2Engine(FSDPEngineBase):
             module.set_requires_gradient_sync(True)
 
     def no_sync(self) -> contextlib.AbstractContextManager[Any]:
-        return self._no_sync()
+        module = self.require_module()
+        if not isinstance(module, FSDPModule):  # one rank: there is no gradient sync to skip
+            return contextlib.nullcontext()
+        return self._no_sync(module)
 
 
 def build_mesh(cfg: FSDP2EngineConfig, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:

@@ -151,6 +151,38 @@ def test_export_and_checkpoint_resume(backend: str, tmp_path: Path) -> None:
         assert torch.equal(loaded(input_ids=ids).logits, ref.module.eval()(input_ids=ids).logits)
 
 
+def _cross_world_worker(rank: int, world: int, tmp: str, save: bool) -> dict:
+    """fsdp2 at this world size: train 3 steps and save, or load what the other size saved;
+    then 2 more steps. A one-rank engine holds plain tensors, a two-rank one DTensor shards."""
+    engine = _engine("fsdp2", micro_batch_size=2)
+    if save:
+        train_steps(engine, range(3), N)
+        engine.save_checkpoint(tmp, step=3)
+    else:
+        assert engine.load_checkpoint(str(Path(tmp) / "global_step_3")) == 3
+    loaded = {k: v.clone() for k, v in engine.named_full_params()}
+    curve = train_steps(engine, range(3, 5), N)
+    return {"sharded": engine.sharded, "loaded": loaded, "curve": curve}
+
+
+@pytest.mark.parametrize(("saved_by", "loaded_by"), [(1, 2), (2, 1)])
+def test_fsdp2_checkpoint_loads_at_another_world_size(
+    saved_by: int, loaded_by: int, tmp_path: Path
+) -> None:
+    """A checkpoint of the unsharded one-rank engine resumes on two ranks, and back."""
+    first = run_distributed(_cross_world_worker, saved_by, str(tmp_path), True)[0]
+    then = run_distributed(_cross_world_worker, loaded_by, str(tmp_path), False)
+    assert first["sharded"] is (saved_by > 1) and then[0]["sharded"] is (loaded_by > 1)
+    for r in then:
+        for name, tensor in first["loaded"].items():  # weights as saved, bit for bit
+            assert torch.equal(r["loaded"][name], tensor), name
+        # optimizer state, schedule and counters came along: the same next steps (the DP
+        # gradient is summed in another order: float tolerance)
+        for (loss, norm), (want_loss, want_norm) in zip(r["curve"], first["curve"], strict=True):
+            assert loss == pytest.approx(want_loss, rel=1e-5)
+            assert norm == pytest.approx(want_norm, rel=1e-4)
+
+
 def test_fsdp1_config_errors_name_the_fix() -> None:
     from engine_core_fsdp.fsdp1 import FSDPEngineConfig
 
