@@ -4,9 +4,10 @@ transformers attends over a packed row with one dense ``[T, T]`` block-diagonal 
 attention cost grows with the square of the whole row. Given the packed row's ``cu_seqlens``
 (passed by the engine as ``cu_seq_lens_q``), this implementation runs causal SDPA on each
 sequence of the row on its own — cost ``sum(L_i^2)``, no mask at all — the role flash-attention's
-varlen kernel plays on GPUs. Sequences of the same length go through one batched SDPA call, so
-a batch of many short sequences costs as many calls as it has distinct lengths, and no dense
-mask is built for a packed row (one row without a padding mask: a packed row must come with its
+varlen kernel plays on GPUs. Sequences of similar lengths go through one batched causal SDPA
+call padded to the longest of them (:func:`length_buckets`; the causal mask keeps every real
+query off the padding), so a batch of many short sequences costs one or a few calls, and no
+dense mask is built for a packed row (one row without a padding mask: a packed row must come with its
 ``cu_seq_lens_q``, as every packed call of ``BaseEngine`` does). Unpacked (padded) calls fall
 back to transformers' SDPA with its usual mask. Select it with ``model.attn_implementation: sdpa_varlen``.
 """
@@ -18,9 +19,37 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["SDPA_VARLEN", "register_sdpa_varlen", "sdpa_varlen_attention"]
+__all__ = ["SDPA_VARLEN", "length_buckets", "register_sdpa_varlen", "sdpa_varlen_attention"]
 
 SDPA_VARLEN = "sdpa_varlen"
+
+# A bucket of lengths runs as one call padded to its longest length while that costs at most
+# this many times the attention of its sequences run at their own lengths.
+MAX_PADDED_COST = 1.5
+
+
+def length_buckets(lengths: list[int], max_cost: float = MAX_PADDED_COST) -> list[list[int]]:
+    """Group the distinct sequence lengths of a packed row into kernel calls.
+
+    Ascending, a length joins the current bucket while the bucket padded to it (``n * M^2``
+    for ``n`` sequences of longest length ``M``) costs at most ``max_cost`` times the
+    attention of its sequences at their own lengths (``sum L^2``): similar lengths share one
+    call, very different ones keep their own. Returns the buckets' distinct lengths.
+    """
+    counts: dict[int, int] = {}
+    for n in lengths:
+        counts[n] = counts.get(n, 0) + 1
+    buckets: list[list[int]] = []
+    exact = members = 0
+    for n in sorted(counts):
+        c = counts[n]
+        if buckets and n * n * (members + c) <= max_cost * (exact + c * n * n):
+            buckets[-1].append(n)
+            exact, members = exact + c * n * n, members + c
+        else:
+            buckets.append([n])
+            exact, members = c * n * n, c
+    return buckets
 
 
 def sdpa_varlen_attention(
@@ -46,27 +75,38 @@ def sdpa_varlen_attention(
     cu = cu_seq_lens_q.to(query.device)
     lengths = cu[1:] - cu[:-1]
     out = torch.empty_like(query)  # [1, H, T, D]; every position belongs to one sequence
-    # the sequences of one length go through one batched call: as many calls as lengths
-    for length in torch.unique(lengths[lengths > 0]).tolist():
-        starts = cu[:-1][lengths == length]
-        at = (starts[:, None] + torch.arange(length, device=cu.device)).flatten()
-
-        def gather(x: torch.Tensor, at: torch.Tensor = at, n: int = len(starts)) -> torch.Tensor:
-            # [1, h, n * L, D] -> [n, h, L, D]
-            return x.index_select(2, at).view(x.shape[1], n, -1, x.shape[3]).transpose(0, 1)
-
+    last = query.shape[2] - 1
+    # one batched call per bucket of lengths: [n, h, M, D] with M the bucket's longest length
+    for bucket in length_buckets(lengths[lengths > 0].tolist()):
+        chosen = (lengths[:, None] == torch.tensor(bucket, device=cu.device)).any(-1)
+        starts, lens, longest = cu[:-1][chosen], lengths[chosen], max(bucket)
+        # a shorter sequence reads past its end into whatever follows (clamped to the row):
+        # under the causal mask no real query attends to those keys, and their outputs are
+        # dropped below, so neither the result nor the gradient sees them
+        at = (starts[:, None] + torch.arange(longest, device=cu.device)).clamp_(max=last).flatten()
+        q, k, v = (_gather(x, at, len(starts)) for x in (query, key, value))
         block = F.scaled_dot_product_attention(
-            gather(query),
-            gather(key),
-            gather(value),
+            q,
+            k,
+            v,
             dropout_p=dropout,
             is_causal=True,
             scale=scaling,
             enable_gqa=gqa,
-        )  # [n, H, L, D]
+        )  # [n, H, M, D]
         flat = block.transpose(0, 1).reshape(1, query.shape[1], -1, query.shape[3])
-        out = out.index_copy(2, at, flat)
+        if len(bucket) == 1:  # one length: every position is real
+            out = out.index_copy(2, at, flat)
+        else:
+            real = (torch.arange(longest, device=cu.device) < lens[:, None]).flatten()
+            keep = real.nonzero().squeeze(-1)
+            out = out.index_copy(2, at[keep], flat.index_select(2, keep))
     return out.transpose(1, 2).contiguous(), None  # [1, T, H, D], as transformers expects
+
+
+def _gather(x: torch.Tensor, at: torch.Tensor, n: int) -> torch.Tensor:
+    """Positions ``at`` of a packed ``[1, h, T, D]`` as ``[n, h, M, D]`` (``n * M`` of them)."""
+    return x.index_select(2, at).view(x.shape[1], n, -1, x.shape[3]).transpose(0, 1)
 
 
 def register_sdpa_varlen() -> None:

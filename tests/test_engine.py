@@ -163,19 +163,42 @@ def test_non_finite_grad_norm_skips_the_update() -> None:
         assert torch.equal(v, before[k]), k
 
 
-def test_sdpa_varlen_attends_per_sequence_without_a_mask() -> None:
-    """The packed row's sequences reach the kernel one by one (the varlen path really runs)."""
+@pytest.mark.parametrize("seed", [2, 5])
+def test_sdpa_varlen_attends_per_bucket_without_a_mask(seed: int) -> None:
+    """The packed row reaches the kernel as one causal call per bucket of lengths, each of
+    ``n`` sequences padded to the bucket's longest (the varlen path really runs)."""
     from unittest import mock
 
     import engine_core.attention as attention
 
     model_cfg = {"config": dict(TINY_QWEN2), "attn_implementation": "sdpa_varlen"}
-    engine = make_engine(micro_batch_size=4, model=model_cfg)
-    batch = random_batch(4, seed=2)
+    engine = make_engine(micro_batch_size=8, model=model_cfg)
+    batch = random_batch(8, seed=seed)
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    buckets = attention.length_buckets(lengths)
     sdpa = attention.F.scaled_dot_product_attention
     with mock.patch.object(attention.F, "scaled_dot_product_attention", wraps=sdpa) as spy:
         with engine.eval_mode():
             engine.forward_backward_step(batch, forward_only=True)
     layers = TINY_QWEN2["num_hidden_layers"]
-    assert spy.call_count == layers * 4  # one call per sequence per layer
+    assert 1 < len(buckets) < len(set(lengths))  # some lengths share a call, not all
+    assert spy.call_count == layers * len(buckets)
+    shapes = sorted({(c.args[0].shape[0], c.args[0].shape[2]) for c in spy.call_args_list})
+    want = sorted((sum(n in b for n in lengths), max(b)) for b in buckets)
+    assert shapes == want  # [n, h, longest, d] per bucket
     assert all(c.kwargs["is_causal"] and len(c.args) == 3 for c in spy.call_args_list)
+
+
+def test_length_buckets_share_calls_within_the_padding_bound() -> None:
+    from engine_core.attention import MAX_PADDED_COST, length_buckets
+
+    assert length_buckets([7, 8, 9, 8, 7]) == [[7, 8, 9]]  # near-equal lengths: one call
+    assert length_buckets([10, 1000]) == [[10], [1000]]  # padding 10 to 1000 doubles the cost
+    assert length_buckets([5, 5, 5]) == [[5]]
+    assert length_buckets([]) == []
+    lengths = torch.randint(1, 300, (500,), generator=torch.Generator().manual_seed(0)).tolist()
+    buckets = length_buckets(lengths)
+    assert sorted(n for b in buckets for n in b) == sorted(set(lengths))  # each length once
+    for b in buckets:
+        members = [n for n in lengths if n in b]
+        assert max(b) ** 2 * len(members) <= MAX_PADDED_COST * sum(n * n for n in members)
