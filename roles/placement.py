@@ -35,6 +35,7 @@ __all__ = [
     "PlacementConfig",
     "RayConfig",
     "ReferenceGroup",
+    "RewardModelGroup",
     "RoleGroup",
     "RolePlacement",
     "start_group",
@@ -81,6 +82,9 @@ class PlacementConfig(FrozenModel):
     reference: RolePlacement = Field(
         default_factory=RolePlacement, description="Only with actor.use_kl_loss."
     )
+    reward_model: RolePlacement = Field(
+        default_factory=RolePlacement, description="Only with a reward_model."
+    )
     call_timeout_s: float = Field(
         DEFAULT_CALL_TIMEOUT_S,
         gt=0,
@@ -102,6 +106,7 @@ class PlacementConfig(FrozenModel):
                     ("actor", self.actor),
                     ("critic", self.critic),
                     ("reference", self.reference),
+                    ("reward_model", self.reward_model),
                 )
                 if p.dp != 1
             ]
@@ -224,6 +229,17 @@ class CriticGroup(RoleGroup):
 
     def update_critic(self, batch: TensorDict) -> dict[str, float]:
         return _first(self.group.execute("update_critic", batch))
+
+
+class RewardModelGroup(RoleGroup):
+    """:class:`roles.RewardModel`'s call on a :class:`roles.workers.RewardModelWorker` group
+    (frozen: no checkpoint of its own)."""
+
+    mesh = "rm"
+
+    def compute_rm_score(self, batch: TensorDict) -> TensorDict:
+        out: TensorDict = self.group.execute("compute_rm_score", batch)
+        return out
 
 
 class ReferenceGroup(RoleGroup):

@@ -17,6 +17,7 @@ __all__ = [
     "TINY_QWEN2",
     "engine_config",
     "flat_grad",
+    "save_reward_model",
     "nll_loss",
     "random_batch",
     "registered_engine",
@@ -33,3 +34,13 @@ def flat_grad(module: torch.nn.Module) -> torch.Tensor:
     )
 
 
+def save_reward_model(folder: object, model_config: dict, *, seed: int = 0) -> None:
+    """A sequence-classification model (one label) of ``model_config``'s architecture, random
+    weights from ``seed``, saved with ``save_pretrained``: a reward model to load by path."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    cfg = dict(model_config)
+    hf = AutoConfig.for_model(cfg.pop("model_type"), num_labels=1, pad_token_id=0, **cfg)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        AutoModelForSequenceClassification.from_config(hf).save_pretrained(str(folder))

@@ -52,6 +52,18 @@ def ray_session() -> Iterator[Any]:
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def recipe_reward_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A reward model on the default recipe's architecture and vocabulary (random weights)."""
+    from engine_core.configio import load_yaml
+    from tests._models import save_reward_model
+
+    recipe = Path(__file__).parents[1] / "engine_core" / "recipes" / "grpo_tiny.yaml"
+    folder = tmp_path_factory.mktemp("recipe_rm")
+    save_reward_model(folder, load_yaml(recipe)["engine"]["model"]["config"])
+    return folder
+
+
 @pytest.fixture(params=["local", "memory"])
 def root(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """A checkpoint root: a local folder, or an fsspec ``memory://`` URL (removed afterwards)."""

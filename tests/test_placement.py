@@ -1,6 +1,7 @@
 """``engine-core run`` with its roles placed as worker groups: the actor data-parallel (dp=2) on
-local processes and on Ray gives the same metrics, step by step, as the in-process dp=1 run of
-the same recipe; a resumed grouped run continues exactly; bad placements are refused."""
+local processes and on Ray, with a reward model (dp=2 on local processes), gives the same
+metrics, step by step, as the in-process dp=1 run of the same recipe; a resumed grouped run
+continues exactly; bad placements are refused."""
 
 from __future__ import annotations
 
@@ -42,20 +43,36 @@ def _same(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
 
 
 @pytest.fixture(scope="module")
-def dp1(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def with_rm(recipe_reward_model: Path) -> list[str]:
+    """A reward model's score added to the task's, in every run of this module."""
+    return [
+        "reward_model.engine.backend=fsdp2",
+        f"reward_model.engine.model.path={recipe_reward_model}",
+        "reward_model.weight=0.5",
+    ]
+
+
+@pytest.fixture(scope="module")
+def dp1(tmp_path_factory: pytest.TempPathFactory, with_rm: list[str]) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("dp1")
-    _run(out, "steps=4")
+    _run(out, "steps=4", *with_rm)
     return _rows(out)
 
 
 def test_local_dp2_matches_in_process_dp1_and_resumes_exactly(
-    dp1: list[dict[str, Any]], tmp_path: Path
+    dp1: list[dict[str, Any]], with_rm: list[str], tmp_path: Path
 ) -> None:
-    place = ["placement.executor=local", "placement.actor.dp=2"]
+    place = [
+        "placement.executor=local",
+        "placement.actor.dp=2",
+        "placement.reward_model.dp=2",
+        *with_rm,
+    ]
     _run(tmp_path, "steps=2", *place)
     summary = _run(tmp_path, "steps=4", *place, resume=True)
     rows = _rows(tmp_path)
     _same(rows, dp1)
+    assert all(r["reward"] == pytest.approx(r["reward/fn"] + 0.5 * r["reward/model"]) for r in rows)
     # what a sync moved is logged every step: the whole model, once per step
     assert len({r["weight_sync/bytes"] for r in rows}) == 1 and rows[0]["weight_sync/bytes"] > 0
     assert rows[-1]["rollout/logprob_diff_max"] < 1e-4
@@ -70,9 +87,9 @@ def test_local_dp2_matches_in_process_dp1_and_resumes_exactly(
 
 @pytest.mark.ray
 def test_ray_dp2_matches_in_process_dp1(
-    dp1: list[dict[str, Any]], tmp_path: Path, ray_session: Any
+    dp1: list[dict[str, Any]], with_rm: list[str], tmp_path: Path, ray_session: Any
 ) -> None:
-    _run(tmp_path, "steps=3", "placement.executor=ray", "placement.actor.dp=2")
+    _run(tmp_path, "steps=3", "placement.executor=ray", "placement.actor.dp=2", *with_rm)
     _same(_rows(tmp_path), dp1[:3])
 
 
@@ -91,6 +108,10 @@ def test_two_rollout_replicas_follow_the_trainer_every_step(tmp_path: Path) -> N
     ("overrides", "match"),
     [
         (["placement.actor.dp=2"], r"executor=in_process.*actor\.dp=2.*executor=local"),
+        (
+            ["placement.reward_model.dp=2"],
+            r"executor=in_process.*reward_model\.dp=2.*executor=local",
+        ),
         (["placement.executor=mpi"], r"placement\.executor"),
         (["placement.actor.dp=0"], r"placement\.actor\.dp"),
         (["rollout_replicas=2"], r"rollout_replicas=2.*rollout_placement=process"),

@@ -1,26 +1,31 @@
-"""RewardModel: scores from a saved sequence-classification checkpoint equal transformers'."""
+"""RewardModel: scores from a saved sequence-classification checkpoint equal transformers';
+``engine-core run`` with a ``reward_model`` adds its scores to the task's, sample by sample."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForSequenceClassification
+from tensordict import TensorDict
+from transformers import AutoModelForSequenceClassification
 
 from engine_core import BatchError, CapabilityError
+from engine_core.configio import apply_overrides, load_yaml
+from engine_core.errors import ConfigError
+from engine_core.plugins import load_plugins
 from engine_core.reference_engine import ReferenceEngine, ReferenceEngineConfig
+from roles.grpo import run_grpo
 from roles.reward_model import RM_SCORES, TOKEN_LEVEL_SCORES, RewardModel
-from tests._models import TINY_QWEN2, engine_config, random_batch
+from tests._models import TINY_QWEN2, engine_config, random_batch, save_reward_model
 
 
 @pytest.fixture(scope="module")
 def rm_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cfg = dict(TINY_QWEN2)
-    hf = AutoConfig.for_model(cfg.pop("model_type"), num_labels=1, pad_token_id=0, **cfg)
-    torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("rm")
-    AutoModelForSequenceClassification.from_config(hf).save_pretrained(folder)
+    save_reward_model(folder, TINY_QWEN2)
     return folder
 
 
@@ -64,3 +69,61 @@ def test_reward_model_refuses_bad_engines_and_batches(rm_folder: Path) -> None:
     batch["attention_mask"][1] = 0
     with pytest.raises(ValueError, match=r"row\(s\) \[1\] have no real token"):
         rm.compute_rm_score(batch)
+
+
+RECIPE = Path(__file__).parents[1] / "engine_core" / "recipes" / "grpo_tiny.yaml"
+
+
+def _job(out: Path, rm: Path, *overrides: str) -> dict[str, Any]:
+    raw = apply_overrides(
+        load_yaml(RECIPE),
+        [
+            f"output_dir={out}",
+            "prompts_per_step=4",
+            "samples_per_prompt=4",
+            "reward_model.engine.backend=fsdp2",
+            f"reward_model.engine.model.path={rm}",
+            *overrides,
+        ],
+    )
+    return run_grpo(raw, load_plugins())
+
+
+def test_job_reward_is_the_task_score_plus_the_weighted_model_score(
+    recipe_reward_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each step's samples (recorded as the trainer builds its batch) scored by transformers'
+    sequence-classification model: their mean is the logged ``reward/model``, and ``reward``
+    is ``reward/fn + weight * reward/model``."""
+    import roles.trainer
+
+    batches: list[TensorDict] = []
+    original = roles.trainer.training_batch
+
+    def recording(gen: TensorDict) -> TensorDict:
+        batches.append(original(gen))
+        return batches[-1]
+
+    monkeypatch.setattr(roles.trainer, "training_batch", recording)
+    _job(tmp_path, recipe_reward_model, "steps=2", "reward_model.weight=0.5")
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    model = AutoModelForSequenceClassification.from_pretrained(recipe_reward_model).eval()
+    assert len(rows) == len(batches) == 2
+    for row, batch in zip(rows, batches, strict=True):
+        with torch.no_grad():
+            # the head on the last real token (read by position: an untrained policy samples
+            # the pad id too, which transformers' own pooling would skip)
+            want = [
+                model.score(model.model(input_ids=ids[mask.bool()][None]).last_hidden_state)[
+                    0, -1, 0
+                ]
+                for ids, mask in zip(batch["input_ids"], batch["attention_mask"], strict=True)
+            ]
+        assert row["reward/model"] == pytest.approx(float(torch.stack(want).mean()), abs=1e-5)
+        assert row["reward"] == pytest.approx(row["reward/fn"] + 0.5 * row["reward/model"])
+
+
+def test_job_refuses_a_reward_model_on_another_vocabulary(rm_folder: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"vocab_size 64, the actor's model 16.*same tokenizer"):
+        _job(tmp_path, rm_folder, "steps=1")
+    assert not (tmp_path / "metrics.jsonl").exists()
