@@ -13,8 +13,10 @@ other:
   weight sync (names, shapes, checksums) into the rollout and the rollout/trainer log-prob
   comparison of every step, JSONL and TensorBoard logging.
 
-Reports the median wall time per step after ``--warmup`` steps for each, their ratio, the
-mean reward of the last 10 steps of each, and where ``engine_core``'s step goes (median seconds
+The two alternate over ``--rounds`` runs each (A B B A ...), so a machine that speeds up or
+slows down during the benchmark weighs on both alike. Reports the median wall time per step
+after ``--warmup`` steps of every run for each, their ratio, each run's median, the mean reward
+of the last 10 steps of each loop's first run, and where ``engine_core``'s step goes (median seconds
 of generation, old log-probs, update, weight sync and the rest) by timing the roles' calls.
 Prints one JSON object.
 """
@@ -145,23 +147,40 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="alternating runs of each loop (A B B A ...): machine drift hits both alike",
+    )
+    parser.add_argument(
         "overrides",
         nargs="*",
         help="recipe overrides for engine-core run, e.g. engine.backend=reference",
     )
     args = parser.parse_args()
-    minimal = _minimal(args.steps)
-    ours, parts = _engine_core(args.steps, args.overrides)
+    minimal_runs: list[list[tuple[float, float]]] = []
+    ours_runs: list[list[tuple[float, float]]] = []
+    parts: dict[str, list[float]] = collections.defaultdict(list)
+    for r in range(args.rounds):
+        for which in ("minimal", "ours") if r % 2 == 0 else ("ours", "minimal"):
+            if which == "minimal":
+                minimal_runs.append(_minimal(args.steps))
+            else:
+                rows, times = _engine_core(args.steps, args.overrides)
+                ours_runs.append(rows)
+                # the first sync happens before step 1 (outside its time_s): dropped with warm-up
+                for k, v in times.items():
+                    parts[k] += v[args.warmup :]
 
-    def median(rows: list[tuple[float, float]]) -> float:
-        return statistics.median(t for t, _ in rows[args.warmup :])
+    def median(runs: list[list[tuple[float, float]]]) -> float:
+        return statistics.median(t for rows in runs for t, _ in rows[args.warmup :])
 
-    def last10(rows: list[tuple[float, float]]) -> float:
-        return round(statistics.fmean(r for _, r in rows[-10:]), 4)
+    def last10(runs: list[list[tuple[float, float]]]) -> float:
+        return round(statistics.fmean(r for _, r in runs[0][-10:]), 4)
 
+    minimal, ours = minimal_runs, ours_runs
     step = median(ours)
-    # the first sync happens before step 1 (outside its time_s): drop it with the warm-up
-    breakdown = {k: statistics.median(v[args.warmup :]) for k, v in parts.items()}
+    breakdown = {k: statistics.median(v) for k, v in parts.items()}
     breakdown["rest"] = step - sum(breakdown.values())
     print(
         json.dumps(
@@ -169,6 +188,11 @@ def main() -> None:
                 "benchmark": "grpo_step",
                 "recipe": RECIPE.name,
                 "steps": args.steps,
+                "rounds": args.rounds,
+                "per_round_median_step_s": {
+                    "minimal": [round(median([rows]), 4) for rows in minimal],
+                    "engine_core": [round(median([rows]), 4) for rows in ours],
+                },
                 "overrides": args.overrides,
                 "torch_threads": torch.get_num_threads(),
                 "minimal_median_step_s": round(median(minimal), 4),

@@ -140,7 +140,10 @@ class MetricAccumulator:
     def reduce(self, group: dist.ProcessGroup | None = None) -> dict[str, float]:
         """Reduce locally, then across ``group`` (if distributed is initialized): one collective per kind."""
         names = sorted(self._values)
-        distributed = dist.is_available() and dist.is_initialized()
+        # one rank alone has nothing to agree on or reduce with
+        distributed = (
+            dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+        )
         # Every rank must hold the same metric names (none included: a rank that logged nothing
         # must not leave the others waiting), or the collectives below would mismatch.
         if distributed:

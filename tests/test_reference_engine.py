@@ -88,7 +88,9 @@ def test_interrupted_save_is_not_a_checkpoint(ckpt_root: str) -> None:
 
 def test_load_rejects_an_incomplete_folder(tmp_path: Path) -> None:
     engine = make_engine()
-    with pytest.raises(CheckpointError, match="has no manifest.json: it was not completely written"):
+    with pytest.raises(
+        CheckpointError, match="has no manifest.json: it was not completely written"
+    ):
         engine.load_checkpoint(str(tmp_path))
 
 

@@ -128,7 +128,7 @@ class HFRollout(BaseRollout):
         resp_mask = (~after_stop).long()
         resp = resp.masked_fill(after_stop, self.pad_token_id)
         logps = logps.masked_fill(after_stop, 0.0)
-        reasons = ["stop" if bool(row.any()) else "length" for row in is_stop]
+        reasons = ["stop" if stopped else "length" for stopped in is_stop.any(-1).tolist()]
         return resp, resp_mask, logps, reasons
 
     # -- weights --------------------------------------------------------------------------
