@@ -63,6 +63,8 @@ class HFRollout(BaseRollout):
             self.model: Any = build_model(config.model).eval()
         pad = getattr(self.model.config, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else config.pad_token_id
+        # names and shapes are fixed once built: asked at every sync, read once
+        self._shapes = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
 
     # -- generation -----------------------------------------------------------------------
     @torch.no_grad()
@@ -133,7 +135,7 @@ class HFRollout(BaseRollout):
 
     # -- weights --------------------------------------------------------------------------
     def expected_weights(self) -> dict[str, tuple[int, ...]]:
-        return {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+        return dict(self._shapes)
 
     @torch.no_grad()
     def load_weight_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> str:
