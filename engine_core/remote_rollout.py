@@ -3,7 +3,9 @@
 :class:`ProcessRollout` is a :class:`BaseRollout` whose real backend (any registered rollout:
 ``hf``, ``vllm``, ...) runs in ``replicas`` spawned worker processes, each replica a
 :class:`RolloutWorker` in a one-worker :class:`LocalWorkerGroup` of its own (built as
-``worker_cls(config, replica=i)``). This process only sends work and weights.
+``worker_cls(config, replica=i)``), or with ``executor="ray"`` a one-actor
+:class:`RayWorkerGroup` (Ray places it; the weight-sync store then listens on this node's
+address, not loopback only). This process only sends work and weights.
 
 - ``generate`` splits the prompts by prompt into ``replicas`` contiguous, near-equal chunks (all
   ``n`` samples of a prompt come from one replica; a replica with no prompt is not called), runs
@@ -28,7 +30,8 @@
 The training loop does not change: it calls the same ``generate`` / ``sync_weights`` as on a
 colocated rollout.
 
-Executed on CPU with gloo, with one and two replicas. On a CUDA host the weight-sync group uses
+Executed on CPU with gloo, with one and two replicas, as local processes and as Ray actors on
+one machine (a cluster of several nodes has not been tried). On a CUDA host the weight-sync group uses
 NCCL: that path is written but has never been executed, and it places no replica on a device of
 its own (every process uses its current CUDA device).
 """
@@ -38,14 +41,14 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from tensordict import NonTensorStack, TensorDict
 
 from engine_core.dispatch import Worker
 from engine_core.errors import BatchError, DispatchError
-from engine_core.executors.base import free_port
+from engine_core.executors.base import WorkerGroup, free_port
 from engine_core.executors.local import LocalWorkerGroup
 from engine_core.rollout import (
     RESPONSE_IDS,
@@ -94,9 +97,11 @@ class RolloutWorker(Worker):
     def expected_weights(self) -> dict[str, tuple[int, ...]]:
         return self.rollout.expected_weights()
 
-    def join_weight_sync(self, port: int, rank: int, world_size: int, backend: str) -> None:
+    def join_weight_sync(
+        self, port: int, rank: int, world_size: int, backend: str, host: str = _HOST
+    ) -> None:
         self.group = WeightSyncGroup(
-            host=_HOST, port=port, rank=rank, world_size=world_size, backend=backend
+            host=host, port=port, rank=rank, world_size=world_size, backend=backend
         )
 
     def receive_weights(self, bucket_bytes: int) -> list[WeightBucket]:
@@ -115,7 +120,7 @@ class _Call(threading.Thread):
     """A worker-group call on a thread, so this process can take part in the same collective
     (or wait for several worker groups at once)."""
 
-    def __init__(self, group: LocalWorkerGroup, method: str, *args: Any) -> None:
+    def __init__(self, group: WorkerGroup, method: str, *args: Any) -> None:
         super().__init__(daemon=True)
         self.group, self.method, self.args = group, method, args
         self.result: list[Any] = []
@@ -244,8 +249,11 @@ class ProcessRollout(BaseRollout):
         replicas: int = 1,
         worker_cls: type[RolloutWorker] = RolloutWorker,
         timeout_s: float = 600.0,
+        executor: Literal["local", "ray"] = "local",
     ) -> None:
         self.replicas = _check_replicas(replicas)
+        if executor not in ("local", "ray"):
+            raise ValueError(f"executor must be 'local' or 'ray', got {executor!r}.")
         if not (isinstance(worker_cls, type) and issubclass(worker_cls, RolloutWorker)):
             raise TypeError(
                 f"worker_cls must be RolloutWorker or a subclass of it, got {worker_cls!r}."
@@ -260,17 +268,21 @@ class ProcessRollout(BaseRollout):
             self.replicas,
             env={"OMP_NUM_THREADS": str(per_replica)},
             timeout_s=timeout_s,
+            executor=executor,
         )
+        # Ray may place a replica on another node: the sync store then listens on this node's
+        # address (every interface) instead of loopback only
+        host = _HOST if executor == "local" else _node_address()
         self._group: WeightSyncGroup | None = None
         try:
             self.capabilities = self._workers[0].call_all("capabilities")[0]  # type: ignore[misc]
             port, world = free_port(), self.replicas + 1
             joining = [
-                _Call(w, "join_weight_sync", port, i + 1, world, backend)
+                _Call(w, "join_weight_sync", port, i + 1, world, backend, host)
                 for i, w in enumerate(self._workers)
             ]
             self._group = WeightSyncGroup(
-                host=_HOST,
+                host=host,
                 port=port,
                 rank=0,
                 world_size=world,
@@ -365,6 +377,13 @@ def _wait_each(calls: dict[int, _Call], what: str) -> dict[int, Any]:
     return results
 
 
+def _node_address() -> str:
+    """This node's address as Ray sees it (what a Ray actor on another node can reach)."""
+    import ray
+
+    return str(ray.util.get_node_ip_address())
+
+
 def _start_replicas(
     worker_cls: type[RolloutWorker],
     config: dict[str, Any],
@@ -372,14 +391,21 @@ def _start_replicas(
     *,
     env: dict[str, str],
     timeout_s: float,
-) -> list[LocalWorkerGroup]:
-    """One one-worker group per replica, started at once; if any fails, the others are stopped."""
-    started: list[LocalWorkerGroup | None] = [None] * replicas
+    executor: str = "local",
+) -> list[WorkerGroup]:
+    """One one-worker group per replica (a process, or a Ray actor), started at once; if any
+    fails, the others are stopped."""
+    from engine_core.executors import RayWorkerGroup
+
+    group_cls: type[LocalWorkerGroup] | type[RayWorkerGroup] = (
+        RayWorkerGroup if executor == "ray" else LocalWorkerGroup
+    )
+    started: list[WorkerGroup | None] = [None] * replicas
     errors: dict[int, BaseException] = {}
 
     def start(i: int) -> None:
         try:
-            started[i] = LocalWorkerGroup(
+            started[i] = group_cls(
                 worker_cls,
                 1,
                 init_args=(config,),
@@ -408,7 +434,7 @@ def _start_replicas(
     return [g for g in started if g is not None]
 
 
-def _shutdown_all(groups: list[LocalWorkerGroup]) -> None:
+def _shutdown_all(groups: list[WorkerGroup]) -> None:
     """Shut every group down, each on a thread of its own: the processes exit side by side."""
     threads = [threading.Thread(target=g.shutdown, daemon=True) for g in groups]
     for t in threads:

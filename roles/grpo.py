@@ -285,7 +285,12 @@ def _build(job: GRPOJobConfig, manager: PluginManager, stack: contextlib.ExitSta
             # takes this process's thread count), not both processes on every core; run_grpo
             # restores the count when the job ends
             torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-        roles.rollout = ProcessRollout(rollout_cfg, replicas=job.rollout_replicas)  # type: ignore[arg-type]
+        # with the roles on Ray, the replicas are Ray actors too (placed by Ray, like the roles)
+        roles.rollout = ProcessRollout(
+            rollout_cfg,  # type: ignore[arg-type]
+            replicas=job.rollout_replicas,
+            executor="ray" if job.placement.executor == "ray" else "local",
+        )
     else:
         roles.rollout = rspec.load_class()(rollout_cfg)
     return roles

@@ -19,6 +19,7 @@ from tensordict import NonTensorStack, TensorDict
 import engine_core.remote_rollout as remote_rollout
 from engine_core.config import ModelConfig
 from engine_core.errors import DispatchError, WeightSyncError
+from engine_core.executors import LocalWorkerGroup, RayWorkerGroup
 from engine_core.models import build_model
 from engine_core.remote_rollout import (
     ProcessRollout,
@@ -75,9 +76,14 @@ def _gap(model: Any, out: TensorDict) -> float:
 SENT = 11  # the seed of the weights the shared rollout is synced with
 
 
-@pytest.fixture(scope="module")
-def two() -> Iterator[ProcessRollout]:
-    rollout = ProcessRollout(_hf_config(), replicas=2, timeout_s=300)
+@pytest.fixture(scope="module", params=["local", pytest.param("ray", marks=pytest.mark.ray)])
+def two(request: pytest.FixtureRequest) -> Iterator[ProcessRollout]:
+    """Two replicas: spawned processes, or Ray actors."""
+    if request.param == "ray":
+        request.getfixturevalue("ray_session")
+    rollout = ProcessRollout(_hf_config(), replicas=2, timeout_s=300, executor=request.param)
+    kind = RayWorkerGroup if request.param == "ray" else LocalWorkerGroup
+    assert all(type(w) is kind for w in rollout._workers)
     try:
         rollout.sync_weights(_model(SENT).state_dict().items(), bucket_bytes=64 << 10)
         yield rollout
