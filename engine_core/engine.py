@@ -245,6 +245,13 @@ class BaseEngine(abc.ABC):
         return True
 
     @property
+    def writes_full_params(self) -> bool:
+        """Whether this rank is the one that keeps what :meth:`named_full_params` gathers (the
+        collect rank of DP rank 0: model-parallel ranks share a dp_rank): it writes the export
+        and sends the weights out of the group."""
+        return self.dp_rank == 0 and self.is_collect_rank
+
+    @property
     def device(self) -> torch.device:
         return torch.device("cpu")
 
@@ -710,8 +717,7 @@ class BaseEngine(abc.ABC):
         from engine_core.checkpoint import fresh_folder, join, replace_folder, save_safetensors
         from engine_core.models import build_hf_config
 
-        # one writer: the collect rank of DP rank 0 (model-parallel ranks share a dp_rank)
-        writer = self.dp_rank == 0 and self.is_collect_rank
+        writer = self.writes_full_params
         tensors: dict[str, torch.Tensor] = {}
         for name, tensor in self.named_full_params():
             if writer:  # own copies: tied weights must not share storage in safetensors

@@ -22,6 +22,11 @@ address, not loopback only). This process only sends work and weights.
   that refuses the weights or fails verification is named in the :class:`WeightSyncError`
   ("rollout replica 1: ..."); every replica drains the stream whatever happens, so the group is
   in step for the next sync.
+- With ``external_sender=True`` the sender is another process (a trainer rank, e.g. the writing
+  rank of a :class:`roles.placement.ActorGroup`): :meth:`ProcessRollout.connect_sender` has the
+  replicas join the group that sender hosts, and :meth:`ProcessRollout.receive_from` runs one
+  sync, the replicas receiving while the sender streams. The weights never pass through this
+  process.
 - ``release`` / ``resume`` / ``shutdown`` apply to every replica. If a replica fails to start,
   those that started are shut down.
 - Each replica runs ``max(1, T // replicas)`` CPU threads, where ``T`` is this process's torch
@@ -40,15 +45,15 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterable
-from typing import Any, Literal
+from collections.abc import Callable, Iterable
+from typing import Any, Literal, TypeVar
 
 import torch
 from tensordict import NonTensorStack, TensorDict
 
 from engine_core.dispatch import Worker
 from engine_core.errors import BatchError, DispatchError
-from engine_core.executors.base import WorkerGroup, free_port
+from engine_core.executors.base import LOOPBACK, WorkerGroup, free_port, meeting_host
 from engine_core.executors.local import LocalWorkerGroup
 from engine_core.rollout import (
     RESPONSE_IDS,
@@ -64,7 +69,8 @@ from engine_core.weight_sync import WeightSyncGroup, receive_weights, send_weigh
 
 __all__ = ["RolloutWorker", "ProcessRollout"]
 
-_HOST = "127.0.0.1"  # every end on this machine: the sync store listens on loopback only
+T = TypeVar("T")
+
 _SEED_STRIDE = 1_000_003
 
 
@@ -98,7 +104,7 @@ class RolloutWorker(Worker):
         return self.rollout.expected_weights()
 
     def join_weight_sync(
-        self, port: int, rank: int, world_size: int, backend: str, host: str = _HOST
+        self, port: int, rank: int, world_size: int, backend: str, host: str = LOOPBACK
     ) -> None:
         self.group = WeightSyncGroup(
             host=host, port=port, rank=rank, world_size=world_size, backend=backend
@@ -250,6 +256,7 @@ class ProcessRollout(BaseRollout):
         worker_cls: type[RolloutWorker] = RolloutWorker,
         timeout_s: float = 600.0,
         executor: Literal["local", "ray"] = "local",
+        external_sender: bool = False,
     ) -> None:
         self.replicas = _check_replicas(replicas)
         if executor not in ("local", "ray"):
@@ -260,6 +267,8 @@ class ProcessRollout(BaseRollout):
             )
         super().__init__(config)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+        self.weight_sync_backend, self.timeout_s, self.executor = backend, timeout_s, executor
+        self.external_sender = external_sender
         threads = torch.get_num_threads()
         per_replica = threads if self.replicas == 1 else max(1, threads // self.replicas)
         self._workers = _start_replicas(
@@ -272,24 +281,25 @@ class ProcessRollout(BaseRollout):
         )
         # Ray may place a replica on another node: the sync store then listens on this node's
         # address (every interface) instead of loopback only
-        host = _HOST if executor == "local" else _node_address()
+        host = meeting_host(any_node=executor == "ray")
         self._group: WeightSyncGroup | None = None
+        self._sender_connected = False
         try:
             self.capabilities = self._workers[0].call_all("capabilities")[0]  # type: ignore[misc]
-            port, world = free_port(), self.replicas + 1
-            joining = [
-                _Call(w, "join_weight_sync", port, i + 1, world, backend, host)
-                for i, w in enumerate(self._workers)
-            ]
-            self._group = WeightSyncGroup(
-                host=host,
-                port=port,
-                rank=0,
-                world_size=world,
-                backend=backend,
-                timeout_s=timeout_s,
-            )
-            _wait_each(dict(enumerate(joining)), "join_weight_sync")
+            if not external_sender:
+                port, world = free_port(), self.replicas + 1
+                self._group = self._join_replicas(
+                    host,
+                    port,
+                    lambda: WeightSyncGroup(
+                        host=host,
+                        port=port,
+                        rank=0,
+                        world_size=world,
+                        backend=backend,
+                        timeout_s=timeout_s,
+                    ),
+                )
             self._expected: dict[str, tuple[int, ...]] = self._workers[0].call_all(
                 "expected_weights"
             )[0]
@@ -322,21 +332,58 @@ class ProcessRollout(BaseRollout):
     def load_weight_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> str:
         raise NotImplementedError("ProcessRollout loads weights through sync_weights() only.")
 
-    def sync_weights(
-        self, named: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int = 256 << 20
-    ) -> list[WeightBucket]:
-        if self._group is None:
-            raise RuntimeError("this ProcessRollout has been shut down.")
+    def _join_replicas(self, host: str, port: int, join_sender: Callable[[], T]) -> T:
+        """Every replica joins the weight-sync group at ``host:port`` (ranks 1..N) while
+        ``join_sender`` joins it as rank 0 (hosting its store); the sender's result."""
+        world = self.replicas + 1
+        joining = {
+            i: _Call(w, "join_weight_sync", port, i + 1, world, self.weight_sync_backend, host)
+            for i, w in enumerate(self._workers)
+        }
+        try:
+            joined = join_sender()
+        except BaseException:
+            for call in joining.values():  # they fail on their own timeout: wait, then raise
+                with contextlib.suppress(Exception):
+                    call.wait()
+            raise
+        _wait_each(joining, "join_weight_sync")
+        return joined
+
+    def connect_sender(self, host: str, port: int, join_sender: Callable[[], Any]) -> None:
+        """With ``external_sender``: the weights come from another process (a trainer rank),
+        which hosts the weight-sync group at ``host:port`` as rank 0 when ``join_sender()``
+        runs; the replicas join it meanwhile. Then :meth:`receive_from` syncs."""
+        if not self.external_sender:
+            raise RuntimeError(
+                "connect_sender() is for a ProcessRollout built with external_sender=True; this "
+                "one sends the weights itself (sync_weights)."
+            )
+        if self._sender_connected:
+            raise RuntimeError("a sender is already connected to this ProcessRollout.")
+        self._join_replicas(host, port, join_sender)
+        self._sender_connected = True
+
+    @property
+    def receiver_names(self) -> list[str]:
+        """How a weight sync names each replica in its errors."""
+        return [f"rollout replica {i}" for i in range(self.replicas)]
+
+    def receive_from(self, send: Callable[[], T], *, bucket_bytes: int = 256 << 20) -> T:
+        """One sync from the connected sender: every replica receives while ``send()`` (the
+        sender streaming with :func:`send_weights`, ``bucket_bytes`` per bucket, naming the
+        replicas :attr:`receiver_names`) runs; its result. A replica that fails verification
+        fails ``send()`` naming it, and every replica still drains the stream."""
+        if not self._sender_connected:
+            raise RuntimeError("connect_sender() first: no sender is connected.")
+        return self._receive_while(send, bucket_bytes)
+
+    def _receive_while(self, send: Callable[[], T], bucket_bytes: int) -> T:
         receiving = {
             i: _Call(w, "receive_weights", bucket_bytes) for i, w in enumerate(self._workers)
         }
         try:
-            sent = send_weights(
-                self._group,
-                named,
-                bucket_bytes=bucket_bytes,
-                receiver_names=[f"rollout replica {i}" for i in range(self.replicas)],
-            )
+            sent = send()
         except BaseException:
             # the sender's error already carries every receiver's verdict
             for call in receiving.values():
@@ -345,6 +392,24 @@ class ProcessRollout(BaseRollout):
             raise
         _wait_each(receiving, "receive_weights")
         return sent
+
+    def sync_weights(
+        self, named: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int = 256 << 20
+    ) -> list[WeightBucket]:
+        if self.external_sender:
+            raise RuntimeError(
+                "this ProcessRollout receives its weights from an external sender "
+                "(external_sender=True): sync through receive_from(), not sync_weights()."
+            )
+        group = self._group
+        if group is None:
+            raise RuntimeError("this ProcessRollout has been shut down.")
+        return self._receive_while(
+            lambda: send_weights(
+                group, named, bucket_bytes=bucket_bytes, receiver_names=self.receiver_names
+            ),
+            bucket_bytes,
+        )
 
     def release(self) -> None:
         _wait_each({i: _Call(w, "release") for i, w in enumerate(self._workers)}, "release")
@@ -375,13 +440,6 @@ def _wait_each(calls: dict[int, _Call], what: str) -> dict[int, Any]:
             "\n".join(f"rollout replica {r} failed in {what}: {err}" for r, err in failures)
         ) from failures[0][1]
     return results
-
-
-def _node_address() -> str:
-    """This node's address as Ray sees it (what a Ray actor on another node can reach)."""
-    import ray
-
-    return str(ray.util.get_node_ip_address())
 
 
 def _start_replicas(

@@ -14,7 +14,7 @@ import contextlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from pydantic import Field, PositiveInt, ValidationError, model_validator
@@ -286,11 +286,15 @@ def _build(job: GRPOJobConfig, manager: PluginManager, stack: contextlib.ExitSta
             # restores the count when the job ends
             torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
         # with the roles on Ray, the replicas are Ray actors too (placed by Ray, like the roles)
-        roles.rollout = ProcessRollout(
+        rollout = ProcessRollout(
             rollout_cfg,  # type: ignore[arg-type]
             replicas=job.rollout_replicas,
             executor="ray" if job.placement.executor == "ray" else "local",
+            external_sender=job.placement.grouped,
         )
+        roles.rollout = rollout
+        if job.placement.grouped:  # weights from the actor's writing rank, not the driver
+            cast(ActorGroup, roles.actor).connect_rollout(rollout)
     else:
         roles.rollout = rspec.load_class()(rollout_cfg)
     return roles

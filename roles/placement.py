@@ -27,6 +27,8 @@ from tensordict import TensorDict
 
 from engine_core import FrozenModel
 from engine_core.executors.base import DEFAULT_CALL_TIMEOUT_S, WorkerGroup
+from engine_core.remote_rollout import ProcessRollout
+from engine_core.rollout import BaseRollout
 from roles.actor import ActorConfig
 
 __all__ = [
@@ -42,6 +44,7 @@ __all__ = [
 ]
 
 Executor = Literal["in_process", "local", "ray"]
+SYNC_BUCKET_BYTES = 256 << 20  # a weight sync's bucket size, as BaseRollout.sync_weights uses
 
 
 class RolePlacement(FrozenModel):
@@ -196,6 +199,38 @@ class ActorGroup(RoleGroup):
         self.config = config
         self._max_positions: int | None = group.call_all("max_position_embeddings")[0]
         self._rows = 0
+        self._rollout: ProcessRollout | None = None
+
+    def connect_rollout(self, rollout: ProcessRollout) -> None:
+        """Stream the weights from the group's writing rank straight to ``rollout``'s replicas
+        (built with ``external_sender=True``) instead of through the driver."""
+        (host, port), *_ = [
+            a
+            for a in self.group.call_all("rollout_sync_address", rollout.executor == "ray")
+            if a is not None
+        ]
+        world, backend = rollout.replicas + 1, rollout.weight_sync_backend
+        rollout.connect_sender(
+            host,
+            port,
+            lambda: self.group.call_all(
+                "join_rollout_sync", host, port, world, backend, rollout.timeout_s
+            ),
+        )
+        self._rollout = rollout
+
+    def push_weights(self, rollout: BaseRollout) -> int | None:
+        """Sync ``rollout`` from the group's own processes when it is the connected one: every
+        rank gathers, the writing rank streams; the bytes sent. ``None``: not connected (the
+        caller streams :meth:`named_full_params` itself)."""
+        if rollout is not self._rollout or self._rollout is None:
+            return None
+        target, size = self._rollout, SYNC_BUCKET_BYTES
+        sent = target.receive_from(
+            lambda: self.group.call_all("push_weights", size, target.receiver_names),
+            bucket_bytes=size,
+        )
+        return int(sum(sent))
 
     def compute_log_prob(self, batch: TensorDict) -> TensorDict:
         out: TensorDict = self.group.execute("compute_log_prob", batch)

@@ -174,7 +174,11 @@ class TrainerConfig(FrozenModel):
 
 class PolicyRole(Protocol):
     """What the trainer calls on the policy: an :class:`Actor`, or an
-    :class:`roles.placement.ActorGroup` (the same calls on a data-parallel worker group)."""
+    :class:`roles.placement.ActorGroup` (the same calls on a data-parallel worker group).
+
+    A policy may also have ``push_weights(rollout) -> int | None``: it streams its weights to a
+    rollout connected to it from its own processes and returns the bytes sent (``None``: that
+    rollout is not connected, and the trainer streams :meth:`named_full_params` itself)."""
 
     config: ActorConfig
 
@@ -304,10 +308,14 @@ class RLTrainer:
                 yield name, t
 
         t0 = time.perf_counter()
-        self.rollout.sync_weights(counted())
+        # a worker-group actor connected to the rollout streams from its own processes
+        push = getattr(self.actor, "push_weights", None)
+        pushed = push(self.rollout) if push is not None else None
+        if pushed is None:
+            self.rollout.sync_weights(counted())
         self._last_sync = {
             "weight_sync/time_s": time.perf_counter() - t0,
-            "weight_sync/bytes": float(moved[0]),
+            "weight_sync/bytes": float(moved[0] if pushed is None else pushed),
         }
         self._synced = True
         self._rollout_version = self.global_step

@@ -8,6 +8,7 @@ data-parallel, and the user script does not change.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -16,6 +17,8 @@ from tensordict import TensorDict
 from engine_core import BaseEngine, load_plugins, resolve_engine_config
 from engine_core.dispatch import DispatchMode, Worker, register
 from engine_core.executors import join_process_group
+from engine_core.executors.base import free_port, meeting_host
+from engine_core.weight_sync import WeightSyncGroup, send_weights
 from roles.actor import Actor, ActorConfig
 from roles.critic import Critic, CriticConfig
 from roles.reference import Reference
@@ -59,12 +62,12 @@ class _RoleWorker(Worker):
         return self.engine.export_hf(path)
 
     def full_params(self) -> dict[str, torch.Tensor] | None:
-        """Every (HF name, full tensor), gathered on every rank; returned by the collect rank
-        of DP rank 0 only (copies: nothing handed out aliases the engine's own storage)."""
-        e = self.engine
-        writer = e.dp_rank == 0 and e.is_collect_rank
+        """Every (HF name, full tensor), gathered on every rank; returned by the rank that
+        writes them (``engine.writes_full_params``) only (copies: nothing handed out aliases the
+        engine's own storage)."""
+        writer = self.engine.writes_full_params
         out = {}
-        for name, t in e.named_full_params():
+        for name, t in self.engine.named_full_params():
             if writer:
                 out[name] = t.detach().to("cpu", copy=True)
         return out if writer else None
@@ -81,9 +84,62 @@ class ActorWorker(_RoleWorker):
     def __init__(self, engine_config: dict[str, Any], actor_config: dict[str, Any]) -> None:
         super().__init__(engine_config)
         self.actor = Actor(ActorConfig(**actor_config), self.engine)
+        self._rollout_sync: WeightSyncGroup | None = None
 
     def max_position_embeddings(self) -> int | None:
         return self.actor.max_position_embeddings
+
+    # the weights straight to the rollout's processes, not through the driver (each collective:
+    # call it on every worker)
+
+    def rollout_sync_address(self, any_node: bool) -> tuple[str, int] | None:
+        """Where the rollout's weight-sync group meets: a free port of the writing rank's
+        machine (``None`` from every other rank, which takes no part in that group)."""
+        if not self.engine.writes_full_params:
+            return None
+        return meeting_host(any_node), free_port()
+
+    def join_rollout_sync(
+        self, host: str, port: int, world_size: int, backend: str, timeout_s: float
+    ) -> None:
+        """The writing rank joins the rollout's weight-sync group as its sender (rank 0)."""
+        if self.engine.writes_full_params:
+            self._rollout_sync = WeightSyncGroup(
+                host=host,
+                port=port,
+                rank=0,
+                world_size=world_size,
+                backend=backend,
+                timeout_s=timeout_s,
+            )
+
+    def push_weights(self, bucket_bytes: int, receiver_names: list[str]) -> int:
+        """Every rank gathers the full weights; the writing rank streams them to the rollout's
+        replicas (verified by each) and returns the bytes it sent, the others 0."""
+        named = self.engine.named_full_params()
+        try:
+            if not self.engine.writes_full_params:
+                return 0
+            if self._rollout_sync is None:
+                raise RuntimeError("join_rollout_sync() first: no rollout is connected.")
+            moved = 0
+
+            def counted() -> Iterator[tuple[str, torch.Tensor]]:
+                nonlocal moved
+                for name, t in named:
+                    moved += t.numel() * t.element_size()
+                    yield name, t
+
+            send_weights(
+                self._rollout_sync,
+                counted(),
+                bucket_bytes=bucket_bytes,
+                receiver_names=receiver_names,
+            )
+            return moved
+        finally:
+            for _ in named:  # whatever happened, this rank finishes its part of the gathers
+                pass
 
     @register(DispatchMode.ND_COMPUTE, mesh="actor")
     def compute_log_prob(self, batch: TensorDict) -> TensorDict:

@@ -1,7 +1,8 @@
 """``engine-core run`` with its roles placed as worker groups: the actor data-parallel (dp=2) on
 local processes and on Ray, with a reward model (dp=2 on local processes), gives the same
 metrics, step by step, as the in-process dp=1 run of the same recipe; a resumed grouped run
-continues exactly; bad placements are refused."""
+continues exactly; two rollout replicas take the weights straight from the actor's processes;
+bad placements are refused."""
 
 from __future__ import annotations
 
@@ -93,15 +94,31 @@ def test_ray_dp2_matches_in_process_dp1(
     _same(_rows(tmp_path), dp1[:3])
 
 
-def test_two_rollout_replicas_follow_the_trainer_every_step(tmp_path: Path) -> None:
-    _run(tmp_path, "steps=2", "rollout_placement=process", "rollout_replicas=2")
+def test_two_rollout_replicas_follow_the_trainer_every_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The actor at dp=2 streams its weights from its writing rank straight to two replica
+    processes (every sync: the driver only waits); each replica follows it every step."""
+    from roles.placement import ActorGroup
+
+    pushed: list[int | None] = []
+    push = ActorGroup.push_weights
+
+    def recording(self: ActorGroup, rollout: Any) -> int | None:
+        pushed.append(push(self, rollout))
+        return pushed[-1]
+
+    monkeypatch.setattr(ActorGroup, "push_weights", recording)
+    place = ["placement.executor=local", "placement.actor.dp=2"]
+    _run(tmp_path, "steps=2", "rollout_placement=process", "rollout_replicas=2", *place)
     rows = _rows(tmp_path)
     assert len(rows) == 2
+    # the first sync (before step 1) and one after each update, each straight from the actor
+    assert len(pushed) == 3 and all(p == rows[0]["weight_sync/bytes"] > 0 for p in pushed)
     for row in rows:
         # each replica's log-probs, after that step's verified sync, against the trainer's
         gaps = [row[f"rollout/replica{i}/logprob_diff_max"] for i in (0, 1)]
         assert max(gaps) <= 1e-5, row
-        assert row["weight_sync/bytes"] > 0
 
 
 @pytest.mark.parametrize(

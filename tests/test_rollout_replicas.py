@@ -268,3 +268,43 @@ def test_send_weights_labels_receivers_with_the_names_given() -> None:
     assert send(weights, None) == (None, None)  # and the group is still in step
     for group in (to_rollout, at_rollout):
         group.close()
+
+
+def test_a_data_parallel_actor_streams_straight_to_the_replicas() -> None:
+    """An actor group at dp=2 (fsdp2, two processes) connected to two replicas: every rank
+    gathers, the writing rank sends, and neither the weights nor the stream pass through this
+    process. Each replica then samples from the actor's weights; a replica that corrupts its
+    load fails the push naming it, twice in a row (the group stays in step)."""
+    from roles.actor import ActorConfig
+    from roles.placement import ActorGroup, PlacementConfig, start_group
+    from roles.workers import ActorWorker
+    from tests._models import engine_config
+
+    engine = engine_config(backend="fsdp2", seed=SENT)
+    group = start_group(PlacementConfig(executor="local"), ActorWorker, 2, (engine, {}))
+    rollout = ProcessRollout(
+        _hf_config(), replicas=2, worker_cls=CorruptingRolloutWorker, external_sender=True
+    )
+    try:
+        actor = ActorGroup(group, ActorConfig())
+        assert actor.dp_size == 2
+        with pytest.raises(RuntimeError, match="external sender.*receive_from"):
+            rollout.sync_weights([])
+        assert actor.push_weights(rollout) is None  # not connected yet: the caller streams
+        actor.connect_rollout(rollout)
+        assert rollout._group is None  # this process holds no end of the weight-sync group
+        weights = dict(actor.named_full_params())
+        for _ in range(2):
+            with pytest.raises(DispatchError) as failed:
+                actor.push_weights(rollout)
+            message = str(failed.value)
+            assert "rollout replica 1: checksum mismatch" in message and CORRUPTED in message
+            assert "replica 0" not in message
+        out = rollout.generate(_prompts(2), PARAMS)
+        model = _model(0)
+        model.load_state_dict(weights)
+        assert _gap(model, out[out[ROLLOUT_REPLICA] == 0]) <= 1e-5  # the actor's weights
+        assert _gap(_model(_hf_config().seed), out[out[ROLLOUT_REPLICA] == 0]) > 1e-3
+    finally:
+        rollout.shutdown()
+        group.shutdown()

@@ -42,6 +42,20 @@ DEFAULT_CALL_TIMEOUT_S = 600.0
 Calls = list[tuple[tuple[Any, ...], dict[str, Any]]]
 
 
+LOOPBACK = "127.0.0.1"
+
+
+def meeting_host(any_node: bool) -> str:
+    """The address a rendezvous hosted by this process listens on: loopback when every member
+    runs on this machine; this node's address (as Ray sees it) when Ray may place members on
+    other nodes."""
+    if not any_node:
+        return LOOPBACK
+    import ray
+
+    return str(ray.util.get_node_ip_address())
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for the gloo/NCCL rendezvous)."""
     with socket.socket() as s:
