@@ -123,7 +123,7 @@ class SoakActorWorker(ActorWorker):
         sender = self.engine.dp_rank == 0 and self.engine.is_collect_rank
         self.sync = WeightSyncGroup(host=HOST, port=port, rank=0, world_size=2) if sender else None
 
-    def push_weights(self) -> int:
+    def push_to_driver(self) -> int:
         # every rank gathers (a collective for sharded engines); rank 0 alone sends
         return len(send_weights(self.sync, self.engine.named_full_params()))
 
@@ -156,7 +156,7 @@ class _GroupEngine:
 
     def named_full_params(self) -> Any:
         start = time.perf_counter()
-        pushing = self.pool.submit(self.group.call_all, "push_weights")
+        pushing = self.pool.submit(self.group.call_all, "push_to_driver")
         holder = _Received()
         receive_weights(self.sync, holder)  # type: ignore[arg-type]
         pushing.result()
