@@ -204,7 +204,8 @@ class ActorGroup(RoleGroup):
     def connect_rollout(self, rollout: ProcessRollout) -> None:
         """Stream the weights from the group's writing rank straight to ``rollout``'s replicas
         (built with ``external_sender=True``) instead of through the driver."""
-        (host, port), *_ = [
+        # exactly one rank writes the full weights: it hosts the group
+        [(host, port)] = [
             a
             for a in self.group.call_all("rollout_sync_address", rollout.executor == "ray")
             if a is not None
