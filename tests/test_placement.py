@@ -121,6 +121,28 @@ def test_two_rollout_replicas_follow_the_trainer_every_step(
         assert max(gaps) <= 1e-5, row
 
 
+def test_a_replica_given_corrupted_weights_stops_the_job_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replica 1 corrupts what it loads (tests/_workers.py): the job's first sync fails naming
+    that replica and no other, and the job stops before training on anything."""
+    import engine_core.remote_rollout as remote_rollout
+    from engine_core.errors import WeightSyncError
+    from tests._workers import CORRUPTED, CorruptingRolloutWorker
+
+    class Corrupting(remote_rollout.ProcessRollout):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, worker_cls=CorruptingRolloutWorker, **kwargs)
+
+    monkeypatch.setattr(remote_rollout, "ProcessRollout", Corrupting)
+    with pytest.raises(WeightSyncError) as failed:
+        _run(tmp_path, "steps=2", "rollout_placement=process", "rollout_replicas=2")
+    message = str(failed.value)
+    assert "rollout replica 1: checksum mismatch" in message and CORRUPTED in message
+    assert "replica 0" not in message
+    assert not (tmp_path / "metrics.jsonl").exists() or not _rows(tmp_path)
+
+
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
