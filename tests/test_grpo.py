@@ -184,6 +184,36 @@ def test_asynchronous_training_resumes_exactly_and_never_trains_on_stale_samples
         assert age == r["rollout/staleness"] <= 1, r
     # every step after the first trained on samples of the weights one update back
     assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    # asynchronous: TIS corrects for the stale samples unless the actor says otherwise
+    assert all("actor/tis_truncated_frac" in r for r in rows)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "want"),
+    [
+        ([], "none"),
+        (["rollout_placement=process", "async.max_staleness=1"], "tis"),
+        (
+            [
+                "rollout_placement=process",
+                "async.max_staleness=1",
+                "actor.mismatch_correction=none",
+            ],
+            "none",
+        ),
+        (
+            ["rollout_placement=process", "async.max_staleness=1", "actor.mismatch_correction=mis"],
+            "mis",
+        ),
+    ],
+)
+def test_asynchronous_jobs_correct_with_tis_unless_told_otherwise(
+    overrides: list[str], want: str
+) -> None:
+    from roles.grpo import GRPOJobConfig
+
+    job = GRPOJobConfig.model_validate(apply_overrides(load_yaml(RECIPE), overrides))
+    assert job.actor.mismatch_correction == want
 
 
 def test_bad_job_configs_are_refused_before_anything_is_built(tmp_path: Path) -> None:
