@@ -332,23 +332,31 @@ class ProcessRollout(BaseRollout):
     def load_weight_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> str:
         raise NotImplementedError("ProcessRollout loads weights through sync_weights() only.")
 
-    def _join_replicas(self, host: str, port: int, join_sender: Callable[[], T]) -> T:
-        """Every replica joins the weight-sync group at ``host:port`` (ranks 1..N) while
-        ``join_sender`` joins it as rank 0 (hosting its store); the sender's result."""
-        world = self.replicas + 1
-        joining = {
-            i: _Call(w, "join_weight_sync", port, i + 1, world, self.weight_sync_backend, host)
-            for i, w in enumerate(self._workers)
-        }
+    def _alongside(
+        self, method: str, args: Callable[[int], tuple[Any, ...]], run: Callable[[], T]
+    ) -> T:
+        """Every replica calls ``method`` (replica ``i`` with ``args(i)``) on a thread while
+        ``run()``, the other end of the same exchange, runs here; ``run()``'s result. If
+        ``run()`` fails, the replicas are waited for (they fail or drain on their own) and its
+        error is raised; otherwise a failing replica is raised, named."""
+        calls = {i: _Call(w, method, *args(i)) for i, w in enumerate(self._workers)}
         try:
-            joined = join_sender()
+            result = run()
         except BaseException:
-            for call in joining.values():  # they fail on their own timeout: wait, then raise
+            for call in calls.values():
                 with contextlib.suppress(Exception):
                     call.wait()
             raise
-        _wait_each(joining, "join_weight_sync")
-        return joined
+        _wait_each(calls, method)
+        return result
+
+    def _join_replicas(self, host: str, port: int, join_sender: Callable[[], T]) -> T:
+        """Every replica joins the weight-sync group at ``host:port`` (ranks 1..N) while
+        ``join_sender`` joins it as rank 0 (hosting its store); the sender's result."""
+        world, backend = self.replicas + 1, self.weight_sync_backend
+        return self._alongside(
+            "join_weight_sync", lambda i: (port, i + 1, world, backend, host), join_sender
+        )
 
     def connect_sender(self, host: str, port: int, join_sender: Callable[[], Any]) -> None:
         """With ``external_sender``: the weights come from another process (a trainer rank),
@@ -376,22 +384,8 @@ class ProcessRollout(BaseRollout):
         fails ``send()`` naming it, and every replica still drains the stream."""
         if not self._sender_connected:
             raise RuntimeError("connect_sender() first: no sender is connected.")
-        return self._receive_while(send, bucket_bytes)
-
-    def _receive_while(self, send: Callable[[], T], bucket_bytes: int) -> T:
-        receiving = {
-            i: _Call(w, "receive_weights", bucket_bytes) for i, w in enumerate(self._workers)
-        }
-        try:
-            sent = send()
-        except BaseException:
-            # the sender's error already carries every receiver's verdict
-            for call in receiving.values():
-                with contextlib.suppress(Exception):
-                    call.wait()
-            raise
-        _wait_each(receiving, "receive_weights")
-        return sent
+        # a failing send already carries every receiver's verdict
+        return self._alongside("receive_weights", lambda i: (bucket_bytes,), send)
 
     def sync_weights(
         self, named: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int = 256 << 20
@@ -404,11 +398,12 @@ class ProcessRollout(BaseRollout):
         group = self._group
         if group is None:
             raise RuntimeError("this ProcessRollout has been shut down.")
-        return self._receive_while(
+        return self._alongside(
+            "receive_weights",
+            lambda i: (bucket_bytes,),
             lambda: send_weights(
                 group, named, bucket_bytes=bucket_bytes, receiver_names=self.receiver_names
             ),
-            bucket_bytes,
         )
 
     def release(self) -> None:
