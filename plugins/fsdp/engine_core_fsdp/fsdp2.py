@@ -97,11 +97,16 @@ class FSDP2Engine(FSDPEngineBase):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self.dp_mesh: DeviceMesh | None = None
-        self.sharded = False  # set by init_model: False on a one-rank mesh without mixed precision
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
         return self.dp_mesh.get_group() if self.dp_mesh is not None else None
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the module is sharded (``fully_shard``); a one-rank mesh without mixed
+        precision keeps it plain."""
+        return isinstance(self.module, FSDPModule)
 
     @property
     def tp_rank(self) -> int:
@@ -121,8 +126,7 @@ class FSDP2Engine(FSDPEngineBase):
         assert isinstance(cfg, FSDP2EngineConfig)
         self.mesh, self.dp_mesh = build_mesh(cfg, self.device.type)
         torch.manual_seed(cfg.seed)  # identical initialisation on every rank before sharding
-        self.sharded = self.mesh.size() > 1 or cfg.mixed_precision is not None
-        if not self.sharded:
+        if self.mesh.size() == 1 and cfg.mixed_precision is None:
             # one rank holds the whole model whatever the init mode; model.path loads as usual
             self.module = build_model(cfg.model, device=self.device)
             self.init_optimizer(self.module)
