@@ -56,6 +56,7 @@ from engine_core.errors import BatchError, DispatchError
 from engine_core.executors.base import LOOPBACK, WorkerGroup, free_port, meeting_host
 from engine_core.executors.local import LocalWorkerGroup
 from engine_core.rollout import (
+    BUCKET_BYTES,
     RESPONSE_IDS,
     RESPONSE_MASK,
     ROLLOUT_LOG_PROBS,
@@ -377,7 +378,7 @@ class ProcessRollout(BaseRollout):
         """How a weight sync names each replica in its errors."""
         return [f"rollout replica {i}" for i in range(self.replicas)]
 
-    def receive_from(self, send: Callable[[], T], *, bucket_bytes: int = 256 << 20) -> T:
+    def receive_from(self, send: Callable[[], T], *, bucket_bytes: int = BUCKET_BYTES) -> T:
         """One sync from the connected sender: every replica receives while ``send()`` (the
         sender streaming with :func:`send_weights`, ``bucket_bytes`` per bucket, naming the
         replicas :attr:`receiver_names`) runs; its result. A replica that fails verification
@@ -388,7 +389,7 @@ class ProcessRollout(BaseRollout):
         return self._alongside("receive_weights", lambda i: (bucket_bytes,), send)
 
     def sync_weights(
-        self, named: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int = 256 << 20
+        self, named: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int = BUCKET_BYTES
     ) -> list[WeightBucket]:
         if self.external_sender:
             raise RuntimeError(

@@ -29,6 +29,7 @@ __all__ = [
     "BaseRollout",
     "WeightBucket",
     "iter_buckets",
+    "BUCKET_BYTES",
     "tensor_checksum",
     "check_bucket_shapes",
     "check_complete",
@@ -53,6 +54,7 @@ RESPONSE_IDS = "response_ids"
 RESPONSE_MASK = "response_mask"
 ROLLOUT_LOG_PROBS = "rollout_log_probs"
 FINISH_REASON = "finish_reason"
+BUCKET_BYTES = 256 << 20  # a weight sync's default bucket size (one big tensor goes alone)
 ROLLOUT_REPLICA = "rollout_replica"  # which replica of a multi-process rollout generated a row
 
 
@@ -295,7 +297,7 @@ class BaseRollout(abc.ABC):
         """Re-allocate what :meth:`release` freed."""
 
     def sync_weights(
-        self, named: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int = 256 << 20
+        self, named: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int = BUCKET_BYTES
     ) -> list[WeightBucket]:
         """Load weights bucket by bucket and verify names, shapes and per-bucket checksums."""
         return [

@@ -41,7 +41,13 @@ import torch
 import torch.distributed as dist
 
 from engine_core.errors import WeightSyncError
-from engine_core.rollout import BaseRollout, WeightBucket, iter_buckets, tensor_checksum
+from engine_core.rollout import (
+    BUCKET_BYTES,
+    BaseRollout,
+    WeightBucket,
+    iter_buckets,
+    tensor_checksum,
+)
 
 __all__ = ["WeightSyncGroup", "send_weights", "receive_weights"]
 
@@ -355,7 +361,7 @@ def send_weights(
     group: WeightSyncGroup | None,
     named: Iterable[tuple[str, torch.Tensor]],
     *,
-    bucket_bytes: int = 256 << 20,
+    bucket_bytes: int = BUCKET_BYTES,
     receiver_names: Sequence[str] | None = None,
 ) -> list[WeightBucket]:
     """Stream ``named`` to every rollout process of ``group`` and wait for their verdicts.
@@ -481,7 +487,7 @@ class _ReceivedStream:
 
 
 def receive_weights(
-    group: WeightSyncGroup, rollout: BaseRollout, *, bucket_bytes: int = 256 << 20
+    group: WeightSyncGroup, rollout: BaseRollout, *, bucket_bytes: int = BUCKET_BYTES
 ) -> list[WeightBucket]:
     """Load the weights rank 0 streams into ``rollout``, verified; report the verdict back.
 

@@ -28,7 +28,7 @@ from tensordict import TensorDict
 from engine_core import FrozenModel
 from engine_core.executors.base import DEFAULT_CALL_TIMEOUT_S, WorkerGroup
 from engine_core.remote_rollout import ProcessRollout
-from engine_core.rollout import BaseRollout
+from engine_core.rollout import BUCKET_BYTES, BaseRollout
 from roles.actor import ActorConfig
 
 __all__ = [
@@ -44,7 +44,6 @@ __all__ = [
 ]
 
 Executor = Literal["in_process", "local", "ray"]
-SYNC_BUCKET_BYTES = 256 << 20  # a weight sync's bucket size, as BaseRollout.sync_weights uses
 
 
 class RolePlacement(FrozenModel):
@@ -226,7 +225,7 @@ class ActorGroup(RoleGroup):
         caller streams :meth:`named_full_params` itself)."""
         if rollout is not self._rollout or self._rollout is None:
             return None
-        target, size = self._rollout, SYNC_BUCKET_BYTES
+        target, size = self._rollout, BUCKET_BYTES
         sent = target.receive_from(
             lambda: self.group.call_all("push_weights", size, target.receiver_names),
             bucket_bytes=size,
