@@ -7,7 +7,7 @@ ways one after the other in this process:
 - ``sync_2threads``: synchronous, each process may use 2 threads (they take turns, so each can
   have both cores while the other waits);
 - ``sync_1thread``: synchronous, 1 thread per process;
-- ``async``: ``async.max_staleness=1``, 1 thread per process (one core generates step t+1 while
+- ``async``: ``trainer.max_staleness=1``, 1 thread per process (one core generates step t+1 while
   the other trains step t).
 
 Reports, per mode, the median and mean wall time of a step after ``--warmup`` steps (the
@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 RECIPE = Path(__file__).resolve().parents[1] / "engine_core" / "recipes" / "grpo_tiny.yaml"
 MODES = {
-    "sync_2threads": (2, ["async.max_staleness=0"]),
-    "sync_1thread": (1, ["async.max_staleness=0"]),
-    "async": (1, ["async.max_staleness=1"]),
+    "sync_2threads": (2, ["trainer.max_staleness=0"]),
+    "sync_1thread": (1, ["trainer.max_staleness=0"]),
+    "async": (1, ["trainer.max_staleness=1"]),
 }
 
 

@@ -79,6 +79,12 @@ class SamplingParams(FrozenModel):
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def log_prob_temperature(self) -> float:
+        """The temperature of the log-probs a rollout reports for these samples, and so the one
+        a trainer must compute its own at: the sampling temperature, or 1 when greedy."""
+        return 1.0 if self.greedy else self.temperature
+
 
 class RolloutConfig(FrozenModel):
     """Fields every rollout understands. Backends subclass this with their own."""

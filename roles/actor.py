@@ -9,8 +9,6 @@ over from the rollout output).
 
 from __future__ import annotations
 
-import math
-import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
@@ -28,7 +26,6 @@ from engine_core import (
     FrozenModel,
     GlobalBatchContext,
     LossAggregation,
-    LossFn,
     Metric,
     require_keys,
     require_token_shaped,
@@ -47,6 +44,7 @@ from roles.losses import (
     policy_loss,
     tis_weights,
 )
+from roles.updates import mean_over_steps, run_updates, warn_skipped
 
 __all__ = [
     "ActorConfig",
@@ -55,7 +53,6 @@ __all__ = [
     "REF_LOG_PROBS",
     "ADVANTAGES",
     "ROLLOUT_LOG_PROBS",
-    "mean_over_steps",
 ]
 
 OLD_LOG_PROBS = "old_log_probs"
@@ -87,7 +84,6 @@ class ActorConfig(FrozenModel):
     use_kl_loss: bool = False
     kl_loss_coef: float = Field(0.001, ge=0)
     kl_loss_type: KLEstimator = KLEstimator.LOW_VAR
-    temperature: float = Field(1.0, gt=0)
     mismatch_correction: MismatchCorrection = Field(
         MismatchCorrection.NONE,
         description=(
@@ -123,6 +119,19 @@ class ActorConfig(FrozenModel):
         "read them afterwards with Actor.update_log_probs(). auto: update when the update "
         "is one optimizer step, else recompute.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_temperature(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and "temperature" in data:
+            raise ValueError(
+                "the actor has no temperature of its own: it computes log-probs at the "
+                "temperature its samples were drawn at (the batch's metadata, set by "
+                "training_batch(rollout_output, sampling_params)); set the sampling temperature "
+                "once, in TrainerConfig.temperature (engine-core run: trainer.temperature), and "
+                "drop actor.temperature."
+            )
+        return data
 
     @model_validator(mode="after")
     def _check_old_log_probs(self) -> ActorConfig:
@@ -176,16 +185,14 @@ class Actor:
             )
         return self._update_log_probs
 
-    def _with_meta(self, batch: TensorDict, *, entropy: bool) -> TensorDict:
-        """A copy whose metadata carries this role's temperature and entropy switch."""
-        return with_meta(batch, temperature=self.config.temperature, compute_entropy=entropy)
-
     def compute_log_prob(self, batch: TensorDict, *, entropy: bool = False) -> TensorDict:
-        """Per-token log-probs of ``input_ids`` under the current policy (``old_log_probs``)."""
+        """Per-token log-probs of ``input_ids`` under the current policy (``old_log_probs``), at
+        the temperature in the batch's metadata (the sampling temperature, from
+        :func:`roles.training_batch`)."""
         self.engine.set_loss_fn(None)
         with self.engine.eval_mode():
             out = self.engine.forward_backward_step(
-                self._with_meta(batch, entropy=entropy), forward_only=True
+                with_meta(batch, compute_entropy=entropy), forward_only=True
             )
         result = TensorDict({OLD_LOG_PROBS: out.outputs[LOG_PROBS]}, batch_size=batch.batch_size)
         if entropy:
@@ -258,7 +265,7 @@ class Actor:
         )
         if correct:
             _require_aligned_rollout_log_probs(batch)
-        batch = self._with_meta(batch, entropy=True)
+        batch = with_meta(batch, compute_entropy=True)
         self._update_log_probs = None
         history, lr, first = run_updates(
             self.engine,
@@ -289,102 +296,3 @@ def _require_aligned_rollout_log_probs(batch: TensorDict) -> None:
             f"response_len]); roles.training_batch(rollout_output) aligns it to the prompt + "
             f"response (zeros on the prompt)."
         )
-
-
-def run_updates(
-    engine: BaseEngine,
-    batch: TensorDict,
-    loss_fn: LossFn,
-    *,
-    epochs: int,
-    global_mini_batch_size: int | None,
-    log_loss: bool,
-) -> tuple[list[dict[str, float]], float, TensorDict]:
-    """Epochs × mini-batches of forward/backward + optimizer step, then one LR step.
-
-    Returns one metrics dict per optimizer step, the new learning rate, and the per-token
-    outputs of the first mini-batch's forward (before any optimizer step).
-    """
-    n = int(batch.batch_size[0])
-    size = local_mini_batch_size(global_mini_batch_size, n, engine.dp_size)
-    engine.set_loss_fn(loss_fn)
-    history: list[dict[str, float]] = []
-    first: TensorDict | None = None
-    with engine.train_mode():
-        for _ in range(epochs):
-            for start in range(0, n, size):
-                out = engine.forward_backward_step(batch[start : start + size])
-                first = out.outputs if first is None else first
-                grad_norm = engine.optimizer_step()
-                engine.optimizer_zero_grad()
-                row = {**out.metrics, "grad_norm": grad_norm}
-                if log_loss:
-                    row["loss"] = float(out.loss or 0.0)
-                history.append(row)
-        lr = engine.lr_scheduler_step()
-    engine.set_loss_fn(None)
-    assert first is not None  # epochs >= 1 and a non-empty batch
-    return history, lr, first
-
-
-def local_mini_batch_size(global_size: int | None, local_samples: int, dp_size: int) -> int:
-    """This rank's share of a global mini-batch size (the whole local batch when None)."""
-    if global_size is None:
-        return local_samples
-    if global_size % dp_size:
-        raise ValueError(
-            f"ppo_mini_batch_size={global_size} does not divide by the DP size {dp_size}; "
-            f"use a multiple of {dp_size}."
-        )
-    size = global_size // dp_size
-    if local_samples % size:
-        works = [d * dp_size for d in range(1, local_samples + 1) if local_samples % d == 0]
-        raise ValueError(
-            f"ppo_mini_batch_size={global_size} does not divide this update's "
-            f"{local_samples * dp_size} samples ({local_samples} on each of {dp_size} DP ranks): "
-            f"the last mini-batch would be smaller, and its samples weigh more. Sizes that work: "
-            f"{works}."
-        )
-    return size
-
-
-def mean_over_steps(prefix: str, history: list[dict[str, Any]], *, lr: float) -> dict[str, float]:
-    """Each metric averaged over the optimizer steps of one update (each step weighs the same).
-
-    ``num_optimizer_steps`` counts the updates applied, ``num_skipped_steps`` those the engine
-    skipped because the gradient norm was not finite.
-    """
-    out = {f"{prefix}/{k}": sum(h[k] for h in history) / len(history) for k in history[0]}
-    skipped = sum(not math.isfinite(h["grad_norm"]) for h in history)
-    out[f"{prefix}/lr"] = lr
-    out[f"{prefix}/num_optimizer_steps"] = float(len(history) - skipped)
-    out[f"{prefix}/num_skipped_steps"] = float(skipped)
-    return out
-
-
-def non_finite_inputs(batch: TensorDict) -> list[str]:
-    """The floating-point fields of ``batch`` that hold NaN or Inf (the usual cause of a
-    skipped update: advantages or returns from a reward that was not finite)."""
-    return sorted(
-        str(k)
-        for k in batch.keys()
-        if isinstance(batch.get(k), torch.Tensor)
-        and batch[k].is_floating_point()
-        and not bool(torch.isfinite(batch[k]).all())
-    )
-
-
-def warn_skipped(role: str, skipped: int, total: int, batch: TensorDict) -> None:
-    """Warn (once per cause: Python's warning filter) that updates were skipped, and why."""
-    causes = non_finite_inputs(batch)
-    cause = (
-        f"non-finite values in {causes}"
-        if causes
-        else "the gradients themselves (no input field is non-finite: a loss that overflows?)"
-    )
-    warnings.warn(
-        f"{role}: {skipped} of {total} optimizer steps skipped (non-finite gradient norm); "
-        f"cause: {cause}.",
-        RuntimeWarning,
-        stacklevel=3,
-    )

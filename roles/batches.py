@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from tensordict import TensorDict
 
-from engine_core import BatchError, make_batch
+from engine_core import BatchError, BatchMeta, SamplingParams, make_batch
 from engine_core.rollout import (
     PROMPT_IDS,
     PROMPT_MASK,
@@ -79,12 +79,15 @@ def _left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tens
     return ids, mask
 
 
-def training_batch(rollout_output: TensorDict) -> TensorDict:
+def training_batch(rollout_output: TensorDict, params: SamplingParams) -> TensorDict:
     """Prompt + response as one batch, ``loss_mask`` set on the response tokens only.
 
-    ``rollout_output`` is what ``rollout.generate`` returned (``prompt_ids``, ``prompt_mask``,
-    ``response_ids``, ``response_mask``); the result has ``input_ids``, ``attention_mask``,
-    ``position_ids`` and ``loss_mask`` ``[B, P + R]``, ready for ``Actor.compute_log_prob``.
+    ``rollout_output`` is what ``rollout.generate(prompts, params)`` returned (``prompt_ids``,
+    ``prompt_mask``, ``response_ids``, ``response_mask``); the result has ``input_ids``,
+    ``attention_mask``, ``position_ids`` and ``loss_mask`` ``[B, P + R]``, ready for
+    ``Actor.compute_log_prob``. Its metadata carries the temperature the samples were drawn at
+    (``params.log_prob_temperature``): the actor and the reference compute their log-probs at
+    that one, so they are log-probs of the distribution that was sampled.
     When the rollout output holds ``rollout_log_probs`` ``[B, R]``, the result holds it too,
     aligned to ``input_ids`` like ``old_log_probs`` (0 on the prompt): the actor's mismatch
     correction reads it.
@@ -105,6 +108,7 @@ def training_batch(rollout_output: TensorDict) -> TensorDict:
         torch.cat([prompt, resp], 1),
         torch.cat([pmask, rmask], 1),
         loss_mask=torch.cat([torch.zeros_like(pmask), rmask], 1),
+        meta=BatchMeta(temperature=params.log_prob_temperature),
     )
     if ROLLOUT_LOG_PROBS in rollout_output.keys():
         lp = rollout_output[ROLLOUT_LOG_PROBS]

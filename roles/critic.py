@@ -20,8 +20,8 @@ from engine_core import (
     require_keys,
     require_token_shaped,
 )
-from roles.actor import mean_over_steps, run_updates, warn_skipped
 from roles.losses import value_loss
+from roles.updates import mean_over_steps, run_updates, warn_skipped
 
 __all__ = ["CriticConfig", "Critic", "OLD_VALUES", "RETURNS"]
 

@@ -54,43 +54,26 @@ from roles.placement import (
 from roles.reference import Reference
 from roles.reward_model import RewardModel
 from roles.trainer import (
-    Algorithm,
     PolicyRole,
     ReferenceRole,
     RewardRole,
     RLTrainer,
     TrainerConfig,
     ValueRole,
-    check_group_size,
     plot_keys,
 )
 
 __all__ = ["GRPOJobConfig", "run_grpo"]
 
 
-class AsyncConfig(FrozenModel):
-    """Overlap generation with training (needs ``rollout_placement: process``)."""
-
-    max_staleness: int = Field(
-        0,
-        ge=0,
-        description="0: synchronous. >= 1: step t+1 is generated while step t trains (samples "
-        "one weight version old, never more than max_staleness versions); the job and the "
-        "rollout's process then take half the CPU threads each, and the actor corrects for the "
-        "stale samples with TIS unless actor.mismatch_correction is set.",
-    )
-
-
 class RewardModelJobConfig(FrozenModel):
-    """A learned reward on top of the task's rule-based score."""
+    """A learned reward on top of the task's rule-based score (weighed by
+    ``trainer.reward_model_weight``)."""
 
     engine: dict[str, Any] = Field(
         ...,
         description="The reward model's engine config: model.path a sequence-classification "
         "checkpoint (one label) over the actor's vocabulary; model.value_head is set to true.",
-    )
-    weight: float = Field(
-        1.0, description="A sample's reward: the task's score plus weight × the model's score."
     )
 
     def engine_config(self) -> dict[str, Any]:
@@ -100,20 +83,47 @@ class RewardModelJobConfig(FrozenModel):
         return {**self.engine, "model": {**model, "value_head": True}}
 
 
-class GRPOJobConfig(FrozenModel):
-    """An RL run: algorithm, task, sampling, the actor's (and critic's) engine, the rollout."""
+# the loop's settings that a job config once declared beside TrainerConfig's own
+_TRAINER_KEYS = (
+    "algorithm",
+    "samples_per_prompt",
+    "temperature",
+    "gamma",
+    "lam",
+    "max_consecutive_skipped_updates",
+)
 
-    algorithm: Algorithm = "grpo"
+
+class GRPOJobConfig(FrozenModel):
+    """An RL run: the loop's settings, the task, the actor's (and critic's) engine, the rollout.
+
+    Every setting lives in one place: the loop's (algorithm, sampling, advantages, staleness,
+    the gap guard) in ``trainer`` — a :class:`roles.TrainerConfig`, the object a script hands
+    to :class:`roles.RLTrainer` — the actor's update in ``actor``, the critic's in ``critic``.
+    What a section leaves unset and the job derives (the task's response length, TIS for
+    asynchronous runs) comes from :meth:`trainer_config` and :meth:`actor_config`; the config
+    itself is never changed after validation.
+    """
+
     steps: PositiveInt = 100
     prompts_per_step: PositiveInt = 16
-    samples_per_prompt: PositiveInt = 8
-    temperature: float = Field(1.0, gt=0)
+    trainer: TrainerConfig = Field(
+        default_factory=TrainerConfig,
+        description="The loop: algorithm, samples_per_prompt, temperature (the rollout samples "
+        "at it and the actor and reference compute their log-probs at it), gamma/lam, seed, "
+        "max_staleness, the gap guard. max_new_tokens and stop_token_ids default to the "
+        "task's (its response length; stop at EOS).",
+    )
     warmup_sft_steps: int = Field(0, ge=0, description="Supervised steps before RL (0: none).")
     warmup_batch_size: PositiveInt = 32
     log_every: PositiveInt = 10
     output_dir: str = "outputs/grpo"
     task: TaskConfig = TaskConfig()
-    actor: ActorConfig = ActorConfig()
+    actor: ActorConfig = Field(
+        default_factory=ActorConfig,
+        description="The actor's update. Asynchronous runs (trainer.max_staleness >= 1) correct "
+        "for their one-version-old samples with mismatch_correction=tis unless it is set.",
+    )
     save_every: int = Field(50, ge=0, description="Checkpoint every N steps (0: only at the end).")
     max_ckpt_to_keep: PositiveInt | None = 2
     engine: dict[str, Any] = Field(..., description="The actor's engine config.")
@@ -138,7 +148,6 @@ class GRPOJobConfig(FrozenModel):
     ray: RayConfig = Field(
         default_factory=RayConfig, description="placement.executor=ray: the cluster to run on."
     )
-    async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
     critic: CriticConfig = CriticConfig()
     critic_engine: dict[str, Any] | None = Field(
         None,
@@ -148,24 +157,40 @@ class GRPOJobConfig(FrozenModel):
     reward_model: RewardModelJobConfig | None = Field(
         None,
         description="A reward model scoring every sample as well (placement.reward_model: "
-        "where it runs); None: the task's score alone.",
+        "where it runs; trainer.reward_model_weight: its weight); None: the task's score alone.",
     )
-    max_consecutive_skipped_updates: int = Field(
-        3,
-        ge=0,
-        description="Stop when this many steps in a row applied no actor update (non-finite "
-        "gradient norms); 0: never stop.",
-    )
-    gamma: float = Field(1.0, ge=0, le=1, description="ppo: GAE discount.")
-    lam: float = Field(0.95, ge=0, le=1, description="ppo: GAE lambda.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        moved = {k: f"trainer.{k}" for k in _TRAINER_KEYS if k in data}
+        if isinstance(data.get("async"), dict) and "max_staleness" in data["async"]:
+            moved["async.max_staleness"] = "trainer.max_staleness"
+        if isinstance(data.get("reward_model"), dict) and "weight" in data["reward_model"]:
+            moved["reward_model.weight"] = "trainer.reward_model_weight"
+        if moved:
+            raise ValueError(
+                "these settings belong to the loop and live in the trainer section now (one "
+                "place each): "
+                + ", ".join(f"{old} -> {new}" for old, new in moved.items())
+                + "; rename them in the recipe or on the command line."
+            )
+        return data
 
     @model_validator(mode="after")
     def _check_algorithm(self) -> GRPOJobConfig:
-        check_group_size(self.algorithm, self.samples_per_prompt)
-        if self.algorithm == "grpo" and self.critic_engine is not None:
+        trainer = self.trainer
+        if trainer.algorithm == "grpo" and self.critic_engine is not None:
             raise ValueError(
-                "critic_engine is set but algorithm=grpo trains no critic; remove critic_engine "
-                "or set algorithm=ppo."
+                "critic_engine is set but trainer.algorithm=grpo trains no critic; remove "
+                "critic_engine or set trainer.algorithm=ppo."
+            )
+        if self.reward_model is None and "reward_model_weight" in trainer.model_fields_set:
+            raise ValueError(
+                "trainer.reward_model_weight is set but no reward_model scores the samples; "
+                "add reward_model.engine, or drop trainer.reward_model_weight."
             )
         if self.rollout_replicas > 1 and self.rollout_placement != "process":
             raise ValueError(
@@ -183,34 +208,28 @@ class GRPOJobConfig(FrozenModel):
                 f"ray.{sorted(self.ray.model_fields_set)[0]} is set but placement.executor="
                 f"{self.placement.executor}; set placement.executor=ray, or drop the ray block."
             )
-        if self.async_.max_staleness and self.rollout_placement != "process":
+        if trainer.max_staleness and self.rollout_placement != "process":
             raise ValueError(
-                f"async.max_staleness={self.async_.max_staleness} generates while the actor "
+                f"trainer.max_staleness={trainer.max_staleness} generates while the actor "
                 f"trains, which needs the rollout in a process of its own; set "
-                f"rollout_placement=process, or async.max_staleness=0."
+                f"rollout_placement=process, or trainer.max_staleness=0."
             )
-        if self.async_.max_staleness and "mismatch_correction" not in self.actor.model_fields_set:
-            # samples one version old: off-policy by construction, so the correction is on
-            # unless asked otherwise (0.772 without it against 0.848 with it at 500 steps)
-            tis = self.actor.model_copy(update={"mismatch_correction": MismatchCorrection.TIS})
-            object.__setattr__(self, "actor", tis)
         return self
 
-    def trainer_config(self, max_new_tokens: int) -> TrainerConfig:
-        """The loop's settings; each step samples with seed ``task.seed * 100003 + step``."""
-        return TrainerConfig(
-            algorithm=self.algorithm,
-            samples_per_prompt=self.samples_per_prompt,
-            temperature=self.temperature,
-            max_new_tokens=max_new_tokens,
-            stop_token_ids=[EOS],
-            gamma=self.gamma,
-            lam=self.lam,
-            seed=self.task.seed,
-            max_consecutive_skipped_updates=self.max_consecutive_skipped_updates,
-            max_staleness=self.async_.max_staleness,
-            reward_model_weight=self.reward_model.weight if self.reward_model else 1.0,
-        )
+    def trainer_config(self, task: DigitTask) -> TrainerConfig:
+        """The loop's settings: ``trainer``, with the task's response length and its stop token
+        where ``trainer`` leaves max_new_tokens and stop_token_ids unset."""
+        derived = {"max_new_tokens": task.response_len, "stop_token_ids": [EOS]}
+        unset = {k: v for k, v in derived.items() if k not in self.trainer.model_fields_set}
+        return self.trainer.model_copy(update=unset)
+
+    def actor_config(self) -> ActorConfig:
+        """The actor's settings: ``actor``, with TIS for an asynchronous run that leaves
+        mismatch_correction unset (its samples are one version old: off-policy by
+        construction; 0.772 without it against 0.848 with it at 500 steps)."""
+        if self.trainer.max_staleness and "mismatch_correction" not in self.actor.model_fields_set:
+            return self.actor.model_copy(update={"mismatch_correction": MismatchCorrection.TIS})
+        return self.actor
 
     def critic_engine_config(self) -> dict[str, Any]:
         if self.critic_engine is not None:
@@ -253,7 +272,7 @@ def _build(job: GRPOJobConfig, manager: PluginManager, stack: contextlib.ExitSta
     rollout_raw = {"model": job.engine["model"], **job.rollout}
     rspec, rollout_cfg = resolve_rollout_config(rollout_raw, manager, path=("rollout",))
     critic_spec = critic_cfg = None
-    if job.algorithm == "ppo":
+    if job.trainer.algorithm == "ppo":
         path = ("critic_engine",)
         critic_spec, critic_cfg = resolve_engine_config(
             job.critic_engine_config(), manager, path=path
@@ -271,11 +290,11 @@ def _build(job: GRPOJobConfig, manager: PluginManager, stack: contextlib.ExitSta
     else:
         engine: BaseEngine = spec.load_class()(engine_cfg)
         engine.init_model()
-        roles.actor, roles.parts["actor"] = Actor(job.actor, engine), engine
+        roles.actor, roles.parts["actor"] = Actor(job.actor_config(), engine), engine
         if job.actor.use_kl_loss:
             ref_engine = spec.load_class()(engine_cfg)
             ref_engine.init_model()  # same seed: the initial policy
-            roles.reference = Reference(ref_engine, temperature=job.temperature)
+            roles.reference = Reference(ref_engine)
         if critic_spec is not None:
             critic_engine = critic_spec.load_class()(critic_cfg)
             critic_engine.init_model()
@@ -287,7 +306,7 @@ def _build(job: GRPOJobConfig, manager: PluginManager, stack: contextlib.ExitSta
     if job.rollout_placement == "process":
         from engine_core.remote_rollout import ProcessRollout
 
-        if job.async_.max_staleness:
+        if job.trainer.max_staleness:
             # generation and training run at once: half the cores each (the rollout's process
             # takes this process's thread count), not both processes on every core; run_grpo
             # restores the count when the job ends
@@ -332,18 +351,18 @@ def _build_groups(
         if not ray.is_initialized():
             ray.init(address=job.ray.address, num_cpus=job.ray.num_cpus, log_to_driver=False)
             roles.owns_ray = True
-    policy_raw = engine_cfg.model_dump()
+    policy_raw, actor_cfg = engine_cfg.model_dump(), job.actor_config()
     actor = start_group(
         placement,
         ActorWorker,
         num_workers(placement.actor.dp, engine_cfg),
-        (policy_raw, job.actor.model_dump()),
+        (policy_raw, actor_cfg.model_dump()),
     )
-    roles.groups["actor"] = ActorGroup(actor, job.actor)
+    roles.groups["actor"] = ActorGroup(actor, actor_cfg)
     roles.actor = roles.parts["actor"] = roles.groups["actor"]  # type: ignore[assignment]
     if job.actor.use_kl_loss:
         workers = num_workers(placement.reference.dp, engine_cfg)
-        ref = start_group(placement, ReferenceWorker, workers, (policy_raw, job.temperature))
+        ref = start_group(placement, ReferenceWorker, workers, (policy_raw,))
         roles.groups["reference"] = ReferenceGroup(ref)
         roles.reference = roles.groups["reference"]  # type: ignore[assignment]
     if critic_cfg is not None:
@@ -414,7 +433,7 @@ def _run(
     out_dir = Path(job.output_dir)
     task = DigitTask(job.task)
     trainer = RLTrainer(
-        job.trainer_config(task.response_len),
+        job.trainer_config(task),
         actor=roles.actor,
         rollout=roles.rollout,
         reward_fn=lambda prompt, response, mask: task.score(
@@ -486,7 +505,7 @@ def _run(
             trainer.close()
     hf_export = roles.actor_part.export_hf(str(out_dir / "hf_export"))
     rows = tracker.rows
-    title = f"{job.algorithm.upper()} on '{job.task.name}' ({job.steps} steps)"
+    title = f"{job.trainer.algorithm.upper()} on '{job.task.name}' ({job.steps} steps)"
     plot = tracker.plot(plot_keys(rows), title=title)
     tracker.close()
     rewards = [r["reward"] for r in rows]
@@ -508,7 +527,7 @@ def _run(
 def _resume_point(job: GRPOJobConfig, console: Console) -> str:
     """The newest step whose checkpoint (actor, critic under ppo, job state) verifies; newer
     ones are set aside (renamed ``*.rejected``, kept) and the console says which and why."""
-    names = ["actor", "critic"] if job.algorithm == "ppo" else ["actor"]
+    names = ["actor", "critic"] if job.trainer.algorithm == "ppo" else ["actor"]
     root = Path(job.output_dir) / "checkpoints"
     try:
         folder, skipped = JobCheckpoints(root).newest_verified(names)

@@ -18,18 +18,19 @@ __all__ = ["Reference"]
 
 
 class Reference:
-    """Reference log-probs from ``engine``; ``use_disabled_adapters`` reuses a LoRA actor's engine."""
+    """Reference log-probs from ``engine``; ``use_disabled_adapters`` reuses a LoRA actor's engine.
 
-    def __init__(
-        self, engine: BaseEngine, *, temperature: float = 1.0, use_disabled_adapters: bool = False
-    ) -> None:
+    Log-probs are computed at the temperature in the batch's metadata, like the actor's: the
+    temperature the samples were drawn at (:func:`roles.training_batch`).
+    """
+
+    def __init__(self, engine: BaseEngine, *, use_disabled_adapters: bool = False) -> None:
         if use_disabled_adapters and not hasattr(engine.module, "disable_adapter"):
             raise CapabilityError(
                 "use_disabled_adapters needs an engine whose model has LoRA adapters "
                 "(model.lora set); otherwise give the Reference its own engine."
             )
         self.engine = engine
-        self.temperature = temperature
         self.use_disabled_adapters = use_disabled_adapters
 
     @contextlib.contextmanager
@@ -41,7 +42,7 @@ class Reference:
             yield
 
     def compute_ref_log_prob(self, batch: TensorDict) -> TensorDict:
-        batch = with_meta(batch, temperature=self.temperature, compute_entropy=False)
+        batch = with_meta(batch, compute_entropy=False)
         self.engine.set_loss_fn(None)
         with self.engine.eval_mode(), self._policy():
             out = self.engine.forward_backward_step(batch, forward_only=True)

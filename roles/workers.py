@@ -72,9 +72,10 @@ class _RoleWorker(Worker):
                 out[name] = t.detach().to("cpu", copy=True)
         return out if writer else None
 
-    def params_checksum(self) -> float:
-        """A cheap fingerprint of the full weights (sum of |w|), to compare runs across engines
-        and layouts. Collective for sharded engines: call it on every worker."""
+    def abs_weight_sum(self) -> float:
+        """The sum of |w| over the full weights: a cheap fingerprint (not a checksum) to compare
+        runs across engines and layouts. Collective for sharded engines: call it on every
+        worker."""
         return float(sum(float(t.double().abs().sum()) for _, t in self.engine.named_full_params()))
 
 
@@ -173,9 +174,9 @@ class CriticWorker(_RoleWorker):
 class ReferenceWorker(_RoleWorker):
     mesh = "ref"
 
-    def __init__(self, engine_config: dict[str, Any], temperature: float = 1.0) -> None:
+    def __init__(self, engine_config: dict[str, Any]) -> None:
         super().__init__(engine_config)
-        self.reference = Reference(self.engine, temperature=temperature)
+        self.reference = Reference(self.engine)
 
     @register(DispatchMode.ND_COMPUTE, mesh="ref")
     def compute_ref_log_prob(self, batch: TensorDict) -> TensorDict:

@@ -154,7 +154,7 @@ def _run(out: Path, steps: int, *extra: str, resume: bool = False) -> tuple[dict
         f"steps={steps}",
         "engine.backend=reference",
         "prompts_per_step=2",
-        "samples_per_prompt=2",
+        "trainer.samples_per_prompt=2",
         "save_every=1",
         "log_every=1",
         *extra,
@@ -172,9 +172,9 @@ def _metrics(out: Path) -> list[dict]:
 
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
 def test_resume_skips_a_damaged_checkpoint_and_says_so(tmp_path: Path, algorithm: str) -> None:
-    extra = [f"algorithm={algorithm}"]
+    extra = [f"trainer.algorithm={algorithm}"]
     if algorithm == "ppo":
-        extra.append("samples_per_prompt=1")
+        extra.append("trainer.samples_per_prompt=1")
     straight = tmp_path / "straight"
     _run(straight, 3, *extra)
     out = tmp_path / "run"

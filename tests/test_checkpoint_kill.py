@@ -94,11 +94,11 @@ def _overrides(out: Path, algorithm: str, keep: int) -> list[str]:
         str(RECIPE),
         f"output_dir={out}",
         "steps=3",
-        f"algorithm={algorithm}",
+        f"trainer.algorithm={algorithm}",
         f"max_ckpt_to_keep={keep}",
         "engine.backend=reference",
         "prompts_per_step=2",
-        f"samples_per_prompt={1 if algorithm == 'ppo' else 2}",
+        f"trainer.samples_per_prompt={1 if algorithm == 'ppo' else 2}",
         "save_every=1",
         "log_every=1",
     ]

@@ -159,7 +159,8 @@ def test_help_names_each_commands_default_recipe(
 @pytest.mark.parametrize(
     ("override", "loc", "suggestion", "valid"),
     [
-        ("trainer.total_steps=5", "trainer", "'steps' (for 'trainer.total_steps')", "steps"),
+        ("runner.total_steps=5", "runner", "'trainer' or 'steps' (for 'runner.total_steps')", "steps"),
+        ("trainer.temprature=0.7", "trainer.temprature", "'temperature'", "samples_per_prompt"),
         ("step=5", "step", "'steps'", "steps"),
         ("engine.micro_batch_sise=4", "engine.micro_batch_sise", "'micro_batch_size'", "seed"),
         ("engine.optim.lrr=1", "engine.optim.lrr", "'lr'", "weight_decay"),

@@ -28,15 +28,25 @@ def test_reward_rises_and_rollout_matches_the_trainer(tmp_path: Path) -> None:
     assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-4
 
 
-def test_kl_loss_against_a_reference(tmp_path: Path) -> None:
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_kl_loss_against_a_reference(tmp_path: Path, temperature: float) -> None:
+    """At any sampling temperature the actor's and the reference's log-probs are the sampled
+    distribution's: the rollout-vs-trainer gap is fp32 noise, and the first step's KL is 0."""
     raw = apply_overrides(
         load_yaml(RECIPE),
-        [f"output_dir={tmp_path}", "steps=3", "actor.use_kl_loss=true", "actor.kl_loss_coef=0.1"],
+        [
+            f"output_dir={tmp_path}",
+            "steps=3",
+            "actor.use_kl_loss=true",
+            "actor.kl_loss_coef=0.1",
+            f"trainer.temperature={temperature}",
+        ],
     )
     run_grpo(raw, load_plugins())
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["actor/kl_loss"] == 0.0  # first step: policy == reference
     assert rows[-1]["actor/kl_loss"] > 0.0
+    assert max(r["rollout/logprob_diff_max"] for r in rows) <= 1e-5
 
 
 VOLATILE = set(TIMING_KEYS)
@@ -173,9 +183,9 @@ def test_a_rollout_in_its_own_process_gets_verified_weights(tmp_path: Path) -> N
 def test_asynchronous_training_resumes_exactly_and_never_trains_on_stale_samples(
     tmp_path: Path,
 ) -> None:
-    """``async.max_staleness=1``: step t+1 generates (in the rollout's process) while step t
+    """``trainer.max_staleness=1``: step t+1 generates (in the rollout's process) while step t
     trains; the generation in flight is checkpointed, so a resumed run equals a straight one."""
-    extra = ["rollout_placement=process", "async.max_staleness=1", "prompts_per_step=4"]
+    extra = ["rollout_placement=process", "trainer.max_staleness=1", "prompts_per_step=4"]
     straight, interrupted = _straight_and_resumed(load_yaml(RECIPE), tmp_path, extra)
     rows = _rows(straight)
     assert _rows(interrupted) == rows
@@ -192,17 +202,21 @@ def test_asynchronous_training_resumes_exactly_and_never_trains_on_stale_samples
     ("overrides", "want"),
     [
         ([], "none"),
-        (["rollout_placement=process", "async.max_staleness=1"], "tis"),
+        (["rollout_placement=process", "trainer.max_staleness=1"], "tis"),
         (
             [
                 "rollout_placement=process",
-                "async.max_staleness=1",
+                "trainer.max_staleness=1",
                 "actor.mismatch_correction=none",
             ],
             "none",
         ),
         (
-            ["rollout_placement=process", "async.max_staleness=1", "actor.mismatch_correction=mis"],
+            [
+                "rollout_placement=process",
+                "trainer.max_staleness=1",
+                "actor.mismatch_correction=mis",
+            ],
             "mis",
         ),
     ],
@@ -213,7 +227,9 @@ def test_asynchronous_jobs_correct_with_tis_unless_told_otherwise(
     from roles.grpo import GRPOJobConfig
 
     job = GRPOJobConfig.model_validate(apply_overrides(load_yaml(RECIPE), overrides))
-    assert job.actor.mismatch_correction == want
+    assert job.actor_config().mismatch_correction == want
+    # derived when the job is resolved: the validated config is never rewritten
+    assert job.actor.mismatch_correction == (want if len(overrides) == 3 else "none")
 
 
 def test_bad_job_configs_are_refused_before_anything_is_built(tmp_path: Path) -> None:
@@ -221,9 +237,16 @@ def test_bad_job_configs_are_refused_before_anything_is_built(tmp_path: Path) ->
 
     base = load_yaml(RECIPE)
     with pytest.raises((ConfigError, ValueError), match="samples_per_prompt must be >= 2"):
-        run_grpo(apply_overrides(base, ["samples_per_prompt=1"]), load_plugins())
+        run_grpo(apply_overrides(base, ["trainer.samples_per_prompt=1"]), load_plugins())
     with pytest.raises((ConfigError, ValueError), match="rollout_placement"):
         run_grpo(apply_overrides(base, ["rollout_placement=elsewhere"]), load_plugins())
     with pytest.raises((ConfigError, ValueError), match="set rollout_placement=process"):
-        run_grpo(apply_overrides(base, ["async.max_staleness=1"]), load_plugins())
+        run_grpo(apply_overrides(base, ["trainer.max_staleness=1"]), load_plugins())
+    # one place for the sampling temperature: the trainer's; the actor has none of its own
+    with pytest.raises((ConfigError, ValueError), match=r"temperature -> trainer\.temperature"):
+        run_grpo(apply_overrides(base, ["temperature=0.7"]), load_plugins())
+    with pytest.raises((ConfigError, ValueError), match="set the sampling temperature once"):
+        run_grpo(apply_overrides(base, ["actor.temperature=0.7"]), load_plugins())
+    with pytest.raises((ConfigError, ValueError), match="no reward_model scores the samples"):
+        run_grpo(apply_overrides(base, ["trainer.reward_model_weight=0.5"]), load_plugins())
     assert not (tmp_path / "outputs").exists()

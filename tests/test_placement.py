@@ -19,7 +19,7 @@ from roles.grpo import GRPOJobConfig, run_grpo
 from roles.trainer import TIMING_KEYS
 
 RECIPE = Path(__file__).parents[1] / "engine_core" / "recipes" / "grpo_tiny.yaml"
-SHORT = ["prompts_per_step=8", "samples_per_prompt=4", "save_every=2"]
+SHORT = ["prompts_per_step=8", "trainer.samples_per_prompt=4", "save_every=2"]
 
 
 def _run(out: Path, *overrides: str, resume: bool = False) -> dict[str, Any]:
@@ -49,7 +49,7 @@ def with_rm(recipe_reward_model: Path) -> list[str]:
     return [
         "reward_model.engine.backend=fsdp2",
         f"reward_model.engine.model.path={recipe_reward_model}",
-        "reward_model.weight=0.5",
+        "trainer.reward_model_weight=0.5",
     ]
 
 

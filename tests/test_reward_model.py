@@ -12,7 +12,7 @@ import torch
 from tensordict import TensorDict
 from transformers import AutoModelForSequenceClassification
 
-from engine_core import BatchError, CapabilityError
+from engine_core import BatchError, CapabilityError, SamplingParams
 from engine_core.configio import apply_overrides, load_yaml
 from engine_core.errors import ConfigError
 from engine_core.plugins import load_plugins
@@ -80,7 +80,7 @@ def _job(out: Path, rm: Path, *overrides: str) -> dict[str, Any]:
         [
             f"output_dir={out}",
             "prompts_per_step=4",
-            "samples_per_prompt=4",
+            "trainer.samples_per_prompt=4",
             "reward_model.engine.backend=fsdp2",
             f"reward_model.engine.model.path={rm}",
             *overrides,
@@ -100,12 +100,12 @@ def test_job_reward_is_the_task_score_plus_the_weighted_model_score(
     batches: list[TensorDict] = []
     original = roles.trainer.training_batch
 
-    def recording(gen: TensorDict) -> TensorDict:
-        batches.append(original(gen))
+    def recording(gen: TensorDict, params: SamplingParams) -> TensorDict:
+        batches.append(original(gen, params))
         return batches[-1]
 
     monkeypatch.setattr(roles.trainer, "training_batch", recording)
-    _job(tmp_path, recipe_reward_model, "steps=2", "reward_model.weight=0.5")
+    _job(tmp_path, recipe_reward_model, "steps=2", "trainer.reward_model_weight=0.5")
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     model = AutoModelForSequenceClassification.from_pretrained(recipe_reward_model).eval()
     assert len(rows) == len(batches) == 2

@@ -45,8 +45,8 @@ class _Direct:
     def run(self, method: str, batch: Any) -> Any:
         return getattr(self.worker, method)(batch)
 
-    def checksums(self) -> list[float]:
-        return [self.worker.params_checksum()]
+    def abs_weight_sums(self) -> list[float]:
+        return [self.worker.abs_weight_sum()]
 
 
 class _Group:
@@ -62,8 +62,8 @@ class _Group:
             return out[0]
         return out
 
-    def checksums(self) -> list[float]:
-        return list(self.group.call_all("params_checksum"))
+    def abs_weight_sums(self) -> list[float]:
+        return list(self.group.call_all("abs_weight_sum"))
 
 
 def ppo_step(actor: Any, critic: Any, ref: Any) -> dict[str, Any]:
@@ -82,7 +82,7 @@ def ppo_step(actor: Any, critic: Any, ref: Any) -> dict[str, Any]:
         "values": values,
         "actor": actor.run("update_actor", batch),
         "critic": critic.run("update_critic", batch),
-        "weights": actor.checksums() + critic.checksums(),
+        "weights": actor.abs_weight_sums() + critic.abs_weight_sums(),
     }
 
 

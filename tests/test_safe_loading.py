@@ -233,7 +233,7 @@ def test_grpo_trainer_state(tmp_path: Path) -> None:
 
     recipe = Path(__file__).parents[1] / "engine_core" / "recipes" / "grpo_tiny.yaml"
     out = tmp_path / "run"
-    overrides = ["engine.backend=reference", "prompts_per_step=2", "samples_per_prompt=2"]
+    overrides = ["engine.backend=reference", "prompts_per_step=2", "trainer.samples_per_prompt=2"]
     manager = load_plugins()
     raw = apply_overrides(load_yaml(recipe), [f"output_dir={out}", "steps=1", *overrides])
     with open(os.devnull, "w") as sink:

@@ -13,6 +13,8 @@ from engine_core import (
     BaseRollout,
     BatchError,
     EngineCoreError,
+    SamplingParams,
+    get_meta,
     load_plugins,
     resolve_engine_config,
     resolve_rollout_config,
@@ -57,10 +59,12 @@ ROW_KEYS = {
 }
 
 
-def build_engine(backend: str = "fsdp2", value_head: bool = False) -> BaseEngine:
+def build_engine(
+    backend: str = "fsdp2", value_head: bool = False, model: dict[str, Any] | None = None
+) -> BaseEngine:
     raw = {
         "backend": backend,
-        "model": {**MODEL, "value_head": value_head},
+        "model": {**(model or MODEL), "value_head": value_head},
         "optim": {"lr": 1e-3, "clip_grad": 1.0},
     }
     spec, cfg = resolve_engine_config(raw, load_plugins())
@@ -227,12 +231,15 @@ def test_prompt_batch_left_pads_and_training_batch_masks_the_response() -> None:
         },
         batch_size=[2],
     )
-    batch = training_batch(out)
+    batch = training_batch(out, SamplingParams(temperature=0.6))
     assert batch["input_ids"].tolist() == [[5, 6, 7, 9, 3], [0, 0, 8, 9, 0]]
+    # the roles compute log-probs at the temperature the samples were drawn at (1 if greedy)
+    assert get_meta(batch).temperature == 0.6
+    assert get_meta(training_batch(out, SamplingParams(temperature=0))).temperature == 1.0
     assert batch["loss_mask"].tolist() == [[0, 0, 0, 1, 1], [0, 0, 0, 1, 0]]
     assert batch["position_ids"][1].tolist()[2:4] == [0, 1]
     with pytest.raises(BatchError, match="response_ids"):
-        training_batch(prompts)
+        training_batch(prompts, SamplingParams())
 
 
 def test_training_batch_aligns_the_rollout_log_probs_to_input_ids() -> None:
@@ -245,11 +252,11 @@ def test_training_batch_aligns_the_rollout_log_probs_to_input_ids() -> None:
         },
         batch_size=[2],
     )
-    batch = training_batch(out)
+    batch = training_batch(out, SamplingParams())
     assert batch[ROLLOUT_LOG_PROBS].tolist() == [[0, 0, 0, -0.5, -1.5], [0, 0, 0, -0.25, 0]]
     out["rollout_log_probs"] = torch.zeros(2, 3)
     with pytest.raises(BatchError, match="rollout_log_probs has shape"):
-        training_batch(out)
+        training_batch(out, SamplingParams())
 
 
 def test_non_finite_updates_are_counted_warned_and_stop_the_run() -> None:

@@ -119,8 +119,7 @@ class HFRollout(BaseRollout):
             input_ids=ids.to(self.device), attention_mask=mask.to(self.device), **kwargs
         )
         resp = out.sequences[:, ids.shape[1] :].cpu()
-        temperature = params.temperature if not params.greedy else 1.0
-        logits = torch.stack(out.logits, dim=1).float().cpu() / temperature
+        logits = torch.stack(out.logits, dim=1).float().cpu() / params.log_prob_temperature
         logps = torch.log_softmax(logits, -1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)
         # valid up to and including the first stop token
         is_stop = torch.zeros_like(resp, dtype=torch.bool)
