@@ -79,7 +79,6 @@ from _process_stats import (  # benchmarks/ is on sys.path when run as a script
 )
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-from tensordict import TensorDict
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -97,6 +96,7 @@ from engine_core.tasks import PAD, DigitTask  # noqa: E402
 from engine_core.weight_sync import WeightSyncGroup, receive_weights, send_weights  # noqa: E402
 from roles import ActorConfig, RLTrainer  # noqa: E402
 from roles.grpo import GRPOJobConfig  # noqa: E402
+from roles.placement import ActorGroup  # noqa: E402
 from roles.workers import ActorWorker  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -182,16 +182,9 @@ class GroupActor:
     ) -> None:
         self.group, self.config = group, config
         self.engine = _GroupEngine(group, hf_config, seconds)
-        self.compute_log_prob = _timed(self._compute_log_prob, seconds, "compute_log_prob")
-        self.update_actor = _timed(self._update_actor, seconds, "update_actor")
-
-    def _compute_log_prob(self, batch: TensorDict) -> TensorDict:
-        out: TensorDict = self.group.execute("compute_log_prob", batch)
-        return out
-
-    def _update_actor(self, batch: TensorDict) -> dict[str, float]:
-        per_rank: list[dict[str, float]] = self.group.execute("update_actor", batch)
-        return per_rank[0]  # the engine reduces metrics over DP: every rank reports the same
+        calls = ActorGroup(group, config)  # the job's own dispatch and merge of each call
+        self.compute_log_prob = _timed(calls.compute_log_prob, seconds, "compute_log_prob")
+        self.update_actor = _timed(calls.update_actor, seconds, "update_actor")
 
 
 def _timed(
@@ -262,13 +255,13 @@ def main() -> None:
     rewards: list[float] = []
     start = time.perf_counter()
     with LocalWorkerGroup(
-        SoakActorWorker, 2, init_args=(job.engine, job.actor.model_dump())
+        SoakActorWorker, 2, init_args=(job.engine, job.actor_config().model_dump())
     ) as group:
-        actor = GroupActor(group, job.actor, hf_config, seconds)
+        actor = GroupActor(group, job.actor_config(), hf_config, seconds)
         names = ["driver", *(f"actor_rank{i}" for i in range(group.num_workers))]
         pids = dict(zip(names, [os.getpid(), *group.call_all("pid")], strict=True))
         trainer = RLTrainer(
-            job.trainer_config(task.response_len),
+            job.trainer_config(task),
             actor=actor,  # type: ignore[arg-type]
             rollout=rollout,
             reward_fn=lambda prompt, response, mask: task.score(

@@ -17,6 +17,7 @@ from roles.actor import (
     ROLLOUT_LOG_PROBS,
     Actor,
     ActorConfig,
+    ActorUpdate,
 )
 from roles.advantages import (
     AdaptiveKLController,
@@ -53,6 +54,7 @@ from roles.trainer import (
 __all__ = [
     "Actor",
     "ActorConfig",
+    "ActorUpdate",
     "Critic",
     "CriticConfig",
     "Reference",

@@ -10,6 +10,7 @@ over from the rollout output).
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -22,7 +23,6 @@ from engine_core import (
     LOSS_MASK,
     BaseEngine,
     BatchError,
-    EngineCoreError,
     FrozenModel,
     GlobalBatchContext,
     LossAggregation,
@@ -49,6 +49,7 @@ from roles.updates import mean_over_steps, run_updates, warn_skipped
 __all__ = [
     "ActorConfig",
     "Actor",
+    "ActorUpdate",
     "OLD_LOG_PROBS",
     "REF_LOG_PROBS",
     "ADVANTAGES",
@@ -116,7 +117,7 @@ class ActorConfig(FrozenModel):
         "update (Actor.compute_log_prob; any ppo_epochs and mini-batches). update: the update "
         "is one on-policy optimizer step (ppo_epochs=1, ppo_mini_batch_size unset), so the "
         "old log-probs are its own forward's, detached: the same values, one forward fewer; "
-        "read them afterwards with Actor.update_log_probs(). auto: update when the update "
+        "returned in ActorUpdate.old_log_probs. auto: update when the update "
         "is one optimizer step, else recompute.",
     )
 
@@ -155,13 +156,24 @@ class ActorConfig(FrozenModel):
         return self.old_log_probs == "update"
 
 
+@dataclass(frozen=True)
+class ActorUpdate:
+    """What one :meth:`Actor.update_actor` call produced."""
+
+    metrics: dict[str, float]
+    """``actor/*`` metrics averaged over its optimizer steps."""
+    old_log_probs: torch.Tensor | None = None
+    """With ``old_log_probs=update``: the update's own forward's per-token log-probs ``[B, L]``,
+    before its optimizer step (what :meth:`Actor.compute_log_prob` would have returned before
+    the update); ``None`` otherwise."""
+
+
 class Actor:
     """The policy. ``engine`` must have been ``init_model()``-ed."""
 
     def __init__(self, config: ActorConfig, engine: BaseEngine) -> None:
         self.config = config
         self.engine = engine
-        self._update_log_probs: TensorDict | None = None
 
     def named_full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The policy's (HF name, full tensor) pairs, for a weight sync into a rollout."""
@@ -172,18 +184,6 @@ class Actor:
         """The longest prompt + response the model takes (None: not limited by its config)."""
         limit = getattr(self.engine.hf_config, "max_position_embeddings", None)
         return None if limit is None else int(limit)
-
-    def update_log_probs(self) -> TensorDict:
-        """``old_log_probs`` of the last :meth:`update_actor` with ``old_log_probs=update``: its
-        forward's per-token log-probs, before its optimizer step (what
-        :meth:`compute_log_prob` would have returned before the update)."""
-        if self._update_log_probs is None:
-            raise EngineCoreError(
-                "update_log_probs() reads the log-probs of an update run with "
-                "old_log_probs=update; call update_actor() first, with that setting (now "
-                f"old_log_probs={self.config.old_log_probs})."
-            )
-        return self._update_log_probs
 
     def compute_log_prob(self, batch: TensorDict, *, entropy: bool = False) -> TensorDict:
         """Per-token log-probs of ``input_ids`` under the current policy (``old_log_probs``), at
@@ -248,8 +248,11 @@ class Actor:
             return tis_weights(*args, cap=cfg.tis_cap)
         return mis_weights(*args, low=cfg.mis_low, high=cfg.mis_high, level=cfg.mis_level)
 
-    def update_actor(self, batch: TensorDict) -> dict[str, float]:
+    def update_actor(self, batch: TensorDict) -> ActorUpdate:
         """PPO epochs over mini-batches; one optimizer step per mini-batch, one LR step per call.
+
+        Returns the update's metrics and, with ``old_log_probs=update``, the old log-probs its
+        forward computed (see :class:`ActorUpdate`).
 
         Under DP each rank walks its own chunk, so global mini-batch ``k`` is the union of every
         rank's ``k``-th local mini-batch (a different composition than one process would use).
@@ -266,7 +269,6 @@ class Actor:
         if correct:
             _require_aligned_rollout_log_probs(batch)
         batch = with_meta(batch, compute_entropy=True)
-        self._update_log_probs = None
         history, lr, first = run_updates(
             self.engine,
             batch,
@@ -275,16 +277,12 @@ class Actor:
             global_mini_batch_size=self.config.ppo_mini_batch_size,
             log_loss=True,
         )
-        if on_policy:
-            self._update_log_probs = TensorDict(
-                {OLD_LOG_PROBS: first[LOG_PROBS]}, batch_size=batch.batch_size
-            )
         out = mean_over_steps("actor", history, lr=lr)
         if out["actor/num_skipped_steps"]:
             warn_skipped(
                 "Actor.update_actor", int(out["actor/num_skipped_steps"]), len(history), batch
             )
-        return out
+        return ActorUpdate(out, first[LOG_PROBS] if on_policy else None)
 
 
 def _require_aligned_rollout_log_probs(batch: TensorDict) -> None:

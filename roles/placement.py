@@ -29,7 +29,7 @@ from engine_core import FrozenModel
 from engine_core.executors.base import DEFAULT_CALL_TIMEOUT_S, WorkerGroup
 from engine_core.remote_rollout import ProcessRollout
 from engine_core.rollout import BUCKET_BYTES, BaseRollout
-from roles.actor import ActorConfig
+from roles.actor import ActorConfig, ActorUpdate
 
 __all__ = [
     "ActorGroup",
@@ -197,7 +197,6 @@ class ActorGroup(RoleGroup):
         super().__init__(group)
         self.config = config
         self._max_positions: int | None = group.call_all("max_position_embeddings")[0]
-        self._rows = 0
         self._rollout: ProcessRollout | None = None
 
     def connect_rollout(self, rollout: ProcessRollout) -> None:
@@ -236,13 +235,15 @@ class ActorGroup(RoleGroup):
         out: TensorDict = self.group.execute("compute_log_prob", batch)
         return out
 
-    def update_actor(self, batch: TensorDict) -> dict[str, float]:
-        self._rows = int(batch.batch_size[0])
-        return _first(self.group.execute("update_actor", batch))
-
-    def update_log_probs(self) -> TensorDict:
-        out: TensorDict = self.group.execute("update_log_probs")
-        return out[: self._rows]  # without the rows that padded the batch to the DP size
+    def update_actor(self, batch: TensorDict) -> ActorUpdate:
+        per_dp_rank: list[ActorUpdate] = self.group.execute("update_actor", batch)
+        old = [u.old_log_probs for u in per_dp_rank]
+        if old[0] is None:
+            return ActorUpdate(_first([u.metrics for u in per_dp_rank]))
+        # the DP chunks in order, without the rows that padded the batch to the DP size
+        rows = int(batch.batch_size[0])
+        merged = torch.cat([o for o in old if o is not None])[:rows]
+        return ActorUpdate(_first([u.metrics for u in per_dp_rank]), merged)
 
     def named_full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
         (full,) = [p for p in self.group.call_all("full_params") if p is not None]

@@ -51,6 +51,7 @@ from roles.actor import (
     OLD_LOG_PROBS,
     REF_LOG_PROBS,
     ActorConfig,
+    ActorUpdate,
 )
 from roles.advantages import gae_advantages, grpo_advantages, sequence_to_token_rewards
 from roles.batches import prompt_batch, training_batch
@@ -201,9 +202,7 @@ class PolicyRole(Protocol):
 
     def compute_log_prob(self, batch: TensorDict) -> TensorDict: ...
 
-    def update_actor(self, batch: TensorDict) -> dict[str, float]: ...
-
-    def update_log_probs(self) -> TensorDict: ...
+    def update_actor(self, batch: TensorDict) -> ActorUpdate: ...
 
     def named_full_params(self) -> Iterable[tuple[str, torch.Tensor]]: ...
 
@@ -305,11 +304,11 @@ class RLTrainer:
         self.critic = critic
         self.global_step = global_step
         self._next_prompts = _prompt_reader(prompts)
-        self._synced = False
         self._skipped_in_a_row = 0
         self._steps_run = 0  # by this object: the gap guard checks the first ones
-        # asynchronous mode: the weight version in the rollout, the generation in flight
-        self._rollout_version = -1
+        # the actor's weight version the rollout holds (None: not synced since this object,
+        # or a resume, started); asynchronous mode: also the generation in flight
+        self._rollout_version: int | None = None
         self._pending: Future[tuple[TensorDict, TensorDict, int]] | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._last_sync: dict[str, float] = {}
@@ -339,7 +338,6 @@ class RLTrainer:
             "weight_sync/time_s": time.perf_counter() - t0,
             "weight_sync/bytes": float(moved[0] if pushed is None else pushed),
         }
-        self._synced = True
         self._rollout_version = self.global_step
 
     def _prompts(self, step: int) -> TensorDict:
@@ -352,7 +350,11 @@ class RLTrainer:
         """Step ``step``'s prompts, their samples, and the weight version that generated them."""
         prompts = self._prompts(step)
         samples = self.rollout.generate(prompts, self.config.sampling_params(step))
-        return prompts, samples, self._rollout_version
+        return prompts, samples, self._synced_version()
+
+    def _synced_version(self) -> int:
+        assert self._rollout_version is not None  # step() syncs before any generation
+        return self._rollout_version
 
     def _submit(self, step: int) -> Future[tuple[TensorDict, TensorDict, int]]:
         """Start step ``step``'s generation on the rollout thread (prompts drawn here, in order)."""
@@ -365,12 +367,12 @@ class RLTrainer:
             return future
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="rollout")
-        params, version = self.config.sampling_params(step), self._rollout_version
+        params, version = self.config.sampling_params(step), self._synced_version()
         return self._pool.submit(lambda: (prompts, self.rollout.generate(prompts, params), version))
 
     def step(self) -> dict[str, Any]:
         """One RL step; returns its metrics row (``step``, ``reward``, ``actor/*``, ...)."""
-        if not self._synced:
+        if self._rollout_version is None:
             self.sync_weights()
         step = self.global_step + 1
         t0 = time.perf_counter()
@@ -379,7 +381,7 @@ class RLTrainer:
         else:
             pending, self._pending = self._pending or self._submit(step), None
             prompts, gen, version = pending.result()
-            if self._rollout_version < self.global_step:
+            if self._rollout_version != self.global_step:
                 self.sync_weights()  # the previous update, before the next generation starts
             self._pending = self._submit(step + 1)
         staleness = self.global_step - version
@@ -391,7 +393,7 @@ class RLTrainer:
         batch = training_batch(gen, self.config.sampling_params(step))
         scores, reward_parts = self._score(gen, batch)
         # on-policy with one optimizer step (old_log_probs=update), the update's own forward
-        # gives the old log-probs: read back after it, for the same checks
+        # gives the old log-probs: returned with it, for the same checks
         on_policy = self.actor.config.old_log_probs_from_update
         if not on_policy:
             batch[OLD_LOG_PROBS] = self.actor.compute_log_prob(batch)[OLD_LOG_PROBS]
@@ -413,9 +415,11 @@ class RLTrainer:
             )
             batch[ADVANTAGES] = _whiten(adv, mask)
             critic_metrics = self.critic.update_critic(batch)
-        metrics = self.actor.update_actor(batch)
+        update = self.actor.update_actor(batch)
+        metrics = update.metrics
         if on_policy:
-            batch[OLD_LOG_PROBS] = self.actor.update_log_probs()[OLD_LOG_PROBS]
+            assert update.old_log_probs is not None  # old_log_probs_from_update
+            batch[OLD_LOG_PROBS] = update.old_log_probs
             gap = self._guard_gap(step, staleness, gen, batch)
         self._count_skipped(step, metrics, batch)
         self.global_step = step  # the actor's weights are version `step` now
@@ -535,7 +539,7 @@ class RLTrainer:
         """Continue from :meth:`state_dict` (after the engines' checkpoints were loaded)."""
         self.global_step = int(state["global_step"])
         self._skipped_in_a_row = int(state.get("skipped_in_a_row", 0))
-        self._synced = False
+        self._rollout_version = None
         pending = state.get("pending")
         if pending is not None and self.config.max_staleness:
             future: Future[tuple[TensorDict, TensorDict, int]] = Future()

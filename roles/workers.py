@@ -19,7 +19,7 @@ from engine_core.dispatch import DispatchMode, Worker, register
 from engine_core.executors import join_process_group
 from engine_core.executors.base import free_port, meeting_host
 from engine_core.weight_sync import WeightSyncGroup, send_weights
-from roles.actor import Actor, ActorConfig
+from roles.actor import Actor, ActorConfig, ActorUpdate
 from roles.critic import Critic, CriticConfig
 from roles.reference import Reference
 from roles.reward_model import RewardModel
@@ -147,12 +147,8 @@ class ActorWorker(_RoleWorker):
         return self.actor.compute_log_prob(batch)
 
     @register(DispatchMode.ND_COMPUTE, mesh="actor")
-    def update_actor(self, batch: TensorDict) -> dict[str, float]:
+    def update_actor(self, batch: TensorDict) -> ActorUpdate:
         return self.actor.update_actor(batch)
-
-    @register(DispatchMode.ND_COMPUTE, mesh="actor")
-    def update_log_probs(self) -> TensorDict:
-        return self.actor.update_log_probs()
 
 
 class CriticWorker(_RoleWorker):

@@ -7,7 +7,7 @@ from math import inf
 import pytest
 import torch
 
-from engine_core import BatchError, CapabilityError, EngineCoreError, predicted_mask
+from engine_core import BatchError, CapabilityError, predicted_mask
 from engine_core.reference_engine import ReferenceEngine, ReferenceEngineConfig
 from roles.actor import ADVANTAGES, OLD_LOG_PROBS, ROLLOUT_LOG_PROBS, Actor, ActorConfig
 from roles.critic import OLD_VALUES, RETURNS, Critic, CriticConfig
@@ -45,7 +45,9 @@ def test_on_policy_step_semantics() -> None:
     batch = ppo_batch()
     batch[OLD_LOG_PROBS] = actor.compute_log_prob(batch)[OLD_LOG_PROBS]
     before = [p.detach().clone() for p in actor.engine.module.parameters()]
-    m = actor.update_actor(batch)
+    update = actor.update_actor(batch)
+    m = update.metrics
+    assert update.old_log_probs is None  # recomputed before the update, not returned by it
     mask = batch["loss_mask"].bool()
     assert m["actor/pg_loss"] == pytest.approx(-float(batch[ADVANTAGES][mask].mean()), rel=1e-5)
     assert m["actor/clipfrac"] == 0.0 and 0.0 <= m["actor/approx_kl"] < 1e-6
@@ -61,13 +63,13 @@ def test_old_log_probs_from_the_update_equal_a_separate_forward() -> None:
     batch = ppo_batch()
     recompute = Actor(ActorConfig(), engine())
     batch[OLD_LOG_PROBS] = recompute.compute_log_prob(batch)[OLD_LOG_PROBS]
-    want = recompute.update_actor(batch)
+    want = recompute.update_actor(batch).metrics
     on_policy = Actor(ActorConfig(old_log_probs="update"), engine())
-    with pytest.raises(EngineCoreError, match="call update_actor\\(\\) first"):
-        on_policy.update_log_probs()
-    got = on_policy.update_actor(batch.exclude(OLD_LOG_PROBS))
+    update = on_policy.update_actor(batch.exclude(OLD_LOG_PROBS))
+    got = update.metrics
     mask = batch["loss_mask"].bool()
-    old = on_policy.update_log_probs()[OLD_LOG_PROBS]
+    assert update.old_log_probs is not None
+    old = update.old_log_probs
     assert torch.allclose(old[mask], batch[OLD_LOG_PROBS][mask], atol=1e-6)
     assert got.keys() == want.keys()
     for k, v in want.items():
@@ -88,7 +90,7 @@ def test_mini_batches_and_epochs() -> None:
     actor = Actor(ActorConfig(ppo_epochs=2, ppo_mini_batch_size=2), engine())
     batch = ppo_batch()
     batch[OLD_LOG_PROBS] = actor.compute_log_prob(batch)[OLD_LOG_PROBS]
-    m = actor.update_actor(batch)
+    m = actor.update_actor(batch).metrics
     assert m["actor/num_optimizer_steps"] == 8.0
     assert m["actor/clipfrac"] >= 0.0  # later steps are off-policy
     assert m["actor/approx_kl"] > 0.0  # ... so the policy has moved away from the old one
@@ -111,8 +113,8 @@ def test_logged_metrics_do_not_depend_on_micro_batching(batching: dict, correcti
     batch[ROLLOUT_LOG_PROBS] = batch[OLD_LOG_PROBS] + 0.3 * torch.randn(
         batch[OLD_LOG_PROBS].shape, generator=g
     )
-    want = ref.update_actor(batch)
-    got = Actor(cfg, engine(**batching)).update_actor(batch)
+    want = ref.update_actor(batch).metrics
+    got = Actor(cfg, engine(**batching)).update_actor(batch).metrics
     assert got.keys() == want.keys()
     for k in want:
         assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-7), k
@@ -145,7 +147,7 @@ def test_mismatch_corrections_that_change_nothing_leave_the_update_exact() -> No
         actor = Actor(ActorConfig(**cfg), engine())  # type: ignore[arg-type]
         b = batch.clone()
         b[ROLLOUT_LOG_PROBS] = rollout_log_probs
-        metrics = actor.update_actor(b)
+        metrics = actor.update_actor(b).metrics
         return metrics, [p.detach().clone() for p in actor.engine.module.parameters()]
 
     g = torch.Generator().manual_seed(3)
