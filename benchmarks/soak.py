@@ -185,6 +185,8 @@ class GroupActor:
         calls = ActorGroup(group, config)  # the job's own dispatch and merge of each call
         self.compute_log_prob = _timed(calls.compute_log_prob, seconds, "compute_log_prob")
         self.update_actor = _timed(calls.update_actor, seconds, "update_actor")
+        self.named_full_params = self.engine.named_full_params
+        self.max_position_embeddings = calls.max_position_embeddings
 
 
 def _timed(
