@@ -4,8 +4,10 @@ Owns the argument parser and the table of subcommands, :data:`COMMANDS`. A subco
 small function ``(args, settings) -> exit code`` plus an optional function adding its arguments;
 add one by appending a :class:`Command`.
 
-Exit codes: 0 success; 1 the command ran and found a problem (``doctor``, a ``parity`` FAIL); 2 bad usage, config
-or environment (the message says what to fix). ``engine-core plugins`` exits 0 even when some
+Exit codes: 0 success; 1 the command ran and found a problem (``doctor``, a ``parity`` FAIL)
+or a run failed after it started (one line says what failed and what is still safe; the
+traceback is in the run's ``run.log``); 2 bad usage, config or environment (the message says
+what to fix). ``engine-core plugins`` exits 0 even when some
 plugins failed to load: the listing is informational and shows each failure with its fix.
 """
 
@@ -27,6 +29,7 @@ from engine_core import __version__
 from engine_core.errors import EngineCoreError
 from engine_core.plugins import PluginInfo, load_plugins
 from engine_core.settings import Settings
+from engine_core.tracking import RunFailed
 
 __all__ = ["Command", "COMMANDS", "build_parser", "main"]
 
@@ -275,6 +278,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = Settings.from_env()
         settings.configure_logging()
         return command.run(args, settings)
+    except RunFailed as e:
+        sys.stderr.write(f"{e}\n")
+        return 1
     except (EngineCoreError, ValidationError) as e:
         sys.stderr.write(f"engine-core {command.name}: error: {e}\n")
         return 2

@@ -15,7 +15,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import functools
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -122,11 +121,14 @@ def token_log_probs(
 
 
 def _cause(e: BaseException) -> str:
-    """One line saying why a backend's loader failed: the innermost ``XError: ...`` line of a
-    wrapped traceback (distributed checkpoint errors carry the rank's traceback as text)."""
+    """One line saying why a backend's loader failed: its exception's type and first line, or
+    for a distributed-checkpoint failure those of the lowest failing rank's own exception."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(e, CheckpointException) and e.failures:
+        e = e.failures[min(e.failures)][0]
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    causes = [line for line in lines if re.match(r"^[\w.]*(Error|Exception): ", line)]
-    text = causes[-1] if causes else f"{type(e).__name__}: {lines[0] if lines else ''}"
+    text = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
     return text if len(text) <= 300 else text[:297] + "..."
 
 
@@ -620,11 +622,14 @@ class BaseEngine(abc.ABC):
                 f"{folder}: the core state file lacks step, world_size or rng; it was not written "
                 f"by save_checkpoint() of this engine-core version. Resume from another checkpoint."
             )
+        from torch.distributed.checkpoint.api import CheckpointException
+
         try:
             self.load_shards(folder)
-        except (CheckpointError, KeyboardInterrupt, SystemExit):
+        except CheckpointError:
             raise
-        except BaseException as e:  # the backend's loader (DCP raises a BaseException)
+        # the backend's loader; a distributed-checkpoint failure is a BaseException of its own
+        except (Exception, CheckpointException) as e:
             raise CheckpointError(
                 f"checkpoint {folder} (step {step}) does not fit this {type(self).__name__}'s model "
                 f"({_cause(e)}). Resume with the model config, backend and layout it was saved "

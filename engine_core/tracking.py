@@ -1,4 +1,5 @@
-"""Run outputs people read: metrics as JSONL and TensorBoard, and a PNG plot at the end.
+"""Run outputs people read: metrics as JSONL and TensorBoard, a PNG plot at the end, and the
+run's log file holding the traceback of a failure.
 
 Resuming keeps the rows up to the resumed step and drops the rest, so a resumed run's file
 reads exactly like an uninterrupted one.
@@ -6,13 +7,60 @@ reads exactly like an uninterrupted one.
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import json
 import math
-from collections.abc import Sequence
+import traceback
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunTracker", "claim_output_dir"]
+from pydantic import ValidationError
+
+from engine_core.errors import ConfigError, EngineCoreError, PluginError
+
+__all__ = ["RunTracker", "RunFailed", "claim_output_dir", "failures_logged", "RUN_LOG"]
+
+RUN_LOG = "run.log"  # in a run's output_dir: the traceback of each failure, appended
+
+# bad input found while a run is set up: reported as such (the CLI's usage exit), not logged
+_USAGE_ERRORS = (ConfigError, PluginError, ValidationError)
+
+
+class RunFailed(EngineCoreError):
+    """A run that had started stopped on a failure (a refused weight sync, a dead worker, the
+    skipped-updates stop, a full disk, ...). The message is one line; the failure itself is
+    the ``__cause__``, and its traceback is in :attr:`log_path`."""
+
+    def __init__(self, message: str, log_path: Path) -> None:
+        super().__init__(message)
+        self.log_path = log_path
+
+
+@contextlib.contextmanager
+def failures_logged(out_dir: Path, *, command: str, safe: str) -> Iterator[None]:
+    """Turn a failure inside into :class:`RunFailed`: what failed, in one line, where the
+    traceback went (``out_dir / RUN_LOG``, appended) and ``safe``, what is still safe.
+
+    Bad input (config, plugin and validation errors) and interrupts pass through unchanged.
+    """
+    try:
+        yield
+    except _USAGE_ERRORS:
+        raise
+    except Exception as e:
+        log_path = out_dir / RUN_LOG
+        stamp = datetime.datetime.now().isoformat(timespec="seconds")
+        try:
+            with log_path.open("a") as log:
+                log.write(f"--- {stamp} {command} failed\n{traceback.format_exc()}\n")
+            where = f"traceback in {log_path}"
+        except OSError as write_error:
+            where = f"the traceback could not be written to {log_path}: {write_error.strerror}"
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        what = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+        raise RunFailed(f"{command} failed: {what} ({where}; {safe})", log_path) from e
 
 # what marks a folder as holding a run's outputs
 _RUN_MARKERS = ("metrics.jsonl", "checkpoints")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ from engine_core.loss import GlobalBatchContext, Metric, aggregate_loss, token_m
 from engine_core.plugins import PluginManager
 from engine_core.resolve import resolve_engine_config
 from engine_core.tasks import DigitTask, TaskConfig
-from engine_core.tracking import claim_output_dir
+from engine_core.tracking import claim_output_dir, failures_logged
 
 __all__ = ["SFTJobConfig", "run_sft", "sft_loss"]
 
@@ -64,6 +65,14 @@ def run_sft(
     except ValidationError as e:
         raise prefix_validation_error(e, (), "SFTJobConfig") from None
     out_dir = claim_output_dir(job.output_dir, command="engine-core train")
+    safe = f"the metrics of the steps before it are in {out_dir / 'metrics.jsonl'}"
+    with failures_logged(out_dir, command="engine-core train", safe=safe):
+        return _train(job, manager, out_dir, console)
+
+
+def _train(
+    job: SFTJobConfig, manager: PluginManager, out_dir: Path, console: Console
+) -> dict[str, Any]:
     spec, engine_cfg = resolve_engine_config(job.engine, manager, path=("engine",))
     engine: BaseEngine = spec.load_class()(engine_cfg)
     engine.init_model()

@@ -36,7 +36,7 @@ from engine_core.errors import CheckpointError, ConfigError
 from engine_core.models import build_hf_config
 from engine_core.rollout import BaseRollout
 from engine_core.tasks import EOS, PAD, DigitTask, TaskConfig
-from engine_core.tracking import RunTracker, claim_output_dir
+from engine_core.tracking import RunTracker, claim_output_dir, failures_logged
 from roles.actor import Actor, ActorConfig
 from roles.critic import Critic, CriticConfig
 from roles.losses import MismatchCorrection
@@ -413,8 +413,12 @@ def run_grpo(
     if resume:
         resume_from = _resume_point(job, console)
     threads = torch.get_num_threads()
+    safe = f"checkpoints already saved under {ckpt_root} are kept, and --resume continues"
     try:
-        with contextlib.ExitStack() as stack:
+        with (
+            failures_logged(out_dir, command="engine-core run", safe=safe),
+            contextlib.ExitStack() as stack,
+        ):
             roles = _build(job, manager, stack)
             return _run(job, roles, resume_from, console)
     finally:

@@ -180,3 +180,19 @@ def test_run_refuses_unknown_keys_with_suggestions(
     err = capsys.readouterr().err
     assert f"\n{loc}\n" in err and f"did you mean {suggestion}?" in err
     assert "Valid keys here: " in err and valid in err.split("Valid keys here: ")[1]
+
+
+def test_a_run_that_fails_after_it_started_is_one_line_and_a_logged_traceback(
+    tmp_path: Path, clean_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """A failure after the run started (here: weights blown up by lr=1e30, so the rollout
+    samples from NaN probabilities) exits 1, not 2, with one line on stderr saying what failed,
+    where its traceback is, and what is safe; the traceback is in the run's log file."""
+    out = tmp_path / "run"
+    args = [f"output_dir={out}", "steps=3", "engine.optim.lr=1e30", "engine.optim.clip_grad=null"]
+    assert main(["run", *args]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("engine-core run failed: ")
+    assert f"traceback in {out / 'run.log'}" in err and "are kept" in err
+    log = (out / "run.log").read_text()
+    assert "Traceback (most recent call last)" in log and "engine-core run failed" in log

@@ -15,6 +15,7 @@ import pytest
 from engine_core.configio import apply_overrides, load_yaml
 from engine_core.errors import ConfigError
 from engine_core.plugins import load_plugins
+from engine_core.tracking import RunFailed
 from roles.grpo import GRPOJobConfig, run_grpo
 from roles.trainer import TIMING_KEYS
 
@@ -135,9 +136,14 @@ def test_a_replica_given_corrupted_weights_stops_the_job_naming_it(
             super().__init__(*args, worker_cls=CorruptingRolloutWorker, **kwargs)
 
     monkeypatch.setattr(remote_rollout, "ProcessRollout", Corrupting)
-    with pytest.raises(WeightSyncError) as failed:
+    with pytest.raises(RunFailed) as failed:
         _run(tmp_path, "steps=2", "rollout_placement=process", "rollout_replicas=2")
-    message = str(failed.value)
+    # one line: what failed, where its traceback went, what is safe; the failure is the cause
+    assert "\n" not in str(failed.value) and "WeightSyncError" in str(failed.value)
+    assert str(failed.value.log_path) in str(failed.value)
+    assert "Traceback" in failed.value.log_path.read_text()
+    assert isinstance(failed.value.__cause__, WeightSyncError)
+    message = str(failed.value.__cause__)
     assert "rollout replica 1: checksum mismatch" in message and CORRUPTED in message
     assert "replica 0" not in message
     assert not (tmp_path / "metrics.jsonl").exists() or not _rows(tmp_path)
