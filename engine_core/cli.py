@@ -1,8 +1,10 @@
-"""The ``engine-core`` command line.
+"""The ``engine-core`` command line: its parser, its exit codes, and the core's own commands.
 
-Owns the argument parser and the table of subcommands, :data:`COMMANDS`. A subcommand is one
-small function ``(args, settings) -> exit code`` plus an optional function adding its arguments;
-add one by appending a :class:`Command`.
+A subcommand is one small function ``(args, settings) -> exit code`` plus an optional function
+adding its arguments, described by a :class:`Command`. :data:`COMMANDS` holds the core's
+(``plugins``, ``doctor``, ``parity``); a layer above the core passes its own commands to
+:func:`main` with these (the jobs' ``run`` and ``train``: :mod:`roles.cli`), so imports only
+point down.
 
 Exit codes: 0 success; 1 the command ran and found a problem (``doctor``, a ``parity`` FAIL)
 or a run failed after it started (one line says what failed and what is still safe; the
@@ -18,7 +20,6 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from pydantic import ValidationError
 from rich.console import Console
@@ -120,65 +121,6 @@ def run_doctor(args: argparse.Namespace, settings: Settings) -> int:
     return 1 if failed else 0
 
 
-# -- engine-core train ---------------------------------------------------------------------------
-
-DEFAULT_TRAIN_RECIPE = "sft_tiny.yaml"
-
-
-def _recipe_arguments(parser: argparse.ArgumentParser, default: str) -> None:
-    parser.add_argument(
-        "recipe", nargs="?", default=None, help=f"YAML recipe (default: the shipped {default})"
-    )
-    parser.add_argument(
-        "overrides", nargs="*", help="dotted overrides, e.g. engine.micro_batch_size=4 steps=50"
-    )
-
-
-def _train_arguments(parser: argparse.ArgumentParser) -> None:
-    _recipe_arguments(parser, DEFAULT_TRAIN_RECIPE)
-
-
-def _recipe(args: argparse.Namespace, default: str) -> dict[str, Any]:
-    """The recipe (or the shipped ``default``) with the command line's dotted overrides applied."""
-    from importlib.resources import files
-
-    from engine_core.configio import apply_overrides, load_yaml
-
-    recipe, overrides = args.recipe, list(args.overrides)
-    if recipe is not None and "=" in recipe:  # only overrides were given
-        recipe, overrides = None, [recipe, *overrides]
-    path = recipe or str(files("engine_core") / "recipes" / default)
-    return apply_overrides(load_yaml(path), overrides)
-
-
-def run_train(args: argparse.Namespace, settings: Settings) -> int:
-    """Supervised training through the recipe's engine (see :mod:`engine_core.train`)."""
-    from engine_core.train import run_sft
-
-    run_sft(_recipe(args, DEFAULT_TRAIN_RECIPE), load_plugins(settings))
-    return 0
-
-
-# -- engine-core run -----------------------------------------------------------------------------
-
-DEFAULT_RL_RECIPE = "grpo_tiny.yaml"
-
-
-def _run_arguments(parser: argparse.ArgumentParser) -> None:
-    _recipe_arguments(parser, DEFAULT_RL_RECIPE)
-    parser.add_argument(
-        "--resume", action="store_true", help="continue from the latest checkpoint in output_dir"
-    )
-
-
-def run_rl(args: argparse.Namespace, settings: Settings) -> int:
-    """An RL run (GRPO, or PPO with a critic): :class:`roles.RLTrainer` built from a recipe."""
-    from roles.grpo import run_grpo
-
-    run_grpo(_recipe(args, DEFAULT_RL_RECIPE), load_plugins(settings), resume=args.resume)
-    return 0
-
-
 # -- engine-core parity --------------------------------------------------------------------------
 
 
@@ -224,18 +166,6 @@ def run_parity_command(args: argparse.Namespace, settings: Settings) -> int:
 
 COMMANDS: tuple[Command, ...] = (
     Command(
-        "run",
-        "an RL (GRPO) run through the roles, from a YAML recipe",
-        run_rl,
-        _run_arguments,
-    ),
-    Command(
-        "train",
-        "supervised training of a model through any engine, from a YAML recipe",
-        run_train,
-        _train_arguments,
-    ),
-    Command(
         "plugins",
         "list installed plugins, their backends and failures",
         run_plugins,
@@ -266,14 +196,18 @@ def build_parser(commands: Sequence[Command] = COMMANDS) -> argparse.ArgumentPar
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``engine-core`` script; returns the exit code."""
-    parser = build_parser()
+def main(argv: Sequence[str] | None = None, commands: Sequence[Command] = COMMANDS) -> int:
+    """Run one of ``commands`` (default: the core's own) with ``argv``; returns the exit code.
+
+    The ``engine-core`` script is :func:`roles.cli.main`, this with the jobs'
+    commands (``run``, ``train``) added: the core knows no command above it.
+    """
+    parser = build_parser(commands)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
-    command = {c.name: c for c in COMMANDS}[args.command]
+    command = {c.name: c for c in commands}[args.command]
     try:
         settings = Settings.from_env()
         settings.configure_logging()

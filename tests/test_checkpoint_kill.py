@@ -28,7 +28,7 @@ RECIPE = Path(__file__).parents[1] / "engine_core" / "recipes" / "grpo_tiny.yaml
 
 SETUP = r"""
 import json, os, signal, sys
-from engine_core.cli import main  # imported once, before any fork
+from roles.cli import main  # imported once, before any fork
 import roles.grpo  # noqa: F401
 
 WATCH = {"open", "os.rename", "os.replace", "os.remove", "os.unlink", "os.rmdir", "os.mkdir",
@@ -116,7 +116,7 @@ def _rows(out: Path) -> list[dict[str, Any]]:
 def test_a_kill_anywhere_in_a_save_leaves_a_run_that_resumes_exactly(
     runs: _Runs, tmp_path: Path, algorithm: str, keep: int
 ) -> None:
-    from engine_core.cli import main
+    from roles.cli import main
 
     straight, record = tmp_path / "straight", tmp_path / "calls.json"
     assert runs.run(straight, _overrides(straight, algorithm, keep), record=str(record)) == 0

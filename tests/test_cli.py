@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from engine_core.cli import COMMANDS, Command, build_parser, main
+from engine_core.cli import COMMANDS, Command, build_parser
 from engine_core.settings import Settings
+from roles.cli import main
 from tests.fixtures.plugins._install import install_test_plugins, run_python
 
 SCRIPT = Path(sys.executable).parent / "engine-core"
@@ -196,3 +197,27 @@ def test_a_run_that_fails_after_it_started_is_one_line_and_a_logged_traceback(
     assert f"traceback in {out / 'run.log'}" in err and "are kept" in err
     log = (out / "run.log").read_text()
     assert "Traceback (most recent call last)" in log and "engine-core run failed" in log
+
+
+def test_the_core_command_line_knows_no_command_above_it() -> None:
+    """``run`` and ``train`` are the jobs' (roles.cli), added on top of the core's table; the
+    core's modules import nothing from the roles."""
+    import ast
+
+    import engine_core
+
+    assert {c.name for c in COMMANDS} == {"plugins", "doctor", "parity"}
+    root = Path(engine_core.__file__).parent
+    upward = [
+        f"{path.relative_to(root.parent)}:{node.lineno}"
+        for path in sorted(root.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        and any(
+            name == "roles" or name.startswith("roles.")
+            for name in (
+                [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            )
+        )
+    ]
+    assert upward == [], upward

@@ -214,7 +214,7 @@ def shell_commands() -> list[str]:
 # Each command runs in a child forked from one server (tests/_forkserver.py) that has imported
 # what the commands import: a run costs the command, not an interpreter start and its imports.
 COMMAND_SERVER = """
-from engine_core.cli import main
+from roles.cli import main
 import engine_core.parity, engine_core.train, roles.grpo  # noqa: F401
 
 def run(request):

@@ -24,10 +24,10 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from engine_core import BackendKind, BackendSpec, EngineConfig, RolloutConfig, SamplingParams
-from engine_core.cli import DEFAULT_RL_RECIPE, DEFAULT_TRAIN_RECIPE
 from engine_core.tasks import TaskConfig
 from engine_core.train import SFTJobConfig
 from roles import ActorConfig, CriticConfig
+from roles.cli import DEFAULT_RL_RECIPE, DEFAULT_TRAIN_RECIPE
 from roles.grpo import GRPOJobConfig
 
 __all__ = ["backends_table", "config_reference"]

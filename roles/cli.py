@@ -1,0 +1,103 @@
+"""The ``engine-core`` script: the core's commands plus the jobs' ``run`` and ``train``.
+
+The jobs sit above the core and the roles (an RL job is :class:`roles.RLTrainer` plus recipes,
+checkpoints and plots), so their commands are added here, on top of
+:data:`engine_core.cli.COMMANDS`, and the core's command line imports nothing above it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import Any
+
+from engine_core import cli
+from engine_core.cli import Command
+from engine_core.plugins import load_plugins
+from engine_core.settings import Settings
+
+__all__ = ["COMMANDS", "DEFAULT_RL_RECIPE", "DEFAULT_TRAIN_RECIPE", "main"]
+
+DEFAULT_RL_RECIPE = "grpo_tiny.yaml"
+DEFAULT_TRAIN_RECIPE = "sft_tiny.yaml"
+
+
+def _recipe_arguments(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument(
+        "recipe", nargs="?", default=None, help=f"YAML recipe (default: the shipped {default})"
+    )
+    parser.add_argument(
+        "overrides", nargs="*", help="dotted overrides, e.g. engine.micro_batch_size=4 steps=50"
+    )
+
+
+def _recipe(args: argparse.Namespace, default: str) -> dict[str, Any]:
+    """The recipe (or the shipped ``default``) with the command line's dotted overrides applied."""
+    from importlib.resources import files
+
+    from engine_core.configio import apply_overrides, load_yaml
+
+    recipe, overrides = args.recipe, list(args.overrides)
+    if recipe is not None and "=" in recipe:  # only overrides were given
+        recipe, overrides = None, [recipe, *overrides]
+    path = recipe or str(files("engine_core") / "recipes" / default)
+    return apply_overrides(load_yaml(path), overrides)
+
+
+# -- engine-core run -----------------------------------------------------------------------------
+
+
+def _run_arguments(parser: argparse.ArgumentParser) -> None:
+    _recipe_arguments(parser, DEFAULT_RL_RECIPE)
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from the latest checkpoint in output_dir"
+    )
+
+
+def run_rl(args: argparse.Namespace, settings: Settings) -> int:
+    """An RL run (GRPO, or PPO with a critic): :class:`roles.RLTrainer` built from a recipe."""
+    from roles.grpo import run_grpo
+
+    run_grpo(_recipe(args, DEFAULT_RL_RECIPE), load_plugins(settings), resume=args.resume)
+    return 0
+
+
+# -- engine-core train ---------------------------------------------------------------------------
+
+
+def _train_arguments(parser: argparse.ArgumentParser) -> None:
+    _recipe_arguments(parser, DEFAULT_TRAIN_RECIPE)
+
+
+def run_train(args: argparse.Namespace, settings: Settings) -> int:
+    """Supervised training through the recipe's engine (see :mod:`engine_core.train`)."""
+    from engine_core.train import run_sft
+
+    run_sft(_recipe(args, DEFAULT_TRAIN_RECIPE), load_plugins(settings))
+    return 0
+
+
+COMMANDS: tuple[Command, ...] = (
+    Command(
+        "run",
+        "an RL (GRPO) run through the roles, from a YAML recipe",
+        run_rl,
+        _run_arguments,
+    ),
+    Command(
+        "train",
+        "supervised training of a model through any engine, from a YAML recipe",
+        run_train,
+        _train_arguments,
+    ),
+    *cli.COMMANDS,
+)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``engine-core`` script; returns the exit code."""
+    return cli.main(argv, COMMANDS)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
