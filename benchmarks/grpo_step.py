@@ -55,7 +55,7 @@ def _minimal(steps: int) -> list[tuple[float, float]]:
     model = AutoModelForCausalLM.from_config(Qwen2Config(**config))
     opt = torch.optim.AdamW(model.parameters(), lr=recipe["engine"]["optim"]["lr"])
     task = DigitTask(TaskConfig(**recipe["task"]))
-    n, prompts_per_step = recipe["samples_per_prompt"], recipe["prompts_per_step"]
+    n, prompts_per_step = recipe["trainer"]["samples_per_prompt"], recipe["prompts_per_step"]
     out = []
     for _ in range(steps):
         t0 = time.perf_counter()
