@@ -80,7 +80,7 @@ def ppo_step(actor: Any, critic: Any, ref: Any) -> dict[str, Any]:
         "old": old,
         "ref": batch[REF_LOG_PROBS],
         "values": values,
-        "actor": actor.run("update_actor", batch),
+        "actor": actor.run("update_actor", batch).metrics,
         "critic": critic.run("update_critic", batch),
         "weights": actor.abs_weight_sums() + critic.abs_weight_sums(),
     }

@@ -31,6 +31,7 @@ from engine_core.checkpoint import load_torch, save_torch
 from engine_core.errors import CheckpointError, WeightSyncError
 from engine_core.executors.base import free_port
 from engine_core.reference_engine import ReferenceEngine, ReferenceEngineConfig
+from engine_core.tracking import RunFailed
 from engine_core.weight_sync import (
     PROTOCOL_VERSION,
     WeightSyncGroup,
@@ -111,6 +112,9 @@ def _refusals(state_file: str, load: Any, marker: str) -> list[str]:
             load()
         except CheckpointError as e:
             messages.append(str(e))
+        except RunFailed as e:  # a job's resume: the refusal is the cause of the run's failure
+            assert isinstance(e.__cause__, CheckpointError), e
+            messages.append(str(e.__cause__))
         else:
             messages.append("<loaded>")
     _write(state_file, original)
