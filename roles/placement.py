@@ -237,13 +237,12 @@ class ActorGroup(RoleGroup):
 
     def update_actor(self, batch: TensorDict) -> ActorUpdate:
         per_dp_rank: list[ActorUpdate] = self.group.execute("update_actor", batch)
-        old = [u.old_log_probs for u in per_dp_rank]
-        if old[0] is None:
-            return ActorUpdate(_first([u.metrics for u in per_dp_rank]))
+        metrics = _first([u.metrics for u in per_dp_rank])
+        old = [u.old_log_probs for u in per_dp_rank if u.old_log_probs is not None]
+        if not old:
+            return ActorUpdate(metrics)
         # the DP chunks in order, without the rows that padded the batch to the DP size
-        rows = int(batch.batch_size[0])
-        merged = torch.cat([o for o in old if o is not None])[:rows]
-        return ActorUpdate(_first([u.metrics for u in per_dp_rank]), merged)
+        return ActorUpdate(metrics, torch.cat(old)[: int(batch.batch_size[0])])
 
     def named_full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
         (full,) = [p for p in self.group.call_all("full_params") if p is not None]

@@ -397,7 +397,7 @@ class RLTrainer:
         on_policy = self.actor.config.old_log_probs_from_update
         if not on_policy:
             batch[OLD_LOG_PROBS] = self.actor.compute_log_prob(batch)[OLD_LOG_PROBS]
-            gap = self._guard_gap(step, staleness, gen, batch)  # before training on them
+            gap, mismatch = self._guard_gap(step, staleness, gen, batch)  # before the update
         if self.reference is not None:
             batch[REF_LOG_PROBS] = self.reference.compute_ref_log_prob(batch)[REF_LOG_PROBS]
         critic_metrics: dict[str, float] = {}
@@ -420,13 +420,12 @@ class RLTrainer:
         if on_policy:
             assert update.old_log_probs is not None  # old_log_probs_from_update
             batch[OLD_LOG_PROBS] = update.old_log_probs
-            gap = self._guard_gap(step, staleness, gen, batch)
+            gap, mismatch = self._guard_gap(step, staleness, gen, batch)
         self._count_skipped(step, metrics, batch)
         self.global_step = step  # the actor's weights are version `step` now
         if not self.config.max_staleness:
             self.sync_weights()
         resp_mask = gen[RESPONSE_MASK].bool()
-        mismatch = gap[resp_mask]
         dt = time.perf_counter() - t0
         return {
             "step": step,
@@ -451,16 +450,17 @@ class RLTrainer:
 
     def _guard_gap(
         self, step: int, staleness: int, gen: TensorDict, batch: TensorDict
-    ) -> torch.Tensor:
-        """Per response token, |trainer - rollout| log-prob; the gap guard runs on the first
-        steps of samples drawn with the trainer's current weights (their gap is float noise)."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """|trainer - rollout| log-prob per response column ``[B, R]``, and its values on the
+        real response tokens; the gap guard runs on the first steps of samples drawn with the
+        trainer's current weights (their gap is float noise)."""
         trainer_lp = batch[OLD_LOG_PROBS][:, gen[PROMPT_IDS].shape[1] :]
         gap = (trainer_lp - gen[ROLLOUT_LOG_PROBS]).abs()
+        values = gap[gen[RESPONSE_MASK].bool()]
         self._steps_run += 1
         limit = self.config.logprob_gap_limit
         if limit is None or staleness or self._steps_run > self.config.logprob_gap_steps:
-            return gap
-        values = gap[gen[RESPONSE_MASK].bool()]
+            return gap, values
         mean = float(values.mean()) if values.numel() else 0.0
         if not mean <= limit:  # NaN too
             raise LogProbGapError(
@@ -475,7 +475,7 @@ class RLTrainer:
                 f"raise logprob_gap_limit (engine-core run: trainer.logprob_gap_limit), or set "
                 f"it to null."
             )
-        return gap
+        return gap, values
 
     def _check_length(self, prompts: TensorDict) -> None:
         limit = self.actor.max_position_embeddings
