@@ -4,11 +4,11 @@ A Qwen2 built from a config (hidden 256, 4 layers, head size 64 for vLLM's CPU k
 once; both rollouts load it. Each generates ``--prompts`` prompts × ``n`` samples of exactly
 ``--new-tokens`` tokens (no stop tokens), temperature 1, fixed seed; runs alternate HF, vLLM,
 HF, vLLM, ... after one warm-up each, and the median generated tokens/s is reported. Weight
-sync: the same full set of weights (as a trainer would export them) is synced into each rollout
-through its verified ``sync_weights``; the median seconds per MB is reported. The HF rollout
-also runs in a process of its own (``ProcessRollout``: generation by RPC, weights streamed over
-a gloo group and verified on both sides), so the cost of the cross-process transfer shows next
-to the colocated sync. Prints one JSON object. Needs the vllm plugin with vLLM installed.
+sync: an actor (reference engine) holding the same weights syncs each rollout through the job's
+one weight path (``roles.WeightLink``: bounded buckets, verified by the receiver); the median
+seconds per MB is reported. The HF rollout also runs in a process of its own
+(``ProcessRollout``: generation by RPC, weights streamed over a gloo group), so the cost of the
+cross-process transfer shows next to the colocated sync. Prints one JSON object. Needs the vllm plugin with vLLM installed.
 """
 
 from __future__ import annotations
@@ -71,14 +71,19 @@ def main() -> None:
     from engine_core.config import ModelConfig
     from engine_core.models import build_model
     from engine_core.rollout import RESPONSE_MASK, SamplingParams
+    from roles import Actor, ActorConfig, WeightLink
+    from roles.workers import build_engine
 
     torch.manual_seed(0)
     model = build_model(ModelConfig(config=dict(MODEL)))
-    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    megabytes = sum(t.numel() * t.element_size() for t in weights.values()) / 2**20
+    megabytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 2**20
     with tempfile.TemporaryDirectory() as folder:
         model.save_pretrained(folder)
+        actor = Actor(
+            ActorConfig(), build_engine({"backend": "reference", "model": {"path": folder}})
+        )
         rollouts = {name: _rollout(name, folder) for name in ("hf", "vllm", "hf_process")}
+        links = {name: WeightLink(actor, rollout) for name, rollout in rollouts.items()}
         # no stop tokens; tokens/s counts the tokens actually generated
         params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, n=args.n, seed=0)
         prompts = _prompts(args.prompts)
@@ -92,11 +97,13 @@ def main() -> None:
                 elapsed = time.perf_counter() - start
                 tokens = int(out[RESPONSE_MASK].sum())
                 start = time.perf_counter()
-                rollout.sync_weights(weights.items())
+                links[name].sync()
                 synced = time.perf_counter() - start
                 if rep:  # the first round is the warm-up
                     gen[name].append(tokens / elapsed)
                     sync[name].append(synced / megabytes)
+        for link in links.values():
+            link.close()
         rollouts["hf_process"].shutdown()
     print(
         json.dumps(

@@ -4,15 +4,13 @@ Python objects).
 
 The experiment is the shipped tiny GRPO recipe (``engine_core/recipes/grpo_tiny.yaml``:
 "reverse three digits", Qwen2 hidden 64, ``fsdp2``, ``hf`` rollout) run by
-:class:`roles.RLTrainer`, with one change of placement: the actor is a
-:class:`roles.workers.ActorWorker` group of two ``torch.multiprocessing`` processes
-(``LocalWorkerGroup``, gloo, dp=2), and the rollout runs in this process. ``RLTrainer`` takes
-an in-process :class:`roles.Actor`, so it gets :class:`GroupActor`, which dispatches the same
-calls to the group. ``ActorWorker`` has no call that hands its weights out of its process, so
-the group runs :class:`SoakActorWorker`, which adds the sending end of a
-:class:`WeightSyncGroup`: after every update rank 0 streams the full weights here (per-bucket
-checksums, verdict back to the sender) and the rollout loads them through its own verified
-``sync_weights``, the path a rollout process takes, with this process on the receiving end.
+:class:`roles.RLTrainer`, with one change of placement: the actor is an
+:class:`roles.placement.ActorGroup` of two ``torch.multiprocessing`` processes
+(``LocalWorkerGroup``, gloo, dp=2) running :class:`SoakActorWorker` (the job's
+:class:`roles.workers.ActorWorker` plus what the soak reads from its process), and the rollout
+runs in this process. The weights take the job's one path, :class:`roles.WeightLink`: after
+every update the group's writing rank streams them here bucket by bucket, and the rollout loads
+and verifies each.
 
 Every ``--sample-every`` steps (default: steps // 30; and once before the first), for this
 process and each worker (:mod:`_process_stats`): RSS, open file descriptors, threads and child
@@ -57,7 +55,6 @@ import time
 import tracemalloc
 from collections import Counter, defaultdict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -83,24 +80,20 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine_core import (  # noqa: E402  (the repository root is on sys.path)
-    ModelConfig,
     apply_overrides,
     load_plugins,
     load_yaml,
     resolve_rollout_config,
 )
-from engine_core.executors import LocalWorkerGroup, WorkerGroup  # noqa: E402
-from engine_core.executors.base import free_port  # noqa: E402
-from engine_core.models import build_hf_config  # noqa: E402
+from engine_core.executors import LocalWorkerGroup  # noqa: E402
 from engine_core.tasks import PAD, DigitTask  # noqa: E402
-from engine_core.weight_sync import WeightSyncGroup, receive_weights, send_weights  # noqa: E402
-from roles import ActorConfig, RLTrainer  # noqa: E402
+from roles import RLTrainer, WeightLink  # noqa: E402
 from roles.grpo import GRPOJobConfig  # noqa: E402
 from roles.placement import ActorGroup  # noqa: E402
 from roles.workers import ActorWorker  # noqa: E402
 
 HOST = "127.0.0.1"
-PHASES = ("generate", "compute_log_prob", "update_actor", "weight_stream", "rollout_load")
+PHASES = ("generate", "compute_log_prob", "update_actor", "weight_sync")
 
 
 class SoakActorWorker(ActorWorker):
@@ -118,75 +111,6 @@ class SoakActorWorker(ActorWorker):
 
     def type_counts(self) -> Counter[str]:
         return type_counts()
-
-    def join_weight_sync(self, port: int) -> None:
-        sender = self.engine.dp_rank == 0 and self.engine.is_collect_rank
-        self.sync = WeightSyncGroup(host=HOST, port=port, rank=0, world_size=2) if sender else None
-
-    def push_to_driver(self) -> int:
-        # every rank gathers (a collective for sharded engines); rank 0 alone sends
-        return len(send_weights(self.sync, self.engine.named_full_params()))
-
-
-class _Received:
-    """The receiving end's holder: :func:`receive_weights` hands it the verified stream."""
-
-    def __init__(self) -> None:
-        self.named: list[tuple[str, torch.Tensor]] = []
-
-    def sync_weights(self, named: Any, *, bucket_bytes: int = 0) -> list[Any]:
-        self.named = list(named)
-        return []
-
-
-class _GroupEngine:
-    """What the trainer reads from its actor's engine: the model config (prompt length check)
-    and the full weights, which arrive from the worker group's rank 0 over the sync group."""
-
-    def __init__(
-        self, group: WorkerGroup, hf_config: Any, seconds: defaultdict[str, float]
-    ) -> None:
-        self.group, self.hf_config, self.seconds = group, hf_config, seconds
-        self.pool = ThreadPoolExecutor(max_workers=1)  # the workers' side of each collective
-        port = free_port()
-        joining = self.pool.submit(group.call_all, "join_weight_sync", port)
-        self.sync = WeightSyncGroup(host=HOST, port=port, rank=1, world_size=2)
-        joining.result()
-        self.weight_bytes = 0
-
-    def named_full_params(self) -> Any:
-        start = time.perf_counter()
-        pushing = self.pool.submit(self.group.call_all, "push_to_driver")
-        holder = _Received()
-        receive_weights(self.sync, holder)  # type: ignore[arg-type]
-        pushing.result()
-        self.weight_bytes = sum(t.numel() * t.element_size() for _, t in holder.named)
-        self.seconds["weight_stream"] += time.perf_counter() - start
-        return iter(holder.named)
-
-    def close(self) -> None:
-        self.pool.shutdown()
-        self.sync.close()
-
-
-class GroupActor:
-    """The actor as :class:`RLTrainer` calls it, each call dispatched over the worker group
-    (batches split over the two DP ranks, outputs collected)."""
-
-    def __init__(
-        self,
-        group: WorkerGroup,
-        config: ActorConfig,
-        hf_config: Any,
-        seconds: defaultdict[str, float],
-    ) -> None:
-        self.group, self.config = group, config
-        self.engine = _GroupEngine(group, hf_config, seconds)
-        calls = ActorGroup(group, config)  # the job's own dispatch and merge of each call
-        self.compute_log_prob = _timed(calls.compute_log_prob, seconds, "compute_log_prob")
-        self.update_actor = _timed(calls.update_actor, seconds, "update_actor")
-        self.named_full_params = self.engine.named_full_params
-        self.max_position_embeddings = calls.max_position_embeddings
 
 
 def _timed(
@@ -246,8 +170,6 @@ def main() -> None:
     rollout = rspec.load_class()(rollout_cfg)
     seconds: defaultdict[str, float] = defaultdict(float)  # per phase, summed over the run
     rollout.generate = _timed(rollout.generate, seconds, "generate")
-    rollout.sync_weights = _timed(rollout.sync_weights, seconds, "rollout_load")
-    hf_config = build_hf_config(ModelConfig(**job.engine["model"]))
 
     every = args.sample_every or max(1, job.steps // 30)
     warmup = max(1, round(args.warmup * job.steps))
@@ -259,18 +181,24 @@ def main() -> None:
     with LocalWorkerGroup(
         SoakActorWorker, 2, init_args=(job.engine, job.actor_config().model_dump())
     ) as group:
-        actor = GroupActor(group, job.actor_config(), hf_config, seconds)
+        actor = ActorGroup(group, job.actor_config())
+        actor.compute_log_prob = _timed(actor.compute_log_prob, seconds, "compute_log_prob")  # type: ignore[method-assign]
+        actor.update_actor = _timed(actor.update_actor, seconds, "update_actor")  # type: ignore[method-assign]
+        link = WeightLink(actor, rollout)
+        link.sync = _timed(link.sync, seconds, "weight_sync")  # type: ignore[method-assign]
         names = ["driver", *(f"actor_rank{i}" for i in range(group.num_workers))]
         pids = dict(zip(names, [os.getpid(), *group.call_all("pid")], strict=True))
         trainer = RLTrainer(
             job.trainer_config(task),
-            actor=actor,  # type: ignore[arg-type]
+            actor=actor,
             rollout=rollout,
             reward_fn=lambda prompt, response, mask: task.score(
                 prompt, response.masked_fill(mask == 0, PAD)
             ),
             prompts=lambda step: task.prompt_ids(task.sample_digits(job.prompts_per_step)),
+            weights=link,
         )
+        weight_bytes: list[float] = []
 
         def everywhere(method: str, local: Callable[[], Any]) -> dict[str, Any]:
             """``local()`` here and ``method`` on every worker, by process name."""
@@ -306,6 +234,7 @@ def main() -> None:
 
         def on_step(trainer: RLTrainer, row: dict[str, Any]) -> None:
             rewards.append(row["reward"])
+            weight_bytes.append(row["weight_sync/bytes"])
             seconds["step"] += row["time_s"]
             if row["step"] % every == 0 or row["step"] == job.steps:
                 sample(row["step"])
@@ -318,7 +247,7 @@ def main() -> None:
             trainer.fit(job.steps, callbacks=[on_step])
         traced = traced_growth() if args.trace else None
         censuses.append(everywhere("type_counts", type_counts))
-        actor.engine.close()
+        link.close()
     wall = time.perf_counter() - start
 
     kept = [i for i, s in enumerate(sampled_at) if s >= warmup]
@@ -351,12 +280,12 @@ def main() -> None:
         "overrides": args.overrides,
         "placement": "actor: SoakActorWorker x2 (LocalWorkerGroup, gloo, dp=2, "
         f"{job.engine['backend']}); rollout: {job.rollout['backend']} in the driver; "
-        "weights: actor rank 0 -> driver over a WeightSyncGroup after every update",
+        "weights: WeightLink, the actor group's writing rank -> driver after every update",
         "steps": job.steps,
         "wall_s": round(wall, 1),
         "s_per_step": round(wall / job.steps, 3),
         "seconds_per_step": _phases(seconds, job.steps),
-        "weights_bytes_per_sync": actor.engine.weight_bytes,
+        "weights_bytes_per_sync": weight_bytes[-1],
         "reward_first10": round(float(np.mean(rewards[:head])), 3),
         "reward_last10": round(float(np.mean(rewards[-head:])), 3),
         "sample_every": every,

@@ -96,6 +96,10 @@ _EXPORTS: dict[str, str] = {
     "saved_model_folder": "engine_core.rollout",
     "tensor_checksum": "engine_core.rollout",
     "verified_buckets": "engine_core.rollout",
+    "checked_buckets": "engine_core.rollout",
+    "sent_buckets": "engine_core.rollout",
+    "SentBucket": "engine_core.rollout",
+    "BUCKET_BYTES": "engine_core.rollout",
     "FINISH_REASON": "engine_core.rollout",
     "PROMPT_IDS": "engine_core.rollout",
     "PROMPT_MASK": "engine_core.rollout",
@@ -169,6 +173,7 @@ if TYPE_CHECKING:
     )
     from engine_core.packing import PackedSequences, pack, sequence_start_mask, unpack
     from engine_core.rollout import (
+        BUCKET_BYTES,
         FINISH_REASON,
         PROMPT_IDS,
         PROMPT_MASK,
@@ -178,12 +183,15 @@ if TYPE_CHECKING:
         BaseRollout,
         RolloutConfig,
         SamplingParams,
+        SentBucket,
         WeightBucket,
+        checked_buckets,
         confirm_bucket,
         model_weight_shapes,
         prompt_tensors,
         response_batch,
         saved_model_folder,
+        sent_buckets,
         tensor_checksum,
         verified_buckets,
     )

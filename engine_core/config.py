@@ -22,6 +22,10 @@ from pydantic import (
 from engine_core.capabilities import Capability
 from engine_core.configio import explain_unknown_keys
 
+BUCKET_BYTES = 256 << 20
+"""The one default bucket size of a weight stream: what an engine's ``named_full_params`` gathers
+at once and what a weight sync sends at once (a bigger tensor goes alone)."""
+
 __all__ = ["FrozenModel", "ModelConfig", "LoraConfig", "OptimConfig", "EngineConfig"]
 
 

@@ -39,7 +39,7 @@ from engine_core.batch import (
 from engine_core.capabilities import Capability
 from engine_core.checkpoint import JOB_STATE_FILE
 from engine_core.comm import all_reduce_cpu
-from engine_core.config import EngineConfig
+from engine_core.config import BUCKET_BYTES, EngineConfig
 from engine_core.errors import EngineCoreError
 from engine_core.loss import GlobalBatchContext, LossFn, MetricAccumulator
 from engine_core.microbatch import prepare_micro_batches
@@ -705,7 +705,7 @@ class BaseEngine(abc.ABC):
 
     @abc.abstractmethod
     def named_full_params(
-        self, bucket_bytes: int = 512 << 20
+        self, bucket_bytes: int = BUCKET_BYTES
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF parameter name, full tensor), materialising at most ``bucket_bytes`` at a time."""
 

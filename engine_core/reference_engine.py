@@ -23,7 +23,7 @@ from engine_core.checkpoint import (
     save_safetensors,
     save_torch,
 )
-from engine_core.config import EngineConfig
+from engine_core.config import BUCKET_BYTES, EngineConfig
 from engine_core.engine import BaseEngine
 from engine_core.errors import CheckpointError
 from engine_core.models import build_model
@@ -111,7 +111,7 @@ class ReferenceEngine(SingleOptimizerMixin, BaseEngine):
         self.optimizer.load_state_dict(load_torch(optim_file)["optimizer"])
 
     def named_full_params(
-        self, bucket_bytes: int = 512 << 20
+        self, bucket_bytes: int = BUCKET_BYTES
     ) -> Iterator[tuple[str, torch.Tensor]]:
         # Replicated weights: every tensor is already full, nothing to materialise.
         for name, tensor in self.require_module().state_dict().items():

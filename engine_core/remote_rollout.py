@@ -1,39 +1,33 @@
 """Rollouts in their own processes: generation by RPC, weights over a :class:`WeightSyncGroup`.
 
-:class:`ProcessRollout` is a :class:`BaseRollout` whose real backend (any registered rollout:
-``hf``, ``vllm``, ...) runs in ``replicas`` spawned worker processes, each replica a
-:class:`RolloutWorker` in a one-worker :class:`LocalWorkerGroup` of its own (built as
-``worker_cls(config, replica=i)``), or with ``executor="ray"`` a one-actor
-:class:`RayWorkerGroup` (Ray places it; the weight-sync store then listens on this node's
-address, not loopback only). This process only sends work and weights.
+:class:`ProcessRollout` runs a rollout backend (any registered rollout: ``hf``, ``vllm``, ...)
+in ``replicas`` worker processes: one worker group of ``replicas`` :class:`RolloutWorker`
+(spawned processes, or Ray actors with ``executor="ray"``), each worker replica ``i`` of the
+group's ``rollout`` mesh (its dp rank). This process only sends work; the weights reach the
+replicas through a weight-sync group they join (:meth:`ProcessRollout.join_weight_sync`,
+:meth:`ProcessRollout.receive_weights`), which the job's weight link
+(:class:`engine_core_roles.weights.WeightLink`) builds with the policy at rank 0, wherever the
+policy runs.
+
+It is not a :class:`BaseRollout`: it loads no weights in this process. It has the calls a
+trainer makes of a rollout (``generate``, ``expected_weights``, ``release``, ``resume``), and
+``shutdown``.
 
 - ``generate`` splits the prompts by prompt into ``replicas`` contiguous, near-equal chunks (all
-  ``n`` samples of a prompt come from one replica; a replica with no prompt is not called), runs
-  the replicas at once and concatenates their results in prompt order, so the rows are ordered
-  as a single rollout's: prompt ``i``'s samples at rows ``i*n .. i*n+n-1``. Response-shaped
-  fields are right-padded to the longest replica's width (``response_ids`` with the backend's
-  pad id, ``response_mask`` and ``rollout_log_probs`` with 0). Each row's ``rollout_replica``
-  (:data:`ROLLOUT_REPLICA`) says which replica generated it. With several replicas and
-  ``SamplingParams.seed`` set, replica ``i`` samples with its own seed
+  ``n`` samples of a prompt come from one replica; a replica with no prompt generates nothing),
+  sends every replica its chunk in one non-blocking call and concatenates their results in
+  prompt order, so the rows are ordered as a single rollout's: prompt ``i``'s samples at rows
+  ``i*n .. i*n+n-1``. Response-shaped fields are right-padded to the longest replica's width
+  (``response_ids`` with the backend's pad id, ``response_mask`` and ``rollout_log_probs`` with
+  0). Each row's ``rollout_replica`` (:data:`ROLLOUT_REPLICA`) says which replica generated it.
+  With several replicas and ``SamplingParams.seed`` set, replica ``i`` samples with its own seed
   ``(seed * 1_000_003 + i) mod 2**63``; a single replica samples with ``seed`` as given.
-- ``sync_weights`` streams the trainer's (HF name, tensor) pairs once over one gloo weight-sync
-  group: this process at rank 0, replica ``i`` at rank ``i + 1``, every replica receiving into
-  its rollout concurrently, verified on both sides (:mod:`engine_core.weight_sync`). A replica
-  that refuses the weights or fails verification is named in the :class:`WeightSyncError`
-  ("rollout replica 1: ..."); every replica drains the stream whatever happens, so the group is
-  in step for the next sync.
-- With ``external_sender=True`` the sender is another process (a trainer rank, e.g. the writing
-  rank of a :class:`roles.placement.ActorGroup`): :meth:`ProcessRollout.connect_sender` has the
-  replicas join the group that sender hosts, and :meth:`ProcessRollout.receive_from` runs one
-  sync, the replicas receiving while the sender streams. The weights never pass through this
-  process.
+- ``generate_async`` is the same call without waiting: a future of the merged result, so a
+  trainer can train while the replicas generate.
 - ``release`` / ``resume`` / ``shutdown`` apply to every replica. If a replica fails to start,
-  those that started are shut down.
-- Each replica runs ``max(1, T // replicas)`` CPU threads, where ``T`` is this process's torch
-  thread count (one replica: ``T``).
-
-The training loop does not change: it calls the same ``generate`` / ``sync_weights`` as on a
-colocated rollout.
+  the group is shut down.
+- Each replica runs ``threads_per_replica`` CPU threads (default: this machine's cores shared
+  between the replicas, :func:`engine_core.executors.base.threads_per_process`).
 
 Executed on CPU with gloo, with one and two replicas, as local processes and as Ray actors on
 one machine (a cluster of several nodes has not been tried). On a CUDA host the weight-sync group uses
@@ -43,20 +37,22 @@ its own (every process uses its current CUDA device).
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Callable, Iterable
-from typing import Any, Literal, TypeVar
+import os
+from typing import Any, Literal
 
 import torch
 from tensordict import NonTensorStack, TensorDict
 
+from engine_core.capabilities import Capability
 from engine_core.dispatch import Worker
 from engine_core.errors import BatchError, DispatchError
-from engine_core.executors.base import LOOPBACK, WorkerGroup, free_port, meeting_host
-from engine_core.executors.local import LocalWorkerGroup
+from engine_core.executors.base import (
+    MappedFuture,
+    WorkerFuture,
+    WorkerGroup,
+    threads_per_process,
+)
 from engine_core.rollout import (
-    BUCKET_BYTES,
     RESPONSE_IDS,
     RESPONSE_MASK,
     ROLLOUT_LOG_PROBS,
@@ -66,31 +62,39 @@ from engine_core.rollout import (
     SamplingParams,
     WeightBucket,
 )
-from engine_core.weight_sync import WeightSyncGroup, receive_weights, send_weights
+from engine_core.weight_sync import WeightSyncGroup, receive_weights
 
-__all__ = ["RolloutWorker", "ProcessRollout"]
+__all__ = ["RolloutWorker", "ProcessRollout", "ROLLOUT_MESH"]
 
-T = TypeVar("T")
-
+ROLLOUT_MESH = "rollout"
 _SEED_STRIDE = 1_000_003
+# a replica is not a rank of a torch process group: the executor's rendezvous variables are
+# hidden from the backend it hosts (some read RANK / LOCAL_RANK / WORLD_SIZE on their own)
+_RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 class RolloutWorker(Worker):
-    """Hosts one rollout backend in a worker process: replica ``replica`` of a ProcessRollout."""
+    """Hosts one rollout backend in a worker process: replica :attr:`replica` of a
+    ProcessRollout, its rank in the worker group (dp rank of the ``rollout`` mesh)."""
 
-    def __init__(self, config: dict[str, Any], replica: int = 0) -> None:
+    def __init__(self, config: dict[str, Any]) -> None:
         from engine_core.plugins import load_plugins
         from engine_core.resolve import resolve_rollout_config
 
-        self.replica = replica
+        self.replica = int(os.environ.get("RANK", "0"))
+        replicas = int(os.environ.get("WORLD_SIZE", "1"))
+        for key in _RENDEZVOUS:
+            os.environ.pop(key, None)
+        self.register_mesh(ROLLOUT_MESH, dp_rank=self.replica, dp_size=replicas, is_collect=True)
         spec, cfg = resolve_rollout_config(config, load_plugins())
         self.rollout: BaseRollout = spec.load_class()(cfg)
         self.group: WeightSyncGroup | None = None
 
-    def capabilities(self) -> frozenset[Any]:
-        return frozenset(self.rollout.capabilities)
+    def describe(self) -> tuple[frozenset[Any], dict[str, tuple[int, ...]], int]:
+        """The backend's capabilities, the weights it takes and its pad id, in one call."""
+        return frozenset(self.rollout.capabilities), self.rollout.expected_weights(), self.pad_id()
 
-    def pad_token_id(self) -> int:
+    def pad_id(self) -> int:
         """The id the backend right-pads ``response_ids`` with (its own, else its config's)."""
         for owner in (self.rollout, self.rollout.config):
             pad = getattr(owner, "pad_token_id", None)
@@ -98,53 +102,39 @@ class RolloutWorker(Worker):
                 return pad
         return 0
 
-    def generate(self, prompts: TensorDict, params: SamplingParams) -> TensorDict:
-        return self.rollout.generate(prompts, params)
-
-    def expected_weights(self) -> dict[str, tuple[int, ...]]:
-        return self.rollout.expected_weights()
+    def generate(self, prompts: TensorDict | None, params: SamplingParams) -> TensorDict | None:
+        """This replica's share of a batch (``None``: no prompt for this replica)."""
+        return None if prompts is None else self.rollout.generate(prompts, params)
 
     def join_weight_sync(
-        self, port: int, rank: int, world_size: int, backend: str, host: str = LOOPBACK
+        self, host: str, port: int, first_rank: int, world_size: int, backend: str, timeout_s: float
     ) -> None:
+        """Join the weight-sync group at ``host:port`` as rank ``first_rank + replica``."""
+        self.leave_weight_sync()
         self.group = WeightSyncGroup(
-            host=host, port=port, rank=rank, world_size=world_size, backend=backend
+            host=host,
+            port=port,
+            rank=first_rank + self.replica,
+            world_size=world_size,
+            backend=backend,
+            timeout_s=timeout_s,
         )
 
-    def receive_weights(self, bucket_bytes: int) -> list[WeightBucket]:
+    def receive_weights(self) -> list[WeightBucket]:
         if self.group is None:
-            raise RuntimeError("join_weight_sync() first.")
-        return receive_weights(self.group, self.rollout, bucket_bytes=bucket_bytes)
+            raise RuntimeError("join_weight_sync() first: this replica is in no weight-sync group.")
+        return receive_weights(self.group, self.rollout)
+
+    def leave_weight_sync(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
 
     def release(self) -> None:
         self.rollout.release()
 
     def resume(self) -> None:
         self.rollout.resume()
-
-
-class _Call(threading.Thread):
-    """A worker-group call on a thread, so this process can take part in the same collective
-    (or wait for several worker groups at once)."""
-
-    def __init__(self, group: WorkerGroup, method: str, *args: Any) -> None:
-        super().__init__(daemon=True)
-        self.group, self.method, self.args = group, method, args
-        self.result: list[Any] = []
-        self.error: BaseException | None = None
-        self.start()
-
-    def run(self) -> None:
-        try:
-            self.result = self.group.call_all(self.method, *self.args)
-        except BaseException as e:  # re-raised by the caller after join()
-            self.error = e
-
-    def wait(self) -> list[Any]:
-        self.join()
-        if self.error is not None:
-            raise self.error
-        return self.result
 
 
 def _check_replicas(replicas: object) -> int:
@@ -243,11 +233,9 @@ def _merge_replica_outputs(parts: list[tuple[int, TensorDict]], pad_token_id: in
     return out
 
 
-class ProcessRollout(BaseRollout):
-    """Run ``config``'s rollout backend in ``replicas`` separate processes; this one sends
-    weights and splits the prompts between them."""
-
-    generates_elsewhere = True
+class ProcessRollout:
+    """Run ``config``'s rollout backend in ``replicas`` separate processes (one worker group);
+    this process splits the prompts between them and merges what they generate."""
 
     def __init__(
         self,
@@ -257,7 +245,7 @@ class ProcessRollout(BaseRollout):
         worker_cls: type[RolloutWorker] = RolloutWorker,
         timeout_s: float = 600.0,
         executor: Literal["local", "ray"] = "local",
-        external_sender: bool = False,
+        threads_per_replica: int | None = None,
     ) -> None:
         self.replicas = _check_replicas(replicas)
         if executor not in ("local", "ray"):
@@ -266,176 +254,102 @@ class ProcessRollout(BaseRollout):
             raise TypeError(
                 f"worker_cls must be RolloutWorker or a subclass of it, got {worker_cls!r}."
             )
-        super().__init__(config)
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        self.weight_sync_backend, self.timeout_s, self.executor = backend, timeout_s, executor
-        self.external_sender = external_sender
-        threads = torch.get_num_threads()
-        per_replica = threads if self.replicas == 1 else max(1, threads // self.replicas)
-        self._workers = _start_replicas(
+        if threads_per_replica is None:
+            threads_per_replica = threads_per_process(self.replicas)
+        self.config = config
+        self.weight_sync_backend = "nccl" if torch.cuda.is_available() else "gloo"
+        self.timeout_s, self.executor = timeout_s, executor
+        self._group: WorkerGroup | None = _start_replicas(
             worker_cls,
             config.model_dump(),
             self.replicas,
-            env={"OMP_NUM_THREADS": str(per_replica)},
+            env={"OMP_NUM_THREADS": str(threads_per_replica)},
             timeout_s=timeout_s,
             executor=executor,
         )
-        # Ray may place a replica on another node: the sync store then listens on this node's
-        # address (every interface) instead of loopback only
-        host = meeting_host(any_node=executor == "ray")
-        self._group: WeightSyncGroup | None = None
-        self._sender_connected = False
         try:
-            self.capabilities = self._workers[0].call_all("capabilities")[0]  # type: ignore[misc]
-            if not external_sender:
-                port, world = free_port(), self.replicas + 1
-                self._group = self._join_replicas(
-                    host,
-                    port,
-                    lambda: WeightSyncGroup(
-                        host=host,
-                        port=port,
-                        rank=0,
-                        world_size=world,
-                        backend=backend,
-                        timeout_s=timeout_s,
-                    ),
-                )
-            self._expected: dict[str, tuple[int, ...]] = self._workers[0].call_all(
-                "expected_weights"
-            )[0]
-            self._pad_token_id: int = self._workers[0].call_all("pad_token_id")[0]
+            caps, expected, pad = self._group.call_all("describe")[0]
         except BaseException:
             self.shutdown()
             raise
+        self.capabilities: frozenset[Capability] = caps
+        self._expected: dict[str, tuple[int, ...]] = expected
+        self._pad_token_id: int = pad
+
+    @property
+    def worker_group(self) -> WorkerGroup:
+        """The replicas' worker group (replica ``i`` is worker ``i``)."""
+        if self._group is None:
+            raise RuntimeError("this ProcessRollout has been shut down.")
+        return self._group
 
     def generate(self, prompts: TensorDict, params: SamplingParams) -> TensorDict:
-        if self.replicas == 1 or not prompts.batch_dims:
-            out: TensorDict = self._workers[0].call_all("generate", prompts, params)[0]
-            return _merge_replica_outputs([(0, out)], self._pad_token_id)
-        bounds = _replica_bounds(prompts.batch_size[0], self.replicas)
-        calls = {
-            i: _Call(
-                self._workers[i],
-                "generate",
-                prompts[start:stop],
-                params.model_copy(update={"seed": _replica_seed(params.seed, i, self.replicas)}),
+        out: TensorDict = self.generate_async(prompts, params).result()
+        return out
+
+    def generate_async(self, prompts: TensorDict, params: SamplingParams) -> MappedFuture:
+        """:meth:`generate` without waiting: a future of its result."""
+        n = prompts.batch_size[0] if prompts.batch_dims else 0
+        per_replica: list[tuple[Any, ...]] = []
+        for i, (start, stop) in enumerate(_replica_bounds(n, self.replicas)):
+            seeded = params.model_copy(
+                update={"seed": _replica_seed(params.seed, i, self.replicas)}
             )
-            for i, (start, stop) in enumerate(bounds)
-            if stop > start or i == 0  # no prompt at all: replica 0 answers the empty batch
-        }
-        results = _wait_each(calls, "generate")
-        return _merge_replica_outputs(sorted(results.items()), self._pad_token_id)
+            if not prompts.batch_dims:  # no batch dimension: replica 0 answers as it is
+                per_replica.append((prompts if i == 0 else None, seeded))
+            else:  # no prompt at all: replica 0 answers the empty batch
+                part = prompts[start:stop] if stop > start or i == 0 else None
+                per_replica.append((part, seeded))
+        future = self.worker_group.call_each_async("generate", per_replica)
+        return future.map(self._merge)
+
+    def _merge(self, outputs: list[TensorDict | None]) -> TensorDict:
+        parts = [(i, out) for i, out in enumerate(outputs) if out is not None]
+        return _merge_replica_outputs(parts, self._pad_token_id)
 
     def expected_weights(self) -> dict[str, tuple[int, ...]]:
         return dict(self._expected)
-
-    def load_weight_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> str:
-        raise NotImplementedError("ProcessRollout loads weights through sync_weights() only.")
-
-    def _alongside(
-        self, method: str, args: Callable[[int], tuple[Any, ...]], run: Callable[[], T]
-    ) -> T:
-        """Every replica calls ``method`` (replica ``i`` with ``args(i)``) on a thread while
-        ``run()``, the other end of the same exchange, runs here; ``run()``'s result. If
-        ``run()`` fails, the replicas are waited for (they fail or drain on their own) and its
-        error is raised; otherwise a failing replica is raised, named."""
-        calls = {i: _Call(w, method, *args(i)) for i, w in enumerate(self._workers)}
-        try:
-            result = run()
-        except BaseException:
-            for call in calls.values():
-                with contextlib.suppress(Exception):
-                    call.wait()
-            raise
-        _wait_each(calls, method)
-        return result
-
-    def _join_replicas(self, host: str, port: int, join_sender: Callable[[], T]) -> T:
-        """Every replica joins the weight-sync group at ``host:port`` (ranks 1..N) while
-        ``join_sender`` joins it as rank 0 (hosting its store); the sender's result."""
-        world, backend = self.replicas + 1, self.weight_sync_backend
-        return self._alongside(
-            "join_weight_sync", lambda i: (port, i + 1, world, backend, host), join_sender
-        )
-
-    def connect_sender(self, host: str, port: int, join_sender: Callable[[], Any]) -> None:
-        """With ``external_sender``: the weights come from another process (a trainer rank),
-        which hosts the weight-sync group at ``host:port`` as rank 0 when ``join_sender()``
-        runs; the replicas join it meanwhile. Then :meth:`receive_from` syncs."""
-        if not self.external_sender:
-            raise RuntimeError(
-                "connect_sender() is for a ProcessRollout built with external_sender=True; this "
-                "one sends the weights itself (sync_weights)."
-            )
-        if self._sender_connected:
-            raise RuntimeError("a sender is already connected to this ProcessRollout.")
-        self._join_replicas(host, port, join_sender)
-        self._sender_connected = True
 
     @property
     def receiver_names(self) -> list[str]:
         """How a weight sync names each replica in its errors."""
         return [f"rollout replica {i}" for i in range(self.replicas)]
 
-    def receive_from(self, send: Callable[[], T], *, bucket_bytes: int = BUCKET_BYTES) -> T:
-        """One sync from the connected sender: every replica receives while ``send()`` (the
-        sender streaming with :func:`send_weights`, ``bucket_bytes`` per bucket, naming the
-        replicas :attr:`receiver_names`) runs; its result. A replica that fails verification
-        fails ``send()`` naming it, and every replica still drains the stream."""
-        if not self._sender_connected:
-            raise RuntimeError("connect_sender() first: no sender is connected.")
-        # a failing send already carries every receiver's verdict
-        return self._alongside("receive_weights", lambda i: (bucket_bytes,), send)
-
-    def sync_weights(
-        self, named: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int = BUCKET_BYTES
-    ) -> list[WeightBucket]:
-        if self.external_sender:
-            raise RuntimeError(
-                "this ProcessRollout receives its weights from an external sender "
-                "(external_sender=True): sync through receive_from(), not sync_weights()."
-            )
-        group = self._group
-        if group is None:
-            raise RuntimeError("this ProcessRollout has been shut down.")
-        return self._alongside(
-            "receive_weights",
-            lambda i: (bucket_bytes,),
-            lambda: send_weights(
-                group, named, bucket_bytes=bucket_bytes, receiver_names=self.receiver_names
-            ),
+    def join_weight_sync(
+        self, host: str, port: int, first_rank: int, world_size: int
+    ) -> WorkerFuture:
+        """Every replica joins the weight-sync group at ``host:port``, replica ``i`` as rank
+        ``first_rank + i``; a future of their joining (the group's rank 0 joins meanwhile)."""
+        return self.worker_group.call_all_async(
+            "join_weight_sync",
+            host,
+            port,
+            first_rank,
+            world_size,
+            self.weight_sync_backend,
+            self.timeout_s,
         )
 
+    def receive_weights(self) -> WorkerFuture:
+        """Every replica receives one weight stream from rank 0 of its group, verified; a
+        future of each replica's loaded buckets (the sender streams meanwhile)."""
+        return self.worker_group.call_all_async("receive_weights")
+
+    def leave_weight_sync(self) -> None:
+        if self._group is not None:
+            self._group.call_all("leave_weight_sync")
+
     def release(self) -> None:
-        _wait_each({i: _Call(w, "release") for i, w in enumerate(self._workers)}, "release")
+        self.worker_group.call_all("release")
 
     def resume(self) -> None:
-        _wait_each({i: _Call(w, "resume") for i, w in enumerate(self._workers)}, "resume")
+        self.worker_group.call_all("resume")
 
     def shutdown(self) -> None:
-        """Stop every rollout process (all at once); safe to call twice."""
-        _shutdown_all(self._workers)
+        """Stop every rollout process; safe to call twice."""
         if self._group is not None:
-            self._group.close()
-            self._group = None
-
-
-def _wait_each(calls: dict[int, _Call], what: str) -> dict[int, Any]:
-    """Each replica's result (its one worker's); every call is waited for before a failure is
-    raised, naming each failing replica."""
-    results: dict[int, Any] = {}
-    failures: list[tuple[int, BaseException]] = []
-    for i, call in calls.items():
-        try:
-            results[i] = call.wait()[0]
-        except Exception as e:
-            failures.append((i, e))
-    if failures:
-        raise DispatchError(
-            "\n".join(f"rollout replica {r} failed in {what}: {err}" for r, err in failures)
-        ) from failures[0][1]
-    return results
+            group, self._group = self._group, None
+            group.shutdown()
 
 
 def _start_replicas(
@@ -446,52 +360,20 @@ def _start_replicas(
     env: dict[str, str],
     timeout_s: float,
     executor: str = "local",
-) -> list[WorkerGroup]:
-    """One one-worker group per replica (a process, or a Ray actor), started at once; if any
-    fails, the others are stopped."""
-    from engine_core.executors import RayWorkerGroup
+) -> WorkerGroup:
+    """One worker group of ``replicas`` workers (processes, or Ray actors), started at once; a
+    replica that fails to start is named and the group is shut down."""
+    from engine_core.executors import LocalWorkerGroup, RayWorkerGroup
 
     group_cls: type[LocalWorkerGroup] | type[RayWorkerGroup] = (
         RayWorkerGroup if executor == "ray" else LocalWorkerGroup
     )
-    started: list[WorkerGroup | None] = [None] * replicas
-    errors: dict[int, BaseException] = {}
-
-    def start(i: int) -> None:
-        try:
-            started[i] = group_cls(
-                worker_cls,
-                1,
-                init_args=(config,),
-                init_kwargs={"replica": i},
-                env=env,
-                call_timeout_s=timeout_s,
-            )
-        except BaseException as e:  # raised below, after every start has finished
-            errors[i] = e
-
-    threads = [threading.Thread(target=start, args=(i,), daemon=True) for i in range(replicas)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        _shutdown_all([g for g in started if g is not None])
-        i = min(errors)
-        first = errors[i]
-        if not isinstance(first, Exception):
-            raise first
+    try:
+        return group_cls(
+            worker_cls, replicas, init_args=(config,), env=env, call_timeout_s=timeout_s
+        )
+    except DispatchError as e:
         raise DispatchError(
-            f"rollout replica {i} of {replicas} failed to start (the replicas that had started "
-            f"were shut down): {first}"
-        ) from first
-    return [g for g in started if g is not None]
-
-
-def _shutdown_all(groups: list[WorkerGroup]) -> None:
-    """Shut every group down, each on a thread of its own: the processes exit side by side."""
-    threads = [threading.Thread(target=g.shutdown, daemon=True) for g in groups]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+            f"the rollout replicas failed to start ({replicas} of them; every replica was shut "
+            f"down): {e}"
+        ) from e

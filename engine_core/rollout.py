@@ -20,7 +20,7 @@ from pydantic import Field, PositiveInt, model_validator
 from tensordict import NonTensorStack, TensorDict
 
 from engine_core.capabilities import Capability
-from engine_core.config import FrozenModel, ModelConfig
+from engine_core.config import BUCKET_BYTES, FrozenModel, ModelConfig
 from engine_core.errors import BatchError, WeightSyncError
 
 __all__ = [
@@ -34,6 +34,9 @@ __all__ = [
     "check_bucket_shapes",
     "check_complete",
     "verified_buckets",
+    "sent_buckets",
+    "checked_buckets",
+    "SentBucket",
     "confirm_bucket",
     "model_weight_shapes",
     "saved_model_folder",
@@ -54,7 +57,6 @@ RESPONSE_IDS = "response_ids"
 RESPONSE_MASK = "response_mask"
 ROLLOUT_LOG_PROBS = "rollout_log_probs"
 FINISH_REASON = "finish_reason"
-BUCKET_BYTES = 256 << 20  # a weight sync's default bucket size (one big tensor goes alone)
 ROLLOUT_REPLICA = "rollout_replica"  # which replica of a multi-process rollout generated a row
 
 
@@ -172,24 +174,42 @@ def response_batch(
     return out
 
 
+SentBucket = tuple[list[tuple[str, torch.Tensor]], str]
+"""One bucket of (HF name, tensor) pairs and the checksum its sender computed of it."""
+
+
+def sent_buckets(
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = BUCKET_BYTES
+) -> Iterator[SentBucket]:
+    """The sending side of a weight stream: bounded buckets, each with its checksum (computed
+    once, here). The tensors are detached and contiguous, on the device they came on."""
+    for bucket in iter_buckets(named, bucket_bytes):
+        handed = [(name, t.detach().contiguous()) for name, t in bucket]
+        yield handed, tensor_checksum(handed)
+
+
+def checked_buckets(
+    buckets: Iterable[SentBucket], expected: dict[str, tuple[int, ...]]
+) -> Iterator[SentBucket]:
+    """The receiving side: each bucket with an unknown name or a wrong shape is refused before it
+    is yielded (so before anything of it is loaded); once the last bucket has been consumed, a
+    stream that left parameters out is refused, naming them."""
+    seen: set[str] = set()
+    for bucket, sent in buckets:
+        check_bucket_shapes(bucket, expected)
+        yield bucket, sent
+        seen.update(name for name, _ in bucket)
+    check_complete(expected, seen)
+
+
 def verified_buckets(
     named: Iterable[tuple[str, torch.Tensor]],
     expected: dict[str, tuple[int, ...]],
-    bucket_bytes: int,
-) -> Iterator[tuple[list[tuple[str, torch.Tensor]], str]]:
-    """Yield ``(bucket to load, checksum of what the trainer sent)`` for each bounded bucket.
-
-    A bucket with an unknown name or a wrong shape is refused before it is yielded; once the last
-    bucket has been consumed, a sync that left parameters out is refused, naming them. The
-    tensors are detached and contiguous, on the device they came on.
-    """
-    seen: set[str] = set()
-    for bucket in iter_buckets(named, bucket_bytes):
-        check_bucket_shapes(bucket, expected)
-        sent = tensor_checksum(bucket)
-        yield [(name, t.detach().contiguous()) for name, t in bucket], sent
-        seen.update(name for name, _ in bucket)
-    check_complete(expected, seen)
+    bucket_bytes: int = BUCKET_BYTES,
+) -> Iterator[SentBucket]:
+    """Both sides in one process: :func:`sent_buckets` of ``named``, :func:`checked_buckets`
+    against ``expected``."""
+    return checked_buckets(sent_buckets(named, bucket_bytes), expected)
 
 
 def confirm_bucket(
@@ -200,7 +220,8 @@ def confirm_bucket(
     if (tensor_checksum(loaded) if got is None else got) != sent:
         raise WeightSyncError(
             f"checksum mismatch in bucket [{', '.join(names)}]: what the rollout loaded differs "
-            "from what the trainer sent (a failed load, or a sender reusing its buffer?)."
+            "from what the trainer sent (a failed load, bytes corrupted on the way, or a sender "
+            "reusing its buffer?)."
         )
     return WeightBucket(names, tuple(tuple(t.shape) for _, t in loaded), sent)
 
@@ -232,17 +253,22 @@ def saved_model_folder(
 
 
 def tensor_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """A deterministic digest of names, shapes, dtypes and bytes (fp32 view of the values).
+    """A deterministic digest of names, shapes, dtypes and the tensors' own bytes.
 
-    XXH3-128: it detects a failed, partial or corrupted load (any flipped bit), at memory speed
-    (40 times blake2b's, measured); it is not meant to resist a forger, and nothing else here is
-    sent between processes that do not trust each other.
+    XXH3-128 over each tensor's memory as it is (no copy on CPU, no float32 cast): it detects a
+    failed, partial or corrupted load (any flipped bit), at memory speed (40 times blake2b's,
+    measured); it is not meant to resist a forger, and nothing else here is sent between
+    processes that do not trust each other. Sender and receiver agree only when the tensors
+    have the same dtype, which a weight sync keeps.
     """
     h = xxhash.xxh3_128()
     for name, t in named:
+        data = t.detach()
+        if data.device.type != "cpu":
+            data = data.cpu()
         h.update(name.encode())
-        h.update(str(tuple(t.shape)).encode())
-        h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().data)  # no copy
+        h.update(f"{tuple(data.shape)}{data.dtype}".encode())
+        h.update(data.contiguous().reshape(-1).view(torch.uint8).numpy().data)
     return h.hexdigest()
 
 
@@ -270,9 +296,6 @@ class BaseRollout(abc.ABC):
 
     capabilities: ClassVar[frozenset[Capability]] = frozenset()
     config_class: ClassVar[type[RolloutConfig]] = RolloutConfig
-    #: generate() runs in another process (this one only waits), so a trainer may call it on a
-    #: thread while it trains: the asynchronous mode of ``roles.RLTrainer``
-    generates_elsewhere: ClassVar[bool] = False
 
     def __init__(self, config: RolloutConfig) -> None:
         self.config = config
@@ -292,9 +315,41 @@ class BaseRollout(abc.ABC):
     def expected_weights(self) -> dict[str, tuple[int, ...]]:
         """The HF parameter names and shapes this rollout's model takes."""
 
-    @abc.abstractmethod
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if (
+            not any(
+                getattr(getattr(cls, m, None), "__isabstractmethod__", False)
+                for m in ("generate", "expected_weights")
+            )
+            and cls.load_weights is BaseRollout.load_weights
+            and cls.load_weight_bucket is BaseRollout.load_weight_bucket
+        ):
+            raise TypeError(
+                f"{cls.__name__} loads no weights: implement load_weight_bucket() (one bucket at "
+                f"a time) or load_weights() (the whole stream in one pass), see BaseRollout."
+            )
+
     def load_weight_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> str:
-        """Load one bucket into the model and return :func:`tensor_checksum` of what was loaded."""
+        """Load one bucket into the model and return :func:`tensor_checksum` of what was loaded.
+
+        Implement this, or :meth:`load_weights` for a backend that loads a whole stream in one
+        pass (the default :meth:`load_weights` calls this once per bucket).
+        """
+        raise NotImplementedError  # __init_subclass__ refuses a class that implements neither
+
+    def load_weights(self, buckets: Iterable[SentBucket]) -> list[WeightBucket]:
+        """Load a weight stream: ``(bucket, the sender's checksum of it)`` pairs, from this
+        process (:meth:`sync_weights`) or from another one (a weight-sync group).
+
+        Every bucket's names and shapes are checked before it is loaded, a stream that leaves a
+        parameter out is refused, and each bucket's checksum of what was loaded must equal the
+        sender's: one comparison, end to end.
+        """
+        return [
+            confirm_bucket(bucket, sent, self.load_weight_bucket(bucket))
+            for bucket, sent in checked_buckets(buckets, self.expected_weights())
+        ]
 
     def release(self) -> None:
         """Free weights and KV cache (no-op where the backend cannot)."""
@@ -305,8 +360,5 @@ class BaseRollout(abc.ABC):
     def sync_weights(
         self, named: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int = BUCKET_BYTES
     ) -> list[WeightBucket]:
-        """Load weights bucket by bucket and verify names, shapes and per-bucket checksums."""
-        return [
-            confirm_bucket(bucket, sent, self.load_weight_bucket(bucket))
-            for bucket, sent in verified_buckets(named, self.expected_weights(), bucket_bytes)
-        ]
+        """Load ``named`` from this process: :meth:`load_weights` of its :func:`sent_buckets`."""
+        return self.load_weights(sent_buckets(named, bucket_bytes))

@@ -62,6 +62,7 @@ def failures_logged(out_dir: Path, *, command: str, safe: str) -> Iterator[None]
         what = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
         raise RunFailed(f"{command} failed: {what} ({where}; {safe})", log_path) from e
 
+
 # what marks a folder as holding a run's outputs
 _RUN_MARKERS = ("metrics.jsonl", "checkpoints")
 

@@ -12,10 +12,12 @@ process can both join it.
 - Headers, end/abort markers and verdicts are fixed-format messages: versioned UTF-8 JSON after
   an int64 length, validated field by field on receipt (known dtype names only, byte count
   consistent with shapes). Nothing that crosses the wire is unpickled.
-- :func:`receive_weights` (ranks ≥ 1) rebuilds each bucket, compares its checksum with the
-  sender's (a mismatch names the bucket's parameters) and hands the stream to the rollout's own
-  :meth:`BaseRollout.sync_weights`, which checks names and shapes against the rollout's model and
-  the checksum of what it loaded.
+- :func:`receive_weights` (ranks ≥ 1) rebuilds each bucket and hands it, with the sender's
+  checksum, to the rollout's :meth:`BaseRollout.load_weights`, which checks names and shapes
+  against its model before loading and compares the checksum of what it loaded with the
+  sender's: one comparison, end to end, which a corrupted transfer fails as a failed load does
+  (naming the bucket's parameters). Each bucket is hashed twice in all: once by the sender,
+  once as loaded.
 - Every receiver reports back; the sender raises :class:`WeightSyncError` with each failing
   receiver's message, so a sync is never silent on either side. After a failure the receiver
   still drains the stream, so both sides stay in step for the next sync.
@@ -44,9 +46,9 @@ from engine_core.errors import WeightSyncError
 from engine_core.rollout import (
     BUCKET_BYTES,
     BaseRollout,
+    SentBucket,
     WeightBucket,
-    iter_buckets,
-    tensor_checksum,
+    sent_buckets,
 )
 
 __all__ = ["WeightSyncGroup", "send_weights", "receive_weights"]
@@ -340,7 +342,7 @@ def _flat_bytes(bucket: list[tuple[str, torch.Tensor]], device: torch.device) ->
     return torch.cat(parts).to(device)
 
 
-def _header(bucket: list[tuple[str, torch.Tensor]]) -> _Header:
+def _header(bucket: list[tuple[str, torch.Tensor]], checksum: str) -> _Header:
     dtypes = tuple(str(t.dtype).removeprefix("torch.") for _, t in bucket)
     unknown = sorted({(n, d) for (n, _), d in zip(bucket, dtypes, strict=True) if d not in _DTYPES})
     if unknown:
@@ -352,7 +354,7 @@ def _header(bucket: list[tuple[str, torch.Tensor]]) -> _Header:
         names=tuple(n for n, _ in bucket),
         shapes=tuple(tuple(t.shape) for _, t in bucket),
         dtypes=dtypes,
-        checksum=tensor_checksum(bucket),
+        checksum=checksum,
         nbytes=sum(t.numel() * t.element_size() for _, t in bucket),
     )
 
@@ -382,8 +384,8 @@ def send_weights(
     names: list[str] | None = None
     try:
         names = _receiver_names(group, receiver_names)
-        for bucket in iter_buckets(named, bucket_bytes):
-            header = _header(bucket)
+        for bucket, checksum in sent_buckets(named, bucket_bytes):
+            header = _header(bucket, checksum)
             group.broadcast_message(header, 0)
             group.broadcast(_flat_bytes(bucket, group.device), 0)
             done.append(WeightBucket(header.names, header.shapes, header.checksum))
@@ -438,7 +440,7 @@ class _ReceivedStream:
         self.broken = False  # a malformed message: the stream cannot be followed any further
         self.abort: str | None = None
 
-    def _next_bucket(self) -> list[tuple[str, torch.Tensor]] | None:
+    def _next_bucket(self) -> SentBucket | None:
         try:
             msg = self.group.broadcast_message(None, 0)
             if not isinstance(msg, _Header | _End | _Abort):
@@ -462,19 +464,14 @@ class _ReceivedStream:
             n = int(torch.Size(shape).numel()) * _element_size(dtype)
             bucket.append((name, flat[offset : offset + n].view(_DTYPES[dtype]).reshape(shape)))
             offset += n
-        if tensor_checksum(bucket) != msg.checksum:
-            raise WeightSyncError(
-                "checksum mismatch between the bytes the trainer sent and those received, "
-                f"in bucket [{', '.join(msg.names)}]"
-            )
-        return bucket
+        return bucket, msg.checksum  # compared with what the rollout loads, once
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def __iter__(self) -> Iterator[SentBucket]:
         while not self.finished:
-            bucket = self._next_bucket()
-            if bucket is None:
+            sent = self._next_bucket()
+            if sent is None:
                 break
-            yield from bucket
+            yield sent
         if self.abort is not None:
             raise WeightSyncError(f"the trainer aborted the weight sync: {self.abort}")
 
@@ -486,9 +483,7 @@ class _ReceivedStream:
                 continue
 
 
-def receive_weights(
-    group: WeightSyncGroup, rollout: BaseRollout, *, bucket_bytes: int = BUCKET_BYTES
-) -> list[WeightBucket]:
+def receive_weights(group: WeightSyncGroup, rollout: BaseRollout) -> list[WeightBucket]:
     """Load the weights rank 0 streams into ``rollout``, verified; report the verdict back.
 
     A malformed message from the sender is raised at once: the stream cannot be followed past it,
@@ -498,7 +493,7 @@ def receive_weights(
         raise ValueError("receive_weights runs on a rollout rank (>= 1) of the sync group.")
     stream = _ReceivedStream(group)
     try:
-        done = rollout.sync_weights(stream, bucket_bytes=bucket_bytes)
+        done = rollout.load_weights(stream)
     except Exception as e:
         if stream.broken:
             raise

@@ -50,8 +50,10 @@ from roles.trainer import (
     TrainerConfig,
     plot_keys,
 )
+from roles.weights import WeightLink
 
 __all__ = [
+    "WeightLink",
     "Actor",
     "ActorConfig",
     "ActorUpdate",

@@ -32,6 +32,7 @@ from engine_core import (
     token_mean_metric,
     with_meta,
 )
+from engine_core.config import BUCKET_BYTES
 from engine_core.rollout import ROLLOUT_LOG_PROBS
 from roles.losses import (
     CorrectionWeights,
@@ -175,9 +176,12 @@ class Actor:
         self.config = config
         self.engine = engine
 
-    def named_full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The policy's (HF name, full tensor) pairs, for a weight sync into a rollout."""
-        return self.engine.named_full_params()
+    def named_full_params(
+        self, bucket_bytes: int = BUCKET_BYTES
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The policy's (HF name, full tensor) pairs, for a weight sync into a rollout, gathered
+        ``bucket_bytes`` at a time."""
+        return self.engine.named_full_params(bucket_bytes)
 
     @property
     def max_position_embeddings(self) -> int | None:

@@ -11,10 +11,9 @@ over a gloo group (:mod:`engine_core.remote_rollout`).
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import torch
 from pydantic import Field, PositiveInt, ValidationError, model_validator
@@ -33,7 +32,9 @@ from engine_core import (
 )
 from engine_core.checkpoint import JobCheckpoints, latest_checkpoint
 from engine_core.errors import CheckpointError, ConfigError
+from engine_core.executors.base import threads_per_process
 from engine_core.models import build_hf_config
+from engine_core.remote_rollout import ProcessRollout
 from engine_core.rollout import BaseRollout
 from engine_core.tasks import EOS, PAD, DigitTask, TaskConfig
 from engine_core.tracking import RunTracker, claim_output_dir, failures_logged
@@ -62,6 +63,7 @@ from roles.trainer import (
     ValueRole,
     plot_keys,
 )
+from roles.weights import WeightLink
 
 __all__ = ["GRPOJobConfig", "run_grpo"]
 
@@ -242,22 +244,24 @@ class _Roles:
     """The job's roles as the trainer calls them, and what holds their engines."""
 
     actor: PolicyRole
-    rollout: BaseRollout
+    rollout: BaseRollout | ProcessRollout
     reference: ReferenceRole | None
     critic: ValueRole | None
     parts: dict[str, Any]  # checkpoint parts: engines, or role groups
     reward_model: RewardRole | None = None
     groups: dict[str, RoleGroup] = field(default_factory=dict)  # by placement role name
     owns_ray: bool = False
+    weights: WeightLink | None = None  # the one path from the actor to the rollout
 
     @property
     def actor_part(self) -> Any:
         return self.parts["actor"]
 
     def close(self) -> None:
-        shutdown = getattr(self.rollout, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        if self.weights is not None:
+            self.weights.close()
+        if isinstance(self.rollout, ProcessRollout):
+            self.rollout.shutdown()
         for group in self.groups.values():
             group.shutdown()
         if self.owns_ray:
@@ -266,7 +270,30 @@ class _Roles:
             ray.shutdown()
 
 
-def _build(job: GRPOJobConfig, manager: PluginManager, stack: contextlib.ExitStack) -> _Roles:
+@dataclass(frozen=True)
+class _Threads:
+    """The job's CPU threads, decided here and nowhere else: this process's count while the
+    job runs (None: left as it is) and each rollout replica's."""
+
+    driver: int | None
+    per_replica: int
+
+
+def _threads(job: GRPOJobConfig) -> _Threads:
+    if job.rollout_placement != "process":
+        return _Threads(None, 1)
+    driver = None
+    if job.trainer.max_staleness:
+        # generation and training run at once: the cores are split between this process and
+        # the rollout's, not every process on every core
+        driver = threads_per_process(2)
+    cores = driver or torch.get_num_threads()
+    return _Threads(driver, threads_per_process(job.rollout_replicas, cores))
+
+
+def _build(
+    job: GRPOJobConfig, manager: PluginManager, stack: contextlib.ExitStack, threads: _Threads
+) -> _Roles:
     # every config is resolved (and refused, naming the field) before anything is built
     spec, engine_cfg = resolve_engine_config(job.engine, manager, path=("engine",))
     rollout_raw = {"model": job.engine["model"], **job.rollout}
@@ -304,25 +331,16 @@ def _build(job: GRPOJobConfig, manager: PluginManager, stack: contextlib.ExitSta
             rm_engine.init_model()
             roles.reward_model = RewardModel(rm_engine)
     if job.rollout_placement == "process":
-        from engine_core.remote_rollout import ProcessRollout
-
-        if job.trainer.max_staleness:
-            # generation and training run at once: half the cores each (the rollout's process
-            # takes this process's thread count), not both processes on every core; run_grpo
-            # restores the count when the job ends
-            torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
         # with the roles on Ray, the replicas are Ray actors too (placed by Ray, like the roles)
-        rollout = ProcessRollout(
+        roles.rollout = ProcessRollout(
             rollout_cfg,  # type: ignore[arg-type]
             replicas=job.rollout_replicas,
             executor="ray" if job.placement.executor == "ray" else "local",
-            external_sender=job.placement.grouped,
+            threads_per_replica=threads.per_replica,
         )
-        roles.rollout = rollout
-        if job.placement.grouped:  # weights from the actor's writing rank, not the driver
-            cast(ActorGroup, roles.actor).connect_rollout(rollout)
     else:
         roles.rollout = rspec.load_class()(rollout_cfg)
+    roles.weights = WeightLink(roles.actor, roles.rollout)  # type: ignore[arg-type]
     return roles
 
 
@@ -412,20 +430,23 @@ def run_grpo(
     resume_from = None
     if resume:
         resume_from = _resume_point(job, console)
-    threads = torch.get_num_threads()
+    threads = _threads(job)
+    before = torch.get_num_threads()
     safe = f"checkpoints already saved under {ckpt_root} are kept, and --resume continues"
     try:
         with (
             failures_logged(out_dir, command="engine-core run", safe=safe),
             contextlib.ExitStack() as stack,
         ):
-            roles = _build(job, manager, stack)
+            if threads.driver is not None and threads.driver != before:
+                torch.set_num_threads(threads.driver)
+            roles = _build(job, manager, stack, threads)
             return _run(job, roles, resume_from, console)
     finally:
         # only when changed: setting it at all, even to the same count, slows this process's
         # later CPU kernels (measured: 15% on the recipe's model)
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 def _run(
@@ -447,6 +468,7 @@ def _run(
         reference=roles.reference,
         critic=roles.critic,
         reward_model=roles.reward_model,
+        weights=roles.weights,
     )
     checkpoints = JobCheckpoints(out_dir / "checkpoints", max_ckpt_to_keep=job.max_ckpt_to_keep)
     parts = roles.parts

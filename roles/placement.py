@@ -10,15 +10,13 @@ ranks (:mod:`engine_core.dispatch`). :class:`roles.RLTrainer` takes either.
 
 A role group is also a checkpoint part (:class:`engine_core.checkpoint.JobCheckpoints`): its
 workers write and read their own shards into the folder the driver stages and commits, so a
-step is still one folder, whole or absent. The actor group's full weights come back to the
-driver from DP rank 0 (every rank takes part in the gather) and are streamed from there into
-the rollout, verified per replica.
+step is still one folder, whole or absent. The actor group's full weights reach the rollout
+through the job's :class:`roles.weights.WeightLink`: every rank takes part in the gathers and
+the writing rank streams them, bucket by bucket, to the rollout's processes (or this one's).
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
@@ -26,9 +24,7 @@ from pydantic import Field, PositiveInt, model_validator
 from tensordict import TensorDict
 
 from engine_core import FrozenModel
-from engine_core.executors.base import DEFAULT_CALL_TIMEOUT_S, WorkerGroup
-from engine_core.remote_rollout import ProcessRollout
-from engine_core.rollout import BUCKET_BYTES, BaseRollout
+from engine_core.executors.base import DEFAULT_CALL_TIMEOUT_S, WorkerGroup, threads_per_process
 from roles.actor import ActorConfig, ActorUpdate
 
 __all__ = [
@@ -141,7 +137,7 @@ def start_group(
 ) -> WorkerGroup:
     """``workers`` instances of a role worker class on ``placement.executor``."""
     # each worker takes its share of this machine's cores (the driver keeps its own)
-    threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // workers))}
+    threads = {"OMP_NUM_THREADS": str(threads_per_process(workers))}
     from engine_core.executors import LocalWorkerGroup, RayWorkerGroup
 
     group_cls = RayWorkerGroup if placement.executor == "ray" else LocalWorkerGroup
@@ -197,39 +193,6 @@ class ActorGroup(RoleGroup):
         super().__init__(group)
         self.config = config
         self._max_positions: int | None = group.call_all("max_position_embeddings")[0]
-        self._rollout: ProcessRollout | None = None
-
-    def connect_rollout(self, rollout: ProcessRollout) -> None:
-        """Stream the weights from the group's writing rank straight to ``rollout``'s replicas
-        (built with ``external_sender=True``) instead of through the driver."""
-        # exactly one rank writes the full weights: it hosts the group
-        [(host, port)] = [
-            a
-            for a in self.group.call_all("rollout_sync_address", rollout.executor == "ray")
-            if a is not None
-        ]
-        world, backend = rollout.replicas + 1, rollout.weight_sync_backend
-        rollout.connect_sender(
-            host,
-            port,
-            lambda: self.group.call_all(
-                "join_rollout_sync", host, port, world, backend, rollout.timeout_s
-            ),
-        )
-        self._rollout = rollout
-
-    def push_weights(self, rollout: BaseRollout) -> int | None:
-        """Sync ``rollout`` from the group's own processes when it is the connected one: every
-        rank gathers, the writing rank streams; the bytes sent. ``None``: not connected (the
-        caller streams :meth:`named_full_params` itself)."""
-        if rollout is not self._rollout or self._rollout is None:
-            return None
-        target, size = self._rollout, BUCKET_BYTES
-        sent = target.receive_from(
-            lambda: self.group.call_all("push_weights", size, target.receiver_names),
-            bucket_bytes=size,
-        )
-        return int(sum(sent))
 
     def compute_log_prob(self, batch: TensorDict) -> TensorDict:
         out: TensorDict = self.group.execute("compute_log_prob", batch)
@@ -243,10 +206,6 @@ class ActorGroup(RoleGroup):
             return ActorUpdate(metrics)
         # the DP chunks in order, without the rows that padded the batch to the DP size
         return ActorUpdate(metrics, torch.cat(old)[: int(batch.batch_size[0])])
-
-    def named_full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
-        (full,) = [p for p in self.group.call_all("full_params") if p is not None]
-        yield from full.items()
 
     @property
     def max_position_embeddings(self) -> int | None:

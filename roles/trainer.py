@@ -8,7 +8,8 @@ critic update) → actor update → verified weight sync into the rollout → on
 
 With ``max_staleness >= 1`` the loop is asynchronous: while the actor trains on step ``t``'s
 samples, the rollout already generates step ``t + 1``'s with the weights of before that update
-(one version old), on a thread that waits for a rollout running in another process. Every
+(one version old): a non-blocking call to a rollout running in other processes
+(:meth:`engine_core.remote_rollout.ProcessRollout.generate_async`), no thread here. Every
 sample's weight version is known; a batch more than ``max_staleness`` versions old is never
 trained on; the generation in flight is part of :meth:`RLTrainer.state_dict`, so a resumed run
 trains on exactly the samples a straight one would.
@@ -19,9 +20,9 @@ plots; a script builds the same object from its own roles, rollout, prompts and 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Annotated, Any, Literal, Protocol
 
 import torch
@@ -38,6 +39,7 @@ from engine_core import (
     SamplingParams,
     make_batch,
 )
+from engine_core.remote_rollout import ProcessRollout
 from engine_core.rollout import (
     PROMPT_IDS,
     PROMPT_MASK,
@@ -58,6 +60,7 @@ from roles.batches import prompt_batch, training_batch
 from roles.critic import OLD_VALUES, RETURNS
 from roles.reward_model import RM_SCORES
 from roles.updates import non_finite_inputs
+from roles.weights import WeightLink
 
 __all__ = [
     "TrainerConfig",
@@ -194,17 +197,13 @@ class PolicyRole(Protocol):
     """What the trainer calls on the policy: an :class:`Actor`, or an
     :class:`roles.placement.ActorGroup` (the same calls on a data-parallel worker group).
 
-    A policy may also have ``push_weights(rollout) -> int | None``: it streams its weights to a
-    rollout connected to it from its own processes and returns the bytes sent (``None``: that
-    rollout is not connected, and the trainer streams :meth:`named_full_params` itself)."""
+    Its weights reach the rollout through a :class:`roles.weights.WeightLink`."""
 
     config: ActorConfig
 
     def compute_log_prob(self, batch: TensorDict) -> TensorDict: ...
 
     def update_actor(self, batch: TensorDict) -> ActorUpdate: ...
-
-    def named_full_params(self) -> Iterable[tuple[str, torch.Tensor]]: ...
 
     @property
     def max_position_embeddings(self) -> int | None: ...
@@ -238,6 +237,28 @@ class LogProbGapError(EngineCoreError):
     """The rollout's log-probs of its samples are not the trainer's (the gap guard)."""
 
 
+_Step = tuple[TensorDict, TensorDict, int]  # prompts, their samples, the weight version
+
+
+class _Generation(Protocol):
+    """A generation in flight: its result() waits for it."""
+
+    def result(self) -> _Step: ...
+
+
+class _Settled:
+    """A generation already done (restored by a resume) or that could not start."""
+
+    def __init__(self, value: _Step | None = None, error: BaseException | None = None) -> None:
+        self.value, self.error = value, error
+
+    def result(self) -> _Step:
+        if self.error is not None:
+            raise self.error
+        assert self.value is not None
+        return self.value
+
+
 class PromptsExhausted(RuntimeError):
     """The prompt source (an iterable) has no prompts left for the step asked for."""
 
@@ -263,13 +284,14 @@ class RLTrainer:
         config: TrainerConfig,
         *,
         actor: PolicyRole,
-        rollout: BaseRollout,
+        rollout: BaseRollout | ProcessRollout,
         reward_fn: RewardFn | None = None,
         prompts: PromptSource,
         reference: ReferenceRole | None = None,
         critic: ValueRole | None = None,
         reward_model: RewardRole | None = None,
         global_step: int = 0,
+        weights: WeightLink | None = None,
     ) -> None:
         if reward_fn is None and reward_model is None:
             raise ValueError(
@@ -288,7 +310,7 @@ class RLTrainer:
                 "the actor has use_kl_loss=True, which needs reference log-probs; pass "
                 "reference=Reference(engine) (a frozen copy of the initial policy)."
             )
-        if config.max_staleness and not rollout.generates_elsewhere:
+        if config.max_staleness and not isinstance(rollout, ProcessRollout):
             raise ValueError(
                 f"max_staleness={config.max_staleness} overlaps generation with training, which "
                 f"needs a rollout that generates in another process; "
@@ -309,8 +331,14 @@ class RLTrainer:
         # the actor's weight version the rollout holds (None: not synced since this object,
         # or a resume, started); asynchronous mode: also the generation in flight
         self._rollout_version: int | None = None
-        self._pending: Future[tuple[TensorDict, TensorDict, int]] | None = None
-        self._pool: ThreadPoolExecutor | None = None
+        self._pending: _Generation | None = None
+        if weights is not None and (weights.policy is not actor or weights.rollout is not rollout):
+            raise ValueError(
+                "weights= must be the WeightLink of this trainer's actor and rollout; build it "
+                "as WeightLink(actor, rollout), or leave weights= out and the trainer builds it."
+            )
+        self._weights = weights  # built on the first sync when not given (and then owned)
+        self._owns_weights = weights is None
         self._last_sync: dict[str, float] = {}
 
     def sync_weights(self) -> None:
@@ -321,23 +349,9 @@ class RLTrainer:
         """
         if self._pending is not None:  # never swap weights under a generation in flight
             self._pending.result()
-        moved = [0]
-
-        def counted() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, t in self.actor.named_full_params():
-                moved[0] += t.numel() * t.element_size()
-                yield name, t
-
-        t0 = time.perf_counter()
-        # a worker-group actor connected to the rollout streams from its own processes
-        push = getattr(self.actor, "push_weights", None)
-        pushed = push(self.rollout) if push is not None else None
-        if pushed is None:
-            self.rollout.sync_weights(counted())
-        self._last_sync = {
-            "weight_sync/time_s": time.perf_counter() - t0,
-            "weight_sync/bytes": float(moved[0] if pushed is None else pushed),
-        }
+        if self._weights is None:
+            self._weights = WeightLink(self.actor, self.rollout)  # type: ignore[arg-type]
+        self._last_sync = self._weights.sync()
         self._rollout_version = self.global_step
 
     def _prompts(self, step: int) -> TensorDict:
@@ -356,19 +370,16 @@ class RLTrainer:
         assert self._rollout_version is not None  # step() syncs before any generation
         return self._rollout_version
 
-    def _submit(self, step: int) -> Future[tuple[TensorDict, TensorDict, int]]:
-        """Start step ``step``'s generation on the rollout thread (prompts drawn here, in order)."""
-        future: Future[tuple[TensorDict, TensorDict, int]]
+    def _submit(self, step: int) -> _Generation:
+        """Start step ``step``'s generation on the rollout's processes (prompts drawn here, in
+        order) without waiting for it."""
         try:
             prompts = self._prompts(step)
         except PromptsExhausted as e:  # raised when (and if) that step is run
-            future = Future()
-            future.set_exception(e)
-            return future
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="rollout")
+            return _Settled(error=e)
+        assert isinstance(self.rollout, ProcessRollout)  # checked in __init__
         params, version = self.config.sampling_params(step), self._synced_version()
-        return self._pool.submit(lambda: (prompts, self.rollout.generate(prompts, params), version))
+        return self.rollout.generate_async(prompts, params).map(lambda gen: (prompts, gen, version))
 
     def step(self) -> dict[str, Any]:
         """One RL step; returns its metrics row (``step``, ``reward``, ``actor/*``, ...)."""
@@ -526,9 +537,13 @@ class RLTrainer:
         count of skipped updates in a row and, in asynchronous mode, the generation in flight
         (waited for: its prompts, samples and weight version)."""
         pending = None
-        if self._pending is not None and self._pending.exception() is None:
-            prompts, gen, version = self._pending.result()
-            pending = {"prompts": _plain(prompts), "samples": _plain(gen), "version": version}
+        if self._pending is not None:
+            try:
+                prompts, gen, version = self._pending.result()
+            except Exception:  # its error belongs to a step never run: nothing to resume
+                pass
+            else:
+                pending = {"prompts": _plain(prompts), "samples": _plain(gen), "version": version}
         return {
             "global_step": self.global_step,
             "skipped_in_a_row": self._skipped_in_a_row,
@@ -542,20 +557,20 @@ class RLTrainer:
         self._rollout_version = None
         pending = state.get("pending")
         if pending is not None and self.config.max_staleness:
-            future: Future[tuple[TensorDict, TensorDict, int]] = Future()
-            future.set_result(
+            self._pending = _Settled(
                 (_batch(pending["prompts"]), _batch(pending["samples"]), int(pending["version"]))
             )
-            self._pending = future
 
     def close(self) -> None:
-        """Wait for a generation in flight and stop the rollout thread (asynchronous mode)."""
+        """Wait for a generation in flight (asynchronous mode) and close the weight link the
+        trainer built; safe to call twice."""
         if self._pending is not None:
-            self._pending.exception()  # wait; an error there belongs to a step never run
+            with contextlib.suppress(Exception):  # an error there belongs to a step never run
+                self._pending.result()
             self._pending = None
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
+        if self._weights is not None and self._owns_weights:
+            self._weights.close()
+            self._weights = None
 
     def _score(self, gen: TensorDict, batch: TensorDict) -> tuple[torch.Tensor, dict[str, float]]:
         """Each sample's reward; with a reward model also the mean of each part, to log."""

@@ -46,7 +46,7 @@ class _RoleWorker(Worker):
             self.mesh, dp_rank=e.dp_rank, dp_size=e.dp_size, is_collect=e.is_collect_rank
         )
 
-    # what a driver needs of a role it does not hold: checkpoints, the export, the full weights
+    # what a driver needs of a role it does not hold: checkpoints, the export, a fingerprint
     # (each collective: call it on every worker of the group)
 
     def checkpoint_preflight(self, root: str, saving: bool) -> None:
@@ -61,17 +61,6 @@ class _RoleWorker(Worker):
     def export_hf(self, path: str) -> str:
         return self.engine.export_hf(path)
 
-    def full_params(self) -> dict[str, torch.Tensor] | None:
-        """Every (HF name, full tensor), gathered on every rank; returned by the rank that
-        writes them (``engine.writes_full_params``) only (copies: nothing handed out aliases the
-        engine's own storage)."""
-        writer = self.engine.writes_full_params
-        out = {}
-        for name, t in self.engine.named_full_params():
-            if writer:
-                out[name] = t.detach().to("cpu", copy=True)
-        return out if writer else None
-
     def abs_weight_sum(self) -> float:
         """The sum of |w| over the full weights: a cheap fingerprint (not a checksum) to compare
         runs across engines and layouts. Collective for sharded engines: call it on every
@@ -85,27 +74,28 @@ class ActorWorker(_RoleWorker):
     def __init__(self, engine_config: dict[str, Any], actor_config: dict[str, Any]) -> None:
         super().__init__(engine_config)
         self.actor = Actor(ActorConfig(**actor_config), self.engine)
-        self._rollout_sync: WeightSyncGroup | None = None
+        self._weight_sync: WeightSyncGroup | None = None
 
     def max_position_embeddings(self) -> int | None:
         return self.actor.max_position_embeddings
 
-    # the weights straight to the rollout's processes, not through the driver (each collective:
-    # call it on every worker)
+    # the sending end of the job's weight link (roles.weights.WeightLink): every rank takes
+    # part in the gathers, the writing rank streams (each collective: call it on every worker)
 
-    def rollout_sync_address(self, any_node: bool) -> tuple[str, int] | None:
-        """Where the rollout's weight-sync group meets: a free port of the writing rank's
-        machine (``None`` from every other rank, which takes no part in that group)."""
+    def weight_sync_address(self, any_node: bool) -> tuple[str, int] | None:
+        """Where the link's weight-sync group meets: a free port of the writing rank's machine
+        (``None`` from every other rank, which takes no part in that group)."""
         if not self.engine.writes_full_params:
             return None
         return meeting_host(any_node), free_port()
 
-    def join_rollout_sync(
+    def join_weight_sync(
         self, host: str, port: int, world_size: int, backend: str, timeout_s: float
     ) -> None:
-        """The writing rank joins the rollout's weight-sync group as its sender (rank 0)."""
+        """The writing rank joins the link's weight-sync group as its sender (rank 0)."""
+        self.leave_weight_sync()
         if self.engine.writes_full_params:
-            self._rollout_sync = WeightSyncGroup(
+            self._weight_sync = WeightSyncGroup(
                 host=host,
                 port=port,
                 rank=0,
@@ -114,15 +104,21 @@ class ActorWorker(_RoleWorker):
                 timeout_s=timeout_s,
             )
 
-    def push_weights(self, bucket_bytes: int, receiver_names: list[str]) -> int:
-        """Every rank gathers the full weights; the writing rank streams them to the rollout's
-        replicas (verified by each) and returns the bytes it sent, the others 0."""
-        named = self.engine.named_full_params()
+    def leave_weight_sync(self) -> None:
+        if self._weight_sync is not None:
+            self._weight_sync.close()
+            self._weight_sync = None
+
+    def send_weights(self, bucket_bytes: int, receiver_names: list[str]) -> int:
+        """Every rank gathers the full weights ``bucket_bytes`` at a time; the writing rank
+        streams them to the receivers (verified by each) and returns the bytes it sent, the
+        others 0."""
+        named = self.engine.named_full_params(bucket_bytes)
         try:
             if not self.engine.writes_full_params:
                 return 0
-            if self._rollout_sync is None:
-                raise RuntimeError("join_rollout_sync() first: no rollout is connected.")
+            if self._weight_sync is None:
+                raise RuntimeError("join_weight_sync() first: no rollout is connected.")
             moved = 0
 
             def counted() -> Iterator[tuple[str, torch.Tensor]]:
@@ -132,7 +128,7 @@ class ActorWorker(_RoleWorker):
                     yield name, t
 
             send_weights(
-                self._rollout_sync,
+                self._weight_sync,
                 counted(),
                 bucket_bytes=bucket_bytes,
                 receiver_names=receiver_names,

@@ -89,9 +89,9 @@ class CorruptingRolloutWorker(RolloutWorker):
     bucket holding :data:`CORRUPTED`, that weight is shifted, so the rollout's checksum of its
     loaded weights no longer matches what the trainer sent. Other replicas load faithfully."""
 
-    def __init__(self, config: dict[str, Any], replica: int = 0) -> None:
-        super().__init__(config, replica=replica)
-        if replica == 1:
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__(config)
+        if self.replica == 1:
             rollout: Any = self.rollout
             load = rollout.load_weight_bucket
 
@@ -109,7 +109,7 @@ class CorruptingRolloutWorker(RolloutWorker):
 class FailingRolloutWorker(RolloutWorker):
     """Replica 1 fails to start; the others start as usual."""
 
-    def __init__(self, config: dict[str, Any], replica: int = 0) -> None:
-        if replica == 1:
-            raise RuntimeError(f"replica {replica} cannot start on purpose")
-        super().__init__(config, replica=replica)
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__(config)
+        if self.replica == 1:
+            raise RuntimeError(f"replica {self.replica} cannot start on purpose")

@@ -80,7 +80,8 @@ BACKEND_SURFACE = {
     # rollouts and weight sync
     "BaseRollout", "RolloutConfig", "SamplingParams", "WeightBucket", "confirm_bucket",
     "model_weight_shapes", "prompt_tensors", "response_batch", "saved_model_folder",
-    "tensor_checksum", "verified_buckets", "FINISH_REASON", "PROMPT_IDS", "PROMPT_MASK",
+    "tensor_checksum", "verified_buckets", "sent_buckets", "checked_buckets", "SentBucket",
+    "BUCKET_BYTES", "FINISH_REASON", "PROMPT_IDS", "PROMPT_MASK",
     "RESPONSE_IDS", "RESPONSE_MASK", "ROLLOUT_LOG_PROBS",
     # errors
     "BatchError", "CheckpointError", "ConfigError", "EngineCoreError", "WeightSyncError",

@@ -70,17 +70,15 @@ def _empty_update(state: Any) -> Any:
 
 
 def _long_prompts(state: Any) -> Any:
+    from engine_core_hf.rollout import HFRollout, HFRolloutConfig
+
     from roles import RLTrainer, TrainerConfig
 
-    class NoRollout:  # never reached: the length is refused first
-        def sync_weights(self, named: Any) -> None:
-            for _ in named:
-                pass
-
+    rollout = HFRollout(HFRolloutConfig(backend="hf", model={"config": dict(TINY_QWEN2)}))
     trainer = RLTrainer(
         TrainerConfig(samples_per_prompt=2, max_new_tokens=8),
         actor=state["actor"],
-        rollout=NoRollout(),  # type: ignore[arg-type]
+        rollout=rollout,  # never generates: the length is refused first
         reward_fn=lambda p, r, m: torch.zeros(p.shape[0]),
         prompts=[torch.ones(2, TINY_QWEN2["max_position_embeddings"], dtype=torch.long)],
     )

@@ -160,7 +160,12 @@ def test_help_names_each_commands_default_recipe(
 @pytest.mark.parametrize(
     ("override", "loc", "suggestion", "valid"),
     [
-        ("runner.total_steps=5", "runner", "'trainer' or 'steps' (for 'runner.total_steps')", "steps"),
+        (
+            "runner.total_steps=5",
+            "runner",
+            "'trainer' or 'steps' (for 'runner.total_steps')",
+            "steps",
+        ),
         ("trainer.temprature=0.7", "trainer.temprature", "'temperature'", "samples_per_prompt"),
         ("step=5", "step", "'steps'", "steps"),
         ("engine.micro_batch_sise=4", "engine.micro_batch_sise", "'micro_batch_size'", "seed"),
@@ -216,7 +221,9 @@ def test_the_core_command_line_knows_no_command_above_it() -> None:
         and any(
             name == "roles" or name.startswith("roles.")
             for name in (
-                [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
             )
         )
     ]

@@ -174,3 +174,36 @@ def test_the_collective_timeout_reaches_the_workers_environment() -> None:
     assert Settings.from_env(worker_env(0, 2, 1234)).collective_timeout is None
     with pytest.raises(ConfigError, match=f"{ENV_COLLECTIVE_TIMEOUT}='soon' is not a timeout"):
         Settings.from_env({ENV_COLLECTIVE_TIMEOUT: "soon"})
+
+
+@pytest.mark.parametrize("kind", EXECUTORS)
+def test_non_blocking_calls_return_futures(kind: str, request: pytest.FixtureRequest) -> None:
+    """The calls are sent at once; their results (or errors) come when asked for, the same
+    every time they are asked for."""
+    with make_group(kind, request, 2, world=2) as group:
+        pending = group.call_all_async("nap", 1, 0.3)
+        busy = torch.randn(64, 64) @ torch.randn(64, 64)  # this process works meanwhile
+        assert pending.result() == [0, 1] and busy.shape == (64, 64)
+        assert pending.result() == [0, 1]
+        nd = group.execute_async("square", data(5))
+        assert torch.equal(nd.result()["y"], torch.arange(5).float() ** 2)
+        each = group.call_each_async("echo", [(1,), (2,)])
+        assert each.result() == [10, 21]
+        with pytest.raises(DispatchError, match="one argument tuple per worker"):
+            group.call_each_async("echo", [(1,)])
+        failing = group.call_all_async("fail")
+        for _ in range(2):
+            with pytest.raises((DispatchError, ValueError), match="fails on purpose"):
+                failing.result()
+        assert group.call_all("whoami") == [0, 1]  # the group is usable after a failed call
+
+
+def test_a_second_call_while_one_is_in_flight_is_refused(request: pytest.FixtureRequest) -> None:
+    """One call at a time per group of processes: a second is refused, naming the first,
+    until the first's result is taken."""
+    with make_group("processes", request, 2, world=2) as group:
+        pending = group.call_all_async("nap", 0, 0.2)
+        with pytest.raises(DispatchError, match=r"'whoami' was called while 'nap' is still in"):
+            group.call_all("whoami")
+        assert pending.result() == [0, 1]
+        assert group.call_all("whoami") == [0, 1]

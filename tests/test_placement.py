@@ -100,22 +100,24 @@ def test_two_rollout_replicas_follow_the_trainer_every_step(
 ) -> None:
     """The actor at dp=2 streams its weights from its writing rank straight to two replica
     processes (every sync: the driver only waits); each replica follows it every step."""
-    from roles.placement import ActorGroup
+    from roles.weights import WeightLink
 
-    pushed: list[int | None] = []
-    push = ActorGroup.push_weights
+    synced: list[tuple[str, float]] = []
+    sync = WeightLink.sync
 
-    def recording(self: ActorGroup, rollout: Any) -> int | None:
-        pushed.append(push(self, rollout))
-        return pushed[-1]
+    def recording(self: WeightLink) -> dict[str, float]:
+        out = sync(self)
+        synced.append((self.arrangement, out["weight_sync/bytes"]))
+        return out
 
-    monkeypatch.setattr(ActorGroup, "push_weights", recording)
+    monkeypatch.setattr(WeightLink, "sync", recording)
     place = ["placement.executor=local", "placement.actor.dp=2"]
     _run(tmp_path, "steps=2", "rollout_placement=process", "rollout_replicas=2", *place)
     rows = _rows(tmp_path)
     assert len(rows) == 2
     # the first sync (before step 1) and one after each update, each straight from the actor
-    assert len(pushed) == 3 and all(p == rows[0]["weight_sync/bytes"] > 0 for p in pushed)
+    assert synced == [("actor group -> rollout replicas", rows[0]["weight_sync/bytes"])] * 3
+    assert rows[0]["weight_sync/bytes"] > 0
     for row in rows:
         # each replica's log-probs, after that step's verified sync, against the trainer's
         gaps = [row[f"rollout/replica{i}/logprob_diff_max"] for i in (0, 1)]
@@ -127,15 +129,16 @@ def test_a_replica_given_corrupted_weights_stops_the_job_naming_it(
 ) -> None:
     """Replica 1 corrupts what it loads (tests/_workers.py): the job's first sync fails naming
     that replica and no other, and the job stops before training on anything."""
-    import engine_core.remote_rollout as remote_rollout
+    import roles.grpo
     from engine_core.errors import WeightSyncError
+    from engine_core.remote_rollout import ProcessRollout
     from tests._workers import CORRUPTED, CorruptingRolloutWorker
 
-    class Corrupting(remote_rollout.ProcessRollout):
+    class Corrupting(ProcessRollout):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, worker_cls=CorruptingRolloutWorker, **kwargs)
 
-    monkeypatch.setattr(remote_rollout, "ProcessRollout", Corrupting)
+    monkeypatch.setattr(roles.grpo, "ProcessRollout", Corrupting)
     with pytest.raises(RunFailed) as failed:
         _run(tmp_path, "steps=2", "rollout_placement=process", "rollout_replicas=2")
     # one line: what failed, where its traceback went, what is safe; the failure is the cause

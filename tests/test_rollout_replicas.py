@@ -1,7 +1,8 @@
 """A ProcessRollout of several replicas: one weight stream to all, prompts split between them.
 
-Real processes and a real gloo weight-sync group: an HF rollout backend in each replica process,
-weights built from the tiny model config (nothing downloaded).
+Real processes (one worker group) and a real gloo weight-sync group: an HF rollout backend in
+each replica process, weights built from the tiny model config (nothing downloaded). The weights
+come through the job's one path, a WeightLink from an actor (in this process, or a worker group).
 """
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ from typing import Any
 import pytest
 import torch
 from engine_core_hf.rollout import HFRollout, HFRolloutConfig
+from safetensors.torch import load_file
 from tensordict import NonTensorStack, TensorDict
 
-import engine_core.remote_rollout as remote_rollout
 from engine_core.config import ModelConfig
 from engine_core.errors import DispatchError, WeightSyncError
 from engine_core.executors import LocalWorkerGroup, RayWorkerGroup
 from engine_core.models import build_model
 from engine_core.remote_rollout import (
+    ROLLOUT_MESH,
     ProcessRollout,
     RolloutWorker,
     _merge_replica_outputs,
@@ -39,7 +41,10 @@ from engine_core.rollout import (
     SamplingParams,
 )
 from engine_core.weight_sync import receive_weights, send_weights
-from tests._models import TINY_QWEN2
+from roles.actor import Actor, ActorConfig
+from roles.weights import WeightLink
+from roles.workers import build_engine
+from tests._models import TINY_QWEN2, engine_config
 from tests._workers import CORRUPTED, CorruptingRolloutWorker, FailingRolloutWorker
 from tests.test_weight_sync import _pair
 
@@ -76,6 +81,13 @@ def _gap(model: Any, out: TensorDict) -> float:
 SENT = 11  # the seed of the weights the shared rollout is synced with
 
 
+def _actor(seed: int) -> Actor:
+    """An in-process actor (reference engine) holding ``_model(seed)``'s weights."""
+    actor = Actor(ActorConfig(), build_engine(engine_config()))
+    actor.engine.require_module().load_state_dict(_model(seed).state_dict())
+    return actor
+
+
 @pytest.fixture(scope="module", params=["local", pytest.param("ray", marks=pytest.mark.ray)])
 def two(request: pytest.FixtureRequest) -> Iterator[ProcessRollout]:
     """Two replicas: spawned processes, or Ray actors."""
@@ -83,9 +95,12 @@ def two(request: pytest.FixtureRequest) -> Iterator[ProcessRollout]:
         request.getfixturevalue("ray_session")
     rollout = ProcessRollout(_hf_config(), replicas=2, timeout_s=300, executor=request.param)
     kind = RayWorkerGroup if request.param == "ray" else LocalWorkerGroup
-    assert all(type(w) is kind for w in rollout._workers)
+    assert type(rollout.worker_group) is kind and rollout.worker_group.num_workers == 2
+    assert [r.dp_rank for r in rollout.worker_group.mesh_ranks(ROLLOUT_MESH)] == [0, 1]
     try:
-        rollout.sync_weights(_model(SENT).state_dict().items(), bucket_bytes=64 << 10)
+        with WeightLink(_actor(SENT), rollout, bucket_bytes=64 << 10) as link:
+            assert link.arrangement == "actor in the driver -> rollout replicas"
+            assert link.sync()["weight_sync/bytes"] > 0
         yield rollout
     finally:
         rollout.shutdown()
@@ -133,15 +148,27 @@ def test_fewer_prompts_than_replicas_and_release_resume(two: ProcessRollout) -> 
     assert _gap(_model(SENT), out) <= 1e-5
 
 
+def test_generate_async_lets_this_process_work_while_the_replicas_generate(
+    two: ProcessRollout,
+) -> None:
+    prompts = _prompts(3)
+    pending = two.generate_async(prompts, PARAMS)
+    busy = torch.randn(256, 256) @ torch.randn(256, 256)  # this process is not blocked
+    out = pending.result()
+    assert busy.shape == (256, 256)
+    assert torch.equal(out[RESPONSE_IDS], two.generate(prompts, PARAMS)[RESPONSE_IDS])
+    assert pending.result() is out  # the same result when asked again
+
+
 def test_a_replica_that_corrupts_its_weights_is_named() -> None:
     rollout = ProcessRollout(
         _hf_config(), replicas=2, worker_cls=CorruptingRolloutWorker, timeout_s=300
     )
     try:
-        weights = list(_model(SENT).state_dict().items())
+        link = WeightLink(_actor(SENT), rollout, bucket_bytes=64 << 10)
         for _ in range(2):  # the group is still in step after a failure: the same verdict again
             with pytest.raises(WeightSyncError) as failed:
-                rollout.sync_weights(weights, bucket_bytes=64 << 10)
+                link.sync()
             message = str(failed.value)
             assert "rollout replica 1: checksum mismatch" in message
             assert CORRUPTED in message
@@ -149,6 +176,10 @@ def test_a_replica_that_corrupts_its_weights_is_named() -> None:
         # replica 0 took the weights all the same
         out = rollout.generate(_prompts(2), PARAMS)
         assert _gap(_model(SENT), out[out[ROLLOUT_REPLICA] == 0]) <= 1e-5
+        link.close()
+        link.close()  # safe twice
+        with pytest.raises(RuntimeError, match="closed"):
+            link.sync()
     finally:
         rollout.shutdown()
 
@@ -163,7 +194,9 @@ def test_bad_replica_counts_are_refused_before_any_process_starts(
     def no_process(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("a rollout process was started")
 
-    monkeypatch.setattr(remote_rollout, "LocalWorkerGroup", no_process)
+    import engine_core.executors as executors
+
+    monkeypatch.setattr(executors, "LocalWorkerGroup", no_process)
     with pytest.raises(error) as refused:
         ProcessRollout(_hf_config(), replicas=replicas)
     message = str(refused.value)
@@ -174,7 +207,9 @@ def test_bad_replica_counts_are_refused_before_any_process_starts(
 def test_a_replica_that_fails_to_start_stops_the_others() -> None:
     before = set(multiprocessing.active_children())
     with pytest.raises(
-        DispatchError, match=r"(?s)rollout replica 1 of 2 failed to start.*on purpose"
+        DispatchError,
+        match=r"(?s)rollout replicas failed to start \(2 of them; every replica was shut down\)"
+        r".*worker 1 raised.*replica 1 cannot start on purpose",
     ):
         ProcessRollout(_hf_config(), replicas=2, worker_cls=FailingRolloutWorker, timeout_s=300)
     assert set(multiprocessing.active_children()) <= before
@@ -270,41 +305,48 @@ def test_send_weights_labels_receivers_with_the_names_given() -> None:
         group.close()
 
 
-def test_a_data_parallel_actor_streams_straight_to_the_replicas() -> None:
-    """An actor group at dp=2 (fsdp2, two processes) connected to two replicas: every rank
-    gathers, the writing rank sends, and neither the weights nor the stream pass through this
-    process. Each replica then samples from the actor's weights; a replica that corrupts its
-    load fails the push naming it, twice in a row (the group stays in step)."""
-    from roles.actor import ActorConfig
+@pytest.mark.parametrize("replicas", [2, 0], ids=["to-replicas", "to-driver-rollout"])
+def test_a_data_parallel_actor_streams_from_its_writing_rank(replicas: int, tmp_path: Any) -> None:
+    """An actor group at dp=2 (fsdp2, two processes): every rank gathers, the writing rank
+    sends. To two replica processes, neither the weights nor the stream pass through this
+    process; to a rollout in this process, it receives the stream bucket by bucket. Each rollout
+    then samples from the actor's weights; a receiver that corrupts its load fails the sync
+    naming it, twice in a row (the group stays in step)."""
     from roles.placement import ActorGroup, PlacementConfig, start_group
     from roles.workers import ActorWorker
-    from tests._models import engine_config
 
     engine = engine_config(backend="fsdp2", seed=SENT)
     group = start_group(PlacementConfig(executor="local"), ActorWorker, 2, (engine, {}))
-    rollout = ProcessRollout(
-        _hf_config(), replicas=2, worker_cls=CorruptingRolloutWorker, external_sender=True
+    rollout: Any = (
+        ProcessRollout(_hf_config(), replicas=2, worker_cls=CorruptingRolloutWorker)
+        if replicas
+        else HFRollout(_hf_config())
     )
     try:
         actor = ActorGroup(group, ActorConfig())
         assert actor.dp_size == 2
-        with pytest.raises(RuntimeError, match="external sender.*receive_from"):
-            rollout.sync_weights([])
-        assert actor.push_weights(rollout) is None  # not connected yet: the caller streams
-        actor.connect_rollout(rollout)
-        assert rollout._group is None  # this process holds no end of the weight-sync group
-        weights = dict(actor.named_full_params())
-        for _ in range(2):
-            with pytest.raises(DispatchError) as failed:
-                actor.push_weights(rollout)
-            message = str(failed.value)
-            assert "rollout replica 1: checksum mismatch" in message and CORRUPTED in message
-            assert "replica 0" not in message
+        link = WeightLink(actor, rollout, bucket_bytes=16 << 10)
+        if replicas:
+            assert link.arrangement == "actor group -> rollout replicas"
+            assert link._group is None  # this process holds no end of the weight-sync group
+            for _ in range(2):
+                with pytest.raises(DispatchError) as failed:
+                    link.sync()
+                message = str(failed.value)
+                assert "rollout replica 1: checksum mismatch" in message and CORRUPTED in message
+                assert "replica 0" not in message
+        else:
+            assert link.arrangement == "actor group -> driver rollout"
+            assert link.sync()["weight_sync/bytes"] > 0
         out = rollout.generate(_prompts(2), PARAMS)
         model = _model(0)
-        model.load_state_dict(weights)
-        assert _gap(model, out[out[ROLLOUT_REPLICA] == 0]) <= 1e-5  # the actor's weights
-        assert _gap(_model(_hf_config().seed), out[out[ROLLOUT_REPLICA] == 0]) > 1e-3
+        actor.export_hf(str(tmp_path / "hf"))
+        model.load_state_dict(load_file(str(tmp_path / "hf" / "model.safetensors")), strict=False)
+        on_0 = out[out[ROLLOUT_REPLICA] == 0] if replicas else out
+        assert _gap(model, on_0) <= 1e-5  # the actor's weights
+        assert _gap(_model(_hf_config().seed), on_0) > 1e-3
+        link.close()
     finally:
-        rollout.shutdown()
+        if replicas:
+            rollout.shutdown()
         group.shutdown()

@@ -270,12 +270,12 @@ def _params() -> list[tuple[str, torch.Tensor]]:
 
 
 def test_messages_round_trip() -> None:
-    for msg in (_header(_params()), _End(), _Abort("boom"), _Verdict(""), _Verdict("bad")):
+    for msg in (_header(_params(), "0" * 32), _End(), _Abort("boom"), _Verdict(""), _Verdict("bad")):
         assert decode_message(encode_message(msg)) == msg
 
 
 def _bucket_body(**changes: Any) -> bytes:
-    body = json.loads(encode_message(_header(_params())))
+    body = json.loads(encode_message(_header(_params(), "0" * 32)))
     body.update(changes)
     return json.dumps(body).encode()
 
@@ -344,7 +344,7 @@ def _receive_on_thread(group: WeightSyncGroup, rollout: Any) -> dict[str, Any]:
 
     def run() -> None:
         try:
-            box["buckets"] = receive_weights(group, rollout, bucket_bytes=1 << 20)
+            box["buckets"] = receive_weights(group, rollout)
         except Exception as e:  # checked by the test
             box["error"] = e
 

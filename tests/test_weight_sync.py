@@ -7,7 +7,7 @@ this process with a real HF rollout receiving.
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +28,8 @@ from engine_core.models import build_model
 from engine_core.remote_rollout import ProcessRollout, RolloutWorker
 from engine_core.rollout import SamplingParams
 from engine_core.weight_sync import WeightSyncGroup, receive_weights, send_weights
+from roles.actor import Actor, ActorConfig
+from roles.weights import WeightLink
 from tests._dist import run_distributed
 from tests._models import TINY_QWEN2, random_batch, registered_engine
 
@@ -64,9 +66,10 @@ def test_a_rollout_process_follows_the_trainer_and_a_skipped_sync_shows() -> Non
     engine = registered_engine("fsdp2", optim={"lr": 5e-2, "clip_grad": None})
     rollout = ProcessRollout(_hf_config())
     try:
-        buckets = rollout.sync_weights(engine.named_full_params(), bucket_bytes=64 << 10)
-        assert len(buckets) > 1  # really bucketed
-        assert {n for b in buckets for n in b.names} == set(rollout.expected_weights())
+        link = WeightLink(Actor(ActorConfig(), engine), rollout, bucket_bytes=64 << 10)
+        assert link.sync()["weight_sync/bytes"] == sum(
+            t.numel() * t.element_size() for _, t in engine.named_full_params()
+        )
         assert _mismatch(engine, rollout.generate(_prompts(), PARAMS)) < 1e-5
 
         with engine.train_mode():
@@ -76,26 +79,42 @@ def test_a_rollout_process_follows_the_trainer_and_a_skipped_sync_shows() -> Non
         stale = _mismatch(engine, rollout.generate(_prompts(), PARAMS))
         assert stale > 1e-3  # no sync yet: the rollout still samples from the old weights
 
-        rollout.sync_weights(engine.named_full_params(), bucket_bytes=64 << 10)
+        link.sync()
         assert _mismatch(engine, rollout.generate(_prompts(), PARAMS)) < 1e-5
     finally:
         rollout.shutdown()
 
 
 def test_a_refused_sync_names_the_parameter_on_the_trainer_side() -> None:
+    """The core's pieces of a sync to replicas, driven by hand: the replicas join a group this
+    process hosts, receive while it sends; a wrong shape is refused before it is loaded."""
     engine = registered_engine("fsdp2")
     rollout = ProcessRollout(_hf_config())
     try:
+        port = free_port()
+        joining = rollout.join_weight_sync("127.0.0.1", port, 1, 2)
+        group = WeightSyncGroup(host="127.0.0.1", port=port, rank=0, world_size=2)
+        joining.result()
 
         def wrong() -> Iterator[tuple[str, torch.Tensor]]:
             for name, t in engine.named_full_params():
                 yield name, (t[:-1] if name == "lm_head.weight" else t)
 
+        def sync(named: Any) -> list[Any]:
+            receiving = rollout.receive_weights()
+            try:
+                return send_weights(group, named, receiver_names=rollout.receiver_names)
+            finally:
+                with contextlib.suppress(Exception):
+                    receiving.result()
+
         with pytest.raises(WeightSyncError, match=r"rollout replica 0: .*lm_head\.weight"):
-            rollout.sync_weights(wrong())
+            sync(wrong())
         # both ends stayed in step: the next sync goes through and is followed
-        rollout.sync_weights(engine.named_full_params())
+        buckets = sync(engine.named_full_params())
+        assert {n for b in buckets for n in b.names} == set(rollout.expected_weights())
         assert _mismatch(engine, rollout.generate(_prompts(), PARAMS)) < 1e-5
+        group.close()
     finally:
         rollout.shutdown()
 
@@ -125,7 +144,7 @@ def _receive_on_thread(group: WeightSyncGroup, rollout: HFRollout) -> dict[str, 
 
     def run() -> None:
         try:
-            box["buckets"] = receive_weights(group, rollout, bucket_bytes=1 << 20)
+            box["buckets"] = receive_weights(group, rollout)
         except Exception as e:  # checked by the test
             box["error"] = e
 
@@ -170,7 +189,7 @@ def test_a_corrupted_transfer_is_caught_by_the_checksum(pair: Any, hf_rollout: H
     box = _receive_on_thread(receiver, hf_rollout)
     from engine_core.weight_sync import _End, _flat_bytes, _header, _Verdict
 
-    header = dataclasses.replace(_header(params), checksum="0" * 32)
+    header = _header(params, "0" * 32)  # not the checksum of these bytes
     sender.broadcast_message(header, 0)
     sender.broadcast(_flat_bytes(params, sender.device), 0)
     sender.broadcast_message(_End(), 0)
@@ -252,8 +271,8 @@ def test_two_sharded_trainer_ranks_sync_a_rollout_process(tmp_path: Path) -> Non
 
         trainer = threading.Thread(target=train)
         trainer.start()
-        workers.call_all("join_weight_sync", port, 1, 2, "gloo")
-        workers.call_all("receive_weights", 64 << 10)
+        workers.call_all("join_weight_sync", "127.0.0.1", port, 1, 2, "gloo", 60.0)
+        workers.call_all("receive_weights")
         trainer.join()
         assert not errors, errors
         out = workers.call_all("generate", _prompts(), PARAMS)[0]

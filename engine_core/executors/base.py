@@ -11,7 +11,7 @@ import abc
 import math
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from engine_core.dispatch import (
@@ -23,12 +23,14 @@ from engine_core.dispatch import (
     dispatch_nd,
     dispatch_one_to_all,
 )
-from engine_core.errors import ConfigError
+from engine_core.errors import ConfigError, DispatchError
 from engine_core.settings import ENV_COLLECTIVE_TIMEOUT, Settings
 
 __all__ = [
     "DEFAULT_CALL_TIMEOUT_S",
+    "WorkerFuture",
     "WorkerGroup",
+    "threads_per_process",
     "check_timeout",
     "enter_worker_env",
     "free_port",
@@ -61,6 +63,75 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def threads_per_process(processes: int, cores: int | None = None) -> int:
+    """CPU threads each of ``processes`` busy processes gets when they share ``cores`` (default:
+    this machine's): the one rule every executor and job uses, so no module halves, reads or
+    restores another's thread count."""
+    return max(1, (cores or os.cpu_count() or 1) // max(1, processes))
+
+
+class WorkerFuture:
+    """A call sent to every worker of a group and not yet waited for.
+
+    :meth:`result` waits for every worker's answer (at most the group's ``call_timeout_s``) and
+    returns them in worker order, or raises the same :class:`DispatchError` the blocking call
+    would; it can be called again and gives the same outcome. Meanwhile this process is free to
+    take part in the exchange the workers are in (e.g. send the weights they receive).
+    """
+
+    def __init__(self, wait: Callable[[], list[Any]], method: str) -> None:
+        self._wait: Callable[[], list[Any]] | None = wait
+        self.method = method
+        self._result: list[Any] | None = None
+        self._error: BaseException | None = None
+
+    @classmethod
+    def finished(cls, method: str, run: Callable[[], list[Any]]) -> WorkerFuture:
+        """A future whose call already ran here (``run`` is called now; its error is kept)."""
+        try:
+            out = run()
+        except Exception as e:
+            future = cls(lambda: [], method)
+            future._wait, future._error = None, e
+            return future
+        return cls(lambda: out, method)
+
+    def result(self) -> list[Any]:
+        if self._wait is not None:
+            wait, self._wait = self._wait, None
+            try:
+                self._result = wait()
+            except BaseException as e:
+                self._error = e
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    def map(self, fn: Callable[[list[Any]], Any]) -> MappedFuture:
+        """A future of ``fn(self.result())``."""
+        return MappedFuture(self, fn)
+
+
+class MappedFuture:
+    """``fn`` applied to a :class:`WorkerFuture`'s answers when they are asked for."""
+
+    def __init__(self, inner: WorkerFuture | MappedFuture, fn: Callable[[Any], Any]) -> None:
+        self.inner, self.fn = inner, fn
+        self._done = False
+        self._value: Any = None
+
+    def result(self) -> Any:
+        if not self._done:  # fn runs once; an error from it or the call is raised every time
+            self._value = self.fn(self.inner.result())
+            self._done = True
+        return self._value
+
+    def map(self, fn: Callable[[Any], Any]) -> MappedFuture:
+        """A future of ``fn(self.result())``."""
+        return MappedFuture(self, fn)
 
 
 def check_timeout(name: str, value: object, *, or_else: str = "") -> float:
@@ -147,6 +218,10 @@ def join_process_group(backend: str | None = None) -> bool:
 class WorkerGroup(abc.ABC):
     """Workers of one class; :meth:`execute` dispatches by the method's declared mode."""
 
+    #: whether the workers may run on other machines than this one (a rendezvous this process
+    #: hosts for them must then listen on this node's address, not loopback only)
+    may_span_nodes: bool = False
+
     def __init__(
         self,
         worker_cls: type,
@@ -183,8 +258,27 @@ class WorkerGroup(abc.ABC):
         self._call_timeout_s = check_timeout("call_timeout_s", value)
 
     @abc.abstractmethod
+    def _submit(self, method: str, calls: Calls) -> WorkerFuture:
+        """Send ``method`` to every worker with its own (args, kwargs) and return at once; the
+        future's result is every worker's answer, in worker order. One call is in flight on a
+        group at a time: submitting another before the first's result is taken is refused."""
+
     def _call(self, method: str, calls: Calls) -> list[Any]:
-        """Run ``method`` on every worker with its own (args, kwargs), concurrently; results in worker order."""
+        return self._submit(method, calls).result()
+
+    def call_all_async(self, method: str, *args: Any, **kwargs: Any) -> WorkerFuture:
+        """:meth:`call_all` without waiting: a :class:`WorkerFuture` of every worker's result."""
+        return self._submit(method, dispatch_one_to_all(self.num_workers, args, kwargs))
+
+    def call_each_async(self, method: str, per_worker: list[tuple[Any, ...]]) -> WorkerFuture:
+        """Worker ``i`` runs ``method(*per_worker[i])``, without waiting; a future of the
+        results in worker order."""
+        if len(per_worker) != self.num_workers:
+            raise DispatchError(
+                f"call_each_async needs one argument tuple per worker ({self.num_workers}), got "
+                f"{len(per_worker)}."
+            )
+        return self._submit(method, [(tuple(a), {}) for a in per_worker])
 
     @abc.abstractmethod
     def shutdown(self) -> None:
@@ -201,15 +295,19 @@ class WorkerGroup(abc.ABC):
 
     def execute(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Dispatch ``method`` as declared with :func:`engine_core.dispatch.register`."""
+        return self.execute_async(method, *args, **kwargs).result()
+
+    def execute_async(self, method: str, *args: Any, **kwargs: Any) -> WorkerFuture | MappedFuture:
+        """:meth:`execute` without waiting: a future of what it returns."""
         mode, mesh = dispatch_mode_of(self.worker_cls, method)
         if mode is DispatchMode.ALL_TO_ALL:
-            return self._call(method, dispatch_all_to_all(self.num_workers, args, kwargs))
+            return self._submit(method, dispatch_all_to_all(self.num_workers, args, kwargs))
         if mode is DispatchMode.ND_COMPUTE:
             assert mesh is not None  # enforced by register()
-            ranks = self.mesh_ranks(mesh)
-            calls, pad = dispatch_nd(mesh, ranks, args, kwargs)
-            return collect_nd(mesh, ranks, self._call(method, calls), pad)
-        return self.call_all(method, *args, **kwargs)
+            name, ranks = mesh, self.mesh_ranks(mesh)
+            calls, pad = dispatch_nd(name, ranks, args, kwargs)
+            return self._submit(method, calls).map(lambda out: collect_nd(name, ranks, out, pad))
+        return self.call_all_async(method, *args, **kwargs)
 
     def __enter__(self) -> WorkerGroup:
         return self

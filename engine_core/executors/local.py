@@ -24,6 +24,7 @@ from engine_core.errors import DispatchError
 from engine_core.executors.base import (
     DEFAULT_CALL_TIMEOUT_S,
     Calls,
+    WorkerFuture,
     WorkerGroup,
     enter_worker_env,
     free_port,
@@ -82,6 +83,7 @@ class LocalWorkerGroup(WorkerGroup):
         self._workers: list[Any] = []
         self._procs: list[Any] = []
         self._conns: list[Any] = []
+        self._in_flight: str | None = None  # the method of the call sent and not yet gathered
         if in_process:
             self._workers = [
                 worker_cls(*init_args, **dict(init_kwargs or {})) for _ in range(num_workers)
@@ -116,9 +118,10 @@ class LocalWorkerGroup(WorkerGroup):
             self.shutdown()
             raise
 
-    def _gather(self, method: str) -> list[Any]:
+    def _gather(self, method: str, deadline: float | None = None) -> list[Any]:
         results, failures, died = [], [], []
-        deadline = time.monotonic() + self.call_timeout_s  # for the whole call, not per worker
+        if deadline is None:  # for the whole call, not per worker
+            deadline = time.monotonic() + self.call_timeout_s
         for i, (conn, proc) in enumerate(zip(self._conns, self._procs, strict=True)):
             if not conn.poll(max(deadline - time.monotonic(), 0.0)):
                 alive = "alive" if proc.is_alive() else f"dead (exit code {proc.exitcode})"
@@ -143,21 +146,38 @@ class LocalWorkerGroup(WorkerGroup):
             raise DispatchError("\n".join(head + failures))
         return results
 
-    def _call(self, method: str, calls: Calls) -> list[Any]:
+    def _submit(self, method: str, calls: Calls) -> WorkerFuture:
         if self.in_process:
-            out = []
-            for i, (worker, (args, kwargs)) in enumerate(zip(self._workers, calls, strict=True)):
-                try:
-                    out.append(getattr(worker, method)(*args, **kwargs))
-                except Exception as e:
-                    e.add_note(f"(in worker {i} of {type(worker).__name__}.{method})")
-                    raise
-            return out
+            return WorkerFuture.finished(method, lambda: self._run_here(method, calls))
         if not self._conns:
             raise DispatchError("this worker group has been shut down.")
+        if self._in_flight is not None:
+            raise DispatchError(
+                f"{method!r} was called while {self._in_flight!r} is still in flight on this "
+                f"worker group; take the first call's result() before starting another."
+            )
         for conn, (args, kwargs) in zip(self._conns, calls, strict=True):
             conn.send((method, args, kwargs))
-        return self._gather(method)
+        self._in_flight = method
+        deadline = time.monotonic() + self.call_timeout_s  # for the whole call, from now
+
+        def wait() -> list[Any]:
+            try:
+                return self._gather(method, deadline)
+            finally:
+                self._in_flight = None
+
+        return WorkerFuture(wait, method)
+
+    def _run_here(self, method: str, calls: Calls) -> list[Any]:
+        out = []
+        for i, (worker, (args, kwargs)) in enumerate(zip(self._workers, calls, strict=True)):
+            try:
+                out.append(getattr(worker, method)(*args, **kwargs))
+            except Exception as e:
+                e.add_note(f"(in worker {i} of {type(worker).__name__}.{method})")
+                raise
+        return out
 
     def shutdown(self) -> None:
         for conn in self._conns:

@@ -18,6 +18,7 @@ from engine_core.errors import DispatchError
 from engine_core.executors.base import (
     DEFAULT_CALL_TIMEOUT_S,
     Calls,
+    WorkerFuture,
     WorkerGroup,
     enter_worker_env,
     free_port,
@@ -56,6 +57,8 @@ class _Host:
 
 class RayWorkerGroup(WorkerGroup):
     """``num_workers`` Ray actors, each holding one ``worker_cls`` instance."""
+
+    may_span_nodes = True
 
     def __init__(
         self,
@@ -105,18 +108,22 @@ class RayWorkerGroup(WorkerGroup):
             self.shutdown()
             raise
 
-    def _call(self, method: str, calls: Calls) -> list[Any]:
+    def _submit(self, method: str, calls: Calls) -> WorkerFuture:
         if not self._actors:
             raise DispatchError("this worker group has been shut down.")
-        ray = self._ray
         refs = [
             a.call.remote(method, args, kwargs)
             for a, (args, kwargs) in zip(self._actors, calls, strict=True)
         ]
+        deadline = time.monotonic() + self.call_timeout_s
+        return WorkerFuture(lambda: self._wait(method, refs, deadline), method)
+
+    def _wait(self, method: str, refs: list[Any], deadline: float) -> list[Any]:
+        ray = self._ray
         index = {ref: i for i, ref in enumerate(refs)}
         results: dict[int, Any] = {}
         errors: dict[int, BaseException] = {}
-        pending, deadline = list(refs), time.monotonic() + self.call_timeout_s
+        pending = list(refs)
         while pending:
             # after a first failure, give the other workers a moment to report theirs: a dead
             # worker's peers fail (or hang) in collectives, and the dead one must be named

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 
 from engine_core.backend import (
+    BUCKET_BYTES,
     DTYPES,
     BaseEngine,
     CheckpointError,
@@ -109,14 +110,37 @@ def decoder_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in module.modules() if type(m).__name__ in names]
 
 
-def full_tensors(state_dict: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) one at a time: sharded (DTensor) entries are gathered one by one.
+def full_tensors(
+    state_dict: dict[str, Any], bucket_bytes: int = BUCKET_BYTES
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor), gathered a bucket at a time: the sharded (DTensor) entries of up to
+    ``bucket_bytes`` of full size are gathered back to back (their collectives in flight
+    together), then yielded; a bigger tensor is a bucket of its own. At most one bucket of full
+    tensors is held here at a time.
 
     Collective for sharded entries: every rank must consume the whole iterator.
     """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}.")
+    pending: list[tuple[str, Any]] = []
+    size = 0
+
+    def gathered() -> list[tuple[str, torch.Tensor]]:
+        out = []
+        for name, tensor in pending:
+            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            out.append((name, full.detach()))
+        return out
+
     for name, tensor in state_dict.items():
-        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-        yield name, full.detach()
+        nbytes = tensor.numel() * tensor.element_size()  # a DTensor's numel is its full size
+        if pending and size + nbytes > bucket_bytes:
+            yield from gathered()
+            pending, size = [], 0
+        pending.append((name, tensor))
+        size += nbytes
+    if pending:
+        yield from gathered()
 
 
 def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
@@ -176,11 +200,11 @@ class FSDPEngineBase(SingleOptimizerMixin, BaseEngine):
         return get_model_state_dict(self.require_module())
 
     def named_full_params(
-        self, bucket_bytes: int = 512 << 20
+        self, bucket_bytes: int = BUCKET_BYTES
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        # one tensor at a time (at most one LoRA layer with adapters merged): never the whole
-        # unsharded model. Collective: every rank must consume the iterator.
-        tensors = full_tensors(self.sharded_state_dict())
+        # a bucket of full tensors at a time (and at most one LoRA layer with adapters merged):
+        # never the whole unsharded model. Collective: every rank must consume the iterator.
+        tensors = full_tensors(self.sharded_state_dict(), bucket_bytes)
         if self.config.model.lora is not None:
             tensors = merged_lora_tensors(tensors, self.config.model.lora)
         yield from tensors

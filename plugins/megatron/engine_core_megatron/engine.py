@@ -41,6 +41,7 @@ from tensordict import TensorDict
 
 from engine_core.backend import (
     ATTENTION_MASK,
+    BUCKET_BYTES,
     DTYPES,
     INPUT_IDS,
     LOG_PROBS,
@@ -720,20 +721,33 @@ class MegatronEngine(BaseEngine):
 
     # ------------------------------------------------------------------ export
     def named_full_params(
-        self, bucket_bytes: int = 512 << 20
+        self, bucket_bytes: int = BUCKET_BYTES
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every HF tensor, full, on every rank, one megatron parameter at a time.
+        """Every HF tensor, full, on every rank, a bucket of megatron parameters at a time.
 
         Collective over the whole engine: each parameter is gathered from its TP ranks on the
-        stage that holds it, then broadcast over the pipeline group. At most one megatron
-        parameter's HF tensors are held at a time (``bucket_bytes`` is never exceeded unless a
-        single tensor is larger).
+        stage that holds it, then broadcast over the pipeline group. The parameters whose HF
+        tensors fit in ``bucket_bytes`` together are gathered, then yielded; a parameter bigger
+        than that is a bucket of its own. At most one bucket is held here at a time.
         """
         assert self.layout is not None
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}.")
+        shapes, layout = self._hf_shapes(), self.layout
+        itemsize = torch.empty((), dtype=DTYPES[self.config.model.dtype]).element_size()
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
         for megatron_name, owner in self._export_plan():
+            nbytes = itemsize * sum(
+                math.prod(shapes[n]) for n in megatron_to_hf_names(megatron_name, 0, layout)
+            )
+            if bucket and size + nbytes > bucket_bytes:
+                yield from bucket
+                bucket, size = [], 0
             with self._device_context():
-                tensors = self._gather_param(megatron_name, owner)
-            yield from tensors
+                bucket += self._gather_param(megatron_name, owner)
+            size += nbytes
+        yield from bucket
 
     def _export_plan(self) -> list[tuple[str, tuple[int, int, str]]]:
         """(global megatron name, (owning pp rank, chunk, local name)) in HF order."""

@@ -7,7 +7,7 @@ What has run and what has not:
   :func:`build_requests` (left-padded prompts to token-id lists, one request per sample),
   :func:`parse_outputs` (SGLang's output dicts to the batch the rollout contract requires),
   and :func:`check_result` (SGLang's success reports). The checks around each weight bucket are
-  the core's :func:`engine_core.rollout.verified_buckets` / :func:`~engine_core.rollout.confirm_bucket`.
+  the core's :func:`engine_core.rollout.checked_buckets` / :func:`~engine_core.rollout.confirm_bucket`.
 - :class:`SGLangRollout` hands these to a live ``sglang.Engine``. SGLang has no CPU build, so
   the class itself — generation, weight updates, release / resume — has never been executed.
 
@@ -53,14 +53,15 @@ from engine_core.backend import (
     ConfigError,
     RolloutConfig,
     SamplingParams,
+    SentBucket,
     WeightBucket,
     WeightSyncError,
+    checked_buckets,
     confirm_bucket,
     model_weight_shapes,
     prompt_tensors,
     response_batch,
     saved_model_folder,
-    verified_buckets,
 )
 from engine_core_sglang.plugin import SGLANG_CAPABILITIES
 
@@ -350,15 +351,7 @@ class SGLangRollout(BaseRollout):
     def expected_weights(self) -> dict[str, tuple[int, ...]]:
         return dict(self._expected)
 
-    def load_weight_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> str:
-        raise WeightSyncError(
-            "SGLangRollout loads weights inside SGLang's weight-update session and flushes its "
-            "cache afterwards; call sync_weights() rather than loading single buckets."
-        )
-
-    def sync_weights(
-        self, named: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int = 256 << 20
-    ) -> list[WeightBucket]:
+    def load_weights(self, buckets: Iterable[SentBucket]) -> list[WeightBucket]:
         """Load every bucket in one weight-update session, verifying each; flush the cache."""
         if self._released:
             raise WeightSyncError("the SGLang rollout's memory is released; resume() first.")
@@ -369,7 +362,7 @@ class SGLangRollout(BaseRollout):
         check_result("begin_weight_update", self.engine.begin_weight_update())
         done: list[WeightBucket] = []
         try:
-            for handed, sent in verified_buckets(named, self._expected, bucket_bytes):
+            for handed, sent in checked_buckets(buckets, self._expected):
                 result = self.engine.update_weights_from_tensor(
                     named_tensors=handed, load_format=None, flush_cache=False
                 )

@@ -34,14 +34,15 @@ from engine_core.backend import (
     Capability,
     RolloutConfig,
     SamplingParams,
+    SentBucket,
     WeightBucket,
     WeightSyncError,
+    checked_buckets,
     confirm_bucket,
     model_weight_shapes,
     prompt_tensors,
     response_batch,
     saved_model_folder,
-    verified_buckets,
 )
 from engine_core_vllm.plugin import VLLM_CAPABILITIES
 
@@ -154,21 +155,13 @@ class VLLMRollout(BaseRollout):
     def expected_weights(self) -> dict[str, tuple[int, ...]]:
         return dict(self._expected)
 
-    def load_weight_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> str:
-        raise WeightSyncError(
-            "VLLMRollout reloads all weights in one pass; call sync_weights() with every "
-            "parameter rather than loading single buckets."
-        )
-
-    def sync_weights(
-        self, named: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int = 256 << 20
-    ) -> list[WeightBucket]:
+    def load_weights(self, buckets: Iterable[SentBucket]) -> list[WeightBucket]:
         """Stream every bucket through one in-place reload; verify each bucket on the way."""
         done: list[WeightBucket] = []
 
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
-            # names, shapes and completeness are checked by verified_buckets as vLLM pulls
-            for bucket, sent in verified_buckets(named, self._expected, bucket_bytes):
+            # names, shapes and completeness are checked by checked_buckets as vLLM pulls
+            for bucket, sent in checked_buckets(buckets, self._expected):
                 handed = [(name, t.to("cpu")) for name, t in bucket]
                 yield from handed
                 done.append(confirm_bucket(handed, sent))
