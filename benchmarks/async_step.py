@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-RECIPE = Path(__file__).resolve().parents[1] / "engine_core" / "recipes" / "grpo_tiny.yaml"
+RECIPE = Path(__file__).resolve().parents[1] / "roles" / "recipes" / "grpo_tiny.yaml"
 MODES = {
     "sync_2threads": (2, ["trainer.max_staleness=0"]),
     "sync_1thread": (1, ["trainer.max_staleness=0"]),

@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-RECIPE = Path(__file__).resolve().parents[1] / "engine_core" / "recipes" / "grpo_tiny.yaml"
+RECIPE = Path(__file__).resolve().parents[1] / "roles" / "recipes" / "grpo_tiny.yaml"
 
 
 def _minimal(steps: int) -> list[tuple[float, float]]:
@@ -47,7 +47,7 @@ def _minimal(steps: int) -> list[tuple[float, float]]:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from engine_core.configio import load_yaml
-    from engine_core.tasks import EOS, PAD, DigitTask, TaskConfig
+    from roles.tasks import EOS, PAD, DigitTask, TaskConfig
 
     recipe = load_yaml(RECIPE)
     torch.manual_seed(recipe["engine"]["seed"])

@@ -2,7 +2,7 @@
 every process for growth (memory, open file descriptors, threads, child processes, live
 Python objects).
 
-The experiment is the shipped tiny GRPO recipe (``engine_core/recipes/grpo_tiny.yaml``:
+The experiment is the shipped tiny GRPO recipe (``roles/recipes/grpo_tiny.yaml``:
 "reverse three digits", Qwen2 hidden 64, ``fsdp2``, ``hf`` rollout) run by
 :class:`roles.RLTrainer`, with one change of placement: the actor is an
 :class:`roles.placement.ActorGroup` of two ``torch.multiprocessing`` processes
@@ -86,10 +86,10 @@ from engine_core import (  # noqa: E402  (the repository root is on sys.path)
     resolve_rollout_config,
 )
 from engine_core.executors import LocalWorkerGroup  # noqa: E402
-from engine_core.tasks import PAD, DigitTask  # noqa: E402
 from roles import RLTrainer, WeightLink  # noqa: E402
 from roles.grpo import GRPOJobConfig  # noqa: E402
 from roles.placement import ActorGroup  # noqa: E402
+from roles.tasks import PAD, DigitTask  # noqa: E402
 from roles.workers import ActorWorker  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -159,7 +159,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    raw = load_yaml(str(files("engine_core") / "recipes" / "grpo_tiny.yaml"))
+    raw = load_yaml(str(files("roles") / "recipes" / "grpo_tiny.yaml"))
     job = GRPOJobConfig.model_validate(
         apply_overrides(raw, [*args.overrides, f"steps={args.steps}"])
     )
@@ -276,7 +276,7 @@ def main() -> None:
     head = min(10, len(rewards))
     result = {
         "benchmark": "soak",
-        "recipe": "engine_core/recipes/grpo_tiny.yaml",
+        "recipe": "roles/recipes/grpo_tiny.yaml",
         "overrides": args.overrides,
         "placement": "actor: SoakActorWorker x2 (LocalWorkerGroup, gloo, dp=2, "
         f"{job.engine['backend']}); rollout: {job.rollout['backend']} in the driver; "

@@ -4,7 +4,8 @@ An actor group of two fsdp2 workers (local processes, gloo) holds a Qwen2 built 
 the driver holds an HF rollout of the same model. ``roles.WeightLink`` streams the weights from
 the group's writing rank to the driver bucket by bucket. A thread samples the driver's resident
 memory (``/proc/self/statm``) every millisecond during each sync; the figure is the peak above
-the resident memory just before it. Side by side, in the same run: the same sync at two bucket
+the resident memory just before it. A bucket holds at least one tensor, so its size is the
+larger of ``bucket_bytes`` and the largest tensor (reported). Side by side, in the same run: the same sync at two bucket
 sizes, and the baseline of holding the whole model once in the driver (a copy of the rollout's
 state dict, what a path that ships the model as one dict costs at least). Prints one JSON object.
 Linux only (``/proc``).
@@ -28,10 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MODEL = {
     "model_type": "qwen2",
-    "vocab_size": 32000,
+    "vocab_size": 4096,
     "hidden_size": 512,
     "intermediate_size": 1408,
-    "num_hidden_layers": 4,
+    "num_hidden_layers": 12,
     "num_attention_heads": 8,
     "num_key_value_heads": 4,
     "max_position_embeddings": 256,
@@ -79,7 +80,9 @@ def main() -> None:
     engine = {"backend": "fsdp2", "model": {"config": dict(MODEL)}, "seed": 1}
     group = start_group(PlacementConfig(executor="local"), ActorWorker, 2, (engine, {}))
     rollout = HFRollout(HFRolloutConfig(backend="hf", model={"config": dict(MODEL)}))
-    model_bytes = sum(t.numel() * t.element_size() for t in rollout.model.state_dict().values())
+    tensors = list(rollout.model.state_dict().values())
+    model_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    largest = max(t.numel() * t.element_size() for t in tensors)
     result: dict[str, Any] = {"benchmark": "weight_sync_memory", "model": MODEL}
     try:
         actor = ActorGroup(group, ActorConfig())
@@ -98,6 +101,7 @@ def main() -> None:
     result.update(
         {
             "model_mb": round(model_bytes / 2**20, 1),
+            "largest_tensor_mb": round(largest / 2**20, 1),  # a bucket holds at least one tensor
             "baseline_whole_model_in_driver_mb": round(max(whole) / 2**20, 1),
             "repeats": args.repeats,
             "how": "peak RSS above the level before the call, sampled every 1 ms; max over repeats",

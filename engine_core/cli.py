@@ -27,10 +27,9 @@ from rich.table import Table
 from rich.text import Text
 
 from engine_core import __version__
-from engine_core.errors import EngineCoreError
+from engine_core.errors import EngineCoreError, RunFailed
 from engine_core.plugins import PluginInfo, load_plugins
 from engine_core.settings import Settings
-from engine_core.tracking import RunFailed
 
 __all__ = ["Command", "COMMANDS", "build_parser", "main"]
 

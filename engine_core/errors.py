@@ -6,6 +6,8 @@ says what was received, what is allowed, and how to fix it.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 __all__ = [
     "EngineCoreError",
     "ConfigError",
@@ -20,6 +22,7 @@ __all__ = [
     "MeshRegistrationError",
     "CheckpointError",
     "WeightSyncError",
+    "RunFailed",
 ]
 
 
@@ -76,3 +79,13 @@ class CheckpointError(EngineCoreError, RuntimeError):
 
 class WeightSyncError(EngineCoreError, RuntimeError):
     """Weights sent to a rollout did not match what it expected (names, shapes or checksums)."""
+
+
+class RunFailed(EngineCoreError):
+    """A run that had started stopped on a failure (a refused weight sync, a dead worker, the
+    skipped-updates stop, a full disk, ...). The message is one line; the failure itself is
+    the ``__cause__``, and its traceback is in :attr:`log_path`."""
+
+    def __init__(self, message: str, log_path: Path) -> None:
+        super().__init__(message)
+        self.log_path = log_path

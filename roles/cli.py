@@ -40,7 +40,7 @@ def _recipe(args: argparse.Namespace, default: str) -> dict[str, Any]:
     recipe, overrides = args.recipe, list(args.overrides)
     if recipe is not None and "=" in recipe:  # only overrides were given
         recipe, overrides = None, [recipe, *overrides]
-    path = recipe or str(files("engine_core") / "recipes" / default)
+    path = recipe or str(files("roles") / "recipes" / default)
     return apply_overrides(load_yaml(path), overrides)
 
 
@@ -70,8 +70,8 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_train(args: argparse.Namespace, settings: Settings) -> int:
-    """Supervised training through the recipe's engine (see :mod:`engine_core.train`)."""
-    from engine_core.train import run_sft
+    """Supervised training through the recipe's engine (see :mod:`roles.train`)."""
+    from roles.train import run_sft
 
     run_sft(_recipe(args, DEFAULT_TRAIN_RECIPE), load_plugins(settings))
     return 0

@@ -36,8 +36,6 @@ from engine_core.executors.base import threads_per_process
 from engine_core.models import build_hf_config
 from engine_core.remote_rollout import ProcessRollout
 from engine_core.rollout import BaseRollout
-from engine_core.tasks import EOS, PAD, DigitTask, TaskConfig
-from engine_core.tracking import RunTracker, claim_output_dir, failures_logged
 from roles.actor import Actor, ActorConfig
 from roles.critic import Critic, CriticConfig
 from roles.losses import MismatchCorrection
@@ -54,6 +52,8 @@ from roles.placement import (
 )
 from roles.reference import Reference
 from roles.reward_model import RewardModel
+from roles.tasks import EOS, PAD, DigitTask, TaskConfig
+from roles.tracking import RunTracker, claim_output_dir, failures_logged
 from roles.trainer import (
     PolicyRole,
     ReferenceRole,
@@ -577,7 +577,7 @@ def _print_summary(console: Console, summary: dict[str, Any]) -> None:
 
 
 def _warmup(engine: BaseEngine, task: DigitTask, job: GRPOJobConfig) -> None:
-    from engine_core.train import sft_loss
+    from roles.train import sft_loss
 
     engine.set_loss_fn(sft_loss)
     with engine.train_mode():

@@ -58,7 +58,7 @@ def recipe_reward_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from engine_core.configio import load_yaml
     from tests._models import save_reward_model
 
-    recipe = Path(__file__).parents[1] / "engine_core" / "recipes" / "grpo_tiny.yaml"
+    recipe = Path(__file__).parents[1] / "roles" / "recipes" / "grpo_tiny.yaml"
     folder = tmp_path_factory.mktemp("recipe_rm")
     save_reward_model(folder, load_yaml(recipe)["engine"]["model"]["config"])
     return folder

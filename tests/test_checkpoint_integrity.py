@@ -148,7 +148,7 @@ def _run(out: Path, steps: int, *extra: str, resume: bool = False) -> tuple[dict
     from engine_core.plugins import load_plugins
     from roles.grpo import run_grpo
 
-    recipe = Path(__file__).parents[1] / "engine_core" / "recipes" / "grpo_tiny.yaml"
+    recipe = Path(__file__).parents[1] / "roles" / "recipes" / "grpo_tiny.yaml"
     overrides = [
         f"output_dir={out}",
         f"steps={steps}",
@@ -197,9 +197,9 @@ def test_resume_skips_a_damaged_checkpoint_and_says_so(tmp_path: Path, algorithm
 def test_no_command_overwrites_a_run_or_writes_where_it_cannot(tmp_path: Path) -> None:
     from engine_core.configio import apply_overrides, load_yaml
     from engine_core.plugins import load_plugins
-    from engine_core.train import run_sft
+    from roles.train import run_sft
 
-    recipe = Path(__file__).parents[1] / "engine_core" / "recipes" / "sft_tiny.yaml"
+    recipe = Path(__file__).parents[1] / "roles" / "recipes" / "sft_tiny.yaml"
     out = tmp_path / "sft"
     raw = apply_overrides(load_yaml(recipe), [f"output_dir={out}", "steps=2", "log_every=1"])
     from rich.console import Console

@@ -24,7 +24,7 @@ import pytest
 
 from tests._forkserver import ForkServer
 
-RECIPE = Path(__file__).parents[1] / "engine_core" / "recipes" / "grpo_tiny.yaml"
+RECIPE = Path(__file__).parents[1] / "roles" / "recipes" / "grpo_tiny.yaml"
 
 SETUP = r"""
 import json, os, signal, sys

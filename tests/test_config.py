@@ -18,7 +18,7 @@ from engine_core.plugins import PluginManager, load_plugins
 from engine_core.resolve import resolve_engine_config, resolve_rollout_config
 from engine_core.settings import Settings
 
-RECIPE = Path(__file__).parents[1] / "engine_core" / "recipes" / "sft_tiny.yaml"
+RECIPE = Path(__file__).parents[1] / "roles" / "recipes" / "sft_tiny.yaml"
 
 
 def _engine(**fields: Any) -> dict[str, Any]:

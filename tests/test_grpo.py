@@ -12,7 +12,7 @@ from engine_core.plugins import load_plugins
 from roles.grpo import run_grpo
 from roles.trainer import TIMING_KEYS
 
-RECIPE = Path(__file__).parents[1] / "engine_core" / "recipes" / "grpo_tiny.yaml"
+RECIPE = Path(__file__).parents[1] / "roles" / "recipes" / "grpo_tiny.yaml"
 
 
 def test_reward_rises_and_rollout_matches_the_trainer(tmp_path: Path) -> None:

@@ -13,13 +13,12 @@ from typing import Any
 import pytest
 
 from engine_core.configio import apply_overrides, load_yaml
-from engine_core.errors import ConfigError
+from engine_core.errors import ConfigError, RunFailed
 from engine_core.plugins import load_plugins
-from engine_core.tracking import RunFailed
 from roles.grpo import GRPOJobConfig, run_grpo
 from roles.trainer import TIMING_KEYS
 
-RECIPE = Path(__file__).parents[1] / "engine_core" / "recipes" / "grpo_tiny.yaml"
+RECIPE = Path(__file__).parents[1] / "roles" / "recipes" / "grpo_tiny.yaml"
 SHORT = ["prompts_per_step=8", "trainer.samples_per_prompt=4", "save_every=2"]
 
 

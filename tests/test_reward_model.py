@@ -71,7 +71,7 @@ def test_reward_model_refuses_bad_engines_and_batches(rm_folder: Path) -> None:
         rm.compute_rm_score(batch)
 
 
-RECIPE = Path(__file__).parents[1] / "engine_core" / "recipes" / "grpo_tiny.yaml"
+RECIPE = Path(__file__).parents[1] / "roles" / "recipes" / "grpo_tiny.yaml"
 
 
 def _job(out: Path, rm: Path, *overrides: str) -> dict[str, Any]:

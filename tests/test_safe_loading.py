@@ -28,10 +28,9 @@ import pytest
 import torch
 
 from engine_core.checkpoint import load_torch, save_torch
-from engine_core.errors import CheckpointError, WeightSyncError
+from engine_core.errors import CheckpointError, RunFailed, WeightSyncError
 from engine_core.executors.base import free_port
 from engine_core.reference_engine import ReferenceEngine, ReferenceEngineConfig
-from engine_core.tracking import RunFailed
 from engine_core.weight_sync import (
     PROTOCOL_VERSION,
     WeightSyncGroup,
@@ -235,7 +234,7 @@ def test_grpo_trainer_state(tmp_path: Path) -> None:
     from engine_core.plugins import load_plugins
     from roles.grpo import run_grpo
 
-    recipe = Path(__file__).parents[1] / "engine_core" / "recipes" / "grpo_tiny.yaml"
+    recipe = Path(__file__).parents[1] / "roles" / "recipes" / "grpo_tiny.yaml"
     out = tmp_path / "run"
     overrides = ["engine.backend=reference", "prompts_per_step=2", "trainer.samples_per_prompt=2"]
     manager = load_plugins()

@@ -29,7 +29,7 @@ from roles import (
 from roles.trainer import LogProbGapError
 from tests.test_trainer import build_engine
 
-RECIPE = Path(__file__).parents[1] / "engine_core" / "recipes" / "grpo_tiny.yaml"
+RECIPE = Path(__file__).parents[1] / "roles" / "recipes" / "grpo_tiny.yaml"
 # the recipe's model: head size 32, which vLLM's CPU attention needs
 MODEL = load_yaml(RECIPE)["engine"]["model"]
 PROMPT_LEN, RESPONSE_LEN = 4, 5

@@ -11,9 +11,9 @@ from pydantic import ValidationError
 from engine_core.checkpoint import list_checkpoints
 from engine_core.configio import apply_overrides, load_yaml
 from engine_core.plugins import load_plugins
-from engine_core.train import run_sft
+from roles.train import run_sft
 
-RECIPE = Path(__file__).parents[1] / "engine_core" / "recipes" / "sft_tiny.yaml"
+RECIPE = Path(__file__).parents[1] / "roles" / "recipes" / "sft_tiny.yaml"
 
 
 def test_short_run_learns_and_writes_outputs(tmp_path: Path) -> None:

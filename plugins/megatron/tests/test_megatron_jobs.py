@@ -12,7 +12,7 @@ from engine_core.plugins import load_plugins
 from roles.grpo import run_grpo
 from roles.trainer import TIMING_KEYS
 
-RECIPES = Path(__file__).parents[3] / "engine_core" / "recipes"
+RECIPES = Path(__file__).parents[3] / "roles" / "recipes"
 VOLATILE = set(TIMING_KEYS)
 
 

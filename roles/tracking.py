@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from engine_core.errors import ConfigError, EngineCoreError, PluginError
+from engine_core.errors import ConfigError, PluginError, RunFailed
 
 __all__ = ["RunTracker", "RunFailed", "claim_output_dir", "failures_logged", "RUN_LOG"]
 
@@ -26,16 +26,6 @@ RUN_LOG = "run.log"  # in a run's output_dir: the traceback of each failure, app
 
 # bad input found while a run is set up: reported as such (the CLI's usage exit), not logged
 _USAGE_ERRORS = (ConfigError, PluginError, ValidationError)
-
-
-class RunFailed(EngineCoreError):
-    """A run that had started stopped on a failure (a refused weight sync, a dead worker, the
-    skipped-updates stop, a full disk, ...). The message is one line; the failure itself is
-    the ``__cause__``, and its traceback is in :attr:`log_path`."""
-
-    def __init__(self, message: str, log_path: Path) -> None:
-        super().__init__(message)
-        self.log_path = log_path
 
 
 @contextlib.contextmanager
