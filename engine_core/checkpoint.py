@@ -28,6 +28,7 @@ import re
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -62,7 +63,7 @@ __all__ = [
     "write_manifest",
     "verify_checkpoint",
     "set_aside",
-    "verify_on_rank_zero",
+    "verify_on_every_rank",
 ]
 
 MANIFEST_FILE = "manifest.json"
@@ -246,11 +247,28 @@ def write_manifest(folder: str, *, step: int) -> None:
     fs.pipe_file(f"{root.rstrip('/')}/{MANIFEST_FILE}", json.dumps(manifest, indent=1).encode())
 
 
-def verify_checkpoint(folder: str) -> int:
-    """Check every file of the checkpoint ``folder`` against its manifest; return its step.
+def _share(sizes: Mapping[str, int], rank: int, world: int) -> set[str]:
+    """The files rank ``rank`` of ``world`` hashes: largest first, each to the rank with the
+    fewest bytes so far (ties to the lowest rank), so every rank reads about the same amount."""
+    load = [0] * world
+    mine: set[str] = set()
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        owner = min(range(world), key=lambda r: (load[r], r))
+        load[owner] += sizes[name]
+        if owner == rank:
+            mine.add(name)
+    return mine
 
-    A missing or unreadable manifest, a missing, extra, resized or changed file is a
-    :class:`CheckpointError` naming the checkpoint and the file. Never unpickles anything.
+
+def verify_checkpoint(folder: str, *, rank: int = 0, world: int = 1, threads: int = 1) -> int:
+    """Check the checkpoint ``folder`` against its manifest; return its step.
+
+    Every caller reads the manifest and checks that exactly its files are there; the files' bytes
+    are split between ``world`` callers by size (:func:`_share`), and this one (``rank``) hashes
+    its share, ``threads`` files at a time (hashing releases the GIL, so threads use cores).
+    With the defaults it hashes every file. A missing or unreadable manifest, a missing, extra,
+    resized or changed file is a :class:`CheckpointError` naming the checkpoint and the file.
+    Never unpickles anything.
     """
     fs, root = _fs(folder)
     where = f"checkpoint {folder}"
@@ -280,17 +298,49 @@ def verify_checkpoint(folder: str) -> int:
             f"{where} (step {step}) does not hold the files it was saved with: missing "
             f"{missing[:5]}, not in the manifest {extra[:5]}. Resume from another checkpoint."
         )
-    for name, path in found.items():
-        size, digest = _digest(fs, path)
+    mine = sorted(_share({n: size for n, (size, _) in expected.items()}, rank, world))
+
+    def check(name: str) -> str | None:
+        size, digest = _digest(fs, found[name])
         want_size, want_digest = expected[name]
-        if size != want_size or digest != want_digest:
-            what = (
-                f"{size} bytes, saved with {want_size}" if size != want_size else "SHA-256 differs"
-            )
-            raise CheckpointError(
-                f"{where} (step {step}): {name} is damaged or was changed since it was saved "
-                f"({what}). Resume from another checkpoint."
-            )
+        if size == want_size and digest == want_digest:
+            return None
+        what = f"{size} bytes, saved with {want_size}" if size != want_size else "SHA-256 differs"
+        return (
+            f"{where} (step {step}): {name} is damaged or was changed since it was saved "
+            f"({what}). Resume from another checkpoint."
+        )
+
+    if threads > 1 and len(mine) > 1:
+        with ThreadPoolExecutor(min(threads, len(mine))) as pool:
+            problems = list(pool.map(check, mine))
+    else:
+        problems = [check(name) for name in mine]
+    for problem in problems:  # the first in name order, whatever order they finished in
+        if problem is not None:
+            raise CheckpointError(problem)
+    return step
+
+
+def verify_on_every_rank(folder: str) -> int:
+    """:func:`verify_checkpoint` split over every rank of the default process group, each
+    hashing its share of the files at once; the first problem (lowest rank) is raised on every
+    rank, sent as text (no pickle). A single process hashes every file, on as many threads as
+    torch's intra-op count. Returns the step."""
+    from engine_core.comm import all_gather_bytes
+
+    rank, world = _rank_and_world()
+    threads = max(1, torch.get_num_threads()) if world == 1 else 1
+    step, problem = -1, ""
+    try:
+        step = verify_checkpoint(folder, rank=rank, world=world, threads=threads)
+    except CheckpointError as e:
+        problem = str(e)
+    if world > 1:
+        problems = [p.decode() for p in all_gather_bytes(problem.encode())]
+        problem = next((p for p in problems if p), "")
+    if problem:
+        raise CheckpointError(problem)
     return step
 
 
@@ -413,6 +463,7 @@ def load_safetensors(location: str) -> dict[str, torch.Tensor]:
 
 
 _PART_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+ROOT_PART = ""  # the one part of a checkpoint whose files lie at the folder's root
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -472,24 +523,6 @@ def _save_step(
     return final
 
 
-def verify_on_rank_zero(check: Callable[[], object]) -> None:
-    """Run ``check`` on global rank 0 only (it reads every file once) and raise its
-    :class:`CheckpointError` on every rank, the verdict sent as text (no pickle)."""
-    from engine_core.comm import broadcast_text
-
-    rank, world = _rank_and_world()
-    problem = None
-    if rank == 0:
-        try:
-            check()
-        except CheckpointError as e:
-            problem = str(e)
-    if world > 1:
-        problem = broadcast_text(problem)
-    if problem is not None:
-        raise CheckpointError(problem)
-
-
 class CheckpointPart(Protocol):
     """What :class:`JobCheckpoints` calls on each part of a job: a :class:`BaseEngine`, or a
     role's worker group (``roles.placement.RoleGroup``) whose workers write their own shards."""
@@ -519,30 +552,50 @@ class JobCheckpoints:
         self.max_ckpt_to_keep = max_ckpt_to_keep
 
     def save(
-        self, step: int, parts: Mapping[str, CheckpointPart], job_state: dict[str, Any]
+        self,
+        step: int,
+        parts: Mapping[str, CheckpointPart],
+        job_state: dict[str, Any] | None,
+        *,
+        where: str = "JobCheckpoints.save",
     ) -> str:
-        """Write every part and ``job_state`` as step ``step``; return the committed folder."""
-        _check_save_args("JobCheckpoints.save", step, job_state)
+        """Write every part and ``job_state`` as step ``step``; return the committed folder.
+
+        A single part may be named ``""``: its files then lie at the folder's root, the layout of
+        :meth:`BaseEngine.save_checkpoint <engine_core.engine.BaseEngine.save_checkpoint>`, which
+        is this call with the engine as that one part.
+        """
+        _check_save_args(where, step, job_state)
+        root_part = list(parts) == [ROOT_PART]
         bad = sorted(name for name in parts if not _PART_NAME.match(name))
-        if bad or not parts:
+        if not root_part and (bad or not parts):
             raise CheckpointError(
-                f"JobCheckpoints.save: part names must be lowercase identifiers (a folder each), "
-                f"at least one; got {sorted(parts)}."
+                f"{where}: part names must be lowercase identifiers (a folder each), at least one "
+                f"(or one part named '' at the folder's root); got {sorted(parts)}."
             )
         for engine in parts.values():
             engine.checkpoint_preflight(self.root, saving=True)
 
         def write(folder: str) -> None:
             for name, engine in parts.items():
-                engine.write_checkpoint_files(join(folder, name), step=step)
+                engine.write_checkpoint_files(join(folder, name) if name else folder, step=step)
 
         return _save_step(
             self.root, step, write, job_state=job_state, max_ckpt_to_keep=self.max_ckpt_to_keep
         )
 
+    def _verify_everywhere(self, folder: str, names: list[str]) -> None:
+        step = verify_on_every_rank(folder)  # the files' bytes, split over the ranks
+        self._check_parts(folder, step, names)
+
     def verify(self, folder: str, names: list[str]) -> int:
-        """Check ``folder`` against its manifest and that it holds every part in ``names``."""
-        step = verify_checkpoint(folder)
+        """Check ``folder`` against its manifest (every file hashed here, on as many threads as
+        torch's intra-op count) and that it holds every part in ``names``."""
+        step = verify_checkpoint(folder, threads=max(1, torch.get_num_threads()))
+        self._check_parts(folder, step, names)
+        return step
+
+    def _check_parts(self, folder: str, step: int, names: list[str]) -> None:
         missing = [f"{name}/" for name in names if not is_dir(join(folder, name))]
         if not is_file(join(folder, JOB_STATE_FILE)):
             missing.append(JOB_STATE_FILE)
@@ -551,13 +604,19 @@ class JobCheckpoints:
                 f"checkpoint {folder} (step {step}) holds no {', '.join(missing)}: it was not "
                 f"saved by this job (parts {names}). Resume from a checkpoint the same job wrote."
             )
-        return step
 
-    def load(self, folder: str, parts: Mapping[str, CheckpointPart]) -> dict[str, Any]:
-        """Verify ``folder``, restore every part from it and return its job state."""
+    def load(
+        self, folder: str, parts: Mapping[str, CheckpointPart], *, verified: bool = False
+    ) -> dict[str, Any]:
+        """Verify ``folder``, restore every part from it and return its job state.
+
+        ``verified=True``: the caller has just verified ``folder`` (e.g. with
+        :meth:`newest_verified`), so its files are not hashed a second time.
+        """
         for engine in parts.values():
             engine.checkpoint_preflight(self.root, saving=False)
-        verify_on_rank_zero(lambda: self.verify(folder, list(parts)))
+        if not verified:
+            self._verify_everywhere(folder, list(parts))
         job_state = load_torch(join(folder, JOB_STATE_FILE))
         if not isinstance(job_state, dict):
             raise CheckpointError(f"{join(folder, JOB_STATE_FILE)} holds no job state mapping.")

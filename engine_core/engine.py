@@ -535,18 +535,12 @@ class BaseEngine(abc.ABC):
         :func:`~engine_core.checkpoint.list_checkpoints` ignores; an existing checkpoint is never
         overwritten; :meth:`load_checkpoint` verifies every file against the manifest.
         """
-        from engine_core.checkpoint import _check_save_args, _save_step, check_max_ckpt_to_keep
+        from engine_core.checkpoint import ROOT_PART, JobCheckpoints
 
         self.require_module()
-        _check_save_args("save_checkpoint", step, job_state)
-        check_max_ckpt_to_keep(max_ckpt_to_keep)
-        self.checkpoint_preflight(path, saving=True)
-        return _save_step(
-            path,
-            step,
-            lambda folder: self.write_checkpoint_files(folder, step=step),
-            job_state=job_state,
-            max_ckpt_to_keep=max_ckpt_to_keep,
+        # a single engine is a job of one part, its files at the folder's root
+        return JobCheckpoints(path, max_ckpt_to_keep=max_ckpt_to_keep).save(
+            step, {ROOT_PART: self}, job_state, where="save_checkpoint"
         )
 
     def write_checkpoint_files(self, folder: str, *, step: int) -> None:
@@ -580,19 +574,20 @@ class BaseEngine(abc.ABC):
     def load_checkpoint(self, path: str) -> int:
         """Restore everything :meth:`save_checkpoint` wrote in the folder ``path``; return its step.
 
-        Collective. Every file is verified against the checkpoint's manifest first (global rank
-        0 reads them; a damaged, truncated or changed file is a
+        Collective. Every file is verified against the checkpoint's manifest first (the files
+        split by size between the global ranks, each hashing its share at once; a damaged,
+        truncated or changed file is a
         :class:`~engine_core.errors.CheckpointError` naming it, on every rank, before any state
         changes). The core state file is read and checked, then :meth:`load_shards` restores
         model and optimizer, then :meth:`load_checkpoint_extra_state` and, when the checkpoint
         was written by the same number of ranks, each rank's RNG streams (a resharded load keeps
         its own: streams belong to ranks).
         """
-        from engine_core.checkpoint import verify_checkpoint, verify_on_rank_zero
+        from engine_core.checkpoint import verify_on_every_rank
 
         self.require_module()
         self.checkpoint_preflight(path, saving=False)
-        verify_on_rank_zero(lambda: verify_checkpoint(path))
+        verify_on_every_rank(path)
         return self.read_checkpoint_files(path)
 
     def read_checkpoint_files(self, folder: str) -> int:

@@ -473,7 +473,7 @@ def _run(
     checkpoints = JobCheckpoints(out_dir / "checkpoints", max_ckpt_to_keep=job.max_ckpt_to_keep)
     parts = roles.parts
     if resume_from is not None:
-        job_state = checkpoints.load(resume_from, parts)
+        job_state = checkpoints.load(resume_from, parts, verified=True)  # _resume_point did
         if not isinstance(job_state.get("trainer"), dict) or "task_rng" not in job_state:
             raise CheckpointError(
                 f"{resume_from} holds no job position (trainer, task_rng); it was not saved by "

@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import fsspec
 import pytest
 import torch
 
+import engine_core.checkpoint as checkpoint_module
 from engine_core.checkpoint import MANIFEST_FILE, is_dir, list_checkpoints, verify_checkpoint
 from engine_core.errors import CheckpointError
 from engine_core.reference_engine import ReferenceEngine, ReferenceEngineConfig
@@ -185,7 +187,19 @@ def test_resume_skips_a_damaged_checkpoint_and_says_so(tmp_path: Path, algorithm
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
     shard.write_bytes(bytes(data))
-    summary, log = _run(out, 3, *extra, resume=True)
+    hashed: list[str] = []
+    digest = checkpoint_module._digest
+
+    def counting(fs: Any, path: str) -> tuple[int, str]:
+        hashed.append(path)
+        return digest(fs, path)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(checkpoint_module, "_digest", counting)
+        summary, log = _run(out, 3, *extra, resume=True)
+    # the checkpoint resumed from is hashed once, file by file (not again when it is loaded)
+    step_1 = [p for p in hashed if "global_step_1/" in p]
+    assert step_1 and len(step_1) == len(set(step_1)), step_1
     assert "skipped step 2" in log and f"{part}/engine_state_rank0.pt is damaged" in log, log
     assert "global_step_1 (next step 2)" in log, log
     assert summary["checkpoint"].endswith("global_step_3")
@@ -290,3 +304,38 @@ def test_a_job_checkpoint_is_committed_whole_or_not_at_all(root: str) -> None:
     assert [s for s, _ in list_checkpoints(root)] == [1] and not is_dir(
         join(root, "global_step_3.tmp")
     )
+
+
+def _verify_split(rank: int, world: int, folder: str) -> tuple[int, str]:
+    """Each rank hashes its share of the files; the damage one of them finds reaches both."""
+    from engine_core.checkpoint import _share, verify_on_every_rank
+    from engine_core.errors import CheckpointError
+
+    sizes = {p.name: p.stat().st_size for p in Path(folder).iterdir() if p.name != MANIFEST_FILE}
+    mine = sorted(_share(sizes, rank, world))
+    try:
+        verify_on_every_rank(folder)
+    except CheckpointError as e:
+        return len(mine), str(e)
+    return len(mine), ""
+
+
+def test_verification_is_split_between_the_ranks(tmp_path: Path) -> None:
+    from engine_core.checkpoint import _share, write_manifest
+    from tests._dist import run_distributed
+
+    folder = tmp_path / "global_step_4"
+    folder.mkdir()
+    sizes = {"a.bin": 9000, "b.bin": 5000, "c.bin": 4000, "d.bin": 100}
+    for name, size in sizes.items():
+        (folder / name).write_bytes(bytes(range(256)) * (size // 256) + b"x" * (size % 256))
+    write_manifest(str(folder), step=4)
+    # largest first to the least loaded rank: 9000 + 100 | 5000 + 4000
+    assert _share(sizes, 0, 2) == {"a.bin", "d.bin"} and _share(sizes, 1, 2) == {"b.bin", "c.bin"}
+    assert set().union(*(_share(sizes, r, 3) for r in range(3))) == set(sizes)
+    assert run_distributed(_verify_split, 2, str(folder)) == [(2, ""), (2, "")]
+    data = bytearray((folder / "c.bin").read_bytes())
+    data[7] ^= 0x10  # on rank 1's share: rank 0 hashes nothing of it and still refuses
+    (folder / "c.bin").write_bytes(bytes(data))
+    for _, problem in run_distributed(_verify_split, 2, str(folder)):
+        assert "c.bin is damaged" in problem and "step 4" in problem, problem
