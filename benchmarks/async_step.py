@@ -45,7 +45,7 @@ def _run(mode: str, steps: int, backend: str, out: Path) -> list[dict[str, Any]]
 
     from engine_core.configio import apply_overrides, load_yaml
     from engine_core.plugins import load_plugins
-    from roles.grpo import run_grpo
+    from roles.rl_job import run_rl_job
 
     threads, extra = MODES[mode]
     torch.set_num_threads(threads)  # the rollout's process takes the same number
@@ -60,7 +60,7 @@ def _run(mode: str, steps: int, backend: str, out: Path) -> list[dict[str, Any]]
     ]
     raw = apply_overrides(load_yaml(RECIPE), overrides)
     with open(os.devnull, "w") as sink:
-        run_grpo(raw, load_plugins(), console=Console(file=sink))
+        run_rl_job(raw, load_plugins(), console=Console(file=sink))
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -117,7 +117,7 @@ def _engine_core(
     from engine_core.configio import apply_overrides, load_yaml
     from engine_core.plugins import load_plugins
     from roles.actor import Actor
-    from roles.grpo import run_grpo
+    from roles.rl_job import run_rl_job
     from roles.trainer import RLTrainer
 
     times: dict[str, list[float]] = collections.defaultdict(list)
@@ -132,7 +132,7 @@ def _engine_core(
             overrides = [f"output_dir={tmp}/run", f"steps={steps}", f"save_every={steps}", *extra]
             raw = apply_overrides(load_yaml(RECIPE), overrides)
             with open(os.devnull, "w") as sink:
-                run_grpo(raw, load_plugins(), console=Console(file=sink))
+                run_rl_job(raw, load_plugins(), console=Console(file=sink))
             rows = [
                 json.loads(x) for x in Path(tmp, "run", "metrics.jsonl").read_text().splitlines()
             ]

@@ -87,8 +87,8 @@ from engine_core import (  # noqa: E402  (the repository root is on sys.path)
 )
 from engine_core.executors import LocalWorkerGroup  # noqa: E402
 from roles import RLTrainer, WeightLink  # noqa: E402
-from roles.grpo import GRPOJobConfig  # noqa: E402
 from roles.placement import ActorGroup  # noqa: E402
+from roles.rl_job import RLJobConfig  # noqa: E402
 from roles.tasks import PAD, DigitTask  # noqa: E402
 from roles.workers import ActorWorker  # noqa: E402
 
@@ -160,7 +160,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     raw = load_yaml(str(files("roles") / "recipes" / "grpo_tiny.yaml"))
-    job = GRPOJobConfig.model_validate(
+    job = RLJobConfig.model_validate(
         apply_overrides(raw, [*args.overrides, f"steps={args.steps}"])
     )
     task = DigitTask(job.task)

@@ -56,9 +56,9 @@ def _run_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_rl(args: argparse.Namespace, settings: Settings) -> int:
     """An RL run (GRPO, or PPO with a critic): :class:`roles.RLTrainer` built from a recipe."""
-    from roles.grpo import run_grpo
+    from roles.rl_job import run_rl_job
 
-    run_grpo(_recipe(args, DEFAULT_RL_RECIPE), load_plugins(settings), resume=args.resume)
+    run_rl_job(_recipe(args, DEFAULT_RL_RECIPE), load_plugins(settings), resume=args.resume)
     return 0
 
 

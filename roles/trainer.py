@@ -14,7 +14,7 @@ sample's weight version is known; a batch more than ``max_staleness`` versions o
 trained on; the generation in flight is part of :meth:`RLTrainer.state_dict`, so a resumed run
 trains on exactly the samples a straight one would.
 
-``engine-core run`` (:mod:`roles.grpo`) is this trainer plus config files, checkpoints and
+``engine-core run`` (:mod:`roles.rl_job`) is this trainer plus config files, checkpoints and
 plots; a script builds the same object from its own roles, rollout, prompts and reward.
 """
 

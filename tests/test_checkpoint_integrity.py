@@ -148,7 +148,7 @@ def _run(out: Path, steps: int, *extra: str, resume: bool = False) -> tuple[dict
 
     from engine_core.configio import apply_overrides, load_yaml
     from engine_core.plugins import load_plugins
-    from roles.grpo import run_grpo
+    from roles.rl_job import run_rl_job
 
     recipe = Path(__file__).parents[1] / "roles" / "recipes" / "grpo_tiny.yaml"
     overrides = [
@@ -163,7 +163,7 @@ def _run(out: Path, steps: int, *extra: str, resume: bool = False) -> tuple[dict
     ]
     raw = apply_overrides(load_yaml(recipe), overrides)
     buf = io.StringIO()
-    summary = run_grpo(raw, load_plugins(), resume=resume, console=Console(file=buf, width=200))
+    summary = run_rl_job(raw, load_plugins(), resume=resume, console=Console(file=buf, width=200))
     return summary, buf.getvalue()
 
 

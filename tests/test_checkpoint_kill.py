@@ -29,7 +29,7 @@ RECIPE = Path(__file__).parents[1] / "roles" / "recipes" / "grpo_tiny.yaml"
 SETUP = r"""
 import json, os, signal, sys
 from roles.cli import main  # imported once, before any fork
-import roles.grpo  # noqa: F401
+import roles.rl_job  # noqa: F401
 
 WATCH = {"open", "os.rename", "os.replace", "os.remove", "os.unlink", "os.rmdir", "os.mkdir",
          "shutil.rmtree", "shutil.move"}

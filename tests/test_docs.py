@@ -215,7 +215,7 @@ def shell_commands() -> list[str]:
 # what the commands import: a run costs the command, not an interpreter start and its imports.
 COMMAND_SERVER = """
 from roles.cli import main
-import engine_core.parity, roles.train, roles.grpo  # noqa: F401
+import engine_core.parity, roles.train, roles.rl_job  # noqa: F401
 
 def run(request):
     return main(request["args"])

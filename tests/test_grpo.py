@@ -9,7 +9,7 @@ import pytest
 
 from engine_core.configio import apply_overrides, load_yaml
 from engine_core.plugins import load_plugins
-from roles.grpo import run_grpo
+from roles.rl_job import run_rl_job
 from roles.trainer import TIMING_KEYS
 
 RECIPE = Path(__file__).parents[1] / "roles" / "recipes" / "grpo_tiny.yaml"
@@ -19,7 +19,7 @@ def test_reward_rises_and_rollout_matches_the_trainer(tmp_path: Path) -> None:
     raw = apply_overrides(
         load_yaml(RECIPE), [f"output_dir={tmp_path}", "steps=150", "log_every=50"]
     )
-    summary = run_grpo(raw, load_plugins())
+    summary = run_rl_job(raw, load_plugins())
     assert summary["reward_last10"] > 2 * summary["reward_first10"]
     assert summary["reward_last10"] > 0.4
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -42,7 +42,7 @@ def test_kl_loss_against_a_reference(tmp_path: Path, temperature: float) -> None
             f"trainer.temperature={temperature}",
         ],
     )
-    run_grpo(raw, load_plugins())
+    run_rl_job(raw, load_plugins())
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["actor/kl_loss"] == 0.0  # first step: policy == reference
     assert rows[-1]["actor/kl_loss"] > 0.0
@@ -63,10 +63,10 @@ def test_a_fresh_run_refuses_a_folder_with_checkpoints(tmp_path: Path) -> None:
     from engine_core.errors import CheckpointError
 
     raw = apply_overrides(load_yaml(RECIPE), [f"output_dir={tmp_path}", "steps=1"])
-    run_grpo(raw, load_plugins())
+    run_rl_job(raw, load_plugins())
     metrics = (tmp_path / "metrics.jsonl").read_bytes()
     with pytest.raises(CheckpointError, match="--resume to continue it.*output_dir="):
-        run_grpo(raw, load_plugins())
+        run_rl_job(raw, load_plugins())
     assert (tmp_path / "metrics.jsonl").read_bytes() == metrics  # nothing was touched
 
 
@@ -74,7 +74,7 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
     from engine_core.errors import CheckpointError
 
     with pytest.raises(CheckpointError, match="no checkpoint under"):
-        run_grpo(
+        run_rl_job(
             apply_overrides(load_yaml(RECIPE), [f"output_dir={tmp_path}"]),
             load_plugins(),
             resume=True,
@@ -88,7 +88,7 @@ def test_engine_is_config_only_and_backends_agree(tmp_path: Path) -> None:
         raw = apply_overrides(
             load_yaml(RECIPE), [f"output_dir={out}", "steps=4", f"engine.backend={backend}"]
         )
-        run_grpo(raw, load_plugins())
+        run_rl_job(raw, load_plugins())
         runs[backend] = _rows(out)
     for a, b in zip(runs["fsdp2"], runs["reference"], strict=True):
         assert a.keys() == b.keys()
@@ -118,15 +118,15 @@ def _outputs_ok(summary: dict, out: Path, last_step: int) -> None:
 
 def _straight_and_resumed(base: dict, tmp_path: Path, extra: list[str]) -> tuple[Path, Path]:
     straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
-    summary = run_grpo(
+    summary = run_rl_job(
         apply_overrides(base, [f"output_dir={straight}", "steps=4", "save_every=2", *extra]),
         load_plugins(),
     )
     _outputs_ok(summary, straight, 4)
-    run_grpo(
+    run_rl_job(
         apply_overrides(base, [f"output_dir={interrupted}", "steps=2", *extra]), load_plugins()
     )
-    run_grpo(
+    run_rl_job(
         apply_overrides(base, [f"output_dir={interrupted}", "steps=4", "save_every=2", *extra]),
         load_plugins(),
         resume=True,
@@ -172,7 +172,7 @@ def test_a_rollout_in_its_own_process_gets_verified_weights(tmp_path: Path) -> N
         raw = apply_overrides(
             load_yaml(RECIPE), [f"output_dir={out}", "steps=3", f"rollout_placement={placement}"]
         )
-        run_grpo(raw, load_plugins())
+        run_rl_job(raw, load_plugins())
         runs[placement] = _rows(out)
     assert max(r["rollout/logprob_diff_max"] for r in runs["process"]) < 1e-5
     for a, b in zip(runs["colocated"], runs["process"], strict=True):
@@ -224,9 +224,9 @@ def test_asynchronous_training_resumes_exactly_and_never_trains_on_stale_samples
 def test_asynchronous_jobs_correct_with_tis_unless_told_otherwise(
     overrides: list[str], want: str
 ) -> None:
-    from roles.grpo import GRPOJobConfig
+    from roles.rl_job import RLJobConfig
 
-    job = GRPOJobConfig.model_validate(apply_overrides(load_yaml(RECIPE), overrides))
+    job = RLJobConfig.model_validate(apply_overrides(load_yaml(RECIPE), overrides))
     assert job.actor_config().mismatch_correction == want
     # derived when the job is resolved: the validated config is never rewritten
     assert job.actor.mismatch_correction == (want if len(overrides) == 3 else "none")
@@ -237,16 +237,16 @@ def test_bad_job_configs_are_refused_before_anything_is_built(tmp_path: Path) ->
 
     base = load_yaml(RECIPE)
     with pytest.raises((ConfigError, ValueError), match="samples_per_prompt must be >= 2"):
-        run_grpo(apply_overrides(base, ["trainer.samples_per_prompt=1"]), load_plugins())
+        run_rl_job(apply_overrides(base, ["trainer.samples_per_prompt=1"]), load_plugins())
     with pytest.raises((ConfigError, ValueError), match="rollout_placement"):
-        run_grpo(apply_overrides(base, ["rollout_placement=elsewhere"]), load_plugins())
+        run_rl_job(apply_overrides(base, ["rollout_placement=elsewhere"]), load_plugins())
     with pytest.raises((ConfigError, ValueError), match="set rollout_placement=process"):
-        run_grpo(apply_overrides(base, ["trainer.max_staleness=1"]), load_plugins())
+        run_rl_job(apply_overrides(base, ["trainer.max_staleness=1"]), load_plugins())
     # one place for the sampling temperature: the trainer's; the actor has none of its own
     with pytest.raises((ConfigError, ValueError), match=r"temperature -> trainer\.temperature"):
-        run_grpo(apply_overrides(base, ["temperature=0.7"]), load_plugins())
+        run_rl_job(apply_overrides(base, ["temperature=0.7"]), load_plugins())
     with pytest.raises((ConfigError, ValueError), match="set the sampling temperature once"):
-        run_grpo(apply_overrides(base, ["actor.temperature=0.7"]), load_plugins())
+        run_rl_job(apply_overrides(base, ["actor.temperature=0.7"]), load_plugins())
     with pytest.raises((ConfigError, ValueError), match="no reward_model scores the samples"):
-        run_grpo(apply_overrides(base, ["trainer.reward_model_weight=0.5"]), load_plugins())
+        run_rl_job(apply_overrides(base, ["trainer.reward_model_weight=0.5"]), load_plugins())
     assert not (tmp_path / "outputs").exists()

@@ -15,7 +15,7 @@ import pytest
 from engine_core.configio import apply_overrides, load_yaml
 from engine_core.errors import ConfigError, RunFailed
 from engine_core.plugins import load_plugins
-from roles.grpo import GRPOJobConfig, run_grpo
+from roles.rl_job import RLJobConfig, run_rl_job
 from roles.trainer import TIMING_KEYS
 
 RECIPE = Path(__file__).parents[1] / "roles" / "recipes" / "grpo_tiny.yaml"
@@ -24,7 +24,7 @@ SHORT = ["prompts_per_step=8", "trainer.samples_per_prompt=4", "save_every=2"]
 
 def _run(out: Path, *overrides: str, resume: bool = False) -> dict[str, Any]:
     raw = apply_overrides(load_yaml(RECIPE), [f"output_dir={out}", *SHORT, *overrides])
-    return run_grpo(raw, load_plugins(), resume=resume)
+    return run_rl_job(raw, load_plugins(), resume=resume)
 
 
 def _rows(out: Path) -> list[dict[str, Any]]:
@@ -128,7 +128,7 @@ def test_a_replica_given_corrupted_weights_stops_the_job_naming_it(
 ) -> None:
     """Replica 1 corrupts what it loads (tests/_workers.py): the job's first sync fails naming
     that replica and no other, and the job stops before training on anything."""
-    import roles.grpo
+    import roles.rl_job
     from engine_core.errors import WeightSyncError
     from engine_core.remote_rollout import ProcessRollout
     from tests._workers import CORRUPTED, CorruptingRolloutWorker
@@ -137,7 +137,7 @@ def test_a_replica_given_corrupted_weights_stops_the_job_naming_it(
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, worker_cls=CorruptingRolloutWorker, **kwargs)
 
-    monkeypatch.setattr(roles.grpo, "ProcessRollout", Corrupting)
+    monkeypatch.setattr(roles.rl_job, "ProcessRollout", Corrupting)
     with pytest.raises(RunFailed) as failed:
         _run(tmp_path, "steps=2", "rollout_placement=process", "rollout_replicas=2")
     # one line: what failed, where its traceback went, what is safe; the failure is the cause
@@ -174,7 +174,7 @@ def test_bad_placements_are_refused_before_anything_starts(
 ) -> None:
     raw = apply_overrides(load_yaml(RECIPE), [f"output_dir={tmp_path}", *overrides])
     with pytest.raises((ValueError, ConfigError), match=match):
-        GRPOJobConfig.model_validate(raw)
+        RLJobConfig.model_validate(raw)
     with pytest.raises((ValueError, ConfigError), match=match):
-        run_grpo(raw, load_plugins())
+        run_rl_job(raw, load_plugins())
     assert not (tmp_path / "metrics.jsonl").exists()

@@ -17,8 +17,8 @@ from engine_core.configio import apply_overrides, load_yaml
 from engine_core.errors import ConfigError
 from engine_core.plugins import load_plugins
 from engine_core.reference_engine import ReferenceEngine, ReferenceEngineConfig
-from roles.grpo import run_grpo
 from roles.reward_model import RM_SCORES, TOKEN_LEVEL_SCORES, RewardModel
+from roles.rl_job import run_rl_job
 from tests._models import TINY_QWEN2, engine_config, random_batch, save_reward_model
 
 
@@ -86,7 +86,7 @@ def _job(out: Path, rm: Path, *overrides: str) -> dict[str, Any]:
             *overrides,
         ],
     )
-    return run_grpo(raw, load_plugins())
+    return run_rl_job(raw, load_plugins())
 
 
 def test_job_reward_is_the_task_score_plus_the_weighted_model_score(

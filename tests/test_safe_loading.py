@@ -232,7 +232,7 @@ def test_grpo_trainer_state(tmp_path: Path) -> None:
     from engine_core.configio import apply_overrides, load_yaml
     from engine_core.engine import CHECKPOINT_STATE_FILE, JOB_STATE_FILE
     from engine_core.plugins import load_plugins
-    from roles.grpo import run_grpo
+    from roles.rl_job import run_rl_job
 
     recipe = Path(__file__).parents[1] / "roles" / "recipes" / "grpo_tiny.yaml"
     out = tmp_path / "run"
@@ -243,7 +243,7 @@ def test_grpo_trainer_state(tmp_path: Path) -> None:
         from rich.console import Console
 
         console = Console(file=sink)
-        run_grpo(raw, manager, console=console)
+        run_rl_job(raw, manager, console=console)
         resume = apply_overrides(raw, ["steps=2"])
         folder = out / "checkpoints" / "global_step_1"
         for state_file in (
@@ -252,7 +252,7 @@ def test_grpo_trainer_state(tmp_path: Path) -> None:
         ):
             marker = str(tmp_path / "marker")
             messages = _refusals(
-                state_file, lambda: run_grpo(resume, manager, resume=True, console=console), marker
+                state_file, lambda: run_rl_job(resume, manager, resume=True, console=console), marker
             )
             _assert_refused(messages, state_file, marker)
 

@@ -26,7 +26,7 @@ from pydantic_core import PydanticUndefined
 from engine_core import BackendKind, BackendSpec, EngineConfig, RolloutConfig, SamplingParams
 from roles import ActorConfig, CriticConfig
 from roles.cli import DEFAULT_RL_RECIPE, DEFAULT_TRAIN_RECIPE
-from roles.grpo import GRPOJobConfig
+from roles.rl_job import RLJobConfig
 from roles.tasks import TaskConfig
 from roles.train import SFTJobConfig
 
@@ -230,7 +230,7 @@ def config_reference(specs: list[BackendSpec]) -> str:
     engines = _by_config(specs, BackendKind.ENGINE)
     rollouts = _by_config(specs, BackendKind.ROLLOUT)
     planned: list[type[BaseModel]] = [
-        GRPOJobConfig,
+        RLJobConfig,
         SFTJobConfig,
         TaskConfig,
         ActorConfig,
@@ -244,7 +244,7 @@ def config_reference(specs: list[BackendSpec]) -> str:
 
     r.lines += ["## Jobs", ""]
     recipe = "`engine-core {}` (default recipe: `roles/recipes/{}`)."
-    r.section(GRPOJobConfig, intro=recipe.format("run", DEFAULT_RL_RECIPE))
+    r.section(RLJobConfig, intro=recipe.format("run", DEFAULT_RL_RECIPE))
     r.section(SFTJobConfig, intro=recipe.format("train", DEFAULT_TRAIN_RECIPE))
     r.section(TaskConfig)
 

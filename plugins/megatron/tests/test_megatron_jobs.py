@@ -9,7 +9,7 @@ import pytest
 
 from engine_core.configio import apply_overrides, load_yaml
 from engine_core.plugins import load_plugins
-from roles.grpo import run_grpo
+from roles.rl_job import run_rl_job
 from roles.trainer import TIMING_KEYS
 
 RECIPES = Path(__file__).parents[3] / "roles" / "recipes"
@@ -31,7 +31,7 @@ def test_grpo_on_megatron_follows_fsdp2_step_by_step(tmp_path: Path) -> None:
             load_yaml(RECIPES / "grpo_tiny.yaml"),
             [f"output_dir={out}", "steps=4", f"engine.backend={backend}"],
         )
-        run_grpo(raw, load_plugins())
+        run_rl_job(raw, load_plugins())
         runs[backend] = _rows(out)
     assert max(r["rollout/logprob_diff_max"] for r in runs["megatron"]) < 1e-5
     for a, b in zip(runs["fsdp2"], runs["megatron"], strict=True):
@@ -43,12 +43,12 @@ def test_grpo_on_megatron_follows_fsdp2_step_by_step(tmp_path: Path) -> None:
 def test_ppo_with_a_megatron_critic_resumes_exactly(tmp_path: Path) -> None:
     base = apply_overrides(load_yaml(RECIPES / "ppo_tiny.yaml"), ["engine.backend=megatron"])
     straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
-    run_grpo(
+    run_rl_job(
         apply_overrides(base, [f"output_dir={straight}", "steps=4", "save_every=2"]),
         load_plugins(),
     )
-    run_grpo(apply_overrides(base, [f"output_dir={interrupted}", "steps=2"]), load_plugins())
-    run_grpo(
+    run_rl_job(apply_overrides(base, [f"output_dir={interrupted}", "steps=2"]), load_plugins())
+    run_rl_job(
         apply_overrides(base, [f"output_dir={interrupted}", "steps=4", "save_every=2"]),
         load_plugins(),
         resume=True,

@@ -65,7 +65,7 @@ from roles.trainer import (
 )
 from roles.weights import WeightLink
 
-__all__ = ["GRPOJobConfig", "run_grpo"]
+__all__ = ["RLJobConfig", "run_rl_job"]
 
 
 class RewardModelJobConfig(FrozenModel):
@@ -96,7 +96,7 @@ _TRAINER_KEYS = (
 )
 
 
-class GRPOJobConfig(FrozenModel):
+class RLJobConfig(FrozenModel):
     """An RL run: the loop's settings, the task, the actor's (and critic's) engine, the rollout.
 
     Every setting lives in one place: the loop's (algorithm, sampling, advantages, staleness,
@@ -182,7 +182,7 @@ class GRPOJobConfig(FrozenModel):
         return data
 
     @model_validator(mode="after")
-    def _check_algorithm(self) -> GRPOJobConfig:
+    def _check_algorithm(self) -> RLJobConfig:
         trainer = self.trainer
         if trainer.algorithm == "grpo" and self.critic_engine is not None:
             raise ValueError(
@@ -279,7 +279,7 @@ class _Threads:
     per_replica: int
 
 
-def _threads(job: GRPOJobConfig) -> _Threads:
+def _threads(job: RLJobConfig) -> _Threads:
     if job.rollout_placement != "process":
         return _Threads(None, 1)
     driver = None
@@ -292,7 +292,7 @@ def _threads(job: GRPOJobConfig) -> _Threads:
 
 
 def _build(
-    job: GRPOJobConfig, manager: PluginManager, stack: contextlib.ExitStack, threads: _Threads
+    job: RLJobConfig, manager: PluginManager, stack: contextlib.ExitStack, threads: _Threads
 ) -> _Roles:
     # every config is resolved (and refused, naming the field) before anything is built
     spec, engine_cfg = resolve_engine_config(job.engine, manager, path=("engine",))
@@ -357,7 +357,7 @@ def _check_vocabulary(policy_cfg: Any, rm_cfg: Any) -> None:
 
 
 def _build_groups(
-    job: GRPOJobConfig, roles: _Roles, engine_cfg: Any, critic_cfg: Any, rm_cfg: Any
+    job: RLJobConfig, roles: _Roles, engine_cfg: Any, critic_cfg: Any, rm_cfg: Any
 ) -> None:
     """The roles as worker groups on ``job.placement.executor`` (local processes or Ray)."""
     from roles.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardModelWorker
@@ -404,7 +404,7 @@ def _build_groups(
             )
 
 
-def run_grpo(
+def run_rl_job(
     raw: dict[str, Any],
     manager: PluginManager,
     *,
@@ -414,9 +414,9 @@ def run_grpo(
     """Run the job in ``raw``; with ``resume``, continue from the latest checkpoint in its output_dir."""
     console = console or Console()
     try:
-        job = GRPOJobConfig.model_validate(raw)
+        job = RLJobConfig.model_validate(raw)
     except ValidationError as e:
-        raise prefix_validation_error(e, (), "GRPOJobConfig") from None
+        raise prefix_validation_error(e, (), "RLJobConfig") from None
     out_dir = Path(job.output_dir)
     ckpt_root = out_dir / "checkpoints"
     latest = latest_checkpoint(ckpt_root)
@@ -450,7 +450,7 @@ def run_grpo(
 
 
 def _run(
-    job: GRPOJobConfig,
+    job: RLJobConfig,
     roles: _Roles,
     resume_from: str | None,
     console: Console,
@@ -550,7 +550,7 @@ def _run(
     return summary
 
 
-def _resume_point(job: GRPOJobConfig, console: Console) -> str:
+def _resume_point(job: RLJobConfig, console: Console) -> str:
     """The newest step whose checkpoint (actor, critic under ppo, job state) verifies; newer
     ones are set aside (renamed ``*.rejected``, kept) and the console says which and why."""
     names = ["actor", "critic"] if job.trainer.algorithm == "ppo" else ["actor"]
@@ -576,7 +576,7 @@ def _print_summary(console: Console, summary: dict[str, Any]) -> None:
     console.print(Panel(table, title="engine-core run: done", expand=False))
 
 
-def _warmup(engine: BaseEngine, task: DigitTask, job: GRPOJobConfig) -> None:
+def _warmup(engine: BaseEngine, task: DigitTask, job: RLJobConfig) -> None:
     from roles.train import sft_loss
 
     engine.set_loss_fn(sft_loss)
