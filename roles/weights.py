@@ -104,20 +104,24 @@ class WeightLink:
 
     # -- connecting --------------------------------------------------------------------------
 
+    def _join(self, host: str, port: int, rank: int, world: int) -> WeightSyncGroup:
+        """This process's end of the link's group, as ``rank`` of ``world``."""
+        return WeightSyncGroup(
+            host=host,
+            port=port,
+            rank=rank,
+            world_size=world,
+            backend=self.backend,
+            timeout_s=self.timeout_s,
+        )
+
     def _connect_replicas_to_here(self, rollout: ProcessRollout) -> None:
         """This process sends (rank 0, hosting the group's store); the replicas receive."""
         host, port = meeting_host(rollout.worker_group.may_span_nodes), free_port()
         world = rollout.replicas + 1
         joining = rollout.join_weight_sync(host, port, 1, world)
         try:
-            self._group = WeightSyncGroup(
-                host=host,
-                port=port,
-                rank=0,
-                world_size=world,
-                backend=self.backend,
-                timeout_s=self.timeout_s,
-            )
+            self._group = self._join(host, port, 0, world)
         finally:
             joining.result()
 
@@ -141,14 +145,7 @@ class WeightLink:
             if isinstance(rollout, ProcessRollout):
                 rollout.join_weight_sync(host, port, 1, world).result()
             else:
-                self._group = WeightSyncGroup(
-                    host=host,
-                    port=port,
-                    rank=1,
-                    world_size=world,
-                    backend=self.backend,
-                    timeout_s=self.timeout_s,
-                )
+                self._group = self._join(host, port, 1, world)
         finally:
             sender.result()
         self._policy_joined = True
