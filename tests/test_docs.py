@@ -72,7 +72,7 @@ def test_site_builds_strict_without_warnings(tmp_path: Path) -> None:
 
     # the generated parts are in the pages, the site shows them without a hook
     config = (site / "config" / "index.html").read_text(encoding="utf-8")
-    assert 'id="engineconfig"' in config and 'id="grpojobconfig"' in config
+    assert 'id="engineconfig"' in config and 'id="rljobconfig"' in config
     for name in ("reference", "fsdp", "fsdp2", "megatron", "hf", "vllm", "sglang"):
         assert f"<code>{name}</code>" in config, f"backend {name} missing"
     tutorial = (site / "write-your-own-engine" / "index.html").read_text(encoding="utf-8")
