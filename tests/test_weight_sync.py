@@ -271,7 +271,7 @@ def test_two_sharded_trainer_ranks_sync_a_rollout_process(tmp_path: Path) -> Non
 
         trainer = threading.Thread(target=train)
         trainer.start()
-        workers.call_all("join_weight_sync", "127.0.0.1", port, 1, 2, "gloo", 60.0)
+        workers.call_all("join_weight_sync", "127.0.0.1", port, 1, 2, "gloo", 600.0)
         workers.call_all("receive_weights")
         trainer.join()
         assert not errors, errors

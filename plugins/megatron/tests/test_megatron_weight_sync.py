@@ -71,7 +71,7 @@ def _sync(workers: LocalWorkerGroup, folder: Path, layout: str) -> list[Any]:
 
     trainer = threading.Thread(target=train)
     trainer.start()
-    workers.call_all("join_weight_sync", "127.0.0.1", port, 1, 2, "gloo", 120.0)
+    workers.call_all("join_weight_sync", "127.0.0.1", port, 1, 2, "gloo", 600.0)
     buckets: list[Any] = workers.call_all("receive_weights")[0]
     trainer.join()
     assert not errors, errors
