@@ -47,7 +47,6 @@ from engine_core.capabilities import Capability
 from engine_core.dispatch import Worker
 from engine_core.errors import BatchError, DispatchError
 from engine_core.executors.base import (
-    MappedFuture,
     WorkerFuture,
     WorkerGroup,
     threads_per_process,
@@ -287,7 +286,7 @@ class ProcessRollout:
         out: TensorDict = self.generate_async(prompts, params).result()
         return out
 
-    def generate_async(self, prompts: TensorDict, params: SamplingParams) -> MappedFuture:
+    def generate_async(self, prompts: TensorDict, params: SamplingParams) -> WorkerFuture:
         """:meth:`generate` without waiting: a future of its result."""
         n = prompts.batch_size[0] if prompts.batch_dims else 0
         per_replica: list[tuple[Any, ...]] = []

@@ -4,8 +4,8 @@ The loop itself is :class:`roles.RLTrainer`; this module builds its pieces from 
 (engines, rollout, the task's prompts and rule-based reward), and adds what a job needs around
 it: an optional supervised warm-up, exact resume, checkpoints, a progress bar, metrics
 (JSONL, TensorBoard, a plot), a summary and a Hugging Face export. The rollout runs in this
-process or, with ``rollout_placement: process``, in a process of its own that receives weights
-over a gloo group (:mod:`engine_core.remote_rollout`).
+process or, with ``rollout_placement: process``, in processes of its own
+(:mod:`engine_core.remote_rollout`); the weights reach it through one :class:`roles.WeightLink`.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ environment it hands each worker (the rendezvous, and the collective timeout), a
 from __future__ import annotations
 
 import abc
+import contextlib
 import math
 import os
 import socket
@@ -81,25 +82,22 @@ class WorkerFuture:
     take part in the exchange the workers are in (e.g. send the weights they receive).
     """
 
-    def __init__(self, wait: Callable[[], list[Any]], method: str) -> None:
-        self._wait: Callable[[], list[Any]] | None = wait
+    def __init__(self, wait: Callable[[], Any], method: str) -> None:
+        self._wait: Callable[[], Any] | None = wait
         self.method = method
-        self._result: list[Any] | None = None
+        self._result: Any = None
         self._error: BaseException | None = None
 
     @classmethod
     def finished(cls, method: str, run: Callable[[], list[Any]]) -> WorkerFuture:
-        """A future whose call already ran here (``run`` is called now; its error is kept)."""
-        try:
-            out = run()
-        except Exception as e:
-            future = cls(lambda: [], method)
-            future._wait, future._error = None, e
-            return future
-        return cls(lambda: out, method)
+        """A future whose call runs here, now (its error is kept for :meth:`result`)."""
+        future = cls(run, method)
+        with contextlib.suppress(Exception):
+            future.result()
+        return future
 
-    def result(self) -> list[Any]:
-        if self._wait is not None:
+    def result(self) -> Any:
+        if self._wait is not None:  # waits once; later calls give the same result or error
             wait, self._wait = self._wait, None
             try:
                 self._result = wait()
@@ -107,31 +105,11 @@ class WorkerFuture:
                 self._error = e
         if self._error is not None:
             raise self._error
-        assert self._result is not None
         return self._result
 
-    def map(self, fn: Callable[[list[Any]], Any]) -> MappedFuture:
-        """A future of ``fn(self.result())``."""
-        return MappedFuture(self, fn)
-
-
-class MappedFuture:
-    """``fn`` applied to a :class:`WorkerFuture`'s answers when they are asked for."""
-
-    def __init__(self, inner: WorkerFuture | MappedFuture, fn: Callable[[Any], Any]) -> None:
-        self.inner, self.fn = inner, fn
-        self._done = False
-        self._value: Any = None
-
-    def result(self) -> Any:
-        if not self._done:  # fn runs once; an error from it or the call is raised every time
-            self._value = self.fn(self.inner.result())
-            self._done = True
-        return self._value
-
-    def map(self, fn: Callable[[Any], Any]) -> MappedFuture:
-        """A future of ``fn(self.result())``."""
-        return MappedFuture(self, fn)
+    def map(self, fn: Callable[[Any], Any]) -> WorkerFuture:
+        """A future of ``fn(self.result())``, computed once, when it is asked for."""
+        return WorkerFuture(lambda: fn(self.result()), self.method)
 
 
 def check_timeout(name: str, value: object, *, or_else: str = "") -> float:
@@ -297,7 +275,7 @@ class WorkerGroup(abc.ABC):
         """Dispatch ``method`` as declared with :func:`engine_core.dispatch.register`."""
         return self.execute_async(method, *args, **kwargs).result()
 
-    def execute_async(self, method: str, *args: Any, **kwargs: Any) -> WorkerFuture | MappedFuture:
+    def execute_async(self, method: str, *args: Any, **kwargs: Any) -> WorkerFuture:
         """:meth:`execute` without waiting: a future of what it returns."""
         mode, mesh = dispatch_mode_of(self.worker_cls, method)
         if mode is DispatchMode.ALL_TO_ALL:
