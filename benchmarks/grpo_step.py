@@ -37,9 +37,11 @@ from typing import Any
 
 import torch
 
+from engine_core_roles.cli import RECIPES
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-RECIPE = Path(__file__).resolve().parents[1] / "roles" / "recipes" / "grpo_tiny.yaml"
+RECIPE = RECIPES / "grpo_tiny.yaml"
 
 
 def _minimal(steps: int) -> list[tuple[float, float]]:
@@ -47,7 +49,7 @@ def _minimal(steps: int) -> list[tuple[float, float]]:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from engine_core.configio import load_yaml
-    from roles.tasks import EOS, PAD, DigitTask, TaskConfig
+    from engine_core_roles.tasks import EOS, PAD, DigitTask, TaskConfig
 
     recipe = load_yaml(RECIPE)
     torch.manual_seed(recipe["engine"]["seed"])
@@ -116,9 +118,9 @@ def _engine_core(
 
     from engine_core.configio import apply_overrides, load_yaml
     from engine_core.plugins import load_plugins
-    from roles.actor import Actor
-    from roles.rl_job import run_rl_job
-    from roles.trainer import RLTrainer
+    from engine_core_roles.actor import Actor
+    from engine_core_roles.rl_job import run_rl_job
+    from engine_core_roles.trainer import RLTrainer
 
     times: dict[str, list[float]] = collections.defaultdict(list)
     restore = [

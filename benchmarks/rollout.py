@@ -5,7 +5,7 @@ once; both rollouts load it. Each generates ``--prompts`` prompts × ``n`` sampl
 ``--new-tokens`` tokens (no stop tokens), temperature 1, fixed seed; runs alternate HF, vLLM,
 HF, vLLM, ... after one warm-up each, and the median generated tokens/s is reported. Weight
 sync: an actor (reference engine) holding the same weights syncs each rollout through the job's
-one weight path (``roles.WeightLink``: bounded buckets, verified by the receiver); the median
+one weight path (``engine_core_roles.WeightLink``: bounded buckets, verified by the receiver); the median
 seconds per MB is reported. The HF rollout also runs in a process of its own
 (``ProcessRollout``: generation by RPC, weights streamed over a gloo group), so the cost of the
 cross-process transfer shows next to the colocated sync. Prints one JSON object. Needs the vllm plugin with vLLM installed.
@@ -71,8 +71,8 @@ def main() -> None:
     from engine_core.config import ModelConfig
     from engine_core.models import build_model
     from engine_core.rollout import RESPONSE_MASK, SamplingParams
-    from roles import Actor, ActorConfig, WeightLink
-    from roles.workers import build_engine
+    from engine_core_roles import Actor, ActorConfig, WeightLink
+    from engine_core_roles.workers import build_engine
 
     torch.manual_seed(0)
     model = build_model(ModelConfig(config=dict(MODEL)))

@@ -2,13 +2,13 @@
 every process for growth (memory, open file descriptors, threads, child processes, live
 Python objects).
 
-The experiment is the shipped tiny GRPO recipe (``roles/recipes/grpo_tiny.yaml``:
+The experiment is the shipped tiny GRPO recipe (``roles/engine_core_roles/recipes/grpo_tiny.yaml``:
 "reverse three digits", Qwen2 hidden 64, ``fsdp2``, ``hf`` rollout) run by
-:class:`roles.RLTrainer`, with one change of placement: the actor is an
-:class:`roles.placement.ActorGroup` of two ``torch.multiprocessing`` processes
+:class:`engine_core_roles.RLTrainer`, with one change of placement: the actor is an
+:class:`engine_core_roles.placement.ActorGroup` of two ``torch.multiprocessing`` processes
 (``LocalWorkerGroup``, gloo, dp=2) running :class:`SoakActorWorker` (the job's
-:class:`roles.workers.ActorWorker` plus what the soak reads from its process), and the rollout
-runs in this process. The weights take the job's one path, :class:`roles.WeightLink`: after
+:class:`engine_core_roles.workers.ActorWorker` plus what the soak reads from its process), and the rollout
+runs in this process. The weights take the job's one path, :class:`engine_core_roles.WeightLink`: after
 every update the group's writing rank streams them here bucket by bucket, and the rollout loads
 and verifies each.
 
@@ -86,11 +86,11 @@ from engine_core import (  # noqa: E402  (the repository root is on sys.path)
     resolve_rollout_config,
 )
 from engine_core.executors import LocalWorkerGroup  # noqa: E402
-from roles import RLTrainer, WeightLink  # noqa: E402
-from roles.placement import ActorGroup  # noqa: E402
-from roles.rl_job import RLJobConfig  # noqa: E402
-from roles.tasks import PAD, DigitTask  # noqa: E402
-from roles.workers import ActorWorker  # noqa: E402
+from engine_core_roles import RLTrainer, WeightLink  # noqa: E402
+from engine_core_roles.placement import ActorGroup  # noqa: E402
+from engine_core_roles.rl_job import RLJobConfig  # noqa: E402
+from engine_core_roles.tasks import PAD, DigitTask  # noqa: E402
+from engine_core_roles.workers import ActorWorker  # noqa: E402
 
 HOST = "127.0.0.1"
 PHASES = ("generate", "compute_log_prob", "update_actor", "weight_sync")
@@ -159,7 +159,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    raw = load_yaml(str(files("roles") / "recipes" / "grpo_tiny.yaml"))
+    raw = load_yaml(str(files("engine_core_roles") / "recipes" / "grpo_tiny.yaml"))
     job = RLJobConfig.model_validate(
         apply_overrides(raw, [*args.overrides, f"steps={args.steps}"])
     )
@@ -276,7 +276,7 @@ def main() -> None:
     head = min(10, len(rewards))
     result = {
         "benchmark": "soak",
-        "recipe": "roles/recipes/grpo_tiny.yaml",
+        "recipe": "roles/engine_core_roles/recipes/grpo_tiny.yaml",
         "overrides": args.overrides,
         "placement": "actor: SoakActorWorker x2 (LocalWorkerGroup, gloo, dp=2, "
         f"{job.engine['backend']}); rollout: {job.rollout['backend']} in the driver; "

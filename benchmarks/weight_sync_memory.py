@@ -1,7 +1,7 @@
 """Driver memory during a weight sync from a data-parallel actor group to a rollout in the driver.
 
 An actor group of two fsdp2 workers (local processes, gloo) holds a Qwen2 built from a config;
-the driver holds an HF rollout of the same model. ``roles.WeightLink`` streams the weights from
+the driver holds an HF rollout of the same model. ``engine_core_roles.WeightLink`` streams the weights from
 the group's writing rank to the driver bucket by bucket. A thread samples the driver's resident
 memory (``/proc/self/statm``) every millisecond during each sync; the figure is the peak above
 the resident memory just before it. A bucket holds at least one tensor, so its size is the
@@ -73,9 +73,9 @@ def main() -> None:
 
     from engine_core_hf.rollout import HFRollout, HFRolloutConfig
 
-    from roles import ActorConfig, WeightLink
-    from roles.placement import ActorGroup, PlacementConfig, start_group
-    from roles.workers import ActorWorker
+    from engine_core_roles import ActorConfig, WeightLink
+    from engine_core_roles.placement import ActorGroup, PlacementConfig, start_group
+    from engine_core_roles.workers import ActorWorker
 
     engine = {"backend": "fsdp2", "model": {"config": dict(MODEL)}, "seed": 1}
     group = start_group(PlacementConfig(executor="local"), ActorWorker, 2, (engine, {}))

@@ -2,9 +2,10 @@
 
 A subcommand is one small function ``(args, settings) -> exit code`` plus an optional function
 adding its arguments, described by a :class:`Command`. :data:`COMMANDS` holds the core's
-(``plugins``, ``doctor``, ``parity``); a layer above the core passes its own commands to
-:func:`main` with these (the jobs' ``run`` and ``train``: :mod:`roles.cli`), so imports only
-point down.
+(``plugins``, ``doctor``, ``parity``). A distribution above the core adds its own through the
+``engine_core.commands`` entry-point group, each entry a sequence of :class:`Command` (the jobs'
+``run`` and ``train``: ``jobs = "engine_core_roles.cli:COMMANDS"``), so the core names nothing
+above it and imports only point down.
 
 Exit codes: 0 success; 1 the command ran and found a problem (``doctor``, a ``parity`` FAIL)
 or a run failed after it started (one line says what failed and what is still safe; the
@@ -31,7 +32,10 @@ from engine_core.errors import EngineCoreError, RunFailed
 from engine_core.plugins import PluginInfo, load_plugins
 from engine_core.settings import Settings
 
-__all__ = ["Command", "COMMANDS", "build_parser", "main"]
+__all__ = ["COMMAND_GROUP", "COMMANDS", "Command", "build_parser", "installed_commands", "main"]
+
+COMMAND_GROUP = "engine_core.commands"
+"""The entry-point group through which installed distributions add subcommands."""
 
 
 def _no_arguments(parser: argparse.ArgumentParser) -> None:
@@ -180,6 +184,38 @@ COMMANDS: tuple[Command, ...] = (
 )
 
 
+def installed_commands() -> tuple[list[Command], list[str]]:
+    """The core's commands plus those of every ``engine_core.commands`` entry point.
+
+    Returns the commands and one sentence per entry point that failed to load or to provide
+    commands; a failure leaves the other commands usable. A name already taken is refused.
+    """
+    import importlib.metadata as md
+
+    commands, problems = list(COMMANDS), []
+    for ep in sorted(md.entry_points(group=COMMAND_GROUP), key=lambda e: e.name):
+        try:
+            provided = list(ep.load())
+            if not all(isinstance(c, Command) for c in provided):
+                raise TypeError("it is not a sequence of engine_core.cli.Command")
+        except Exception as e:  # a broken distribution must not break the core's commands
+            problems.append(
+                f"the commands of {ep.name!r} ({ep.value}) failed to load: {e}; reinstall "
+                "the distribution that provides them or uninstall it"
+            )
+            continue
+        taken = {c.name for c in commands}
+        for command in provided:
+            if command.name in taken:
+                problems.append(
+                    f"{ep.name!r} ({ep.value}) offers a command {command.name!r} that another "
+                    "already has; it is ignored"
+                )
+            else:
+                commands.append(command)
+    return commands, problems
+
+
 def build_parser(commands: Sequence[Command] = COMMANDS) -> argparse.ArgumentParser:
     """The top-level parser with one sub-parser per entry of ``commands``."""
     parser = argparse.ArgumentParser(
@@ -195,12 +231,16 @@ def build_parser(commands: Sequence[Command] = COMMANDS) -> argparse.ArgumentPar
     return parser
 
 
-def main(argv: Sequence[str] | None = None, commands: Sequence[Command] = COMMANDS) -> int:
-    """Run one of ``commands`` (default: the core's own) with ``argv``; returns the exit code.
+def main(argv: Sequence[str] | None = None, commands: Sequence[Command] | None = None) -> int:
+    """Run one of ``commands`` with ``argv``; returns the exit code.
 
-    The ``engine-core`` script is :func:`roles.cli.main`, this with the jobs'
-    commands (``run``, ``train``) added: the core knows no command above it.
+    ``commands`` defaults to :func:`installed_commands`: the core's own plus every installed
+    distribution's (the jobs' ``run`` and ``train`` when ``engine-core-roles`` is installed).
     """
+    if commands is None:
+        commands, problems = installed_commands()
+        for problem in problems:
+            sys.stderr.write(f"engine-core: warning: {problem}\n")
     parser = build_parser(commands)
     args = parser.parse_args(argv)
     if args.command is None:
@@ -220,4 +260,8 @@ def main(argv: Sequence[str] | None = None, commands: Sequence[Command] = COMMAN
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # Run as the importable module, not as __main__: installed commands are instances of
+    # engine_core.cli.Command, which this file's __main__ copy would not recognise.
+    from engine_core import cli as _cli
+
+    raise SystemExit(_cli.main())

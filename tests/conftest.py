@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from engine_core.settings import ENV_EXTRA_PLUGINS
+from engine_core_roles.cli import RECIPES
 
 EXAMPLE_ENGINE = Path(__file__).parent / "fixtures" / "example_engine"
 EXAMPLE_PLUGIN = ("example", "engine_core_example.plugin")
@@ -58,7 +59,7 @@ def recipe_reward_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from engine_core.configio import load_yaml
     from tests._models import save_reward_model
 
-    recipe = Path(__file__).parents[1] / "roles" / "recipes" / "grpo_tiny.yaml"
+    recipe = RECIPES / "grpo_tiny.yaml"
     folder = tmp_path_factory.mktemp("recipe_rm")
     save_reward_model(folder, load_yaml(recipe)["engine"]["model"]["config"])
     return folder

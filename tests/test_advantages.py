@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from roles.advantages import (
+from engine_core_roles.advantages import (
     AdaptiveKLController,
     FixedKLController,
     gae_advantages,

@@ -48,7 +48,7 @@ def _train(state: Any, batch: TensorDict) -> Any:
 
 
 def _update(state: Any, **fields: Any) -> Any:
-    from roles import ADVANTAGES, OLD_LOG_PROBS
+    from engine_core_roles import ADVANTAGES, OLD_LOG_PROBS
 
     batch = random_batch(4, seq_len=8, seed=4)
     batch["loss_mask"] = batch["attention_mask"]
@@ -60,7 +60,7 @@ def _update(state: Any, **fields: Any) -> Any:
 
 
 def _empty_update(state: Any) -> Any:
-    from roles import ADVANTAGES, OLD_LOG_PROBS
+    from engine_core_roles import ADVANTAGES, OLD_LOG_PROBS
 
     batch = random_batch(4, seq_len=8)[:0]
     batch["loss_mask"] = batch["attention_mask"]
@@ -72,7 +72,7 @@ def _empty_update(state: Any) -> Any:
 def _long_prompts(state: Any) -> Any:
     from engine_core_hf.rollout import HFRollout, HFRolloutConfig
 
-    from roles import RLTrainer, TrainerConfig
+    from engine_core_roles import RLTrainer, TrainerConfig
 
     rollout = HFRollout(HFRolloutConfig(backend="hf", model={"config": dict(TINY_QWEN2)}))
     trainer = RLTrainer(
@@ -150,7 +150,7 @@ CATALOGUE = [
 
 
 def _update_with(state: Any, **actor_config: Any) -> Any:
-    from roles import Actor, ActorConfig
+    from engine_core_roles import Actor, ActorConfig
 
     state = {**state, "actor": Actor(ActorConfig(**actor_config), state["engine"])}
     return _update(state)
@@ -158,7 +158,7 @@ def _update_with(state: Any, **actor_config: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def state() -> dict[str, Any]:
-    from roles import Actor, ActorConfig
+    from engine_core_roles import Actor, ActorConfig
 
     engine = ReferenceEngine(ReferenceEngineConfig(**engine_config()))
     engine.init_model()

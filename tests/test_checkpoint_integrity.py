@@ -21,7 +21,8 @@ from engine_core.checkpoint import MANIFEST_FILE, is_dir, list_checkpoints, veri
 from engine_core.errors import CheckpointError
 from engine_core.reference_engine import ReferenceEngine, ReferenceEngineConfig
 from engine_core.testing.models import engine_config, nll_loss, train_steps
-from roles.trainer import TIMING_KEYS
+from engine_core_roles.cli import RECIPES
+from engine_core_roles.trainer import TIMING_KEYS
 from tests._dist import run_distributed
 
 
@@ -148,9 +149,9 @@ def _run(out: Path, steps: int, *extra: str, resume: bool = False) -> tuple[dict
 
     from engine_core.configio import apply_overrides, load_yaml
     from engine_core.plugins import load_plugins
-    from roles.rl_job import run_rl_job
+    from engine_core_roles.rl_job import run_rl_job
 
-    recipe = Path(__file__).parents[1] / "roles" / "recipes" / "grpo_tiny.yaml"
+    recipe = RECIPES / "grpo_tiny.yaml"
     overrides = [
         f"output_dir={out}",
         f"steps={steps}",
@@ -211,9 +212,9 @@ def test_resume_skips_a_damaged_checkpoint_and_says_so(tmp_path: Path, algorithm
 def test_no_command_overwrites_a_run_or_writes_where_it_cannot(tmp_path: Path) -> None:
     from engine_core.configio import apply_overrides, load_yaml
     from engine_core.plugins import load_plugins
-    from roles.train import run_sft
+    from engine_core_roles.train import run_sft
 
-    recipe = Path(__file__).parents[1] / "roles" / "recipes" / "sft_tiny.yaml"
+    recipe = RECIPES / "sft_tiny.yaml"
     out = tmp_path / "sft"
     raw = apply_overrides(load_yaml(recipe), [f"output_dir={out}", "steps=2", "log_every=1"])
     from rich.console import Console

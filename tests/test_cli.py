@@ -12,7 +12,7 @@ import pytest
 
 from engine_core.cli import COMMANDS, Command, build_parser
 from engine_core.settings import Settings
-from roles.cli import main
+from engine_core_roles.cli import main
 from tests.fixtures.plugins._install import install_test_plugins, run_python
 
 SCRIPT = Path(sys.executable).parent / "engine-core"
@@ -205,7 +205,7 @@ def test_a_run_that_fails_after_it_started_is_one_line_and_a_logged_traceback(
 
 
 def test_the_core_command_line_knows_no_command_above_it() -> None:
-    """``run`` and ``train`` are the jobs' (roles.cli), added on top of the core's table; the
+    """``run`` and ``train`` are the jobs' (engine_core_roles.cli), added on top of the core's table; the
     core's modules import nothing from the roles."""
     import ast
 
@@ -219,7 +219,7 @@ def test_the_core_command_line_knows_no_command_above_it() -> None:
         for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, ast.Import | ast.ImportFrom)
         and any(
-            name == "roles" or name.startswith("roles.")
+            name == "engine_core_roles" or name.startswith("engine_core_roles.")
             for name in (
                 [a.name for a in node.names]
                 if isinstance(node, ast.Import)
@@ -228,3 +228,18 @@ def test_the_core_command_line_knows_no_command_above_it() -> None:
         )
     ]
     assert upward == [], upward
+
+
+def test_installed_distributions_add_commands_and_a_broken_one_is_named(site: Path) -> None:
+    """The core's script takes subcommands from ``engine_core.commands`` entry points: the
+    jobs' (``engine-core-roles``) and a test plugin's ``hello``; one whose module is missing is
+    named in one warning line and the other commands still run."""
+    listing = run_python(["-m", "engine_core.cli", "--help"], site)
+    assert listing.returncode == 0, listing.stderr
+    for name in ("plugins", "doctor", "parity", "run", "train", "hello"):
+        assert f"    {name} " in listing.stdout, (name, listing.stdout)
+    warnings = [line for line in listing.stderr.splitlines() if line.strip()]
+    assert len(warnings) == 1 and warnings[0].startswith("engine-core: warning: "), warnings
+    assert "'testbroken'" in warnings[0] and "no_such_module" in warnings[0]
+    hello = run_python(["-m", "engine_core.cli", "hello", "world"], site)
+    assert (hello.returncode, hello.stdout) == (0, "hello world\n"), hello.stderr

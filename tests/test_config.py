@@ -17,8 +17,9 @@ from engine_core.hookspecs import BackendRegistry, hookimpl
 from engine_core.plugins import PluginManager, load_plugins
 from engine_core.resolve import resolve_engine_config, resolve_rollout_config
 from engine_core.settings import Settings
+from engine_core_roles.cli import RECIPES
 
-RECIPE = Path(__file__).parents[1] / "roles" / "recipes" / "sft_tiny.yaml"
+RECIPE = RECIPES / "sft_tiny.yaml"
 
 
 def _engine(**fields: Any) -> dict[str, Any]:

@@ -15,10 +15,11 @@ import pytest
 from engine_core.configio import apply_overrides, load_yaml
 from engine_core.errors import ConfigError, RunFailed
 from engine_core.plugins import load_plugins
-from roles.rl_job import RLJobConfig, run_rl_job
-from roles.trainer import TIMING_KEYS
+from engine_core_roles.cli import RECIPES
+from engine_core_roles.rl_job import RLJobConfig, run_rl_job
+from engine_core_roles.trainer import TIMING_KEYS
 
-RECIPE = Path(__file__).parents[1] / "roles" / "recipes" / "grpo_tiny.yaml"
+RECIPE = RECIPES / "grpo_tiny.yaml"
 SHORT = ["prompts_per_step=8", "trainer.samples_per_prompt=4", "save_every=2"]
 
 
@@ -99,7 +100,7 @@ def test_two_rollout_replicas_follow_the_trainer_every_step(
 ) -> None:
     """The actor at dp=2 streams its weights from its writing rank straight to two replica
     processes (every sync: the driver only waits); each replica follows it every step."""
-    from roles.weights import WeightLink
+    from engine_core_roles.weights import WeightLink
 
     synced: list[tuple[str, float]] = []
     sync = WeightLink.sync
@@ -128,7 +129,7 @@ def test_a_replica_given_corrupted_weights_stops_the_job_naming_it(
 ) -> None:
     """Replica 1 corrupts what it loads (tests/_workers.py): the job's first sync fails naming
     that replica and no other, and the job stops before training on anything."""
-    import roles.rl_job
+    import engine_core_roles.rl_job
     from engine_core.errors import WeightSyncError
     from engine_core.remote_rollout import ProcessRollout
     from tests._workers import CORRUPTED, CorruptingRolloutWorker
@@ -137,7 +138,7 @@ def test_a_replica_given_corrupted_weights_stops_the_job_naming_it(
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, worker_cls=CorruptingRolloutWorker, **kwargs)
 
-    monkeypatch.setattr(roles.rl_job, "ProcessRollout", Corrupting)
+    monkeypatch.setattr(engine_core_roles.rl_job, "ProcessRollout", Corrupting)
     with pytest.raises(RunFailed) as failed:
         _run(tmp_path, "steps=2", "rollout_placement=process", "rollout_replicas=2")
     # one line: what failed, where its traceback went, what is safe; the failure is the cause

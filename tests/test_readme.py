@@ -24,7 +24,7 @@ def test_the_own_script_section_trains_with_public_imports_only(
     assert len(blocks) == 1, "the section shows one complete program"
     program = blocks[0]
     imports = re.findall(r"^(?:from|import) (\S+)", program, flags=re.M)
-    assert set(imports) <= {"torch", "engine_core", "roles"}, imports
+    assert set(imports) <= {"torch", "engine_core", "engine_core_roles"}, imports
     namespace: dict[str, object] = {"__name__": "__main__"}
     exec(compile(program, str(README), "exec"), namespace)  # noqa: S102 - our own docs
     rewards = namespace["rewards"]

@@ -17,8 +17,9 @@ from engine_core.configio import apply_overrides, load_yaml
 from engine_core.errors import ConfigError
 from engine_core.plugins import load_plugins
 from engine_core.reference_engine import ReferenceEngine, ReferenceEngineConfig
-from roles.reward_model import RM_SCORES, TOKEN_LEVEL_SCORES, RewardModel
-from roles.rl_job import run_rl_job
+from engine_core_roles.cli import RECIPES
+from engine_core_roles.reward_model import RM_SCORES, TOKEN_LEVEL_SCORES, RewardModel
+from engine_core_roles.rl_job import run_rl_job
 from tests._models import TINY_QWEN2, engine_config, random_batch, save_reward_model
 
 
@@ -71,7 +72,7 @@ def test_reward_model_refuses_bad_engines_and_batches(rm_folder: Path) -> None:
         rm.compute_rm_score(batch)
 
 
-RECIPE = Path(__file__).parents[1] / "roles" / "recipes" / "grpo_tiny.yaml"
+RECIPE = RECIPES / "grpo_tiny.yaml"
 
 
 def _job(out: Path, rm: Path, *overrides: str) -> dict[str, Any]:
@@ -95,16 +96,16 @@ def test_job_reward_is_the_task_score_plus_the_weighted_model_score(
     """Each step's samples (recorded as the trainer builds its batch) scored by transformers'
     sequence-classification model: their mean is the logged ``reward/model``, and ``reward``
     is ``reward/fn + weight * reward/model``."""
-    import roles.trainer
+    import engine_core_roles.trainer
 
     batches: list[TensorDict] = []
-    original = roles.trainer.training_batch
+    original = engine_core_roles.trainer.training_batch
 
     def recording(gen: TensorDict, params: SamplingParams) -> TensorDict:
         batches.append(original(gen, params))
         return batches[-1]
 
-    monkeypatch.setattr(roles.trainer, "training_batch", recording)
+    monkeypatch.setattr(engine_core_roles.trainer, "training_batch", recording)
     _job(tmp_path, recipe_reward_model, "steps=2", "trainer.reward_model_weight=0.5")
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     model = AutoModelForSequenceClassification.from_pretrained(recipe_reward_model).eval()

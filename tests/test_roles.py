@@ -9,8 +9,8 @@ import torch
 
 from engine_core import BatchError, CapabilityError, predicted_mask
 from engine_core.reference_engine import ReferenceEngine, ReferenceEngineConfig
-from roles.actor import ADVANTAGES, OLD_LOG_PROBS, ROLLOUT_LOG_PROBS, Actor, ActorConfig
-from roles.critic import OLD_VALUES, RETURNS, Critic, CriticConfig
+from engine_core_roles.actor import ADVANTAGES, OLD_LOG_PROBS, ROLLOUT_LOG_PROBS, Actor, ActorConfig
+from engine_core_roles.critic import OLD_VALUES, RETURNS, Critic, CriticConfig
 from tests._models import engine_config, random_batch
 
 

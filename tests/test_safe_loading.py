@@ -43,6 +43,7 @@ from engine_core.weight_sync import (
     receive_weights,
     send_weights,
 )
+from engine_core_roles.cli import RECIPES
 from tests._dist import run_distributed
 from tests._models import engine_config, nll_loss, registered_engine, train_steps
 
@@ -232,9 +233,9 @@ def test_grpo_trainer_state(tmp_path: Path) -> None:
     from engine_core.configio import apply_overrides, load_yaml
     from engine_core.engine import CHECKPOINT_STATE_FILE, JOB_STATE_FILE
     from engine_core.plugins import load_plugins
-    from roles.rl_job import run_rl_job
+    from engine_core_roles.rl_job import run_rl_job
 
-    recipe = Path(__file__).parents[1] / "roles" / "recipes" / "grpo_tiny.yaml"
+    recipe = RECIPES / "grpo_tiny.yaml"
     out = tmp_path / "run"
     overrides = ["engine.backend=reference", "prompts_per_step=2", "trainer.samples_per_prompt=2"]
     manager = load_plugins()

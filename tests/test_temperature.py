@@ -3,13 +3,12 @@
 A rollout sampling at temperature T reports log-probs of the tempered distribution; the actor's
 old log-probs and the reference's must be computed at the same T, or the PPO ratio, TIS and the
 KL term compare different distributions. The trainer's temperature is the one source: the
-rollout samples at it, :func:`roles.training_batch` stamps it on the batch, and the actor and
+rollout samples at it, :func:`engine_core_roles.training_batch` stamps it on the batch, and the actor and
 the reference read it from there. The gap guard stops a run whose rollout and trainer disagree.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,7 +17,7 @@ from tensordict import TensorDict
 
 from engine_core import BaseRollout, SamplingParams, load_plugins, resolve_rollout_config
 from engine_core.configio import load_yaml
-from roles import (
+from engine_core_roles import (
     REF_LOG_PROBS,
     Actor,
     ActorConfig,
@@ -26,10 +25,11 @@ from roles import (
     RLTrainer,
     TrainerConfig,
 )
-from roles.trainer import LogProbGapError
+from engine_core_roles.cli import RECIPES
+from engine_core_roles.trainer import LogProbGapError
 from tests.test_trainer import build_engine
 
-RECIPE = Path(__file__).parents[1] / "roles" / "recipes" / "grpo_tiny.yaml"
+RECIPE = RECIPES / "grpo_tiny.yaml"
 # the recipe's model: head size 32, which vLLM's CPU attention needs
 MODEL = load_yaml(RECIPE)["engine"]["model"]
 PROMPT_LEN, RESPONSE_LEN = 4, 5
@@ -133,7 +133,7 @@ def test_rollout_actor_and_reference_share_the_sampling_temperature(
 
 
 def _retempered(gen: TensorDict, temperature: float, config: TrainerConfig) -> TensorDict:
-    from roles import training_batch
+    from engine_core_roles import training_batch
 
     params = config.sampling_params(1).model_copy(update={"temperature": temperature})
     return training_batch(gen, params)

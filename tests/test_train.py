@@ -11,9 +11,10 @@ from pydantic import ValidationError
 from engine_core.checkpoint import list_checkpoints
 from engine_core.configio import apply_overrides, load_yaml
 from engine_core.plugins import load_plugins
-from roles.train import run_sft
+from engine_core_roles.cli import RECIPES
+from engine_core_roles.train import run_sft
 
-RECIPE = Path(__file__).parents[1] / "roles" / "recipes" / "sft_tiny.yaml"
+RECIPE = RECIPES / "sft_tiny.yaml"
 
 
 def test_short_run_learns_and_writes_outputs(tmp_path: Path) -> None:

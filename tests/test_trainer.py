@@ -19,7 +19,7 @@ from engine_core import (
     resolve_engine_config,
     resolve_rollout_config,
 )
-from roles import (
+from engine_core_roles import (
     ROLLOUT_LOG_PROBS,
     Actor,
     ActorConfig,

@@ -24,11 +24,11 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from engine_core import BackendKind, BackendSpec, EngineConfig, RolloutConfig, SamplingParams
-from roles import ActorConfig, CriticConfig
-from roles.cli import DEFAULT_RL_RECIPE, DEFAULT_TRAIN_RECIPE
-from roles.rl_job import RLJobConfig
-from roles.tasks import TaskConfig
-from roles.train import SFTJobConfig
+from engine_core_roles import ActorConfig, CriticConfig
+from engine_core_roles.cli import DEFAULT_RL_RECIPE, DEFAULT_TRAIN_RECIPE
+from engine_core_roles.rl_job import RLJobConfig
+from engine_core_roles.tasks import TaskConfig
+from engine_core_roles.train import SFTJobConfig
 
 __all__ = ["backends_table", "config_reference"]
 
@@ -243,7 +243,7 @@ def config_reference(specs: list[BackendSpec]) -> str:
     r = _Renderer(planned)
 
     r.lines += ["## Jobs", ""]
-    recipe = "`engine-core {}` (default recipe: `roles/recipes/{}`)."
+    recipe = "`engine-core {}` (default recipe: `roles/engine_core_roles/recipes/{}`)."
     r.section(RLJobConfig, intro=recipe.format("run", DEFAULT_RL_RECIPE))
     r.section(SFTJobConfig, intro=recipe.format("train", DEFAULT_TRAIN_RECIPE))
     r.section(TaskConfig)

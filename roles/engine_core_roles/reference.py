@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from tensordict import TensorDict
 
 from engine_core import LOG_PROBS, BaseEngine, CapabilityError, with_meta
-from roles.actor import REF_LOG_PROBS
+from engine_core_roles.actor import REF_LOG_PROBS
 
 __all__ = ["Reference"]
 
@@ -21,7 +21,7 @@ class Reference:
     """Reference log-probs from ``engine``; ``use_disabled_adapters`` reuses a LoRA actor's engine.
 
     Log-probs are computed at the temperature in the batch's metadata, like the actor's: the
-    temperature the samples were drawn at (:func:`roles.training_batch`).
+    temperature the samples were drawn at (:func:`engine_core_roles.training_batch`).
     """
 
     def __init__(self, engine: BaseEngine, *, use_disabled_adapters: bool = False) -> None:

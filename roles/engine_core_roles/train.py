@@ -25,8 +25,8 @@ from engine_core.engine import BaseEngine, loss_mask_of
 from engine_core.loss import GlobalBatchContext, Metric, aggregate_loss, token_mean_metric
 from engine_core.plugins import PluginManager
 from engine_core.resolve import resolve_engine_config
-from roles.tasks import DigitTask, TaskConfig
-from roles.tracking import claim_output_dir, failures_logged
+from engine_core_roles.tasks import DigitTask, TaskConfig
+from engine_core_roles.tracking import claim_output_dir, failures_logged
 
 __all__ = ["SFTJobConfig", "run_sft", "sft_loss"]
 

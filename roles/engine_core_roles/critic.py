@@ -20,8 +20,8 @@ from engine_core import (
     require_keys,
     require_token_shaped,
 )
-from roles.losses import value_loss
-from roles.updates import mean_over_steps, run_updates, warn_skipped
+from engine_core_roles.losses import value_loss
+from engine_core_roles.updates import mean_over_steps, run_updates, warn_skipped
 
 __all__ = ["CriticConfig", "Critic", "OLD_VALUES", "RETURNS"]
 
@@ -29,7 +29,7 @@ OLD_VALUES = "old_values"
 RETURNS = "returns"
 PRODUCERS = {
     OLD_VALUES: "Critic.compute_values",
-    RETURNS: "roles.advantages.gae_advantages",
+    RETURNS: "engine_core_roles.advantages.gae_advantages",
     LOSS_MASK: "the rollout (response mask)",
 }
 

@@ -14,7 +14,7 @@ sample's weight version is known; a batch more than ``max_staleness`` versions o
 trained on; the generation in flight is part of :meth:`RLTrainer.state_dict`, so a resumed run
 trains on exactly the samples a straight one would.
 
-``engine-core run`` (:mod:`roles.rl_job`) is this trainer plus config files, checkpoints and
+``engine-core run`` (:mod:`engine_core_roles.rl_job`) is this trainer plus config files, checkpoints and
 plots; a script builds the same object from its own roles, rollout, prompts and reward.
 """
 
@@ -48,19 +48,19 @@ from engine_core.rollout import (
     ROLLOUT_LOG_PROBS,
     ROLLOUT_REPLICA,
 )
-from roles.actor import (
+from engine_core_roles.actor import (
     ADVANTAGES,
     OLD_LOG_PROBS,
     REF_LOG_PROBS,
     ActorConfig,
     ActorUpdate,
 )
-from roles.advantages import gae_advantages, grpo_advantages, sequence_to_token_rewards
-from roles.batches import prompt_batch, training_batch
-from roles.critic import OLD_VALUES, RETURNS
-from roles.reward_model import RM_SCORES
-from roles.updates import non_finite_inputs
-from roles.weights import WeightLink
+from engine_core_roles.advantages import gae_advantages, grpo_advantages, sequence_to_token_rewards
+from engine_core_roles.batches import prompt_batch, training_batch
+from engine_core_roles.critic import OLD_VALUES, RETURNS
+from engine_core_roles.reward_model import RM_SCORES
+from engine_core_roles.updates import non_finite_inputs
+from engine_core_roles.weights import WeightLink
 
 __all__ = [
     "TrainerConfig",
@@ -102,7 +102,7 @@ class RewardFn(Protocol):
 PromptBatch = torch.Tensor | TensorDict
 PromptSource = Iterable[PromptBatch] | Callable[[int], PromptBatch]
 """Each step's prompts: an iterable, or a callable taking the step number. A prompt batch is a
-``[B, P]`` tensor of token ids, or the :func:`roles.prompt_batch` of left-padded ones."""
+``[B, P]`` tensor of token ids, or the :func:`engine_core_roles.prompt_batch` of left-padded ones."""
 
 StepCallback = Callable[["RLTrainer", dict[str, Any]], None]
 """Called by :meth:`RLTrainer.fit` after every step with the trainer and that step's row."""
@@ -195,9 +195,9 @@ class TrainerConfig(FrozenModel):
 
 class PolicyRole(Protocol):
     """What the trainer calls on the policy: an :class:`Actor`, or an
-    :class:`roles.placement.ActorGroup` (the same calls on a data-parallel worker group).
+    :class:`engine_core_roles.placement.ActorGroup` (the same calls on a data-parallel worker group).
 
-    Its weights reach the rollout through a :class:`roles.weights.WeightLink`."""
+    Its weights reach the rollout through a :class:`engine_core_roles.weights.WeightLink`."""
 
     config: ActorConfig
 
@@ -210,7 +210,7 @@ class PolicyRole(Protocol):
 
 
 class ValueRole(Protocol):
-    """A :class:`Critic` or a :class:`roles.placement.CriticGroup`."""
+    """A :class:`Critic` or a :class:`engine_core_roles.placement.CriticGroup`."""
 
     def compute_values(self, batch: TensorDict) -> TensorDict: ...
 
@@ -218,13 +218,13 @@ class ValueRole(Protocol):
 
 
 class ReferenceRole(Protocol):
-    """A :class:`Reference` or a :class:`roles.placement.ReferenceGroup`."""
+    """A :class:`Reference` or a :class:`engine_core_roles.placement.ReferenceGroup`."""
 
     def compute_ref_log_prob(self, batch: TensorDict) -> TensorDict: ...
 
 
 class RewardRole(Protocol):
-    """A :class:`roles.RewardModel` or a :class:`roles.placement.RewardModelGroup`."""
+    """A :class:`engine_core_roles.RewardModel` or a :class:`engine_core_roles.placement.RewardModelGroup`."""
 
     def compute_rm_score(self, batch: TensorDict) -> TensorDict: ...
 
@@ -268,7 +268,7 @@ class RLTrainer:
 
     ``rollout`` generates with the actor's weights, synced and verified before the first step and
     after every update. ``reward_fn`` scores each sample (see :class:`RewardFn`), and/or
-    ``reward_model`` (a :class:`roles.RewardModel` on the actor's vocabulary) does: a sample's
+    ``reward_model`` (a :class:`engine_core_roles.RewardModel` on the actor's vocabulary) does: a sample's
     reward is the first plus ``config.reward_model_weight`` times the second; ``prompts``
     gives each step's prompts (see :data:`PromptSource`). A ``reference`` is required when the
     actor uses a KL loss; a ``critic`` exactly when ``config.algorithm`` is ``ppo``.

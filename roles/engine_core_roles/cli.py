@@ -1,14 +1,17 @@
-"""The ``engine-core`` script: the core's commands plus the jobs' ``run`` and ``train``.
+"""The jobs' subcommands of the ``engine-core`` script: ``run`` and ``train``.
 
-The jobs sit above the core and the roles (an RL job is :class:`roles.RLTrainer` plus recipes,
-checkpoints and plots), so their commands are added here, on top of
-:data:`engine_core.cli.COMMANDS`, and the core's command line imports nothing above it.
+The jobs sit above the core and the roles (an RL job is :class:`engine_core_roles.RLTrainer`
+plus recipes, checkpoints and plots). :data:`COMMANDS` reaches the core's script through the
+``engine_core.commands`` entry point of this distribution, so the core's command line imports
+nothing above it. :func:`main` runs the script with them whether or not the entry point is
+installed (``python -m engine_core_roles.cli``).
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from engine_core import cli
@@ -16,8 +19,10 @@ from engine_core.cli import Command
 from engine_core.plugins import load_plugins
 from engine_core.settings import Settings
 
-__all__ = ["COMMANDS", "DEFAULT_RL_RECIPE", "DEFAULT_TRAIN_RECIPE", "main"]
+__all__ = ["COMMANDS", "DEFAULT_RL_RECIPE", "RECIPES", "DEFAULT_TRAIN_RECIPE", "main"]
 
+RECIPES = Path(__file__).parent / "recipes"
+"""The shipped recipes."""
 DEFAULT_RL_RECIPE = "grpo_tiny.yaml"
 DEFAULT_TRAIN_RECIPE = "sft_tiny.yaml"
 
@@ -33,14 +38,12 @@ def _recipe_arguments(parser: argparse.ArgumentParser, default: str) -> None:
 
 def _recipe(args: argparse.Namespace, default: str) -> dict[str, Any]:
     """The recipe (or the shipped ``default``) with the command line's dotted overrides applied."""
-    from importlib.resources import files
-
     from engine_core.configio import apply_overrides, load_yaml
 
     recipe, overrides = args.recipe, list(args.overrides)
     if recipe is not None and "=" in recipe:  # only overrides were given
         recipe, overrides = None, [recipe, *overrides]
-    path = recipe or str(files("roles") / "recipes" / default)
+    path = recipe or str(RECIPES / default)
     return apply_overrides(load_yaml(path), overrides)
 
 
@@ -55,8 +58,8 @@ def _run_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_rl(args: argparse.Namespace, settings: Settings) -> int:
-    """An RL run (GRPO, or PPO with a critic): :class:`roles.RLTrainer` built from a recipe."""
-    from roles.rl_job import run_rl_job
+    """An RL run (GRPO, or PPO with a critic): :class:`engine_core_roles.RLTrainer` built from a recipe."""
+    from engine_core_roles.rl_job import run_rl_job
 
     run_rl_job(_recipe(args, DEFAULT_RL_RECIPE), load_plugins(settings), resume=args.resume)
     return 0
@@ -70,8 +73,8 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_train(args: argparse.Namespace, settings: Settings) -> int:
-    """Supervised training through the recipe's engine (see :mod:`roles.train`)."""
-    from roles.train import run_sft
+    """Supervised training through the recipe's engine (see :mod:`engine_core_roles.train`)."""
+    from engine_core_roles.train import run_sft
 
     run_sft(_recipe(args, DEFAULT_TRAIN_RECIPE), load_plugins(settings))
     return 0
@@ -90,13 +93,12 @@ COMMANDS: tuple[Command, ...] = (
         run_train,
         _train_arguments,
     ),
-    *cli.COMMANDS,
 )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``engine-core`` script; returns the exit code."""
-    return cli.main(argv, COMMANDS)
+    """The ``engine-core`` script with the core's commands and these; returns the exit code."""
+    return cli.main(argv, (*cli.COMMANDS, *COMMANDS))
 
 
 if __name__ == "__main__":

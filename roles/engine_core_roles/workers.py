@@ -19,10 +19,10 @@ from engine_core.dispatch import DispatchMode, Worker, register
 from engine_core.executors import join_process_group
 from engine_core.executors.base import free_port, meeting_host
 from engine_core.weight_sync import WeightSyncGroup, send_weights
-from roles.actor import Actor, ActorConfig, ActorUpdate
-from roles.critic import Critic, CriticConfig
-from roles.reference import Reference
-from roles.reward_model import RewardModel
+from engine_core_roles.actor import Actor, ActorConfig, ActorUpdate
+from engine_core_roles.critic import Critic, CriticConfig
+from engine_core_roles.reference import Reference
+from engine_core_roles.reward_model import RewardModel
 
 __all__ = ["ActorWorker", "CriticWorker", "ReferenceWorker", "RewardModelWorker", "build_engine"]
 
@@ -79,7 +79,7 @@ class ActorWorker(_RoleWorker):
     def max_position_embeddings(self) -> int | None:
         return self.actor.max_position_embeddings
 
-    # the sending end of the job's weight link (roles.weights.WeightLink): every rank takes
+    # the sending end of the job's weight link (engine_core_roles.weights.WeightLink): every rank takes
     # part in the gathers, the writing rank streams (each collective: call it on every worker)
 
     def weight_sync_address(self, any_node: bool) -> tuple[str, int] | None:

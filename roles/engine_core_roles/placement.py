@@ -2,16 +2,16 @@
 
 A :class:`PlacementConfig` names an executor and, per role, its data-parallel size. With
 ``executor: in_process`` (the default) every role's one engine is built in the calling process,
-as :class:`roles.Actor` & co. With ``local`` or ``ray``, each role is a worker group of
+as :class:`engine_core_roles.Actor` & co. With ``local`` or ``ray``, each role is a worker group of
 ``dp × tensor_parallel_size × pipeline_parallel_size`` workers (the model-parallel sizes are the
 role's engine config's), and the driver holds an :class:`ActorGroup`, :class:`CriticGroup` or
 :class:`ReferenceGroup`: the same calls as the in-process roles, dispatched over the group's DP
-ranks (:mod:`engine_core.dispatch`). :class:`roles.RLTrainer` takes either.
+ranks (:mod:`engine_core.dispatch`). :class:`engine_core_roles.RLTrainer` takes either.
 
 A role group is also a checkpoint part (:class:`engine_core.checkpoint.JobCheckpoints`): its
 workers write and read their own shards into the folder the driver stages and commits, so a
 step is still one folder, whole or absent. The actor group's full weights reach the rollout
-through the job's :class:`roles.weights.WeightLink`: every rank takes part in the gathers and
+through the job's :class:`engine_core_roles.weights.WeightLink`: every rank takes part in the gathers and
 the writing rank streams them, bucket by bucket, to the rollout's processes (or this one's).
 """
 
@@ -25,7 +25,7 @@ from tensordict import TensorDict
 
 from engine_core import FrozenModel
 from engine_core.executors.base import DEFAULT_CALL_TIMEOUT_S, WorkerGroup, threads_per_process
-from roles.actor import ActorConfig, ActorUpdate
+from engine_core_roles.actor import ActorConfig, ActorUpdate
 
 __all__ = [
     "ActorGroup",
@@ -185,7 +185,7 @@ def _first(per_dp_rank: list[dict[str, float]]) -> dict[str, float]:
 
 
 class ActorGroup(RoleGroup):
-    """:class:`roles.Actor`'s calls on an :class:`roles.workers.ActorWorker` group."""
+    """:class:`engine_core_roles.Actor`'s calls on an :class:`engine_core_roles.workers.ActorWorker` group."""
 
     mesh = "actor"
 
@@ -213,7 +213,7 @@ class ActorGroup(RoleGroup):
 
 
 class CriticGroup(RoleGroup):
-    """:class:`roles.Critic`'s calls on a :class:`roles.workers.CriticWorker` group."""
+    """:class:`engine_core_roles.Critic`'s calls on a :class:`engine_core_roles.workers.CriticWorker` group."""
 
     mesh = "critic"
 
@@ -226,7 +226,7 @@ class CriticGroup(RoleGroup):
 
 
 class RewardModelGroup(RoleGroup):
-    """:class:`roles.RewardModel`'s call on a :class:`roles.workers.RewardModelWorker` group
+    """:class:`engine_core_roles.RewardModel`'s call on a :class:`engine_core_roles.workers.RewardModelWorker` group
     (frozen: no checkpoint of its own)."""
 
     mesh = "rm"
@@ -237,7 +237,7 @@ class RewardModelGroup(RoleGroup):
 
 
 class ReferenceGroup(RoleGroup):
-    """:class:`roles.Reference`'s call on a :class:`roles.workers.ReferenceWorker` group."""
+    """:class:`engine_core_roles.Reference`'s call on a :class:`engine_core_roles.workers.ReferenceWorker` group."""
 
     mesh = "ref"
 

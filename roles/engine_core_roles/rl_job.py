@@ -1,11 +1,11 @@
 """The RL job of ``engine-core run``: GRPO, or PPO with a critic, on the shipped digit tasks.
 
-The loop itself is :class:`roles.RLTrainer`; this module builds its pieces from one config
+The loop itself is :class:`engine_core_roles.RLTrainer`; this module builds its pieces from one config
 (engines, rollout, the task's prompts and rule-based reward), and adds what a job needs around
 it: an optional supervised warm-up, exact resume, checkpoints, a progress bar, metrics
 (JSONL, TensorBoard, a plot), a summary and a Hugging Face export. The rollout runs in this
 process or, with ``rollout_placement: process``, in processes of its own
-(:mod:`engine_core.remote_rollout`); the weights reach it through one :class:`roles.WeightLink`.
+(:mod:`engine_core.remote_rollout`); the weights reach it through one :class:`engine_core_roles.WeightLink`.
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ from engine_core.executors.base import threads_per_process
 from engine_core.models import build_hf_config
 from engine_core.remote_rollout import ProcessRollout
 from engine_core.rollout import BaseRollout
-from roles.actor import Actor, ActorConfig
-from roles.critic import Critic, CriticConfig
-from roles.losses import MismatchCorrection
-from roles.placement import (
+from engine_core_roles.actor import Actor, ActorConfig
+from engine_core_roles.critic import Critic, CriticConfig
+from engine_core_roles.losses import MismatchCorrection
+from engine_core_roles.placement import (
     ActorGroup,
     CriticGroup,
     PlacementConfig,
@@ -50,11 +50,11 @@ from roles.placement import (
     num_workers,
     start_group,
 )
-from roles.reference import Reference
-from roles.reward_model import RewardModel
-from roles.tasks import EOS, PAD, DigitTask, TaskConfig
-from roles.tracking import RunTracker, claim_output_dir, failures_logged
-from roles.trainer import (
+from engine_core_roles.reference import Reference
+from engine_core_roles.reward_model import RewardModel
+from engine_core_roles.tasks import EOS, PAD, DigitTask, TaskConfig
+from engine_core_roles.tracking import RunTracker, claim_output_dir, failures_logged
+from engine_core_roles.trainer import (
     PolicyRole,
     ReferenceRole,
     RewardRole,
@@ -63,7 +63,7 @@ from roles.trainer import (
     ValueRole,
     plot_keys,
 )
-from roles.weights import WeightLink
+from engine_core_roles.weights import WeightLink
 
 __all__ = ["RLJobConfig", "run_rl_job"]
 
@@ -100,8 +100,8 @@ class RLJobConfig(FrozenModel):
     """An RL run: the loop's settings, the task, the actor's (and critic's) engine, the rollout.
 
     Every setting lives in one place: the loop's (algorithm, sampling, advantages, staleness,
-    the gap guard) in ``trainer`` — a :class:`roles.TrainerConfig`, the object a script hands
-    to :class:`roles.RLTrainer` — the actor's update in ``actor``, the critic's in ``critic``.
+    the gap guard) in ``trainer`` — a :class:`engine_core_roles.TrainerConfig`, the object a script hands
+    to :class:`engine_core_roles.RLTrainer` — the actor's update in ``actor``, the critic's in ``critic``.
     What a section leaves unset and the job derives (the task's response length, TIS for
     asynchronous runs) comes from :meth:`trainer_config` and :meth:`actor_config`; the config
     itself is never changed after validation.
@@ -360,7 +360,12 @@ def _build_groups(
     job: RLJobConfig, roles: _Roles, engine_cfg: Any, critic_cfg: Any, rm_cfg: Any
 ) -> None:
     """The roles as worker groups on ``job.placement.executor`` (local processes or Ray)."""
-    from roles.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardModelWorker
+    from engine_core_roles.workers import (
+        ActorWorker,
+        CriticWorker,
+        ReferenceWorker,
+        RewardModelWorker,
+    )
 
     placement = job.placement
     if placement.executor == "ray":
@@ -577,7 +582,7 @@ def _print_summary(console: Console, summary: dict[str, Any]) -> None:
 
 
 def _warmup(engine: BaseEngine, task: DigitTask, job: RLJobConfig) -> None:
-    from roles.train import sft_loss
+    from engine_core_roles.train import sft_loss
 
     engine.set_loss_fn(sft_loss)
     with engine.train_mode():

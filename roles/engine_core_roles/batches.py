@@ -3,7 +3,7 @@
 :func:`prompt_batch` builds the ``generate`` input of :class:`engine_core.BaseRollout` from
 token ids; :func:`training_batch` turns a ``generate`` result (prompt + response) into the batch
 the roles take, with ``loss_mask`` on the response tokens. The roles then add their fields to it
-under the names exported from :mod:`roles` (``OLD_LOG_PROBS``, ``ADVANTAGES``, ...).
+under the names exported from :mod:`engine_core_roles` (``OLD_LOG_PROBS``, ``ADVANTAGES``, ...).
 """
 
 from __future__ import annotations

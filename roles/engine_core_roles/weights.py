@@ -1,7 +1,7 @@
 """The one path from a policy to a rollout: :class:`WeightLink`.
 
-A job connects its policy (an in-process :class:`roles.Actor`, or an
-:class:`roles.placement.ActorGroup` of worker processes) to its rollout (an in-process
+A job connects its policy (an in-process :class:`engine_core_roles.Actor`, or an
+:class:`engine_core_roles.placement.ActorGroup` of worker processes) to its rollout (an in-process
 :class:`engine_core.rollout.BaseRollout`, or a :class:`engine_core.remote_rollout.ProcessRollout`
 of replica processes) once, with ``WeightLink(policy, rollout)``; every :meth:`WeightLink.sync`
 then moves the policy's full weights into the rollout the same way:
@@ -42,8 +42,8 @@ from engine_core.executors.base import free_port, meeting_host
 from engine_core.remote_rollout import ProcessRollout
 from engine_core.rollout import BaseRollout, sent_buckets
 from engine_core.weight_sync import WeightSyncGroup, receive_weights, send_weights
-from roles.actor import Actor
-from roles.placement import ActorGroup
+from engine_core_roles.actor import Actor
+from engine_core_roles.placement import ActorGroup
 
 __all__ = ["WeightLink"]
 
@@ -53,7 +53,7 @@ DRIVER_ROLLOUT = "the rollout in the driver"
 class WeightLink:
     """Connects ``policy`` to ``rollout``; :meth:`sync` streams the weights, verified.
 
-    ``policy`` is an :class:`roles.Actor` or an :class:`roles.placement.ActorGroup`;
+    ``policy`` is an :class:`engine_core_roles.Actor` or an :class:`engine_core_roles.placement.ActorGroup`;
     ``rollout`` a :class:`BaseRollout` in this process or a :class:`ProcessRollout`. The
     connection is made here (a weight-sync group joined by both ends when they are in different
     processes) and kept until :meth:`close`.

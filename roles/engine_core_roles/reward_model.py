@@ -7,7 +7,7 @@ names: the backbone plus a ``score`` head. The engine loads the checkpoint with
 the reward model reads it at each sequence's last real token — exactly what sequence classification pools.
 
 Rule-based rewards need no model: any ``callable(batch) -> scores [B]`` (see
-:mod:`roles.tasks`) fills the same ``rm_scores`` field.
+:mod:`engine_core_roles.tasks`) fills the same ``rm_scores`` field.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from engine_core import (
     require_keys,
     with_meta,
 )
-from roles.advantages import sequence_to_token_rewards
+from engine_core_roles.advantages import sequence_to_token_rewards
 
 __all__ = ["RewardModel", "RM_SCORES", "TOKEN_LEVEL_SCORES", "last_token_index"]
 

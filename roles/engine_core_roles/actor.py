@@ -3,7 +3,7 @@
 Works with any engine through :class:`engine_core.BaseEngine` only. Batch fields are padded
 ``[B, L]`` and aligned to ``input_ids`` (see :mod:`engine_core.batch`): ``loss_mask`` marks the
 response tokens, ``advantages`` and ``old_log_probs`` are per token, and so is
-``rollout_log_probs`` when a mismatch correction is on (:func:`roles.training_batch` carries it
+``rollout_log_probs`` when a mismatch correction is on (:func:`engine_core_roles.training_batch` carries it
 over from the rollout output).
 """
 
@@ -34,7 +34,7 @@ from engine_core import (
 )
 from engine_core.config import BUCKET_BYTES
 from engine_core.rollout import ROLLOUT_LOG_PROBS
-from roles.losses import (
+from engine_core_roles.losses import (
     CorrectionWeights,
     KLEstimator,
     MISLevel,
@@ -45,7 +45,7 @@ from roles.losses import (
     policy_loss,
     tis_weights,
 )
-from roles.updates import mean_over_steps, run_updates, warn_skipped
+from engine_core_roles.updates import mean_over_steps, run_updates, warn_skipped
 
 __all__ = [
     "ActorConfig",
@@ -64,9 +64,9 @@ ADVANTAGES = "advantages"
 PRODUCERS = {
     OLD_LOG_PROBS: "Actor.compute_log_prob",
     REF_LOG_PROBS: "Reference.compute_ref_log_prob",
-    ADVANTAGES: "an advantage estimator in roles.advantages",
+    ADVANTAGES: "an advantage estimator in engine_core_roles.advantages",
     LOSS_MASK: "the rollout (response mask)",
-    ROLLOUT_LOG_PROBS: "roles.training_batch(rollout_output); mismatch_correction needs it",
+    ROLLOUT_LOG_PROBS: "engine_core_roles.training_batch(rollout_output); mismatch_correction needs it",
 }
 
 
@@ -192,7 +192,7 @@ class Actor:
     def compute_log_prob(self, batch: TensorDict, *, entropy: bool = False) -> TensorDict:
         """Per-token log-probs of ``input_ids`` under the current policy (``old_log_probs``), at
         the temperature in the batch's metadata (the sampling temperature, from
-        :func:`roles.training_batch`)."""
+        :func:`engine_core_roles.training_batch`)."""
         self.engine.set_loss_fn(None)
         with self.engine.eval_mode():
             out = self.engine.forward_backward_step(
@@ -295,6 +295,6 @@ def _require_aligned_rollout_log_probs(batch: TensorDict) -> None:
         raise BatchError(
             f"Actor.update_actor: {ROLLOUT_LOG_PROBS} has shape {got}, want {want} like "
             f"input_ids. A rollout returns it over the response tokens only ([batch, "
-            f"response_len]); roles.training_batch(rollout_output) aligns it to the prompt + "
+            f"response_len]); engine_core_roles.training_batch(rollout_output) aligns it to the prompt + "
             f"response (zeros on the prompt)."
         )

@@ -1,16 +1,16 @@
 """Engine-agnostic RL roles built on engine_core's public API.
 
-RL losses (:mod:`roles.losses`) and advantage estimators (:mod:`roles.advantages`) as pure
+RL losses (:mod:`engine_core_roles.losses`) and advantage estimators (:mod:`engine_core_roles.advantages`) as pure
 functions; the :class:`Actor`, :class:`Critic`, :class:`Reference` and :class:`RewardModel` roles
-on any :class:`engine_core.BaseEngine`, in-process or as worker groups (:mod:`roles.workers`);
+on any :class:`engine_core.BaseEngine`, in-process or as worker groups (:mod:`engine_core_roles.workers`);
 the batches passed between a rollout and the roles, and the names of their fields
-(:mod:`roles.batches`); and :class:`RLTrainer`, the GRPO / PPO loop over all of them
-(:mod:`roles.trainer`).
+(:mod:`engine_core_roles.batches`); and :class:`RLTrainer`, the GRPO / PPO loop over all of them
+(:mod:`engine_core_roles.trainer`).
 """
 
 from __future__ import annotations
 
-from roles.actor import (
+from engine_core_roles.actor import (
     ADVANTAGES,
     OLD_LOG_PROBS,
     REF_LOG_PROBS,
@@ -19,7 +19,7 @@ from roles.actor import (
     ActorConfig,
     ActorUpdate,
 )
-from roles.advantages import (
+from engine_core_roles.advantages import (
     AdaptiveKLController,
     FixedKLController,
     gae_advantages,
@@ -27,9 +27,9 @@ from roles.advantages import (
     rloo_advantages,
     sequence_to_token_rewards,
 )
-from roles.batches import prompt_batch, training_batch
-from roles.critic import OLD_VALUES, RETURNS, Critic, CriticConfig
-from roles.losses import (
+from engine_core_roles.batches import prompt_batch, training_batch
+from engine_core_roles.critic import OLD_VALUES, RETURNS, Critic, CriticConfig
+from engine_core_roles.losses import (
     KLEstimator,
     MISLevel,
     MismatchCorrection,
@@ -40,9 +40,9 @@ from roles.losses import (
     tis_weights,
     value_loss,
 )
-from roles.reference import Reference
-from roles.reward_model import RewardModel
-from roles.trainer import (
+from engine_core_roles.reference import Reference
+from engine_core_roles.reward_model import RewardModel
+from engine_core_roles.trainer import (
     PromptSource,
     RewardFn,
     RLTrainer,
@@ -50,7 +50,7 @@ from roles.trainer import (
     TrainerConfig,
     plot_keys,
 )
-from roles.weights import WeightLink
+from engine_core_roles.weights import WeightLink
 
 __all__ = [
     "WeightLink",
