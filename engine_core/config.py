@@ -63,6 +63,11 @@ class ModelConfig(FrozenModel):
         None,
         description="transformers config kwargs (must include model_type) to build from scratch.",
     )
+    tokenizer: str | None = Field(
+        None,
+        description="Local folder with the model's tokenizer (default: path). Engines train on "
+        "token ids and never read it; a text job (and a rollout that decodes) does.",
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     value_head: bool = Field(False, description="Add a scalar value head (critic).")
     gradient_checkpointing: bool = False

@@ -39,6 +39,7 @@ MODEL = {"config": dict(TINY_QWEN2)}
 ROW_KEYS = {
     "step",
     "reward",
+    "reward/zero_variance_groups",  # the share of prompts whose samples all scored the same
     "response_length",
     "rollout/logprob_diff_max",
     "rollout/logprob_diff_mean",

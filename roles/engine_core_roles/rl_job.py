@@ -25,7 +25,9 @@ from rich.table import Table
 from engine_core import (
     BaseEngine,
     FrozenModel,
+    ModelConfig,
     PluginManager,
+    SamplingParams,
     prefix_validation_error,
     resolve_engine_config,
     resolve_rollout_config,
@@ -52,13 +54,25 @@ from engine_core_roles.placement import (
 )
 from engine_core_roles.reference import Reference
 from engine_core_roles.reward_model import RewardModel
+from engine_core_roles.rewards import RewardConfig
 from engine_core_roles.tasks import EOS, PAD, DigitTask, TaskConfig
+from engine_core_roles.text import (
+    DataConfig,
+    PromptData,
+    TextReward,
+    load_tokenizer,
+    stop_token_ids,
+)
 from engine_core_roles.tracking import RunTracker, claim_output_dir, failures_logged
 from engine_core_roles.trainer import (
+    SEED_STRIDE,
     PolicyRole,
+    PromptSource,
     ReferenceRole,
+    RewardFn,
     RewardRole,
     RLTrainer,
+    SampleReward,
     TrainerConfig,
     ValueRole,
     plot_keys,
@@ -83,6 +97,28 @@ class RewardModelJobConfig(FrozenModel):
         if not isinstance(model, dict):
             return self.engine  # the engine config's own validation names what is missing
         return {**self.engine, "model": {**model, "value_head": True}}
+
+
+class EvalConfig(FrozenModel):
+    """Validation on ``data.val_files``: mean reward and pass@k, logged as ``val/*``."""
+
+    every: int = Field(0, ge=0, description="Evaluate every N steps and at the end (0: never).")
+    samples_per_prompt: PositiveInt = Field(
+        1, description="k of pass@k: samples per validation prompt (greedy takes 1)."
+    )
+    greedy: bool = Field(True, description="Greedy decoding; false: at trainer.temperature.")
+    max_prompts: PositiveInt | None = Field(None, description="Evaluate the first N only.")
+    batch_prompts: PositiveInt = Field(64, description="Prompts per generate call.")
+
+    @model_validator(mode="after")
+    def _greedy_once(self) -> EvalConfig:
+        if self.greedy and self.samples_per_prompt > 1:
+            raise ValueError(
+                f"eval.greedy=true gives one answer per prompt, so samples_per_prompt="
+                f"{self.samples_per_prompt} would repeat it; set eval.greedy=false to sample "
+                f"k answers, or samples_per_prompt=1."
+            )
+        return self
 
 
 # the loop's settings that a job config once declared beside TrainerConfig's own
@@ -121,6 +157,19 @@ class RLJobConfig(FrozenModel):
     log_every: PositiveInt = 10
     output_dir: str = "outputs/grpo"
     task: TaskConfig = TaskConfig()
+    data: DataConfig | None = Field(
+        None,
+        description="Prompts from files (the text job): tokenized with the actor's tokenizer "
+        "(engine.model.tokenizer or engine.model.path), scored by `reward`. None: the built-in "
+        "digit task (`task`).",
+    )
+    reward: RewardConfig | None = Field(
+        None, description="The text job's reward function (default: math_answer)."
+    )
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    log_samples: int = Field(
+        4, ge=0, description="Decoded samples written to samples.jsonl every log_every steps."
+    )
     actor: ActorConfig = Field(
         default_factory=ActorConfig,
         description="The actor's update. Asynchronous runs (trainer.max_staleness >= 1) correct "
@@ -184,6 +233,25 @@ class RLJobConfig(FrozenModel):
     @model_validator(mode="after")
     def _check_algorithm(self) -> RLJobConfig:
         trainer = self.trainer
+        if self.data is not None and "task" in self.model_fields_set:
+            raise ValueError(
+                "both task (the built-in digit task) and data (prompts from files) are set; a "
+                "run trains on one: drop one of them."
+            )
+        if self.data is None and self.reward is not None:
+            raise ValueError(
+                "reward.fn scores text, but no data is set (the digit task scores itself); add "
+                "data.train_files, or drop reward."
+            )
+        if self.eval.every and (self.data is None or not self.data.val_files):
+            raise ValueError(
+                f"eval.every={self.eval.every} evaluates on data.val_files, which is not set; "
+                f"add data.val_files, or set eval.every=0."
+            )
+        if self.data is not None and self.warmup_sft_steps:
+            raise ValueError(
+                "warmup_sft_steps warms up on the digit task; with data set, set it to 0."
+            )
         if trainer.algorithm == "grpo" and self.critic_engine is not None:
             raise ValueError(
                 "critic_engine is set but trainer.algorithm=grpo trains no critic; remove "
@@ -224,6 +292,13 @@ class RLJobConfig(FrozenModel):
         derived = {"max_new_tokens": task.response_len, "stop_token_ids": [EOS]}
         unset = {k: v for k, v in derived.items() if k not in self.trainer.model_fields_set}
         return self.trainer.model_copy(update=unset)
+
+    def text_trainer_config(self, tokenizer: Any) -> TrainerConfig:
+        """The loop's settings of a text job: ``trainer``, stopping at the tokenizer's EOS (and
+        its chat template's end of turn) where ``trainer`` leaves stop_token_ids unset."""
+        if "stop_token_ids" in self.trainer.model_fields_set:
+            return self.trainer
+        return self.trainer.model_copy(update={"stop_token_ids": stop_token_ids(tokenizer)})
 
     def actor_config(self) -> ActorConfig:
         """The actor's settings: ``actor``, with TIS for an asynchronous run that leaves
@@ -289,6 +364,54 @@ def _threads(job: RLJobConfig) -> _Threads:
         driver = threads_per_process(2)
     cores = driver or torch.get_num_threads()
     return _Threads(driver, threads_per_process(job.rollout_replicas, cores))
+
+
+@dataclass
+class _Text:
+    """The text job's pieces, built (and checked) before any engine is."""
+
+    tokenizer: Any
+    train: PromptData
+    reward: TextReward
+    val: PromptData | None = None
+    val_reward: TextReward | None = None
+
+
+def _text(job: RLJobConfig, console: Console) -> _Text | None:
+    """Tokenizer, datasets and reward of a job with ``data``; None for the digit task. Every
+    input problem is refused here, before anything is built or trained."""
+    if job.data is None:
+        return None
+    try:
+        model = ModelConfig.model_validate(job.engine.get("model"))
+    except ValidationError as e:
+        raise prefix_validation_error(e, ("engine", "model"), "ModelConfig") from None
+    hf_config = build_hf_config(model)
+    tokenizer = load_tokenizer(model, getattr(hf_config, "vocab_size", None))
+    context = getattr(hf_config, "max_position_embeddings", None)
+    room = None if context is None else int(context) - job.trainer.max_new_tokens
+    if room is not None and room < 1:
+        raise ConfigError(
+            f"trainer.max_new_tokens={job.trainer.max_new_tokens} leaves no room for a prompt "
+            f"in the model's context ({context} tokens); lower it."
+        )
+    limits = [v for v in (job.data.max_prompt_length, room) if v is not None]
+    limit = min(limits) if limits else 1 << 30
+    reward_cfg = job.reward or RewardConfig()
+    train = PromptData(job.data.train_files, tokenizer, job.data, max_length=limit)
+    text = _Text(tokenizer, train, TextReward(reward_cfg, tokenizer, train, show=job.log_samples))
+    sets = [("data.train_files", train)]
+    if job.data.val_files:
+        text.val = PromptData(
+            job.data.val_files, tokenizer, job.data, max_length=limit, what="data.val_files"
+        )
+        text.val_reward = TextReward(reward_cfg, tokenizer, text.val, show=0)
+        sets.append(("data.val_files", text.val))
+    for what, data in sets:
+        dropped = f"; {data.dropped} longer than {limit} tokens dropped" if data.dropped else ""
+        console.print(f"{what}: {len(data)} prompts{dropped}")
+    text.reward.check()
+    return text
 
 
 def _build(
@@ -435,6 +558,7 @@ def run_rl_job(
     resume_from = None
     if resume:
         resume_from = _resume_point(job, console)
+    text = _text(job, console)
     threads = _threads(job)
     before = torch.get_num_threads()
     safe = f"checkpoints already saved under {ckpt_root} are kept, and --resume continues"
@@ -446,7 +570,7 @@ def run_rl_job(
             if threads.driver is not None and threads.driver != before:
                 torch.set_num_threads(threads.driver)
             roles = _build(job, manager, stack, threads)
-            return _run(job, roles, resume_from, console)
+            return _run(job, roles, resume_from, console, text)
     finally:
         # only when changed: setting it at all, even to the same count, slows this process's
         # later CPU kernels (measured: 15% on the recipe's model)
@@ -459,17 +583,34 @@ def _run(
     roles: _Roles,
     resume_from: str | None,
     console: Console,
+    text: _Text | None = None,
 ) -> dict[str, Any]:
     out_dir = Path(job.output_dir)
     task = DigitTask(job.task)
+    reward_fn: RewardFn | SampleReward
+    if text is None:
+        trainer_cfg = job.trainer_config(task)
+        reward_fn = lambda prompt, response, mask: task.score(  # noqa: E731
+            prompt, response.masked_fill(mask == 0, PAD)
+        )
+        prompts: PromptSource = lambda step: task.prompt_ids(  # noqa: E731
+            task.sample_digits(job.prompts_per_step)
+        )
+    else:
+        trainer_cfg = job.text_trainer_config(text.tokenizer)
+        reward_fn, train = text.reward, text.train
+        prompts = lambda step: train.next_batch(job.prompts_per_step)  # noqa: E731
+
+    def position() -> dict[str, Any]:
+        """Where the prompts continue: the digit task's sampler, or the dataset position."""
+        return {"task_rng": task.rng_state()} if text is None else {"data": text.train.state_dict()}
+
     trainer = RLTrainer(
-        job.trainer_config(task),
+        trainer_cfg,
         actor=roles.actor,
         rollout=roles.rollout,
-        reward_fn=lambda prompt, response, mask: task.score(
-            prompt, response.masked_fill(mask == 0, PAD)
-        ),
-        prompts=lambda step: task.prompt_ids(task.sample_digits(job.prompts_per_step)),
+        reward_fn=reward_fn,
+        prompts=prompts,
         reference=roles.reference,
         critic=roles.critic,
         reward_model=roles.reward_model,
@@ -479,13 +620,18 @@ def _run(
     parts = roles.parts
     if resume_from is not None:
         job_state = checkpoints.load(resume_from, parts, verified=True)  # _resume_point did
-        if not isinstance(job_state.get("trainer"), dict) or "task_rng" not in job_state:
+        where = "task_rng" if text is None else "data"
+        if not isinstance(job_state.get("trainer"), dict) or where not in job_state:
             raise CheckpointError(
-                f"{resume_from} holds no job position (trainer, task_rng); it was not saved by "
-                f"engine-core run. Resume from another checkpoint."
+                f"{resume_from} holds no job position (trainer, {where}); it was not saved by "
+                f"engine-core run with this job's {'task' if text is None else 'data'}. Resume "
+                f"from another checkpoint, or with the settings that saved it."
             )
         trainer.load_state_dict(job_state["trainer"])
-        task.set_rng_state(job_state["task_rng"])
+        if text is None:
+            task.set_rng_state(job_state["task_rng"])
+        else:
+            text.train.load_state_dict(job_state["data"])
         console.print(f"resumed from {resume_from} (next step {trainer.global_step + 1})")
     elif job.warmup_sft_steps:
         _warmup(roles.actor_part, task, job)
@@ -504,17 +650,31 @@ def _run(
     )
 
     def log(trainer: RLTrainer, row: dict[str, Any]) -> None:
-        tracker.log(row)
-        progress.update(
-            bar, advance=1, reward=row["reward"], loss=row["actor/loss"], tps=row["tokens_per_s"]
-        )
         step = row["step"]
+        shown = row.pop("samples", None)
+        every = job.eval.every
+        if text is not None and every and (step % every == 0 or step == job.steps):
+            row.update(_evaluate(trainer, text, job, step))
+        tracker.log(row)
+        nan = float("nan")
+        progress.update(
+            bar,
+            advance=1,
+            reward=row["reward"],
+            loss=row.get("actor/loss", nan),
+            tps=row["tokens_per_s"],
+        )
         if step % job.log_every == 0 or step == job.steps:
+            if shown:
+                tracker.log_samples(step, shown)
+            val = "".join(
+                f" {k} {v:.3f}" for k, v in row.items() if k.startswith("val/") and "/" in k
+            )
             console.print(
                 f"step {step:>4}/{job.steps} reward {row['reward']:.3f} "
-                f"pg {row['actor/pg_loss']:+.4f} ent {row['actor/entropy']:.3f} "
+                f"pg {row.get('actor/pg_loss', nan):+.4f} ent {row.get('actor/entropy', nan):.3f} "
                 f"kl {row.get('actor/kl_loss', 0.0):.4f} "
-                f"lp_diff {row['rollout/logprob_diff_max']:.0e} {row['time_s']:.2f}s"
+                f"lp_diff {row.get('rollout/logprob_diff_max', nan):.0e} {row['time_s']:.2f}s" + val
             )
 
     def save(trainer: RLTrainer, row: dict[str, Any]) -> None:
@@ -523,7 +683,7 @@ def _run(
         if step == job.steps or (job.save_every and step % job.save_every == 0):
             # actor, critic and the task position: one folder, committed by one rename
             # (and, asynchronous, the generation in flight: a resume trains on the same samples)
-            state = {"task_rng": task.rng_state(), "trainer": trainer.state_dict()}
+            state = {**position(), "trainer": trainer.state_dict()}
             ckpt = checkpoints.save(step, parts, state)
 
     with progress:
@@ -535,8 +695,13 @@ def _run(
         finally:
             trainer.close()
     hf_export = roles.actor_part.export_hf(str(out_dir / "hf_export"))
+    if text is not None:  # a folder that from_pretrained and the tokenizer both load
+        text.tokenizer.save_pretrained(hf_export)
     rows = tracker.rows
-    title = f"{job.trainer.algorithm.upper()} on '{job.task.name}' ({job.steps} steps)"
+    what = (
+        job.task.name if job.data is None else ", ".join(Path(f).name for f in job.data.train_files)
+    )
+    title = f"{job.trainer.algorithm.upper()} on '{what}' ({job.steps} steps)"
     plot = tracker.plot(plot_keys(rows), title=title)
     tracker.close()
     rewards = [r["reward"] for r in rows]
@@ -551,8 +716,58 @@ def _run(
         "checkpoint": ckpt,
         "hf_export": hf_export,
     }
+    val_keys = [k for r in rows for k in r if k.startswith("val/pass@")]
+    if val_keys:
+        key = max(set(val_keys), key=lambda k: (k != "val/pass@1", k))  # pass@k over pass@1
+        best = max((r for r in rows if key in r), key=lambda r: r[key])
+        summary.update(
+            {"best_val": best[key], "best_val_metric": key, "best_val_step": best["step"]}
+        )
     _print_summary(console, summary)
     return summary
+
+
+EVAL_SEED_OFFSET = 7919  # sampled evaluation: seeds of its own, apart from the training steps
+
+
+def _evaluate(trainer: RLTrainer, text: _Text, job: RLJobConfig, step: int) -> dict[str, float]:
+    """Mean reward and pass@k on the validation prompts, with the rollout's current weights
+    (the latest update's). A sample counts as solved at reward >= reward.success_threshold;
+    pass@k is the share of prompts with a solved sample among k, pass@1 the share of samples
+    solved."""
+    assert text.val is not None and text.val_reward is not None
+    cfg, k = job.eval, job.eval.samples_per_prompt
+    base = trainer.config
+    seed = None if base.seed is None else base.seed * SEED_STRIDE + EVAL_SEED_OFFSET + step
+    params = SamplingParams(
+        temperature=0.0 if cfg.greedy else base.temperature,
+        max_new_tokens=base.max_new_tokens,
+        n=k,
+        stop_token_ids=list(base.stop_token_ids),
+        seed=None if cfg.greedy else seed,
+    )
+    threshold = (job.reward or RewardConfig()).success_threshold
+    scores, failed, seen = [], 0, 0
+    for batch in text.val.batches(cfg.batch_prompts):
+        if cfg.max_prompts is not None and seen >= cfg.max_prompts:
+            break
+        if cfg.max_prompts is not None and seen + batch.batch_size[0] > cfg.max_prompts:
+            batch = batch[: cfg.max_prompts - seen]
+        seen += int(batch.batch_size[0])
+        rewards = text.val_reward(batch, trainer.generate(batch, params))
+        failed += len(rewards.failures)
+        scores.append(torch.nan_to_num(rewards.scores, nan=0.0).view(-1, k))
+    table = torch.cat(scores)
+    solved = table >= threshold
+    out = {
+        "val/reward": float(table.mean()),
+        "val/pass@1": float(solved.float().mean()),
+    }
+    if k > 1:
+        out[f"val/pass@{k}"] = float(solved.any(-1).float().mean())
+    if failed:
+        out["val/failed_samples"] = float(failed)
+    return out
 
 
 def _resume_point(job: RLJobConfig, console: Console) -> str:
@@ -576,6 +791,11 @@ def _print_summary(console: Console, summary: dict[str, Any]) -> None:
     table = Table(show_header=False, box=None, padding=(0, 2))
     table.add_row("reward (first 10 steps)", f"{summary['reward_first10']:.3f}")
     table.add_row("reward (last 10 steps)", f"{summary['reward_last10']:.3f}")
+    if "best_val" in summary:
+        table.add_row(
+            f"best {summary['best_val_metric']}",
+            f"{summary['best_val']:.3f} (step {summary['best_val_step']})",
+        )
     for key in ("metrics", "tensorboard", "plot", "checkpoint", "hf_export"):
         table.add_row(key, str(summary[key]))
     console.print(Panel(table, title="engine-core run: done", expand=False))

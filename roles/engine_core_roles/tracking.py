@@ -104,6 +104,16 @@ class RunTracker:
         self._rows = kept
         self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         self._file = self.metrics_path.open("a")
+        self.samples_path = self.out_dir / "samples.jsonl"
+        if self.samples_path.exists():
+            kept_samples = [
+                line
+                for line in self.samples_path.read_text().splitlines()
+                if line
+                and resume_after_step is not None
+                and json.loads(line)["step"] <= resume_after_step
+            ]
+            self.samples_path.write_text("".join(line + "\n" for line in kept_samples))
         self._tb: Any = None
         if tensorboard:
             from tensorboardX import SummaryWriter
@@ -124,6 +134,20 @@ class RunTracker:
             for key, value in row.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                     self._tb.add_scalar(key, value, row["step"])
+
+    def log_samples(self, step: int, samples: Sequence[dict[str, Any]]) -> None:
+        """Decoded samples of ``step`` (prompt, response, reward, ...) for people to read: one
+        JSON line each in ``samples.jsonl``, and one text entry in TensorBoard."""
+        with self.samples_path.open("a") as f:
+            for sample in samples:
+                f.write(json.dumps({"step": step, **sample}) + "\n")
+        if self._tb is not None and samples:
+            text = "\n\n".join(
+                f"**reward {s.get('reward')}**\n\n    "
+                + f"{s.get('prompt', '')}{s.get('response', '')}".replace("\n", "\n    ")
+                for s in samples
+            )
+            self._tb.add_text("samples", text, step)
 
     def plot(self, keys: Sequence[str], path: str | Path | None = None, title: str = "") -> Path:
         """One panel per key that was logged, against the step; saved as PNG."""

@@ -21,8 +21,12 @@ plots; a script builds the same object from its own roles, rollout, prompts and 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Protocol
 
 import torch
@@ -62,10 +66,14 @@ from engine_core_roles.reward_model import RM_SCORES
 from engine_core_roles.updates import non_finite_inputs
 from engine_core_roles.weights import WeightLink
 
+_log = logging.getLogger(__name__)
+
 __all__ = [
     "TrainerConfig",
     "RLTrainer",
     "RewardFn",
+    "SampleReward",
+    "Rewards",
     "PromptSource",
     "StepCallback",
     "plot_keys",
@@ -97,6 +105,32 @@ class RewardFn(Protocol):
         response_mask: torch.Tensor,
         /,
     ) -> torch.Tensor: ...
+
+
+@dataclass
+class Rewards:
+    """What a :class:`SampleReward` returns for one step's samples.
+
+    ``scores`` ``[B*n]`` (any value where the sample failed); ``metrics``: means to log (e.g.
+    ``reward/<component>``); ``failures``: one sentence per sample that could not be scored,
+    naming it and the function (a step with any is not trained on); ``samples``: a few decoded
+    samples for people to read (dicts of plain values), passed on in the step's row.
+    """
+
+    scores: torch.Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+    samples: list[dict[str, Any]] = field(default_factory=list)
+
+
+class SampleReward(ABC):
+    """A reward that reads the prompts' batch as well as the samples (a text reward looks up
+    each prompt's dataset row through extra fields of the prompt batch). The trainer computes it
+    on a thread of its own while the reference's log-probs are computed."""
+
+    @abstractmethod
+    def __call__(self, prompts: TensorDict, samples: TensorDict) -> Rewards:
+        """Score ``samples`` (``n`` adjacent samples per row of ``prompts``)."""
 
 
 PromptBatch = torch.Tensor | TensorDict
@@ -285,7 +319,7 @@ class RLTrainer:
         *,
         actor: PolicyRole,
         rollout: BaseRollout | ProcessRollout,
-        reward_fn: RewardFn | None = None,
+        reward_fn: RewardFn | SampleReward | None = None,
         prompts: PromptSource,
         reference: ReferenceRole | None = None,
         critic: ValueRole | None = None,
@@ -340,6 +374,8 @@ class RLTrainer:
         self._weights = weights  # built on the first sync when not given (and then owned)
         self._owns_weights = weights is None
         self._last_sync: dict[str, float] = {}
+        self._reward_failures_in_a_row = 0
+        self._reward_pool: ThreadPoolExecutor | None = None  # a SampleReward's thread
 
     def sync_weights(self) -> None:
         """Push the actor's weights into the rollout (names, shapes and checksums verified).
@@ -381,6 +417,16 @@ class RLTrainer:
         params, version = self.config.sampling_params(step), self._synced_version()
         return self.rollout.generate_async(prompts, params).map(lambda gen: (prompts, gen, version))
 
+    def generate(self, prompts: PromptBatch, params: SamplingParams) -> TensorDict:
+        """Samples of ``prompts`` with the weights of the latest update (for evaluation); in
+        asynchronous mode after the generation in flight, which stays the next step's."""
+        if self._pending is not None:
+            with contextlib.suppress(Exception):  # its error is the next step's to raise
+                self._pending.result()
+        if self._rollout_version != self.global_step:
+            self.sync_weights()
+        return self.rollout.generate(_as_prompts(prompts), params)
+
     def step(self) -> dict[str, Any]:
         """One RL step; returns its metrics row (``step``, ``reward``, ``actor/*``, ...)."""
         if self._rollout_version is None:
@@ -402,7 +448,7 @@ class RLTrainer:
                 f"versions old, more than max_staleness={self.config.max_staleness}."
             )
         batch = training_batch(gen, self.config.sampling_params(step))
-        scores, reward_parts = self._score(gen, batch)
+        scoring = self._score(prompts, gen, batch)  # on a thread for a SampleReward
         # on-policy with one optimizer step (old_log_probs=update), the update's own forward
         # gives the old log-probs: returned with it, for the same checks
         on_policy = self.actor.config.old_log_probs_from_update
@@ -411,6 +457,12 @@ class RLTrainer:
             gap, mismatch = self._guard_gap(step, staleness, gen, batch)  # before the update
         if self.reference is not None:
             batch[REF_LOG_PROBS] = self.reference.compute_ref_log_prob(batch)[REF_LOG_PROBS]
+        rewards = scoring.result()
+        scores = rewards.scores
+        if rewards.failures:
+            return self._unscored_step(step, t0, rewards, gen, batch)
+        self._reward_failures_in_a_row = 0
+        reward_parts = {**rewards.metrics, **_group_spread(scores, self.config.samples_per_prompt)}
         critic_metrics: dict[str, float] = {}
         mask = batch[LOSS_MASK]
         if self.critic is None:
@@ -420,9 +472,9 @@ class RLTrainer:
             batch[ADVANTAGES] = grpo_advantages(scores, groups).unsqueeze(1) * mask
         else:
             batch[OLD_VALUES] = self.critic.compute_values(batch)[OLD_VALUES]
-            rewards = sequence_to_token_rewards(scores, mask)
+            token_rewards = sequence_to_token_rewards(scores, mask)
             adv, batch[RETURNS] = gae_advantages(
-                rewards, batch[OLD_VALUES], mask, gamma=self.config.gamma, lam=self.config.lam
+                token_rewards, batch[OLD_VALUES], mask, gamma=self.config.gamma, lam=self.config.lam
             )
             batch[ADVANTAGES] = _whiten(adv, mask)
             critic_metrics = self.critic.update_critic(batch)
@@ -457,6 +509,44 @@ class RLTrainer:
             **critic_metrics,
             "time_s": dt,
             "tokens_per_s": float(batch[ATTENTION_MASK].sum()) / dt,
+            **({"samples": rewards.samples} if rewards.samples else {}),
+        }
+
+    def _unscored_step(
+        self, step: int, t0: float, rewards: Rewards, gen: TensorDict, batch: TensorDict
+    ) -> dict[str, Any]:
+        """A step whose samples could not all be scored: not trained on, counted, logged; the
+        run stops when ``max_consecutive_skipped_updates`` steps in a row end so."""
+        self._reward_failures_in_a_row += 1
+        failures = rewards.failures
+        _log.warning(
+            "step %d is not trained on: %d sample(s) could not be scored; first: %s",
+            step,
+            len(failures),
+            failures[0],
+        )
+        limit = self.config.max_consecutive_skipped_updates
+        if limit and self._reward_failures_in_a_row >= limit:
+            raise EngineCoreError(
+                f"step {step}: {self._reward_failures_in_a_row} steps in a row were not trained "
+                f"on because samples could not be scored; the last: {failures[0]}. Stopping "
+                f"before the run goes on without learning; checkpoints already saved are kept. "
+                f"Fix the reward function, or raise max_consecutive_skipped_updates."
+            )
+        self.global_step = step  # the step's prompts are spent; the weights did not change
+        if not self.config.max_staleness:
+            self.sync_weights()
+        finite = rewards.scores[torch.isfinite(rewards.scores)]
+        dt = time.perf_counter() - t0
+        return {
+            "step": step,
+            "reward": float(finite.mean()) if finite.numel() else float("nan"),
+            "reward/failed_samples": float(len(failures)),
+            "response_length": float(gen[RESPONSE_MASK].sum(-1).float().mean()),
+            "actor/num_optimizer_steps": 0.0,
+            "time_s": dt,
+            "tokens_per_s": float(batch[ATTENTION_MASK].sum()) / dt,
+            **({"samples": rewards.samples} if rewards.samples else {}),
         }
 
     def _guard_gap(
@@ -547,6 +637,7 @@ class RLTrainer:
         return {
             "global_step": self.global_step,
             "skipped_in_a_row": self._skipped_in_a_row,
+            "unscored_in_a_row": self._reward_failures_in_a_row,
             "pending": pending,
         }
 
@@ -554,6 +645,7 @@ class RLTrainer:
         """Continue from :meth:`state_dict` (after the engines' checkpoints were loaded)."""
         self.global_step = int(state["global_step"])
         self._skipped_in_a_row = int(state.get("skipped_in_a_row", 0))
+        self._reward_failures_in_a_row = int(state.get("unscored_in_a_row", 0))
         self._rollout_version = None
         pending = state.get("pending")
         if pending is not None and self.config.max_staleness:
@@ -571,21 +663,35 @@ class RLTrainer:
         if self._weights is not None and self._owns_weights:
             self._weights.close()
             self._weights = None
+        if self._reward_pool is not None:
+            self._reward_pool.shutdown(wait=True)
+            self._reward_pool = None
 
-    def _score(self, gen: TensorDict, batch: TensorDict) -> tuple[torch.Tensor, dict[str, float]]:
-        """Each sample's reward; with a reward model also the mean of each part, to log."""
+    def _score(self, prompts: TensorDict, gen: TensorDict, batch: TensorDict) -> Future[Rewards]:
+        """Each sample's reward, with the means of its parts to log. A :class:`SampleReward`
+        runs on the trainer's reward thread (the caller computes log-probs meanwhile); a
+        reward model's scores, the same thread's result or a plain ``reward_fn``'s, now."""
         n = int(gen.batch_size[0])
-        scores = torch.zeros(n)
-        if self.reward_fn is not None:
-            scores = self.reward_fn(gen[PROMPT_IDS], gen[RESPONSE_IDS], gen[RESPONSE_MASK])
-            scores = torch.as_tensor(scores, dtype=torch.float32)
-            if scores.shape != (n,):
-                raise ValueError(
-                    f"reward_fn must return one score per sample, shape ({n},); got "
-                    f"{tuple(scores.shape)}. Score each row of response_ids."
-                )
+        done: Future[Rewards] = Future()
+        if isinstance(self.reward_fn, SampleReward):
+            if self._reward_pool is None:
+                self._reward_pool = ThreadPoolExecutor(1, thread_name_prefix="engine-core-reward")
+            fn = self.reward_fn
+            scored = self._reward_pool.submit(lambda: _checked(fn(prompts, gen), n))
+        else:
+            scored = done
+            scores = torch.zeros(n)
+            if self.reward_fn is not None:
+                scores = self.reward_fn(gen[PROMPT_IDS], gen[RESPONSE_IDS], gen[RESPONSE_MASK])
+                scores = torch.as_tensor(scores, dtype=torch.float32)
+                if scores.shape != (n,):
+                    raise ValueError(
+                        f"reward_fn must return one score per sample, shape ({n},); got "
+                        f"{tuple(scores.shape)}. Score each row of response_ids."
+                    )
+            done.set_result(Rewards(scores))
         if self.reward_model is None:
-            return scores, {}
+            return scored
         # prompt + response, as the actor reads them; the model scores each at its last token
         rm_input = make_batch(batch[INPUT_IDS], batch[ATTENTION_MASK])
         rm = self.reward_model.compute_rm_score(rm_input)[RM_SCORES].float().cpu()
@@ -594,10 +700,40 @@ class RLTrainer:
                 f"the reward model returned scores of shape {tuple(rm.shape)} for {n} samples; "
                 f"it must return one per sample ({RM_SCORES} [B])."
             )
-        parts = {"reward/model": float(rm.mean())}
+        rewards = scored.result()
+        parts = {**rewards.metrics, "reward/model": float(rm.mean())}
         if self.reward_fn is not None:
-            parts["reward/fn"] = float(scores.mean())
-        return scores + self.config.reward_model_weight * rm, parts
+            parts["reward/fn"] = float(rewards.scores.mean())
+        combined: Future[Rewards] = Future()
+        combined.set_result(
+            Rewards(
+                rewards.scores + self.config.reward_model_weight * rm,
+                parts,
+                rewards.failures,
+                rewards.samples,
+            )
+        )
+        return combined
+
+
+def _checked(rewards: Rewards, n: int) -> Rewards:
+    scores = torch.as_tensor(rewards.scores, dtype=torch.float32)
+    if scores.shape != (n,):
+        raise ValueError(
+            f"a SampleReward returned scores of shape {tuple(scores.shape)} for {n} samples; "
+            f"it must return one per sample."
+        )
+    rewards.scores = scores
+    return rewards
+
+
+def _group_spread(scores: torch.Tensor, n: int) -> dict[str, float]:
+    """The share of prompts whose samples all scored the same (no GRPO gradient from them)."""
+    if n < 2 or scores.numel() % n:
+        return {}
+    groups = scores.view(-1, n)
+    same = (groups.max(-1).values - groups.min(-1).values) == 0
+    return {"reward/zero_variance_groups": float(same.float().mean())}
 
 
 def plot_keys(rows: Sequence[dict[str, Any]]) -> tuple[str, ...]:
@@ -607,7 +743,9 @@ def plot_keys(rows: Sequence[dict[str, Any]]) -> tuple[str, ...]:
     entropy, rollout-vs-trainer log-prob difference); the clip fraction and the policy's
     approximate KL only where an update took more than one optimizer step (with one on-policy
     step they are exactly 0); the KL loss and the value loss where they were logged; skipped
-    (non-finite) updates where there were any.
+    (non-finite) updates where there were any; the share of prompts whose samples all scored
+    the same, steps not trained on for unscored samples, and the validation figures where they
+    were logged.
     """
     keys = [
         "reward",
@@ -624,6 +762,12 @@ def plot_keys(rows: Sequence[dict[str, Any]]) -> tuple[str, ...]:
     keys += [k for k in ("actor/kl_loss", "critic/vf_loss") if any(k in r for r in rows)]
     if any(r.get("actor/num_skipped_steps", 0.0) for r in rows):
         keys.append("actor/num_skipped_steps")
+    keys += [
+        k
+        for k in ("reward/zero_variance_groups", "reward/failed_samples")
+        if any(k in r for r in rows)
+    ]
+    keys += sorted({k for r in rows for k in r if k.startswith("val/")})
     return tuple(keys)
 
 

@@ -1,0 +1,218 @@
+"""The text job: a user's model folder (Qwen2 tokenizer and chat template), JSONL and Parquet
+prompt files, and a reward function given by a path outside the repository."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine_core.configio import apply_overrides, load_yaml
+from engine_core.errors import ConfigError
+from engine_core.plugins import load_plugins
+from engine_core_roles.cli import RECIPES
+from engine_core_roles.rl_job import run_rl_job
+from engine_core_roles.trainer import TIMING_KEYS
+from tests.fixtures.text_model import build_model_folder
+
+REWARD_MODULE = '''
+def ends_with_answer(prompt, response, answer, **row):
+    """1 when the response contains the answer; a component per check."""
+    assert isinstance(row["prompt_ids"], list) and isinstance(row["response_ids"], list)
+    return {"score": float(str(answer) in response), "nonempty": float(bool(response))}
+
+def wrong_type(prompt, response, **row):
+    return "high"
+
+def wrong_count(prompts, responses, **columns):
+    return [0.0]
+
+def fails_on_long(prompt, response, **row):
+    if len(row["response_ids"]) > 2:
+        raise ValueError("too long to score")
+    return 0.0
+'''
+
+
+@pytest.fixture(scope="module")
+def user(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The files a user brings: a model folder, prompt files, a reward module."""
+    root = tmp_path_factory.mktemp("user")
+    model = build_model_folder(root / "model")
+    rows = [
+        {"prompt": [{"role": "user", "content": f"add {a} and {b}"}], "answer": str(a + b)}
+        for a in range(6)
+        for b in range(4)
+    ]
+    train = root / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    import datasets
+
+    val = root / "val.parquet"
+    datasets.Dataset.from_list(
+        [{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(5)]
+    ).to_parquet(str(val))
+    reward = root / "my_rewards.py"
+    reward.write_text(REWARD_MODULE)
+    return {"root": root, "model": model, "train": train, "val": val, "reward": reward}
+
+
+def _raw(user: dict[str, Path], out: Path, *overrides: str) -> dict[str, Any]:
+    raw = load_yaml(RECIPES / "grpo_tiny.yaml")
+    raw.pop("task")
+    raw["engine"]["model"] = {"path": str(user["model"])}
+    raw["data"] = {"train_files": [str(user["train"])]}
+    raw["reward"] = {"fn": f"{user['reward']}:ends_with_answer"}
+    raw["trainer"].update({"max_new_tokens": 6, "samples_per_prompt": 4})
+    base = [f"output_dir={out}", "steps=4", "prompts_per_step=4", "log_every=1", "save_every=2"]
+    return apply_overrides(raw, [*base, *overrides])
+
+
+def _rows(out: Path) -> list[dict[str, Any]]:
+    volatile = set(TIMING_KEYS)
+    return [
+        {k: v for k, v in json.loads(line).items() if k not in volatile}
+        for line in (out / "metrics.jsonl").read_text().splitlines()
+    ]
+
+
+def test_a_users_files_train_evaluate_resume_and_export(
+    user: dict[str, Path], tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    val = [
+        f"data.val_files=[{user['val']}]",
+        "eval.every=2",
+        "eval.greedy=false",
+        "eval.samples_per_prompt=2",
+    ]
+    straight = tmp_path / "straight"
+    summary = run_rl_job(_raw(user, straight, *val), load_plugins())
+    rows = _rows(straight)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert {"val/reward", "val/pass@1", "val/pass@2"} <= rows[1].keys()
+    assert "val/pass@2" not in rows[0] and "reward/nonempty" in rows[0]
+    assert "reward/zero_variance_groups" in rows[0]
+    assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-4
+    assert summary["best_val_metric"] == "val/pass@2"
+    # the samples log: what the reward function saw is the decode of the sampled ids
+    tok = AutoTokenizer.from_pretrained(user["model"])
+    shown = [json.loads(line) for line in (straight / "samples.jsonl").read_text().splitlines()]
+    assert {s["step"] for s in shown} == {1, 2, 3, 4}
+    assert all(s["prompt"].startswith("<|im_start|>user\nadd ") for s in shown)
+    assert all(s["prompt"].endswith("<|im_start|>assistant\n") for s in shown)
+
+    # interrupted after step 2, resumed: the same prompts and the same metrics
+    resumed = tmp_path / "resumed"
+    run_rl_job(_raw(user, resumed, *val, "steps=2"), load_plugins())
+    run_rl_job(_raw(user, resumed, *val), load_plugins(), resume=True)
+    assert _rows(resumed) == rows
+    again = [json.loads(line) for line in (resumed / "samples.jsonl").read_text().splitlines()]
+    assert again == shown
+
+    # the export loads with transformers and chats through the tokenizer's template
+    model = AutoModelForCausalLM.from_pretrained(summary["hf_export"])
+    tok = AutoTokenizer.from_pretrained(summary["hf_export"])
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "add 1 and 2"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=False,
+    )
+    out = model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert isinstance(tok.decode(out[0, ids.shape[1] :]), str)
+
+
+def test_prompts_render_like_the_chat_template_and_decode_like_the_tokenizer(
+    user: dict[str, Path],
+) -> None:
+    from transformers import AutoTokenizer
+
+    from engine_core.rollout import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK
+    from engine_core_roles.rewards import RewardConfig
+    from engine_core_roles.text import DataConfig, PromptData, TextReward
+
+    tok = AutoTokenizer.from_pretrained(user["model"])
+    data = PromptData(
+        [str(user["train"])], tok, DataConfig(train_files=[str(user["train"])]), max_length=64
+    )
+    for i in range(3):
+        messages = json.loads(user["train"].read_text().splitlines()[i])["prompt"]
+        want = tok.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        assert data.render(messages) == list(want)
+    text_cfg = DataConfig(train_files=[str(user["val"])])
+    val = PromptData([str(user["val"])], tok, text_cfg, max_length=64)
+    assert val.render("3+3=") == tok("3+3=", add_special_tokens=False)["input_ids"]
+    # a response with the stop token and padding decodes to the tokenizer's decode of its ids
+    batch = val.batch([1, 2])
+    sampled = torch.tensor([[51, 32, 256, 257], [52, 257, 257, 257]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])
+    samples = batch.clone()
+    samples[RESPONSE_IDS], samples[RESPONSE_MASK] = sampled, mask
+    reward = TextReward(RewardConfig(fn="exact_match"), tok, val)
+    prompts, responses, p_ids, r_ids = reward.decode(samples)
+    assert responses == [tok.decode([51, 32, 256], skip_special_tokens=True), tok.decode([52])]
+    assert responses == ["3 ", "4"]
+    assert prompts[0] == tok.decode(batch[PROMPT_IDS][0][batch[PROMPT_MASK][0].bool()])
+    scored = reward(batch, samples)
+    assert scored.scores.tolist() == [0.0, 1.0]  # the rows' answers are "2" and "4"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["data.prompt_key=question"], "no 'question' column; the columns are prompt, answer"),
+        (["reward.fn=no_such_module_here:fn"], "module 'no_such_module_here' cannot be imported"),
+        (["reward.fn=REWARD:missing"], "has no 'missing'"),
+        (["reward.fn=REWARD:wrong_type"], "returned str ('high')"),
+        (["reward.fn=REWARD:wrong_count", "reward.batched=true"], "returned 1 for 2 samples"),
+        (["data.max_prompt_length=5"], "all 24 prompts are longer than 5 tokens"),
+        (["data.train_files=[EMPTY]"], "holds no rows"),
+        (["engine.model.tokenizer=SMALL"], "has 259 tokens but the model's vocabulary has 200"),
+    ],
+)
+def test_bad_text_input_is_refused_before_anything_trains(
+    user: dict[str, Path], tmp_path: Path, overrides: list[str], message: str
+) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    small = tmp_path / "small"
+    if any("SMALL" in o for o in overrides):
+        build_model_folder(small, vocab_size=200)
+        overrides = [*overrides, f"engine.model.path={small}"]
+    subs = {"REWARD": str(user["reward"]), "EMPTY": str(empty), "SMALL": str(user["model"])}
+    for key, value in subs.items():
+        overrides = [o.replace(key, value) for o in overrides]
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError) as e:
+        run_rl_job(_raw(user, out, *overrides), load_plugins())
+    assert message in str(e.value), str(e.value)
+    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
+
+
+def test_a_reward_that_fails_skips_the_step_and_then_stops_the_run(
+    user: dict[str, Path], tmp_path: Path
+) -> None:
+    from engine_core.errors import RunFailed
+
+    out = tmp_path / "run"
+    raw = _raw(
+        user,
+        out,
+        f"reward.fn={user['reward']}:fails_on_long",
+        "trainer.max_consecutive_skipped_updates=2",
+    )
+    with pytest.raises(
+        RunFailed,
+        match="samples could not be scored; the last: reward function .*fails_on_long raised ValueError: too long to score on sample",
+    ):
+        run_rl_job(raw, load_plugins())
+    rows = _rows(out)
+    assert rows and all(r["actor/num_optimizer_steps"] == 0.0 for r in rows)
+    assert all(r["reward/failed_samples"] > 0 for r in rows)
