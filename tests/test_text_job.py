@@ -216,3 +216,54 @@ def test_a_reward_that_fails_skips_the_step_and_then_stops_the_run(
     rows = _rows(out)
     assert rows and all(r["actor/num_optimizer_steps"] == 0.0 for r in rows)
     assert all(r["reward/failed_samples"] > 0 for r in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["rollout.backend=vllm"],
+        ["engine.backend=megatron"],
+        [
+            "placement.executor=local",
+            "placement.actor.dp=2",
+            "rollout_placement=process",
+            "rollout_replicas=2",
+        ],
+    ],
+    ids=["vllm", "megatron", "local-dp2-replicas2"],
+)
+def test_the_text_job_on_other_backends_and_placements(
+    user: dict[str, Path], tmp_path: Path, overrides: list[str]
+) -> None:
+    """The same files through the vllm rollout, the megatron engine, and a dp=2 actor group
+    with two rollout replicas: it trains, evaluates, and the rollout's log-probs match."""
+    out = tmp_path / "run"
+    val = [f"data.val_files=[{user['val']}]", "eval.every=2"]
+    summary = run_rl_job(_raw(user, out, "steps=2", *val, *overrides), load_plugins())
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [1, 2] and "val/pass@1" in rows[1]
+    assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-4
+    assert (Path(summary["hf_export"]) / "tokenizer_config.json").is_file()
+
+
+def test_filter_groups_replaces_groups_that_all_scored_the_same(tmp_path: Path) -> None:
+    """Dynamic sampling on the shipped digit recipe: early on most groups score alike; the
+    trained batch holds fewer such groups than the first draw, from extra draws."""
+    raw = apply_overrides(
+        load_yaml(RECIPES / "grpo_tiny.yaml"),
+        [
+            f"output_dir={tmp_path}",
+            "steps=3",
+            "trainer.filter_groups=true",
+            "trainer.max_extra_draws=2",
+            "trainer.samples_per_prompt=4",
+        ],
+    )
+    run_rl_job(raw, load_plugins())
+    rows = _rows(tmp_path)
+    assert all(r["filter/extra_draws"] >= 1 for r in rows)  # the first draws had alike groups
+    for r in rows:
+        assert r["reward/zero_variance_groups"] < r["filter/first_draw_zero_variance_groups"]
+        assert r["filter/groups_that_differ"] == 1.0 - r["reward/zero_variance_groups"]
+    assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-4

@@ -19,11 +19,18 @@ from engine_core.cli import Command
 from engine_core.plugins import load_plugins
 from engine_core.settings import Settings
 
-__all__ = ["COMMANDS", "DEFAULT_RL_RECIPE", "RECIPES", "DEFAULT_TRAIN_RECIPE", "main"]
+__all__ = [
+    "COMMANDS",
+    "DEFAULT_RL_RECIPE",
+    "RECIPES",
+    "recipe_relative",
+    "DEFAULT_TRAIN_RECIPE",
+    "main",
+]
 
 RECIPES = Path(__file__).parent / "recipes"
 """The shipped recipes."""
-DEFAULT_RL_RECIPE = "grpo_tiny.yaml"
+DEFAULT_RL_RECIPE = "text_tiny.yaml"
 DEFAULT_TRAIN_RECIPE = "sft_tiny.yaml"
 
 
@@ -43,8 +50,21 @@ def _recipe(args: argparse.Namespace, default: str) -> dict[str, Any]:
     recipe, overrides = args.recipe, list(args.overrides)
     if recipe is not None and "=" in recipe:  # only overrides were given
         recipe, overrides = None, [recipe, *overrides]
-    path = recipe or str(RECIPES / default)
-    return apply_overrides(load_yaml(path), overrides)
+    path = Path(recipe or RECIPES / default)
+    return apply_overrides(recipe_relative(load_yaml(path), path.parent), overrides)
+
+
+def recipe_relative(raw: Any, folder: Path) -> Any:
+    """``raw`` with every string that starts with ``./`` or ``../`` made a path under
+    ``folder`` (the recipe's own): a recipe names the files beside it wherever it is run from.
+    Command-line overrides are taken as given (relative to the working directory)."""
+    if isinstance(raw, dict):
+        return {k: recipe_relative(v, folder) for k, v in raw.items()}
+    if isinstance(raw, list):
+        return [recipe_relative(v, folder) for v in raw]
+    if isinstance(raw, str) and raw.startswith(("./", "../")):
+        return str((folder / raw).resolve())
+    return raw
 
 
 # -- engine-core run -----------------------------------------------------------------------------
