@@ -1,23 +1,27 @@
 """Step time of ``engine-core run`` against a hand-written minimal GRPO loop, same experiment.
 
-Both train the default recipe's experiment (``grpo_tiny.yaml``: the tiny Qwen2 built from its
-config, "reverse three digits", 16 prompts x 16 samples, 4 new tokens, temperature 1, AdamW
-1e-3 with gradient clipping 1.0, no KL) for ``--steps`` steps in this process, one after the
-other:
+Both train one recipe's experiment (``--recipe``, default the shipped default recipe
+``text_tiny.yaml``: the tiny Qwen2 built from its config reading chat prompts of three digits
+through the shipped tokenizer, 16 prompts x 16 samples, 4 new tokens, temperature 1, AdamW 1e-3
+with gradient clipping 1.0, no KL; ``grpo_tiny.yaml`` is the same task on token ids) with the
+same overrides, for ``--steps`` steps in this process, one after the other:
 
-- ``minimal``: one transformers model generates (``generate``, sampling) and trains; rewards,
-  group-normalized advantages, one forward/backward of the token-level policy gradient
-  (on-policy: the PPO ratio is 1), one AdamW step. No engine, no checks, no weight copy.
-- ``engine_core``: ``engine-core run`` with the recipe unchanged (fsdp2 engine, colocated HF
-  rollout): old log-probs by the engine, the PPO-clip update with its metrics, the verified
-  weight sync (names, shapes, checksums) into the rollout and the rollout/trainer log-prob
-  comparison of every step, JSONL and TensorBoard logging.
+- ``minimal``: ``benchmarks/_minimal.py``: one transformers model generates (``generate``,
+  sampling) and trains; rewards, group-normalized advantages, one forward/backward of the
+  token-level policy gradient (on-policy: the PPO ratio is 1), one AdamW step. No engine, no
+  checks, no weight copy.
+- ``engine_core``: ``engine-core run`` with the recipe (fsdp2 engine, colocated HF rollout):
+  old log-probs by the engine, the PPO-clip update with its metrics, the verified weight sync
+  (names, shapes, checksums) into the rollout and the rollout/trainer log-prob comparison of
+  every step, JSONL and TensorBoard logging.
 
 The two alternate over ``--rounds`` runs each (A B B A ...), so a machine that speeds up or
 slows down during the benchmark weighs on both alike. Reports the median wall time per step
 after ``--warmup`` steps of every run for each, their ratio, each run's median, the mean reward
-of the last 10 steps of each loop's first run, and where ``engine_core``'s step goes (median seconds
-of generation, old log-probs, update, weight sync and the rest) by timing the roles' calls.
+of the last 10 steps of each loop's first run, and where ``engine_core``'s step goes (median
+seconds of generation, old log-probs, update, weight sync and the rest) by timing the roles'
+calls; on a text recipe also the text path's own work (drawing the prompts' token ids, inside
+generation; decoding and the reward function) and its share of the step.
 Prints one JSON object.
 """
 
@@ -37,64 +41,20 @@ from typing import Any
 
 import torch
 
-from engine_core_roles.cli import RECIPES
+from engine_core_roles.cli import DEFAULT_RL_RECIPE, RECIPES
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _minimal import minimal_grpo  # noqa: E402  (benchmarks/ is on sys.path as a script)
 
-RECIPE = RECIPES / "grpo_tiny.yaml"
+DEFAULT_RECIPE = RECIPES / DEFAULT_RL_RECIPE
 
 
-def _minimal(steps: int) -> list[tuple[float, float]]:
-    """(seconds, mean reward) of each step of the hand-written loop."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+def _recipe(path: Path, overrides: list[str]) -> dict[str, Any]:
+    """The recipe with its ./paths resolved and the overrides applied: both loops run this."""
+    from engine_core.configio import apply_overrides, load_yaml
+    from engine_core_roles.cli import recipe_relative
 
-    from engine_core.configio import load_yaml
-    from engine_core_roles.tasks import EOS, PAD, DigitTask, TaskConfig
-
-    recipe = load_yaml(RECIPE)
-    torch.manual_seed(recipe["engine"]["seed"])
-    config = {k: v for k, v in recipe["engine"]["model"]["config"].items() if k != "model_type"}
-    model = AutoModelForCausalLM.from_config(Qwen2Config(**config))
-    opt = torch.optim.AdamW(model.parameters(), lr=recipe["engine"]["optim"]["lr"])
-    task = DigitTask(TaskConfig(**recipe["task"]))
-    n, prompts_per_step = recipe["trainer"]["samples_per_prompt"], recipe["prompts_per_step"]
-    out = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        prompt = task.prompt_ids(task.sample_digits(prompts_per_step))  # equal lengths
-        model.eval()
-        with torch.no_grad():
-            seqs = model.generate(
-                prompt,
-                attention_mask=torch.ones_like(prompt),
-                do_sample=True,
-                temperature=1.0,
-                top_k=0,
-                max_new_tokens=task.response_len,
-                num_return_sequences=n,
-                eos_token_id=EOS,
-                pad_token_id=PAD,
-            )
-        p = prompt.shape[1]
-        response = seqs[:, p:]
-        # tokens after the first EOS are padding
-        done = torch.cumsum((response == EOS).long(), 1) - (response == EOS).long()
-        mask = (done == 0).float()
-        scores = task.score(seqs[:, :p], response.masked_fill(mask == 0, PAD))
-        grouped = scores.view(-1, n)
-        adv = (grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)
-        model.train()
-        attn = torch.cat([torch.ones_like(seqs[:, :p]), mask.long()], 1)
-        logits = model(seqs, attention_mask=attn).logits[:, p - 1 : -1]
-        logp = torch.log_softmax(logits.float(), -1).gather(-1, response.unsqueeze(-1)).squeeze(-1)
-        ratio = torch.exp(logp - logp.detach())  # on-policy: 1, with the policy's gradient
-        loss = -(ratio * adv.view(-1, 1) * mask).sum() / mask.sum()
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        out.append((time.perf_counter() - t0, float(scores.mean())))
-    return out
+    return apply_overrides(recipe_relative(load_yaml(path), path.parent), overrides)
 
 
 def _timed(times: dict[str, list[float]], owner: Any, name: str, label: str) -> Callable[[], None]:
@@ -112,14 +72,14 @@ def _timed(times: dict[str, list[float]], owner: Any, name: str, label: str) -> 
 
 
 def _engine_core(
-    steps: int, extra: list[str]
+    steps: int, recipe: Path, extra: list[str]
 ) -> tuple[list[tuple[float, float]], dict[str, list[float]]]:
     from rich.console import Console
 
-    from engine_core.configio import apply_overrides, load_yaml
     from engine_core.plugins import load_plugins
     from engine_core_roles.actor import Actor
     from engine_core_roles.rl_job import run_rl_job
+    from engine_core_roles.text import PromptData, TextReward
     from engine_core_roles.trainer import RLTrainer
 
     times: dict[str, list[float]] = collections.defaultdict(list)
@@ -128,11 +88,14 @@ def _engine_core(
         _timed(times, Actor, "compute_log_prob", "old_log_probs"),
         _timed(times, Actor, "update_actor", "update"),
         _timed(times, RLTrainer, "sync_weights", "weight_sync"),
+        # the text path's own work: drawing and padding token ids, decoding and the reward fn
+        _timed(times, PromptData, "next_batch", "text_prompts"),
+        _timed(times, TextReward, "__call__", "text_decode_and_reward"),
     ]
     try:
         with tempfile.TemporaryDirectory() as tmp:
             overrides = [f"output_dir={tmp}/run", f"steps={steps}", f"save_every={steps}", *extra]
-            raw = apply_overrides(load_yaml(RECIPE), overrides)
+            raw = _recipe(recipe, overrides)
             with open(os.devnull, "w") as sink:
                 run_rl_job(raw, load_plugins(), console=Console(file=sink))
             rows = [
@@ -154,10 +117,12 @@ def main() -> None:
         default=3,
         help="alternating runs of each loop (A B B A ...): machine drift hits both alike",
     )
+    parser.add_argument("--recipe", type=Path, default=DEFAULT_RECIPE)
     parser.add_argument(
         "overrides",
         nargs="*",
-        help="recipe overrides for engine-core run, e.g. engine.backend=reference",
+        help="recipe overrides, applied to both loops (e.g. engine.seed=3 trainer.seed=3); the "
+        "minimal loop reads the model, optimizer, sampling, task or data and reward settings",
     )
     args = parser.parse_args()
     minimal_runs: list[list[tuple[float, float]]] = []
@@ -166,9 +131,9 @@ def main() -> None:
     for r in range(args.rounds):
         for which in ("minimal", "ours") if r % 2 == 0 else ("ours", "minimal"):
             if which == "minimal":
-                minimal_runs.append(_minimal(args.steps))
+                minimal_runs.append(minimal_grpo(_recipe(args.recipe, args.overrides), args.steps))
             else:
-                rows, times = _engine_core(args.steps, args.overrides)
+                rows, times = _engine_core(args.steps, args.recipe, args.overrides)
                 ours_runs.append(rows)
                 # the first sync happens before step 1 (outside its time_s): dropped with warm-up
                 for k, v in times.items():
@@ -183,12 +148,14 @@ def main() -> None:
     minimal, ours = minimal_runs, ours_runs
     step = median(ours)
     breakdown = {k: statistics.median(v) for k, v in parts.items()}
-    breakdown["rest"] = step - sum(breakdown.values())
+    nested = {"text_prompts"}  # timed inside generation
+    breakdown["rest"] = step - sum(v for k, v in breakdown.items() if k not in nested)
+    text = breakdown.get("text_prompts", 0.0) + breakdown.get("text_decode_and_reward", 0.0)
     print(
         json.dumps(
             {
                 "benchmark": "grpo_step",
-                "recipe": RECIPE.name,
+                "recipe": args.recipe.name,
                 "steps": args.steps,
                 "rounds": args.rounds,
                 "per_round_median_step_s": {
@@ -203,6 +170,7 @@ def main() -> None:
                 "minimal_reward_last10": last10(minimal),
                 "engine_core_reward_last10": last10(ours),
                 "engine_core_step_breakdown_s": {k: round(v, 4) for k, v in breakdown.items()},
+                "text_path_share_of_step": round(text / step, 4),
             },
             indent=1,
         )

@@ -24,6 +24,8 @@ DOCS = ROOT / "docs"
 GENERATOR = "python docs/hooks/generate.py"
 # pages whose ```python blocks are run, in order, in one namespace per page
 EXECUTED_PAGES = ("quickstart.md", "write-your-own-engine.md")
+# pages whose Python examples run (their shell lines name files the example writes)
+PYTHON_PAGES = (*EXECUTED_PAGES, "your-data.md")
 PYTHON_BLOCK = re.compile(r"^(`{3,})python[^\n]*\n(.*?)^\1[ \t]*$", re.M | re.S)
 FENCE = re.compile(r"^[ \t]*(`{3,}|~{3,})")
 
@@ -174,7 +176,7 @@ def _fences(text: str) -> list[tuple[int, str]]:
     return fences
 
 
-@pytest.mark.parametrize("page", EXECUTED_PAGES)
+@pytest.mark.parametrize("page", PYTHON_PAGES)
 def test_python_blocks_run(page: str, tmp_path: Path) -> None:
     blocks = python_blocks(DOCS / page)
     assert blocks, f"{page} should show a Python example"

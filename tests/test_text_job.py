@@ -170,7 +170,7 @@ def test_prompts_render_like_the_chat_template_and_decode_like_the_tokenizer(
         (["data.prompt_key=question"], "no 'question' column; the columns are prompt, answer"),
         (["reward.fn=no_such_module_here:fn"], "module 'no_such_module_here' cannot be imported"),
         (["reward.fn=REWARD:missing"], "has no 'missing'"),
-        (["reward.fn=REWARD:wrong_type"], "returned str ('high')"),
+        (["reward.fn=REWARD:wrong_type"], "returned str ('high') for sample 0; return a float"),
         (["reward.fn=REWARD:wrong_count", "reward.batched=true"], "returned 1 for 2 samples"),
         (["data.max_prompt_length=5"], "all 24 prompts are longer than 5 tokens"),
         (["data.train_files=[EMPTY]"], "holds no rows"),

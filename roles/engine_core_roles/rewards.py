@@ -156,13 +156,10 @@ def _as_score(value: Any) -> tuple[float, dict[str, float]]:
         parts: dict[str, float] = {}
         for key, v in value.items():
             if isinstance(v, bool) or not isinstance(v, int | float):
-                raise TypeError(
-                    f"returned a dict whose {key!r} is {type(v).__name__}; every entry must be "
-                    f"a number"
-                )
+                raise TypeError(f"returned a dict whose {key!r} is {type(v).__name__}")
             parts[str(key)] = float(v)
         if not parts:
-            raise TypeError("returned an empty dict; return a float or a dict of numbers")
+            raise TypeError("returned an empty dict")
         score = parts["score"] if "score" in parts else sum(parts.values())
         return score, {k: v for k, v in parts.items() if k != "score"}
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -173,10 +170,7 @@ def _as_score(value: Any) -> tuple[float, dict[str, float]]:
                 return float(value), {}
         except (TypeError, ValueError):
             pass
-        raise TypeError(
-            f"returned {type(value).__name__} ({str(value)[:40]!r}); return a float, or a dict "
-            f"of named numbers"
-        )
+        raise TypeError(f"returned {type(value).__name__} ({str(value)[:40]!r})")
     return float(value), {}
 
 
@@ -207,7 +201,10 @@ def score_samples(
         try:
             score, parts = _as_score(value)
         except TypeError as e:
-            failures.append(f"reward function {name} {e} for sample {i}")
+            failures.append(
+                f"reward function {name} {e} for sample {i}; return a float, or a dict of "
+                f"numbers (every entry a number)"
+            )
             return
         if not math.isfinite(score):
             failures.append(

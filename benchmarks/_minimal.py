@@ -1,0 +1,146 @@
+"""The hand-written minimal GRPO loop the benchmarks compare ``engine-core run`` with.
+
+One transformers model generates (``generate``, sampling) and trains: rewards, group-normalized
+advantages, one forward/backward of the token-level policy gradient (on-policy: the PPO ratio
+is 1), one AdamW step with the recipe's optimizer settings. No engine, no checks, no weight
+copy. It runs any recipe the job runs on one process — the digit task (``task``) or a text
+task (``data`` + ``reward``: the same files, tokenizer, chat template and reward function) —
+with the recipe's seeds: ``engine.seed`` for the initial weights (and this loop's sampling),
+``task.seed`` / ``data.seed`` for the prompts.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["minimal_grpo"]
+
+
+def _prompt_source(raw: dict[str, Any]) -> tuple[Any, Any, int, list[int]]:
+    """(next prompt batch as (ids, mask, rows), scorer, max_new_tokens, stop ids)."""
+    n_prompts = int(raw.get("prompts_per_step", 16))
+    trainer = raw.get("trainer", {})
+    if "data" not in raw:
+        from engine_core_roles.tasks import EOS, PAD, DigitTask, TaskConfig
+
+        task = DigitTask(TaskConfig(**raw.get("task", {})))
+
+        def draw() -> tuple[torch.Tensor, torch.Tensor, None]:
+            ids = task.prompt_ids(task.sample_digits(n_prompts))
+            return ids, torch.ones_like(ids), None
+
+        def score(
+            prompt: torch.Tensor, response: torch.Tensor, mask: torch.Tensor, rows: Any
+        ) -> torch.Tensor:
+            return task.score(prompt, response.masked_fill(mask == 0, PAD))
+
+        return draw, score, task.response_len, [EOS]
+
+    from engine_core.config import ModelConfig
+    from engine_core.models import build_hf_config
+    from engine_core_roles.rewards import RewardConfig, load_function
+    from engine_core_roles.text import DataConfig, PromptData, load_tokenizer, stop_token_ids
+
+    model = ModelConfig.model_validate(raw["engine"]["model"])
+    hf = build_hf_config(model)
+    tokenizer = load_tokenizer(model, hf.vocab_size)
+    cfg = DataConfig.model_validate(raw["data"])
+    max_new = int(trainer.get("max_new_tokens", 32))
+    data = PromptData(
+        cfg.train_files, tokenizer, cfg, max_length=hf.max_position_embeddings - max_new
+    )
+    reward = RewardConfig.model_validate(raw.get("reward") or {})
+    fn = load_function(reward.fn)
+
+    def draw_text() -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        rows = data.next_indices(n_prompts)
+        batch = data.batch(rows)
+        return batch["prompt_ids"], batch["prompt_mask"], rows
+
+    def score_text(
+        prompt: torch.Tensor, response: torch.Tensor, mask: torch.Tensor, rows: Any
+    ) -> torch.Tensor:
+        texts = tokenizer.batch_decode(
+            [r[m.bool()].tolist() for r, m in zip(response, mask, strict=True)],
+            skip_special_tokens=True,
+        )
+        n = len(texts) // len(rows)
+        table = data.rows(rows)
+        out = []
+        for i, text in enumerate(texts):
+            row = {k: v[i // n] for k, v in table.items()}
+            out.append(float(fn("", text, **row, **reward.kwargs)))
+        return torch.tensor(out)
+
+    return draw_text, score_text, max_new, stop_token_ids(tokenizer)
+
+
+def minimal_grpo(raw: dict[str, Any], steps: int) -> list[tuple[float, float]]:
+    """(seconds, mean reward) of each of ``steps`` steps of the minimal loop on recipe ``raw``
+    (overrides applied; paths resolved)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    engine = raw["engine"]
+    torch.manual_seed(int(engine.get("seed", 0)))
+    model_cfg = engine["model"]
+    if model_cfg.get("config"):
+        kwargs = dict(model_cfg["config"])
+        config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+        model = AutoModelForCausalLM.from_config(config)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(Path(model_cfg["path"]))
+    optim = engine.get("optim", {})
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=float(optim.get("lr", 1e-5)),
+        weight_decay=float(optim.get("weight_decay", 0.0)),  # the engines' default
+        betas=tuple(optim.get("betas", (0.9, 0.999))),
+        eps=float(optim.get("eps", 1e-8)),
+    )
+    clip = float(optim.get("clip_grad", 1.0))
+    trainer = raw.get("trainer", {})
+    n = int(trainer.get("samples_per_prompt", 8))
+    temperature = float(trainer.get("temperature", 1.0))
+    draw, score, max_new, stops = _prompt_source(raw)
+    out = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        prompt, pmask, rows = draw()
+        model.eval()
+        with torch.no_grad():
+            seqs = model.generate(
+                prompt,
+                attention_mask=pmask,
+                do_sample=True,
+                temperature=temperature,
+                top_k=0,
+                max_new_tokens=max_new,
+                num_return_sequences=n,
+                eos_token_id=stops,
+                pad_token_id=0,
+            )
+        p = prompt.shape[1]
+        response = seqs[:, p:]
+        stop = torch.isin(response, torch.tensor(stops))
+        done = torch.cumsum(stop.long(), 1) - stop.long()  # tokens after the first stop: padding
+        mask = (done == 0).float()
+        scores = score(seqs[:, :p], response, mask, rows)
+        grouped = scores.view(-1, n)
+        adv = (grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)
+        model.train()
+        attn = torch.cat([pmask.repeat_interleave(n, 0), mask.long()], 1)
+        logits = model(seqs, attention_mask=attn).logits[:, p - 1 : -1]
+        logp = torch.log_softmax(logits.float() / temperature, -1)
+        logp = logp.gather(-1, response.unsqueeze(-1)).squeeze(-1)
+        ratio = torch.exp(logp - logp.detach())  # on-policy: 1, with the policy's gradient
+        loss = -(ratio * adv.view(-1, 1) * mask).sum() / mask.sum()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        out.append((time.perf_counter() - t0, float(scores.mean())))
+    return out

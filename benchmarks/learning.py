@@ -1,0 +1,115 @@
+"""Does the default recipe learn on every seed? ``engine-core run`` against the hand-written
+minimal loop (``benchmarks/_minimal.py``) on the same seeds.
+
+For each seed ``s`` both loops run the recipe (``--recipe``, default the shipped default) with
+``engine.seed=s`` (initial weights), ``trainer.seed=s`` (the job's sampling; the minimal loop
+samples from ``engine.seed``'s stream) and ``data.seed=s`` (or ``task.seed=s``: the prompts),
+plus any overrides given, for the recipe's steps (or ``--steps``). Reports per seed and loop
+the mean reward of the last 10 steps, the first step whose 10-step mean reaches ``--target``
+(null: never), the spread between the best and the worst seed, and each loop's wall time.
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _minimal import minimal_grpo  # noqa: E402  (benchmarks/ is on sys.path as a script)
+
+from engine_core_roles.cli import DEFAULT_RL_RECIPE, RECIPES  # noqa: E402
+
+
+def _recipe(path: Path, overrides: list[str]) -> dict[str, Any]:
+    from engine_core.configio import apply_overrides, load_yaml
+    from engine_core_roles.cli import recipe_relative
+
+    return apply_overrides(recipe_relative(load_yaml(path), path.parent), overrides)
+
+
+def _seeded(raw: dict[str, Any], seed: int) -> list[str]:
+    where = "data.seed" if "data" in raw else "task.seed"
+    return [f"engine.seed={seed}", f"trainer.seed={seed}", f"{where}={seed}"]
+
+
+def _job(raw: dict[str, Any]) -> list[float]:
+    from rich.console import Console
+
+    from engine_core.configio import apply_overrides
+    from engine_core.plugins import load_plugins
+    from engine_core_roles.rl_job import run_rl_job
+
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = apply_overrides(raw, [f"output_dir={tmp}/run", f"save_every={raw['steps']}"])
+        with open(os.devnull, "w") as sink:
+            run_rl_job(raw, load_plugins(), console=Console(file=sink))
+        rows = [json.loads(x) for x in Path(tmp, "run", "metrics.jsonl").read_text().splitlines()]
+    return [r["reward"] for r in rows]
+
+
+def _figures(rewards: list[float], target: float, seconds: float) -> dict[str, Any]:
+    window = [statistics.fmean(rewards[max(0, i - 9) : i + 1]) for i in range(len(rewards))]
+    reached = next((i + 1 for i, v in enumerate(window) if i >= 9 and v >= target), None)
+    return {
+        "final_reward": round(statistics.fmean(rewards[-10:]), 4),
+        "first_step_at_target": reached,
+        "seconds": round(seconds, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", type=Path, default=RECIPES / DEFAULT_RL_RECIPE)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    parser.add_argument("--steps", type=int, default=None, help="default: the recipe's")
+    parser.add_argument("--target", type=float, default=0.8)
+    parser.add_argument(
+        "--loops", nargs="+", default=["engine_core", "minimal"], choices=["engine_core", "minimal"]
+    )
+    parser.add_argument("overrides", nargs="*", help="recipe overrides, applied to both loops")
+    args = parser.parse_args()
+    extra = [*args.overrides, *([f"steps={args.steps}"] if args.steps else [])]
+    results: dict[str, dict[int, dict[str, Any]]] = {loop: {} for loop in args.loops}
+    for seed in args.seeds:
+        base = _recipe(args.recipe, extra)
+        raw = _recipe(args.recipe, [*extra, *_seeded(base, seed)])
+        for loop in args.loops:
+            t0 = time.perf_counter()
+            if loop == "engine_core":
+                rewards = _job(raw)
+            else:
+                rewards = [r for _, r in minimal_grpo(raw, int(raw["steps"]))]
+            results[loop][seed] = _figures(rewards, args.target, time.perf_counter() - t0)
+    summary = {}
+    for loop, per_seed in results.items():
+        finals = [f["final_reward"] for f in per_seed.values()]
+        summary[loop] = {
+            "per_seed": per_seed,
+            "mean_final_reward": round(statistics.fmean(finals), 4),
+            "worst_below_best": round(max(finals) - min(finals), 4),
+        }
+    print(
+        json.dumps(
+            {
+                "benchmark": "learning",
+                "recipe": args.recipe.name,
+                "overrides": args.overrides,
+                "steps": int(_recipe(args.recipe, extra)["steps"]),
+                "target": args.target,
+                **summary,
+            },
+            indent=1,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
