@@ -267,3 +267,15 @@ def test_filter_groups_replaces_groups_that_all_scored_the_same(tmp_path: Path) 
         assert r["reward/zero_variance_groups"] < r["filter/first_draw_zero_variance_groups"]
         assert r["filter/groups_that_differ"] == 1.0 - r["reward/zero_variance_groups"]
     assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-4
+
+
+def test_stop_strings_are_single_tokens_of_the_tokenizer(user: dict[str, Path]) -> None:
+    from transformers import AutoTokenizer
+
+    from engine_core_roles.text import stop_token_ids
+
+    tok = AutoTokenizer.from_pretrained(user["model"])
+    assert stop_token_ids(tok) == [tok.eos_token_id]
+    assert stop_token_ids(tok, ["\n"]) == [tok.eos_token_id, tok("\n")["input_ids"][0]]
+    with pytest.raises(ConfigError, match="'END' is 3 tokens of this tokenizer"):
+        stop_token_ids(tok, ["END"])

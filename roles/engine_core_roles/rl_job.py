@@ -293,12 +293,13 @@ class RLJobConfig(FrozenModel):
         unset = {k: v for k, v in derived.items() if k not in self.trainer.model_fields_set}
         return self.trainer.model_copy(update=unset)
 
-    def text_trainer_config(self, tokenizer: Any) -> TrainerConfig:
-        """The loop's settings of a text job: ``trainer``, stopping at the tokenizer's EOS (and
-        its chat template's end of turn) where ``trainer`` leaves stop_token_ids unset."""
+    def text_trainer_config(self, stops: list[int]) -> TrainerConfig:
+        """The loop's settings of a text job: ``trainer``, stopping at ``stops`` (the
+        tokenizer's EOS, its chat template's end of turn and data.stop_strings' tokens) where
+        ``trainer`` leaves stop_token_ids unset."""
         if "stop_token_ids" in self.trainer.model_fields_set:
             return self.trainer
-        return self.trainer.model_copy(update={"stop_token_ids": stop_token_ids(tokenizer)})
+        return self.trainer.model_copy(update={"stop_token_ids": stops})
 
     def actor_config(self) -> ActorConfig:
         """The actor's settings: ``actor``, with TIS for an asynchronous run that leaves
@@ -373,6 +374,7 @@ class _Text:
     tokenizer: Any
     train: PromptData
     reward: TextReward
+    stops: list[int]
     val: PromptData | None = None
     val_reward: TextReward | None = None
 
@@ -399,7 +401,14 @@ def _text(job: RLJobConfig, console: Console) -> _Text | None:
     limit = min(limits) if limits else 1 << 30
     reward_cfg = job.reward or RewardConfig()
     train = PromptData(job.data.train_files, tokenizer, job.data, max_length=limit)
-    text = _Text(tokenizer, train, TextReward(reward_cfg, tokenizer, train, show=job.log_samples))
+    stops = stop_token_ids(tokenizer, job.data.stop_strings)
+    if "stop_token_ids" in job.trainer.model_fields_set and job.data.stop_strings:
+        raise ConfigError(
+            "both trainer.stop_token_ids and data.stop_strings are set; give the stops in one "
+            "place (trainer.stop_token_ids replaces the tokenizer's own)."
+        )
+    reward = TextReward(reward_cfg, tokenizer, train, show=job.log_samples)
+    text = _Text(tokenizer, train, reward, stops)
     sets = [("data.train_files", train)]
     if job.data.val_files:
         text.val = PromptData(
@@ -597,7 +606,7 @@ def _run(
             task.sample_digits(job.prompts_per_step)
         )
     else:
-        trainer_cfg = job.text_trainer_config(text.tokenizer)
+        trainer_cfg = job.text_trainer_config(text.stops)
         reward_fn, train = text.reward, text.train
         prompts = lambda step: train.next_batch(job.prompts_per_step)  # noqa: E731
 

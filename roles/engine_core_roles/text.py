@@ -70,6 +70,11 @@ class DataConfig(FrozenModel):
     )
     shuffle: bool = True
     seed: int = Field(0, description="Seed of the shuffled order (epoch e uses seed + e).")
+    stop_strings: list[str] = Field(
+        default_factory=list,
+        description="Generation also stops at these strings; each must be one token of the "
+        "tokenizer (it is added to the stop token ids).",
+    )
 
     @field_validator("train_files", "val_files", mode="before")
     @classmethod
@@ -121,8 +126,20 @@ def load_tokenizer(model: ModelConfig, vocab_size: int | None) -> Any:
     return tokenizer
 
 
-def stop_token_ids(tokenizer: Any, extra: Sequence[int] = ()) -> list[int]:
-    """The tokenizer's EOS (and the chat template's end of turn, when it has one), plus ``extra``."""
+def stop_token_ids(tokenizer: Any, strings: Sequence[str] = ()) -> list[int]:
+    """The tokenizer's EOS (and the chat template's end of turn, when it has one), plus the
+    token of each of ``strings``; a string that is not one token is refused (the rollouts stop
+    on token ids, and a string spread over several tokens is not one sequence of ids)."""
+    extra = []
+    for text in strings:
+        ids_of = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids_of) != 1:
+            raise ConfigError(
+                f"data.stop_strings: {text!r} is {len(ids_of)} tokens of this tokenizer "
+                f"({ids_of}); a stop string must be exactly one token. Use its single-token "
+                f"form, or set trainer.stop_token_ids."
+            )
+        extra.append(ids_of[0])
     ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     for name in ("<|im_end|>", "<|eot_id|>", "<|end|>"):
         tid = tokenizer.convert_tokens_to_ids(name) if name in tokenizer.get_vocab() else None
