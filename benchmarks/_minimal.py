@@ -2,7 +2,7 @@
 
 One transformers model generates (``generate``, sampling) and trains: rewards, group-normalized
 advantages, one forward/backward of the token-level policy gradient (on-policy: the PPO ratio
-is 1), one AdamW step with the recipe's optimizer settings. No engine, no checks, no weight
+is 1) with the recipe's entropy bonus, one AdamW step with the recipe's optimizer settings. No engine, no checks, no weight
 copy. It runs any recipe the job runs on one process — the digit task (``task``) or a text
 task (``data`` + ``reward``: the same files, tokenizer, chat template and reward function) —
 with the recipe's seeds: ``engine.seed`` for the initial weights (and this loop's sampling),
@@ -102,6 +102,7 @@ def minimal_grpo(raw: dict[str, Any], steps: int) -> list[tuple[float, float]]:
         eps=float(optim.get("eps", 1e-8)),
     )
     clip = float(optim.get("clip_grad", 1.0))
+    entropy_coeff = float(raw.get("actor", {}).get("entropy_coeff", 0.0))
     trainer = raw.get("trainer", {})
     n = int(trainer.get("samples_per_prompt", 8))
     temperature = float(trainer.get("temperature", 1.0))
@@ -134,10 +135,13 @@ def minimal_grpo(raw: dict[str, Any], steps: int) -> list[tuple[float, float]]:
         model.train()
         attn = torch.cat([pmask.repeat_interleave(n, 0), mask.long()], 1)
         logits = model(seqs, attention_mask=attn).logits[:, p - 1 : -1]
-        logp = torch.log_softmax(logits.float() / temperature, -1)
-        logp = logp.gather(-1, response.unsqueeze(-1)).squeeze(-1)
+        all_logp = torch.log_softmax(logits.float() / temperature, -1)
+        logp = all_logp.gather(-1, response.unsqueeze(-1)).squeeze(-1)
         ratio = torch.exp(logp - logp.detach())  # on-policy: 1, with the policy's gradient
         loss = -(ratio * adv.view(-1, 1) * mask).sum() / mask.sum()
+        if entropy_coeff:  # the recipe's entropy bonus, token-mean like the loss
+            entropy = -(all_logp.exp() * all_logp).sum(-1)
+            loss = loss - entropy_coeff * (entropy * mask).sum() / mask.sum()
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)

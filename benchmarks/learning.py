@@ -68,11 +68,19 @@ def _figures(rewards: list[float], target: float, seconds: float) -> dict[str, A
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", type=Path, default=RECIPES / DEFAULT_RL_RECIPE)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    parser.add_argument(
+        "--seeds",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=[0, 1, 2, 3, 4],
+        help="comma-separated, e.g. 0,1,2",
+    )
     parser.add_argument("--steps", type=int, default=None, help="default: the recipe's")
     parser.add_argument("--target", type=float, default=0.8)
     parser.add_argument(
-        "--loops", nargs="+", default=["engine_core", "minimal"], choices=["engine_core", "minimal"]
+        "--loops",
+        type=lambda v: v.split(","),
+        default=["engine_core", "minimal"],
+        help="comma-separated: engine_core,minimal",
     )
     parser.add_argument("overrides", nargs="*", help="recipe overrides, applied to both loops")
     args = parser.parse_args()

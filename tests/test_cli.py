@@ -145,7 +145,7 @@ def test_doctor_reports_the_environment(
 
 @pytest.mark.parametrize(
     ("command", "recipe", "other"),
-    [("run", "grpo_tiny.yaml", "sft_tiny.yaml"), ("train", "sft_tiny.yaml", "grpo_tiny.yaml")],
+    [("run", "text_tiny.yaml", "sft_tiny.yaml"), ("train", "sft_tiny.yaml", "text_tiny.yaml")],
 )
 def test_help_names_each_commands_default_recipe(
     command: str, recipe: str, other: str, capsys: pytest.CaptureFixture

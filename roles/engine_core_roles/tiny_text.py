@@ -3,9 +3,9 @@ recipes so ``engine-core run`` needs nothing downloaded.
 
 The task: the user message is three digits, the answer is them reversed
 (``<|im_start|>user\\n123<|im_end|>\\n<|im_start|>assistant\\n`` → ``321<|im_end|>``). The
-tokenizer is transformers' Qwen2 tokenizer (byte-level BPE) over a vocabulary of the 256 byte
-symbols and no merges, plus the ChatML markers and the role names as whole tokens, with a
-ChatML chat template. :func:`digits_reward` scores a response by the positions it gets right.
+tokenizer is transformers' Qwen2 tokenizer (byte-level BPE, no merges) over a small alphabet
+(digits, lowercase letters, punctuation; anything else is dropped), plus the ChatML markers
+and the role names as whole tokens, with a ChatML chat template. :func:`digits_reward` scores a response by the positions it gets right.
 
 ``python -m engine_core_roles.tiny_text FOLDER`` writes the tokenizer and the data files again;
 ``tests/test_tiny_text.py`` checks that the shipped ones are exactly what it writes.
@@ -33,6 +33,10 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 ROLE_WORDS = ("system", "user", "assistant", "tool")
+ALPHABET = "0123456789 \n+-*/=<>()[]{}.,:;?!'\"_abcdefghijklmnopqrstuvwxyz"
+"""The shipped tokenizer's characters: enough for small arithmetic and word tasks, few enough
+that a randomly initialised model finds the digits by sampling (any other character is dropped:
+bring a real tokenizer for real text)."""
 
 
 def _byte_symbols() -> list[str]:
@@ -52,19 +56,31 @@ def _byte_symbols() -> list[str]:
     return out
 
 
-def build_tokenizer(folder: str | Path | None = None, *, words: Sequence[str] = ROLE_WORDS) -> Any:
-    """A Qwen2 tokenizer whose ids 0..255 are the bytes (no merges), then ``<|im_end|>`` (EOS),
+def build_tokenizer(
+    folder: str | Path | None = None,
+    *,
+    alphabet: str | None = ALPHABET,
+    words: Sequence[str] = ROLE_WORDS,
+) -> Any:
+    """A Qwen2 tokenizer (byte-level BPE, no merges): one token per character of ``alphabet``
+    (None: per byte, all 256; a character outside the alphabet is dropped, as transformers'
+    Qwen2 tokenizer has no unknown token), then ``<|im_end|>`` (EOS),
     ``<|endoftext|>`` (padding), ``<|im_start|>`` and ``words`` as whole tokens; saved to
     ``folder`` when given."""
     from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 
-    vocab = {sym: i for i, sym in enumerate(_byte_symbols())}
+    symbols = _byte_symbols()
+    if alphabet is None:
+        vocab = {sym: i for i, sym in enumerate(symbols)}
+    else:
+        vocab = {symbols[ord(c)]: i for i, c in enumerate(dict.fromkeys(alphabet))}
+        vocab["<unk>"] = len(vocab)  # reserved: transformers' Qwen2 tokenizer maps nothing to it
     tok = Qwen2Tokenizer(
         vocab=vocab,
         merges=[],
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        unk_token=None,  # type: ignore[arg-type]  # every byte has a token: nothing is unknown
+        unk_token=None,  # type: ignore[arg-type]
     )
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
     tok.add_tokens(["<|im_end|>", "<|endoftext|>"], special_tokens=True)
