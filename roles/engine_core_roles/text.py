@@ -245,6 +245,7 @@ class PromptData:
             )
         self.data = rendered if not self.dropped else rendered.select(keep)
         self.columns = [c for c in data.column_names if c != cfg.prompt_key]
+        self._ids = self.data.select_columns([_IDS_COLUMN])  # a view: nothing is copied
         self._epoch, self._index = 0, 0
         self._order = self._permutation(0)
 
@@ -308,7 +309,7 @@ class PromptData:
 
     def batch(self, indices: Sequence[int]) -> TensorDict:
         """The prompt batch of these rows: left-padded ids, mask and ``row_index``."""
-        ids = self.data.select_columns([_IDS_COLUMN])[list(indices)][_IDS_COLUMN]
+        ids = self._ids[list(indices)][_IDS_COLUMN]
         out = prompt_batch(ids, pad_token_id=int(self.tokenizer.pad_token_id))
         out[ROW_INDEX] = torch.tensor(list(indices), dtype=torch.long)
         return out
@@ -344,6 +345,14 @@ class PromptData:
 # -- scoring decoded samples ---------------------------------------------------------------------
 
 
+def _unpadded(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    """Each row's ids where ``mask`` is 1 (one conversion to lists, not one op per row)."""
+    return [
+        [t for t, keep in zip(row, keeps, strict=True) if keep]
+        for row, keeps in zip(ids.tolist(), mask.tolist(), strict=True)
+    ]
+
+
 class TextReward(SampleReward):
     """Scores a step's samples with a reward function over decoded text (see
     :mod:`engine_core_roles.rewards`): each sample's prompt and response decoded, its row's
@@ -371,11 +380,15 @@ class TextReward(SampleReward):
     ) -> tuple[list[str], list[str], list[list[int]], list[list[int]]]:
         """Each sample's prompt (special tokens kept) and response (special tokens skipped),
         and their ids without padding."""
-        prompt_ids, prompt_mask = samples[PROMPT_IDS], samples[PROMPT_MASK]
-        resp_ids, resp_mask = samples[RESPONSE_IDS], samples[RESPONSE_MASK]
-        p_ids = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask, strict=True)]
-        r_ids = [row[m.bool()].tolist() for row, m in zip(resp_ids, resp_mask, strict=True)]
-        prompts = self.tokenizer.batch_decode(p_ids, skip_special_tokens=False)
+        p_ids = _unpadded(samples[PROMPT_IDS], samples[PROMPT_MASK])
+        r_ids = _unpadded(samples[RESPONSE_IDS], samples[RESPONSE_MASK])
+        # a prompt's samples are adjacent and share its ids: each distinct prompt decoded once
+        text: dict[tuple[int, ...], str] = {}
+        for ids in p_ids:
+            key = tuple(ids)
+            if key not in text:
+                text[key] = self.tokenizer.decode(ids, skip_special_tokens=False)
+        prompts = [text[tuple(ids)] for ids in p_ids]
         responses = self.tokenizer.batch_decode(r_ids, skip_special_tokens=True)
         return prompts, responses, p_ids, r_ids
 
