@@ -41,20 +41,12 @@ from typing import Any
 
 import torch
 
-from engine_core_roles.cli import DEFAULT_RL_RECIPE, RECIPES
+from engine_core_roles.cli import DEFAULT_RL_RECIPE, RECIPES, load_recipe
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _minimal import minimal_grpo  # noqa: E402  (benchmarks/ is on sys.path as a script)
 
 DEFAULT_RECIPE = RECIPES / DEFAULT_RL_RECIPE
-
-
-def _recipe(path: Path, overrides: list[str]) -> dict[str, Any]:
-    """The recipe with its ./paths resolved and the overrides applied: both loops run this."""
-    from engine_core.configio import apply_overrides, load_yaml
-    from engine_core_roles.cli import recipe_relative
-
-    return apply_overrides(recipe_relative(load_yaml(path), path.parent), overrides)
 
 
 def _timed(times: dict[str, list[float]], owner: Any, name: str, label: str) -> Callable[[], None]:
@@ -95,7 +87,7 @@ def _engine_core(
     try:
         with tempfile.TemporaryDirectory() as tmp:
             overrides = [f"output_dir={tmp}/run", f"steps={steps}", f"save_every={steps}", *extra]
-            raw = _recipe(recipe, overrides)
+            raw = load_recipe(recipe, overrides)
             with open(os.devnull, "w") as sink:
                 run_rl_job(raw, load_plugins(), console=Console(file=sink))
             rows = [
@@ -131,7 +123,9 @@ def main() -> None:
     for r in range(args.rounds):
         for which in ("minimal", "ours") if r % 2 == 0 else ("ours", "minimal"):
             if which == "minimal":
-                minimal_runs.append(minimal_grpo(_recipe(args.recipe, args.overrides), args.steps))
+                minimal_runs.append(
+                    minimal_grpo(load_recipe(args.recipe, args.overrides), args.steps)
+                )
             else:
                 rows, times = _engine_core(args.steps, args.recipe, args.overrides)
                 ours_runs.append(rows)

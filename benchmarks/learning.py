@@ -25,14 +25,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _minimal import minimal_grpo  # noqa: E402  (benchmarks/ is on sys.path as a script)
 
-from engine_core_roles.cli import DEFAULT_RL_RECIPE, RECIPES  # noqa: E402
-
-
-def _recipe(path: Path, overrides: list[str]) -> dict[str, Any]:
-    from engine_core.configio import apply_overrides, load_yaml
-    from engine_core_roles.cli import recipe_relative
-
-    return apply_overrides(recipe_relative(load_yaml(path), path.parent), overrides)
+from engine_core_roles.cli import DEFAULT_RL_RECIPE, RECIPES, load_recipe  # noqa: E402
 
 
 def _seeded(raw: dict[str, Any], seed: int) -> list[str]:
@@ -87,8 +80,8 @@ def main() -> None:
     extra = [*args.overrides, *([f"steps={args.steps}"] if args.steps else [])]
     results: dict[str, dict[int, dict[str, Any]]] = {loop: {} for loop in args.loops}
     for seed in args.seeds:
-        base = _recipe(args.recipe, extra)
-        raw = _recipe(args.recipe, [*extra, *_seeded(base, seed)])
+        base = load_recipe(args.recipe, extra)
+        raw = load_recipe(args.recipe, [*extra, *_seeded(base, seed)])
         for loop in args.loops:
             t0 = time.perf_counter()
             if loop == "engine_core":
@@ -110,7 +103,7 @@ def main() -> None:
                 "benchmark": "learning",
                 "recipe": args.recipe.name,
                 "overrides": args.overrides,
-                "steps": int(_recipe(args.recipe, extra)["steps"]),
+                "steps": int(load_recipe(args.recipe, extra)["steps"]),
                 "target": args.target,
                 **summary,
             },

@@ -45,13 +45,19 @@ def _recipe_arguments(parser: argparse.ArgumentParser, default: str) -> None:
 
 def _recipe(args: argparse.Namespace, default: str) -> dict[str, Any]:
     """The recipe (or the shipped ``default``) with the command line's dotted overrides applied."""
-    from engine_core.configio import apply_overrides, load_yaml
-
     recipe, overrides = args.recipe, list(args.overrides)
     if recipe is not None and "=" in recipe:  # only overrides were given
         recipe, overrides = None, [recipe, *overrides]
-    path = Path(recipe or RECIPES / default)
-    return apply_overrides(recipe_relative(load_yaml(path), path.parent), overrides)
+    return load_recipe(recipe or RECIPES / default, overrides)
+
+
+def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """The YAML recipe at ``path``, its ``./`` paths resolved beside it, with dotted
+    ``overrides`` applied (what ``engine-core run PATH OVERRIDES...`` runs)."""
+    from engine_core.configio import apply_overrides, load_yaml
+
+    path = Path(path)
+    return apply_overrides(recipe_relative(load_yaml(path), path.parent), list(overrides))
 
 
 def recipe_relative(raw: Any, folder: Path) -> Any:
