@@ -1,7 +1,9 @@
-"""The RL job of ``engine-core run``: GRPO, or PPO with a critic, on the shipped digit tasks.
+"""The RL job of ``engine-core run``: GRPO, or PPO with a critic, on text prompts from files
+scored by a reward function (``data``, ``reward``: :mod:`engine_core_roles.text`), or on the
+built-in digit task's token ids (``task``).
 
-The loop itself is :class:`engine_core_roles.RLTrainer`; this module builds its pieces from one config
-(engines, rollout, the task's prompts and rule-based reward), and adds what a job needs around
+The loop itself is :class:`engine_core_roles.RLTrainer`; this module builds its pieces from one
+config (engines, rollout, prompts and reward), and adds what a job needs around
 it: an optional supervised warm-up, exact resume, checkpoints, a progress bar, metrics
 (JSONL, TensorBoard, a plot), a summary and a Hugging Face export. The rollout runs in this
 process or, with ``rollout_placement: process``, in processes of its own
