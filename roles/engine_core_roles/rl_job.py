@@ -678,9 +678,7 @@ def _run(
         if step % job.log_every == 0 or step == job.steps:
             if shown:
                 tracker.log_samples(step, shown)
-            val = "".join(
-                f" {k} {v:.3f}" for k, v in row.items() if k.startswith("val/") and "/" in k
-            )
+            val = "".join(f" {k} {v:.3f}" for k, v in row.items() if k.startswith("val/"))
             console.print(
                 f"step {step:>4}/{job.steps} reward {row['reward']:.3f} "
                 f"pg {row.get('actor/pg_loss', nan):+.4f} ent {row.get('actor/entropy', nan):.3f} "

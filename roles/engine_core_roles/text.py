@@ -245,7 +245,9 @@ class PromptData:
             )
         self.data = rendered if not self.dropped else rendered.select(keep)
         self.columns = [c for c in data.column_names if c != cfg.prompt_key]
-        self._ids = self.data.select_columns([_IDS_COLUMN])  # a view: nothing is copied
+        # views, selected once: a step reads its rows' ids and other columns through them
+        self._ids = self.data.select_columns([_IDS_COLUMN])
+        self._other = self.data.select_columns(self.columns) if self.columns else None
         self._epoch, self._index = 0, 0
         self._order = self._permutation(0)
 
@@ -324,9 +326,9 @@ class PromptData:
 
     def rows(self, indices: Sequence[int]) -> dict[str, list[Any]]:
         """The other columns of these rows, one list per column."""
-        if not self.columns:
+        if self._other is None:
             return {}
-        return self.data.select_columns(self.columns)[list(indices)]  # type: ignore[no-any-return]
+        return self._other[list(indices)]  # type: ignore[no-any-return]
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self._epoch, "index": self._index, "rows": len(self.data)}

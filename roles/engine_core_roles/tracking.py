@@ -53,6 +53,17 @@ def failures_logged(out_dir: Path, *, command: str, safe: str) -> Iterator[None]
         raise RunFailed(f"{command} failed: {what} ({where}; {safe})", log_path) from e
 
 
+def _keep_up_to(path: Path, step: int | None) -> list[dict[str, Any]]:
+    """Rewrite the JSONL file ``path`` with its rows of steps up to ``step`` (none when
+    ``step`` is None: a fresh run) and return them."""
+    kept: list[dict[str, Any]] = []
+    if step is not None and path.exists():
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line]
+        kept = [r for r in rows if r["step"] <= step]
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    return kept
+
+
 # what marks a folder as holding a run's outputs
 _RUN_MARKERS = ("metrics.jsonl", "checkpoints")
 
@@ -97,23 +108,11 @@ class RunTracker:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self.tensorboard_dir = self.out_dir / "tensorboard"
-        kept: list[dict[str, Any]] = []
-        if resume_after_step is not None and self.metrics_path.exists():
-            rows = [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line]
-            kept = [r for r in rows if r["step"] <= resume_after_step]
-        self._rows = kept
-        self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self._rows = _keep_up_to(self.metrics_path, resume_after_step)
         self._file = self.metrics_path.open("a")
         self.samples_path = self.out_dir / "samples.jsonl"
         if self.samples_path.exists():
-            kept_samples = [
-                line
-                for line in self.samples_path.read_text().splitlines()
-                if line
-                and resume_after_step is not None
-                and json.loads(line)["step"] <= resume_after_step
-            ]
-            self.samples_path.write_text("".join(line + "\n" for line in kept_samples))
+            _keep_up_to(self.samples_path, resume_after_step)
         self._tb: Any = None
         if tensorboard:
             from tensorboardX import SummaryWriter
