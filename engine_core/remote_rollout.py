@@ -53,6 +53,7 @@ from engine_core.executors.base import (
 )
 from engine_core.rollout import (
     RESPONSE_IDS,
+    RESPONSE_LOSS_MASK,
     RESPONSE_MASK,
     ROLLOUT_LOG_PROBS,
     ROLLOUT_REPLICA,
@@ -196,6 +197,7 @@ def _merge_replica_outputs(parts: list[tuple[int, TensorDict]], pad_token_id: in
     pad_values: dict[str, float] = {
         RESPONSE_IDS: pad_token_id,
         RESPONSE_MASK: 0,
+        RESPONSE_LOSS_MASK: 0,
         ROLLOUT_LOG_PROBS: 0.0,
     }
     fields: dict[str, Any] = {}
@@ -234,7 +236,11 @@ def _merge_replica_outputs(parts: list[tuple[int, TensorDict]], pad_token_id: in
 
 class ProcessRollout:
     """Run ``config``'s rollout backend in ``replicas`` separate processes (one worker group);
-    this process splits the prompts between them and merges what they generate."""
+    this process splits the prompts between them and merges what they generate.
+
+    ``worker_cls`` (a :class:`RolloutWorker`) is built in each process with the config's dict
+    and ``worker_args``: a subclass can wrap the backend it hosts (the roles' episode rollout
+    does, so an episode's turns all run on one replica)."""
 
     def __init__(
         self,
@@ -245,6 +251,7 @@ class ProcessRollout:
         timeout_s: float = 600.0,
         executor: Literal["local", "ray"] = "local",
         threads_per_replica: int | None = None,
+        worker_args: tuple[Any, ...] = (),
     ) -> None:
         self.replicas = _check_replicas(replicas)
         if executor not in ("local", "ray"):
@@ -260,7 +267,7 @@ class ProcessRollout:
         self.timeout_s, self.executor = timeout_s, executor
         self._group: WorkerGroup | None = _start_replicas(
             worker_cls,
-            config.model_dump(),
+            (config.model_dump(), *worker_args),
             self.replicas,
             env={"OMP_NUM_THREADS": str(threads_per_replica)},
             timeout_s=timeout_s,
@@ -353,7 +360,7 @@ class ProcessRollout:
 
 def _start_replicas(
     worker_cls: type[RolloutWorker],
-    config: dict[str, Any],
+    init_args: tuple[Any, ...],
     replicas: int,
     *,
     env: dict[str, str],
@@ -369,7 +376,7 @@ def _start_replicas(
     )
     try:
         return group_cls(
-            worker_cls, replicas, init_args=(config,), env=env, call_timeout_s=timeout_s
+            worker_cls, replicas, init_args=init_args, env=env, call_timeout_s=timeout_s
         )
     except DispatchError as e:
         raise DispatchError(

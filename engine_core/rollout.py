@@ -46,6 +46,7 @@ __all__ = [
     "PROMPT_MASK",
     "RESPONSE_IDS",
     "RESPONSE_MASK",
+    "RESPONSE_LOSS_MASK",
     "ROLLOUT_LOG_PROBS",
     "FINISH_REASON",
     "ROLLOUT_REPLICA",
@@ -55,6 +56,9 @@ PROMPT_IDS = "prompt_ids"
 PROMPT_MASK = "prompt_mask"
 RESPONSE_IDS = "response_ids"
 RESPONSE_MASK = "response_mask"
+# optional: 1 on the response tokens the model sampled, 0 on tokens something else appended (an
+# environment's turns in an episode); the core names it because merging replicas pads it
+RESPONSE_LOSS_MASK = "response_loss_mask"
 ROLLOUT_LOG_PROBS = "rollout_log_probs"
 FINISH_REASON = "finish_reason"
 ROLLOUT_REPLICA = "rollout_replica"  # which replica of a multi-process rollout generated a row

@@ -160,6 +160,10 @@ def test_prompts_render_like_the_chat_template_and_decode_like_the_tokenizer(
     assert responses == [tok.decode([51, 32, 256], skip_special_tokens=True), tok.decode([52])]
     assert responses == ["3 ", "4"]
     assert prompts[0] == tok.decode(batch[PROMPT_IDS][0][batch[PROMPT_MASK][0].bool()])
+    # that was the Rust backend's path; transformers' own decode gives the very same text
+    assert reward._decode.backend is not None
+    reward._decode.backend = None
+    assert reward.decode(samples)[:2] == (prompts, responses)
     scored = reward(batch, samples)
     assert scored.scores.tolist() == [0.0, 1.0]  # the rows' answers are "2" and "4"
 

@@ -18,6 +18,7 @@ from engine_core.rollout import (
     PROMPT_IDS,
     PROMPT_MASK,
     RESPONSE_IDS,
+    RESPONSE_LOSS_MASK,
     RESPONSE_MASK,
     ROLLOUT_LOG_PROBS,
 )
@@ -80,7 +81,8 @@ def _left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def training_batch(rollout_output: TensorDict, params: SamplingParams) -> TensorDict:
-    """Prompt + response as one batch, ``loss_mask`` set on the response tokens only.
+    """Prompt + response as one batch, ``loss_mask`` set on the response tokens only (on the
+    ones ``response_loss_mask`` marks when the output has it: an episode's model tokens).
 
     ``rollout_output`` is what ``rollout.generate(prompts, params)`` returned (``prompt_ids``,
     ``prompt_mask``, ``response_ids``, ``response_mask``); the result has ``input_ids``,
@@ -104,10 +106,18 @@ def training_batch(rollout_output: TensorDict, params: SamplingParams) -> Tensor
         )
     prompt, pmask = rollout_output[PROMPT_IDS], rollout_output[PROMPT_MASK]
     resp, rmask = rollout_output[RESPONSE_IDS], rollout_output[RESPONSE_MASK]
+    trained = rmask
+    if RESPONSE_LOSS_MASK in rollout_output.keys():
+        trained = rollout_output[RESPONSE_LOSS_MASK]
+        if trained.shape != rmask.shape or bool((trained.bool() & ~rmask.bool()).any()):
+            raise BatchError(
+                f"{RESPONSE_LOSS_MASK} {tuple(trained.shape)} must have response_mask's shape "
+                f"{tuple(rmask.shape)} and be 1 only where response_mask is."
+            )
     batch = make_batch(
         torch.cat([prompt, resp], 1),
         torch.cat([pmask, rmask], 1),
-        loss_mask=torch.cat([torch.zeros_like(pmask), rmask], 1),
+        loss_mask=torch.cat([torch.zeros_like(pmask), trained.long()], 1),
         meta=BatchMeta(temperature=params.log_prob_temperature),
     )
     if ROLLOUT_LOG_PROBS in rollout_output.keys():

@@ -198,6 +198,9 @@ def score_samples(
     failures: list[str] = []
 
     def take(i: int, value: Any) -> None:
+        if type(value) is float and math.isfinite(value):  # the common case, checked cheaply
+            scores[i] = value
+            return
         try:
             score, parts = _as_score(value)
         except TypeError as e:
@@ -239,10 +242,12 @@ def score_samples(
         for i, value in enumerate(out):
             take(i, value)
     else:
-        for i in range(n):
-            row = {k: v[i] for k, v in columns.items()}
+        names = list(columns)
+        for i, values in enumerate(zip(*columns.values(), strict=True) if names else [()] * n):
             try:
-                value = fn(prompts[i], responses[i], **row, **extra)
+                value = fn(
+                    prompts[i], responses[i], **dict(zip(names, values, strict=True)), **extra
+                )
             except Exception as e:
                 failures.append(
                     f"reward function {name} raised {type(e).__name__}: {e} on sample {i} "

@@ -13,6 +13,7 @@ process or, with ``rollout_placement: process``, in processes of its own
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -38,9 +39,17 @@ from engine_core.checkpoint import JobCheckpoints, latest_checkpoint
 from engine_core.errors import CheckpointError, ConfigError
 from engine_core.executors.base import threads_per_process
 from engine_core.models import build_hf_config
-from engine_core.remote_rollout import ProcessRollout
+from engine_core.remote_rollout import ProcessRollout, RolloutWorker
 from engine_core.rollout import BaseRollout
 from engine_core_roles.actor import Actor, ActorConfig
+from engine_core_roles.agents import (
+    EnvConfig,
+    Environment,
+    EpisodeRollout,
+    EpisodeWorker,
+    demo_batch,
+    load_environment,
+)
 from engine_core_roles.critic import Critic, CriticConfig
 from engine_core_roles.losses import MismatchCorrection
 from engine_core_roles.placement import (
@@ -166,7 +175,15 @@ class RLJobConfig(FrozenModel):
         "digit task (`task`).",
     )
     reward: RewardConfig | None = Field(
-        None, description="The text job's reward function (default: math_answer)."
+        None,
+        description="The text job's reward function (default: math_answer; with env: none, "
+        "the environment's rewards alone).",
+    )
+    env: EnvConfig | None = Field(
+        None,
+        description="Multi-turn episodes: the model and this environment take turns (tool "
+        "calls, observations) until it ends the episode or a limit does; the reward function "
+        "reads the model's last message. Needs data.",
     )
     eval: EvalConfig = Field(default_factory=EvalConfig)
     log_samples: int = Field(
@@ -250,9 +267,20 @@ class RLJobConfig(FrozenModel):
                 f"eval.every={self.eval.every} evaluates on data.val_files, which is not set; "
                 f"add data.val_files, or set eval.every=0."
             )
-        if self.data is not None and self.warmup_sft_steps:
+        if self.env is not None and self.data is None:
             raise ValueError(
-                "warmup_sft_steps warms up on the digit task; with data set, set it to 0."
+                "env runs episodes that start from dataset rows, but no data is set; add "
+                "data.train_files."
+            )
+        if self.data is not None and self.warmup_sft_steps and not (self.env and self.env.demos):
+            raise ValueError(
+                "warmup_sft_steps warms up on the digit task, or on env.demos (demonstration "
+                "episodes); with data set and no env.demos, set it to 0."
+            )
+        if self.env is not None and trainer.filter_groups:
+            raise ValueError(
+                "trainer.filter_groups draws extra prompts for single responses; it is not "
+                "built for episodes yet. Set trainer.filter_groups=false with env."
             )
         if trainer.algorithm == "grpo" and self.critic_engine is not None:
             raise ValueError(
@@ -378,6 +406,9 @@ class _Text:
     reward: TextReward
     stops: list[int]
     val: PromptData | None = None
+    environment: Callable[[], Environment] | None = None
+    tools: list[dict[str, Any]] | None = None
+    context: int | None = None  # the model's context length
     val_reward: TextReward | None = None
 
 
@@ -401,8 +432,15 @@ def _text(job: RLJobConfig, console: Console) -> _Text | None:
         )
     limits = [v for v in (job.data.max_prompt_length, room) if v is not None]
     limit = min(limits) if limits else 1 << 30
-    reward_cfg = job.reward or RewardConfig()
-    train = PromptData(job.data.train_files, tokenizer, job.data, max_length=limit)
+    reward_cfg = job.reward or (None if job.env is not None else RewardConfig())
+    environment, tools = None, None
+    if job.env is not None:
+        environment = load_environment(job.env, prompt_key=job.data.prompt_key)
+        tools = environment().tools
+    rows = environment is not None
+    train = PromptData(
+        job.data.train_files, tokenizer, job.data, max_length=limit, tools=tools, rows=rows
+    )
     stops = stop_token_ids(tokenizer, job.data.stop_strings)
     if "stop_token_ids" in job.trainer.model_fields_set and job.data.stop_strings:
         raise ConfigError(
@@ -410,11 +448,18 @@ def _text(job: RLJobConfig, console: Console) -> _Text | None:
             "place (trainer.stop_token_ids replaces the tokenizer's own)."
         )
     reward = TextReward(reward_cfg, tokenizer, train, show=job.log_samples)
-    text = _Text(tokenizer, train, reward, stops)
+    text = _Text(tokenizer, train, reward, stops, environment=environment, tools=tools)
+    text.context = None if context is None else int(context)
     sets = [("data.train_files", train)]
     if job.data.val_files:
         text.val = PromptData(
-            job.data.val_files, tokenizer, job.data, max_length=limit, what="data.val_files"
+            job.data.val_files,
+            tokenizer,
+            job.data,
+            max_length=limit,
+            what="data.val_files",
+            tools=tools,
+            rows=rows,
         )
         text.val_reward = TextReward(reward_cfg, tokenizer, text.val, show=0)
         sets.append(("data.val_files", text.val))
@@ -422,11 +467,34 @@ def _text(job: RLJobConfig, console: Console) -> _Text | None:
         dropped = f"; {data.dropped} longer than {limit} tokens dropped" if data.dropped else ""
         console.print(f"{what}: {len(data)} prompts{dropped}")
     text.reward.check()
+    if environment is not None:
+        _check_environment(environment, train)
     return text
 
 
+def _check_environment(environment: Callable[[], Environment], data: PromptData) -> None:
+    """Start an episode on the first row before training: an environment whose ``reset``
+    fails or returns something other than messages is an error now, not at the first step."""
+    from engine_core_roles.agents import ROW, check_messages
+
+    row = data.batch([0])[ROW].tolist()[0]
+    env = environment()
+    try:
+        first = env.reset(row)
+    except Exception as e:
+        raise ConfigError(
+            f"env: {type(env).__name__}.reset raised {type(e).__name__}: {e} on the first row "
+            f"of {data.what}; checked before training."
+        ) from e
+    check_messages(first, f"env: {type(env).__name__}.reset")
+
+
 def _build(
-    job: RLJobConfig, manager: PluginManager, stack: contextlib.ExitStack, threads: _Threads
+    job: RLJobConfig,
+    manager: PluginManager,
+    stack: contextlib.ExitStack,
+    threads: _Threads,
+    text: _Text | None = None,
 ) -> _Roles:
     # every config is resolved (and refused, naming the field) before anything is built
     spec, engine_cfg = resolve_engine_config(job.engine, manager, path=("engine",))
@@ -464,18 +532,55 @@ def _build(
             rm_engine = rm_spec.load_class()(rm_cfg)
             rm_engine.init_model()
             roles.reward_model = RewardModel(rm_engine)
+    episodes = _episode_settings(job, text)
     if job.rollout_placement == "process":
-        # with the roles on Ray, the replicas are Ray actors too (placed by Ray, like the roles)
+        # with the roles on Ray, the replicas are Ray actors too (placed by Ray, like the roles);
+        # with an environment, each replica runs its episodes whole
         roles.rollout = ProcessRollout(
             rollout_cfg,  # type: ignore[arg-type]
             replicas=job.rollout_replicas,
             executor="ray" if job.placement.executor == "ray" else "local",
             threads_per_replica=threads.per_replica,
+            worker_cls=EpisodeWorker if episodes else RolloutWorker,
+            worker_args=(episodes,) if episodes else (),
         )
     else:
-        roles.rollout = rspec.load_class()(rollout_cfg)
+        backend: BaseRollout = rspec.load_class()(rollout_cfg)
+        roles.rollout = backend
+        if episodes and text is not None and text.environment is not None:
+            assert job.env is not None
+            roles.rollout = EpisodeRollout(
+                backend,
+                text.environment,
+                text.tokenizer,
+                max_turns=job.env.max_turns,
+                max_episode_tokens=episodes["max_episode_tokens"],
+                step_timeout_s=job.env.step_timeout_s,
+            )
     roles.weights = WeightLink(roles.actor, roles.rollout)  # type: ignore[arg-type]
     return roles
+
+
+def _episode_settings(job: RLJobConfig, text: _Text | None) -> dict[str, Any] | None:
+    """What an episode rollout needs beside the rollout's config (None: no environment)."""
+    if job.env is None or text is None or job.data is None:
+        return None
+    budget = job.env.max_episode_tokens or text.context
+    if budget is None:
+        raise ConfigError(
+            "the model's config gives no context length (max_position_embeddings); set "
+            "env.max_episode_tokens."
+        )
+    if text.context is not None and budget > text.context:
+        raise ConfigError(
+            f"env.max_episode_tokens={budget} is more than the model's context "
+            f"({text.context} tokens); lower it."
+        )
+    return {
+        "env": job.env.model_dump(),
+        "prompt_key": job.data.prompt_key,
+        "max_episode_tokens": int(budget),
+    }
 
 
 def _check_vocabulary(policy_cfg: Any, rm_cfg: Any) -> None:
@@ -580,7 +685,7 @@ def run_rl_job(
         ):
             if threads.driver is not None and threads.driver != before:
                 torch.set_num_threads(threads.driver)
-            roles = _build(job, manager, stack, threads)
+            roles = _build(job, manager, stack, threads, text)
             return _run(job, roles, resume_from, console, text)
     finally:
         # only when changed: setting it at all, even to the same count, slows this process's
@@ -644,6 +749,8 @@ def _run(
         else:
             text.train.load_state_dict(job_state["data"])
         console.print(f"resumed from {resume_from} (next step {trainer.global_step + 1})")
+    elif job.warmup_sft_steps and text is not None:
+        _warmup_demos(roles.actor_part, text, job)
     elif job.warmup_sft_steps:
         _warmup(roles.actor_part, task, job)
     tracker = RunTracker(out_dir, resume_after_step=trainer.global_step)
@@ -808,6 +915,43 @@ def _print_summary(console: Console, summary: dict[str, Any]) -> None:
     for key in ("metrics", "tensorboard", "plot", "checkpoint", "hf_export"):
         table.add_row(key, str(summary[key]))
     console.print(Panel(table, title="engine-core run: done", expand=False))
+
+
+def _warmup_demos(engine: BaseEngine, text: _Text, job: RLJobConfig) -> None:
+    """Supervised steps on env.demos' demonstration episodes (the assistant's tokens only),
+    ``warmup_batch_size`` of them a step, drawn in a seeded order."""
+    import json
+
+    from engine_core_roles.train import sft_loss
+
+    assert job.env is not None
+    episodes = []
+    for f in job.env.demos:
+        try:
+            lines = Path(f).read_text().splitlines()
+        except OSError as e:
+            raise ConfigError(f"env.demos: {f} cannot be read ({e.strerror}).") from None
+        for i, line in enumerate(x for x in lines if x.strip()):
+            try:
+                episodes.append(json.loads(line)["messages"])
+            except (ValueError, KeyError, TypeError):
+                raise ConfigError(
+                    f"env.demos: line {i + 1} of {f} is not a JSON object with 'messages'."
+                ) from None
+    if not episodes:
+        raise ConfigError(
+            "env.demos holds no demonstration episode; add some, or set warmup_sft_steps=0."
+        )
+    gen = torch.Generator().manual_seed(job.trainer.seed or 0)
+    engine.set_loss_fn(sft_loss)
+    with engine.train_mode():
+        for _ in range(job.warmup_sft_steps):
+            pick = torch.randint(len(episodes), (job.warmup_batch_size,), generator=gen).tolist()
+            batch = demo_batch(text.tokenizer, text.tools, [episodes[i] for i in pick])
+            engine.forward_backward_step(batch)
+            engine.optimizer_step()
+            engine.optimizer_zero_grad()
+    engine.set_loss_fn(None)
 
 
 def _warmup(engine: BaseEngine, task: DigitTask, job: RLJobConfig) -> None:

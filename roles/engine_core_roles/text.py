@@ -22,11 +22,12 @@ from typing import Any
 
 import torch
 from pydantic import Field, PositiveInt, field_validator
-from tensordict import TensorDict
+from tensordict import NonTensorStack, TensorDict
 
 from engine_core.config import FrozenModel, ModelConfig
 from engine_core.errors import ConfigError
 from engine_core.rollout import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK
+from engine_core_roles.agents import EPISODE, ROW
 from engine_core_roles.batches import prompt_batch
 from engine_core_roles.rewards import RewardConfig, Scored, accepts, load_function, score_samples
 from engine_core_roles.trainer import Rewards, SampleReward
@@ -207,8 +208,11 @@ class PromptData:
         *,
         max_length: int,
         what: str = "data.train_files",
+        tools: list[dict[str, Any]] | None = None,
+        rows: bool = False,
     ) -> None:
-        self.cfg, self.tokenizer, self.what = cfg, tokenizer, what
+        self.cfg, self.tokenizer, self.what, self.tools = cfg, tokenizer, what, tools
+        self.with_rows = rows
         data = _read(files, what)
         if cfg.prompt_key not in data.column_names:
             raise ConfigError(
@@ -224,6 +228,7 @@ class PromptData:
                     len(tokenizer),
                     tokenizer.chat_template,
                     tokenizer.name_or_path,
+                    tools,
                 ]
             ).encode()
         ).hexdigest()[:16]
@@ -248,6 +253,7 @@ class PromptData:
         # views, selected once: a step reads its rows' ids and other columns through them
         self._ids = self.data.select_columns([_IDS_COLUMN])
         self._other = self.data.select_columns(self.columns) if self.columns else None
+        self._whole = self.data.select_columns(list(data.column_names))
         self._epoch, self._index = 0, 0
         self._order = self._permutation(0)
 
@@ -280,7 +286,7 @@ class PromptData:
                 f"template; save one with the tokenizer, or give text prompts."
             )
         ids = self.tokenizer.apply_chat_template(
-            prompt, add_generation_prompt=True, tokenize=True, return_dict=False
+            prompt, tools=self.tools, add_generation_prompt=True, tokenize=True, return_dict=False
         )
         return list(ids)
 
@@ -310,10 +316,17 @@ class PromptData:
         return self._epoch
 
     def batch(self, indices: Sequence[int]) -> TensorDict:
-        """The prompt batch of these rows: left-padded ids, mask and ``row_index``."""
+        """The prompt batch of these rows: left-padded ids, mask and ``row_index``; built with
+        ``rows=True``, each whole row too (a dict per prompt under
+        :data:`~engine_core_roles.agents.ROW`, which an episode's environment starts from)."""
         ids = self._ids[list(indices)][_IDS_COLUMN]
         out = prompt_batch(ids, pad_token_id=int(self.tokenizer.pad_token_id))
         out[ROW_INDEX] = torch.tensor(list(indices), dtype=torch.long)
+        if self.with_rows:
+            table = self._whole[list(indices)]
+            out[ROW] = NonTensorStack.from_list(
+                [{c: table[c][i] for c in table} for i in range(len(indices))]
+            )
         return out
 
     def next_batch(self, n: int) -> TensorDict:
@@ -348,11 +361,56 @@ class PromptData:
 
 
 def _unpadded(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
-    """Each row's ids where ``mask`` is 1 (one conversion to lists, not one op per row)."""
-    return [
-        [t for t, keep in zip(row, keeps, strict=True) if keep]
-        for row, keeps in zip(ids.tolist(), mask.tolist(), strict=True)
-    ]
+    """Each row's ids where ``mask`` is 1: one boolean gather and one conversion to a list for
+    the whole batch, then a slice per row."""
+    keep = mask.bool()
+    flat = ids[keep].tolist()
+    out, start = [], 0
+    for n in keep.sum(dim=1).tolist():
+        out.append(flat[start : start + n])
+        start += n
+    return out
+
+
+class _Decoder:
+    """``tokenizer.decode`` of many sequences, each distinct one decoded once.
+
+    A fast tokenizer that cleans up no spaces (the transformers default for BPE tokenizers,
+    Qwen's among them) decodes straight through its Rust backend's ``decode_batch``: the same
+    text as ``tokenizer.decode`` without transformers' per-token checks and per-sequence
+    calls. Any other tokenizer goes through ``tokenizer.batch_decode``."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        plain = type(tokenizer)._decode is getattr(_fast_base(), "_decode", None)
+        cleans = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
+        self.backend = backend if backend is not None and plain and not cleans else None
+
+    def __call__(self, sequences: list[list[int]], *, skip_special_tokens: bool) -> list[str]:
+        index: dict[tuple[int, ...], int] = {}
+        distinct: list[list[int]] = []
+        where = []
+        for ids in sequences:
+            key = tuple(ids)
+            if key not in index:
+                index[key] = len(distinct)
+                distinct.append(ids)
+            where.append(index[key])
+        if self.backend is not None:
+            texts = self.backend.decode_batch(distinct, skip_special_tokens=skip_special_tokens)
+        else:
+            texts = self.tokenizer.batch_decode(distinct, skip_special_tokens=skip_special_tokens)
+        return [texts[i] for i in where]
+
+
+def _fast_base() -> type | None:
+    """transformers' class of tokenizers backed by the Rust ``tokenizers`` library."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:  # pragma: no cover - transformers is a dependency of the roles
+        return None
+    return PreTrainedTokenizerFast
 
 
 class TextReward(SampleReward):
@@ -363,9 +421,14 @@ class TextReward(SampleReward):
     are handed back for the samples log."""
 
     def __init__(
-        self, cfg: RewardConfig, tokenizer: Any, data: PromptData, *, show: int = 4
+        self, cfg: RewardConfig | None, tokenizer: Any, data: PromptData, *, show: int = 4
     ) -> None:
         self.cfg, self.tokenizer, self.data, self.show = cfg, tokenizer, data, show
+        self._decode = _Decoder(tokenizer)
+        self.fn: Any = None
+        self.name = "the environment"
+        if cfg is None:  # an episode job scored by its environment alone
+            return
         self.fn = load_function(cfg.fn)
         self.name = cfg.fn
         keywords = [*data.columns, "prompt_ids", "response_ids", *cfg.kwargs]
@@ -384,14 +447,8 @@ class TextReward(SampleReward):
         and their ids without padding."""
         p_ids = _unpadded(samples[PROMPT_IDS], samples[PROMPT_MASK])
         r_ids = _unpadded(samples[RESPONSE_IDS], samples[RESPONSE_MASK])
-        # a prompt's samples are adjacent and share its ids: each distinct prompt decoded once
-        text: dict[tuple[int, ...], str] = {}
-        for ids in p_ids:
-            key = tuple(ids)
-            if key not in text:
-                text[key] = self.tokenizer.decode(ids, skip_special_tokens=False)
-        prompts = [text[tuple(ids)] for ids in p_ids]
-        responses = self.tokenizer.batch_decode(r_ids, skip_special_tokens=True)
+        prompts = self._decode(p_ids, skip_special_tokens=False)
+        responses = self._decode(r_ids, skip_special_tokens=True)
         return prompts, responses, p_ids, r_ids
 
     def score(
@@ -400,20 +457,31 @@ class TextReward(SampleReward):
         """Scores of ``samples`` whose dataset rows are ``rows`` (one per sample), and the
         decoded prompts and responses."""
         prompts, responses, p_ids, r_ids = self.decode(samples)
-        unique = sorted(set(rows))
-        table = self.data.rows(unique)
-        where = {r: i for i, r in enumerate(unique)}
-        columns = {c: [table[c][where[r]] for r in rows] for c in table}
-        columns["prompt_ids"], columns["response_ids"] = p_ids, r_ids  # type: ignore[assignment]
-        scored = score_samples(
-            self.fn,
-            self.name,
-            prompts,
-            responses,
-            columns,
-            batched=self.cfg.batched,
-            kwargs=self.cfg.kwargs,
-        )
+        episodes = samples[EPISODE].tolist() if EPISODE in samples.keys() else None
+        if episodes is not None:  # an episode's answer is the model's last message
+            responses = [str(e["final"]) for e in episodes]
+        if self.fn is None or self.cfg is None:
+            scored = Scored([0.0] * len(rows))
+        else:
+            unique = sorted(set(rows))
+            table = self.data.rows(unique)
+            where = {r: i for i, r in enumerate(unique)}
+            columns = {c: [table[c][where[r]] for r in rows] for c in table}
+            columns["prompt_ids"], columns["response_ids"] = p_ids, r_ids  # type: ignore[assignment]
+            scored = score_samples(
+                self.fn,
+                self.name,
+                prompts,
+                responses,
+                columns,
+                batched=self.cfg.batched,
+                kwargs=self.cfg.kwargs,
+            )
+        if episodes is not None:  # plus what the environment gave
+            env = [float(e["reward"]) for e in episodes]
+            scored.scores = [a + b for a, b in zip(scored.scores, env, strict=True)]
+            if any(env):
+                scored.components["env"] = sum(env) / max(len(env), 1)
         return scored, prompts, responses
 
     def __call__(self, prompts: TensorDict, samples: TensorDict) -> Rewards:
@@ -421,12 +489,14 @@ class TextReward(SampleReward):
         rows = prompts[ROW_INDEX].repeat_interleave(n).tolist()
         scored, texts, responses = self.score(rows, samples)
         scores = torch.tensor(scored.scores, dtype=torch.float32)
+        episodes = samples[EPISODE].tolist() if EPISODE in samples.keys() else None
         shown = [
             {
                 "row": rows[i],
                 "prompt": texts[i],
                 "response": responses[i],
                 "reward": scored.scores[i],
+                **({"episode": episodes[i]["messages"]} if episodes is not None else {}),
             }
             for i in range(min(self.show, len(rows)))
         ]

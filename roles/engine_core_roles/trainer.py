@@ -48,6 +48,7 @@ from engine_core.rollout import (
     PROMPT_IDS,
     PROMPT_MASK,
     RESPONSE_IDS,
+    RESPONSE_LOSS_MASK,
     RESPONSE_MASK,
     ROLLOUT_LOG_PROBS,
     ROLLOUT_REPLICA,
@@ -60,6 +61,7 @@ from engine_core_roles.actor import (
     ActorUpdate,
 )
 from engine_core_roles.advantages import gae_advantages, grpo_advantages, sequence_to_token_rewards
+from engine_core_roles.agents import episode_metrics
 from engine_core_roles.batches import prompt_batch, training_batch
 from engine_core_roles.critic import OLD_VALUES, RETURNS
 from engine_core_roles.reward_model import RM_SCORES
@@ -284,7 +286,7 @@ class RewardRole(Protocol):
     def compute_rm_score(self, batch: TensorDict) -> TensorDict: ...
 
 
-TIMING_KEYS = ("time_s", "tokens_per_s", "weight_sync/time_s")
+TIMING_KEYS = ("time_s", "tokens_per_s", "weight_sync/time_s", "episode/env_wait_s")
 """Row keys that measure time: they differ between otherwise identical runs."""
 
 
@@ -532,7 +534,8 @@ class RLTrainer:
                 if self.config.max_staleness
                 else {}
             ),
-            **_per_replica(gen, gap, resp_mask),
+            **_per_replica(gen, gap, _sampled_mask(gen)),
+            **episode_metrics(gen),
             **self._last_sync,
             **metrics,
             **critic_metrics,
@@ -643,7 +646,7 @@ class RLTrainer:
         trainer's current weights (their gap is float noise)."""
         trainer_lp = batch[OLD_LOG_PROBS][:, gen[PROMPT_IDS].shape[1] :]
         gap = (trainer_lp - gen[ROLLOUT_LOG_PROBS]).abs()
-        values = gap[gen[RESPONSE_MASK].bool()]
+        values = gap[_sampled_mask(gen)]
         self._steps_run += 1
         limit = self.config.logprob_gap_limit
         if limit is None or staleness or self._steps_run > self.config.logprob_gap_steps:
@@ -891,6 +894,12 @@ def plot_keys(rows: Sequence[dict[str, Any]]) -> tuple[str, ...]:
     ]
     keys += sorted({k for r in rows for k in r if k.startswith("val/")})
     return tuple(keys)
+
+
+def _sampled_mask(gen: TensorDict) -> torch.Tensor:
+    """The response tokens the rollout sampled (in an episode, not the environment's)."""
+    key = RESPONSE_LOSS_MASK if RESPONSE_LOSS_MASK in gen.keys() else RESPONSE_MASK
+    return gen[key].bool()
 
 
 def _per_replica(gen: TensorDict, gap: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
