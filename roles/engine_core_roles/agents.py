@@ -557,7 +557,6 @@ class _Template:
 
 @dataclass
 class _Running:
-    index: int  # the sample's row in the result
     env: Environment | None
     episode: Episode
     prompt: list[int]
@@ -565,7 +564,6 @@ class _Running:
     trained: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     finish: str = "stop"
-    timings: dict[str, float] = field(default_factory=dict)
 
     def append(self, ids: Sequence[int], lps: Sequence[float] | None) -> None:
         self.tokens += ids
@@ -631,15 +629,13 @@ class EpisodeRollout(BaseRollout):
         if ROW not in prompts.keys():
             raise ConfigError(
                 f"an episode rollout needs each prompt's dataset row in the {ROW!r} field of the "
-                f"prompt batch (PromptData.batch(..., rows=True)); got {sorted(prompts.keys())}."
+                f"prompt batch (engine_core_roles.text.PromptData(..., rows=True) puts them there); got {sorted(prompts.keys())}."
             )
         rows = list(prompts[ROW].tolist()) if prompts.batch_size[0] else []
         n = params.n
         t_env = 0.0
-        running: list[_Running] = []
-        for i, row in enumerate(rows):
-            for k in range(n):
-                running.append(self._start(i * n + k, dict(row)))
+        # a prompt's n episodes adjacent, as a rollout's n samples are
+        running = [self._start(dict(row)) for row in rows for _ in range(n)]
         active = [r for r in running if r.env is not None]
         turn = 0
         while active:
@@ -712,7 +708,7 @@ class EpisodeRollout(BaseRollout):
                 r.finish = "length"
         return self._result(running, t_env)
 
-    def _start(self, index: int, row: dict[str, Any]) -> _Running:
+    def _start(self, row: dict[str, Any]) -> _Running:
         try:
             env = self.environment()
             first = env.reset(row)
@@ -723,8 +719,8 @@ class EpisodeRollout(BaseRollout):
             episode.end = "env_error"
             episode.counts["env_errors"] = 1.0
             pad = [int(self.pad_token_id)]
-            return _Running(index, None, episode, pad, finish="length")
-        return _Running(index, env, Episode(row, list(first)), ids)
+            return _Running(None, episode, pad, finish="length")
+        return _Running(env, Episode(row, list(first)), ids)
 
     def _step_all(self, work: list[tuple[_Running, Message]]) -> list[StepResult | str]:
         futures = []
@@ -749,6 +745,9 @@ class EpisodeRollout(BaseRollout):
                     f"{name}.step returned {type(res).__name__}; return a "
                     f"engine_core_roles.agents.StepResult"
                 )
+                continue
+            if isinstance(res.reward, bool) or not isinstance(res.reward, int | float):
+                out.append(f"{name}.step returned a reward of {res.reward!r}; give a number")
                 continue
             try:
                 check_messages(res.messages, f"{name}.step")

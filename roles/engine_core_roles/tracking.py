@@ -142,8 +142,7 @@ class RunTracker:
                 f.write(json.dumps({"step": step, **sample}) + "\n")
         if self._tb is not None and samples:
             text = "\n\n".join(
-                f"**reward {s.get('reward')}**\n\n    "
-                + f"{s.get('prompt', '')}{s.get('response', '')}".replace("\n", "\n    ")
+                f"**reward {s.get('reward')}**\n\n    " + _shown(s).replace("\n", "\n    ")
                 for s in samples
             )
             self._tb.add_text("samples", text, step)
@@ -181,3 +180,11 @@ class RunTracker:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def _shown(sample: dict[str, Any]) -> str:
+    """A sample as text: an episode turn by turn (role: content), else prompt then response."""
+    episode = sample.get("episode")
+    if episode:
+        return "\n".join(f"{m.get('role')}: {m.get('content')}" for m in episode)
+    return f"{sample.get('prompt', '')}{sample.get('response', '')}"
