@@ -55,6 +55,7 @@ from engine_core.rollout import (
     ROLLOUT_LOG_PROBS,
     WeightBucket,
 )
+from engine_core_roles.batches import prompt_batch
 from engine_core_roles.rewards import load_function
 
 __all__ = [
@@ -653,7 +654,7 @@ class EpisodeRollout(BaseRollout):
             seed = None if params.seed is None else params.seed + 7919 * (turn - 1)
             turn_params = params.model_copy(update={"n": 1, "seed": seed})
             ids = [r.prompt + r.tokens for r in active]
-            batch = _left_padded(ids, self.pad_token_id)
+            batch = prompt_batch(ids, pad_token_id=self.pad_token_id)
             out = self.inner.generate(batch, turn_params)
             resp, mask = out[RESPONSE_IDS], out[RESPONSE_MASK]
             lps = out[ROLLOUT_LOG_PROBS]
@@ -758,7 +759,7 @@ class EpisodeRollout(BaseRollout):
         return out
 
     def _result(self, running: list[_Running], env_wait_s: float) -> TensorDict:
-        prompts = _left_padded([r.prompt for r in running], self.pad_token_id)
+        prompts = prompt_batch([r.prompt for r in running], pad_token_id=self.pad_token_id)
         width = max([len(r.tokens) for r in running] + [1])
         total = len(running)
         resp = torch.full((total, width), self.pad_token_id, dtype=torch.long)
@@ -819,17 +820,6 @@ def check_messages(messages: Any, who: str) -> None:
             f"{who} returned {str(messages)[:80]!r}; return a list of messages, each a dict "
             f"with 'role' and 'content'."
         )
-
-
-def _left_padded(rows: list[list[int]], pad: int) -> TensorDict:
-    width = max([len(r) for r in rows] + [1])
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
-            mask[i, width - len(r) :] = 1
-    return TensorDict({PROMPT_IDS: ids, PROMPT_MASK: mask}, batch_size=[len(rows)])
 
 
 # -- what the trainer logs -----------------------------------------------------------------------

@@ -869,8 +869,8 @@ def plot_keys(rows: Sequence[dict[str, Any]]) -> tuple[str, ...]:
     approximate KL only where an update took more than one optimizer step (with one on-policy
     step they are exactly 0); the KL loss and the value loss where they were logged; skipped
     (non-finite) updates where there were any; the share of prompts whose samples all scored
-    the same, steps not trained on for unscored samples, and the validation figures where they
-    were logged.
+    the same, steps not trained on for unscored samples, episodes' turns, tool errors and the
+    share ended by the environment, and the validation figures where they were logged.
     """
     keys = [
         "reward",
@@ -889,7 +889,13 @@ def plot_keys(rows: Sequence[dict[str, Any]]) -> tuple[str, ...]:
         keys.append("actor/num_skipped_steps")
     keys += [
         k
-        for k in ("reward/zero_variance_groups", "reward/failed_samples")
+        for k in (
+            "reward/zero_variance_groups",
+            "reward/failed_samples",
+            "episode/turns",
+            "episode/tool_errors",
+            "episode/end_done",
+        )
         if any(k in r for r in rows)
     ]
     keys += sorted({k for r in rows for k in r if k.startswith("val/")})
