@@ -4,7 +4,7 @@ episodes in one ``generate`` call, against the same episodes generated one at a 
 The shipped tool task's model (``recipes/agent_tiny.yaml``, random weights) on the hf rollout
 (``--backend vllm`` for vLLM), ``--prompts`` rows × ``--samples`` episodes each. The environment
 answers every assistant message after ``--tool-ms`` milliseconds (a tool's latency, slept on the
-environment's threads) with one user message, for ``--turns`` turns; turns end at a stop token
+environment's ``--workers`` threads) with one user message, for ``--turns`` turns; turns end at a stop token
 (half of the vocabulary stops, so a random model's turns are a few tokens, as a trained model's
 short answers are) or at ``--new-tokens``. Both ways run the same episodes with the same seeds,
 alternating, after one warm-up each; the medians are reported, with the share of the batched
@@ -23,7 +23,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine_core_roles.agents import Environment, StepResult  # noqa: E402
+from engine_core_roles.agents import _STEP_THREADS, Environment, StepResult  # noqa: E402
 
 
 class Slow(Environment):
@@ -48,6 +48,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--tool-ms", type=float, default=20.0)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=32, help="env.workers: step threads")
     args = parser.parse_args()
 
     from tensordict import NonTensorStack
@@ -69,6 +70,7 @@ def main() -> None:
     inner = spec.load_class()(cfg)
     tokenizer = load_tokenizer(ModelConfig.model_validate(model), None)
     loop = EpisodeRollout(inner, Slow, tokenizer, max_turns=args.turns, max_episode_tokens=256)
+    _STEP_THREADS.resize(args.workers)
     vocab = int(model["config"]["vocab_size"])
 
     def params(seed: int, n: int) -> SamplingParams:

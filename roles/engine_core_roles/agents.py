@@ -343,7 +343,7 @@ class _Daemons:
     timeout is abandoned (a thread cannot be stopped): :meth:`abandoned` adds a thread in
     place of the one it holds, and being daemons they never hold up the process's exit."""
 
-    def __init__(self, threads: int = 8) -> None:
+    def __init__(self, threads: int) -> None:
         self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]]
         self._queue = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -382,8 +382,8 @@ class _Daemons:
 
 
 # two pools: an environment's step (on a step thread) may wait on its tool calls
-_STEP_THREADS = _Daemons()
-_TOOL_THREADS = _Daemons()
+_STEP_THREADS = _Daemons(32)
+_TOOL_THREADS = _Daemons(32)
 
 
 # -- configuration -------------------------------------------------------------------------------
@@ -429,7 +429,9 @@ class EnvConfig(FrozenModel):
         return self.tool_timeout_s + 5.0
 
     workers: PositiveInt = Field(
-        8, description="Threads running environment steps and tool calls across episodes."
+        32,
+        description="Threads running environment steps (and as many for tool calls) across "
+        "a step's episodes: tools mostly wait, so more threads than cores pay.",
     )
     demos: list[str] = Field(
         default_factory=list,
