@@ -70,6 +70,7 @@ __all__ = [
     "ToolCall",
     "ToolEnvironment",
     "check_messages",
+    "check_template",
     "check_tool_schema",
     "demo_batch",
     "episode_metrics",
@@ -489,8 +490,9 @@ def load_environment(cfg: EnvConfig, *, prompt_key: str) -> Callable[[], Environ
 
 # -- rendering -----------------------------------------------------------------------------------
 
-_PROBE_USER = {"role": "user", "content": "x"}
-_PROBE_REPLY = "y"
+# a conversation the template is applied to, to find where its parts go (only as text)
+_PROBE_USER = {"role": "user", "content": "@@probe-user@@"}
+_PROBE_REPLY = "@@probe-reply@@"
 
 
 class _Template:
@@ -501,10 +503,8 @@ class _Template:
         base = [_PROBE_USER, {"role": "assistant", "content": _PROBE_REPLY}]
         self._base = self.render(base, generation=False)
         # what the template writes after an assistant's content: its end of turn, and more
-        tail = self._base[self._base.rindex(_PROBE_REPLY) + len(_PROBE_REPLY) :]
-        self._tail = tail
+        self._tail = self._base[self._base.index(_PROBE_REPLY) + len(_PROBE_REPLY) :]
         self._base_messages = base
-        self._cache: dict[str, list[int]] = {}
 
     def render(self, messages: list[Message], *, generation: bool) -> str:
         text = self.tokenizer.apply_chat_template(
@@ -548,11 +548,13 @@ class _Template:
             if model_text.endswith(tail[:k]):
                 missing = tail[k:]
                 break
-        text = missing + rest
-        hit = self._cache.get(text)
-        if hit is None:
-            hit = self._cache[text] = self.ids(text)
-        return list(hit)
+        return self.ids(missing + rest)
+
+
+def check_template(tokenizer: Any, tools: list[dict[str, Any]] | None) -> None:
+    """Refuse a chat template under which an environment's messages cannot be appended to a
+    model's turn (its rendering of earlier turns changes once more messages follow)."""
+    _Template(tokenizer, tools).after_turn("", [{"role": "user", "content": "?"}])
 
 
 # -- the episode loop ----------------------------------------------------------------------------

@@ -475,7 +475,7 @@ def _text(job: RLJobConfig, console: Console) -> _Text | None:
 def _check_environment(environment: Callable[[], Environment], data: PromptData) -> None:
     """Start an episode on the first row before training: an environment whose ``reset``
     fails or returns something other than messages is an error now, not at the first step."""
-    from engine_core_roles.agents import ROW, check_messages
+    from engine_core_roles.agents import ROW, check_messages, check_template
 
     row = data.batch([0])[ROW].tolist()[0]
     env = environment()
@@ -487,6 +487,9 @@ def _check_environment(environment: Callable[[], Environment], data: PromptData)
             f"of {data.what}; checked before training."
         ) from e
     check_messages(first, f"env: {type(env).__name__}.reset")
+    # the chat template must render an observation after a turn the same way whatever came
+    # before it: checked now rather than at the first observation
+    check_template(data.tokenizer, env.tools)
 
 
 def _build(

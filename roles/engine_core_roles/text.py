@@ -480,8 +480,7 @@ class TextReward(SampleReward):
         if episodes is not None:  # plus what the environment gave
             env = [float(e["reward"]) for e in episodes]
             scored.scores = [a + b for a, b in zip(scored.scores, env, strict=True)]
-            if any(env):
-                scored.components["env"] = sum(env) / max(len(env), 1)
+            scored.components["env"] = sum(env) / max(len(env), 1)
         return scored, prompts, responses
 
     def __call__(self, prompts: TensorDict, samples: TensorDict) -> Rewards:
