@@ -39,7 +39,7 @@ from engine_core.checkpoint import JobCheckpoints, latest_checkpoint
 from engine_core.errors import CheckpointError, ConfigError
 from engine_core.executors.base import threads_per_process
 from engine_core.models import build_hf_config
-from engine_core.remote_rollout import ProcessRollout, RolloutWorker
+from engine_core.remote_rollout import ProcessRollout
 from engine_core.rollout import BaseRollout
 from engine_core_roles.actor import Actor, ActorConfig
 from engine_core_roles.agents import (
@@ -539,13 +539,15 @@ def _build(
     if job.rollout_placement == "process":
         # with the roles on Ray, the replicas are Ray actors too (placed by Ray, like the roles);
         # with an environment, each replica runs its episodes whole
+        hosting: dict[str, Any] = {}  # the replicas' worker: the plain one unless episodes
+        if episodes:
+            hosting = {"worker_cls": EpisodeWorker, "worker_args": (episodes,)}
         roles.rollout = ProcessRollout(
             rollout_cfg,  # type: ignore[arg-type]
             replicas=job.rollout_replicas,
             executor="ray" if job.placement.executor == "ray" else "local",
             threads_per_replica=threads.per_replica,
-            worker_cls=EpisodeWorker if episodes else RolloutWorker,
-            worker_args=(episodes,) if episodes else (),
+            **hosting,
         )
     else:
         backend: BaseRollout = rspec.load_class()(rollout_cfg)
