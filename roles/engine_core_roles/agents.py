@@ -634,7 +634,8 @@ class EpisodeRollout(BaseRollout):
         if ROW not in prompts.keys():
             raise ConfigError(
                 f"an episode rollout needs each prompt's dataset row in the {ROW!r} field of the "
-                f"prompt batch (engine_core_roles.text.PromptData(..., rows=True) puts them there); got {sorted(prompts.keys())}."
+                f"prompt batch (engine_core_roles.text.PromptData(..., rows=True) puts them "
+                f"there); got {sorted(prompts.keys())}."
             )
         rows = list(prompts[ROW].tolist()) if prompts.batch_size[0] else []
         n = params.n
@@ -649,7 +650,7 @@ class EpisodeRollout(BaseRollout):
             fits = []
             for r in active:
                 if r.length + params.max_new_tokens > self.max_episode_tokens:
-                    r.episode.end = "token_budget"
+                    r.episode.end, r.finish = "token_budget", "length"
                 else:
                     fits.append(r)
             active = fits
@@ -709,8 +710,6 @@ class EpisodeRollout(BaseRollout):
                 extra = _call_quietly(r.env.score, r.episode)
                 if isinstance(extra, int | float) and not isinstance(extra, bool):
                     r.episode.reward += float(extra)
-            if r.episode.end in ("token_budget",):
-                r.finish = "length"
         return self._result(running, t_env)
 
     def _start(self, row: dict[str, Any]) -> _Running:

@@ -433,10 +433,11 @@ def _text(job: RLJobConfig, console: Console) -> _Text | None:
     limits = [v for v in (job.data.max_prompt_length, room) if v is not None]
     limit = min(limits) if limits else 1 << 30
     reward_cfg = job.reward or (None if job.env is not None else RewardConfig())
-    environment, tools = None, None
+    environment, probe, tools = None, None, None
     if job.env is not None:
         environment = load_environment(job.env, prompt_key=job.data.prompt_key)
-        tools = environment().tools
+        probe = environment()  # one instance for the tools and the check below
+        tools = probe.tools
     rows = environment is not None
     train = PromptData(
         job.data.train_files, tokenizer, job.data, max_length=limit, tools=tools, rows=rows
@@ -467,18 +468,17 @@ def _text(job: RLJobConfig, console: Console) -> _Text | None:
         dropped = f"; {data.dropped} longer than {limit} tokens dropped" if data.dropped else ""
         console.print(f"{what}: {len(data)} prompts{dropped}")
     text.reward.check()
-    if environment is not None:
-        _check_environment(environment, train)
+    if probe is not None:
+        _check_environment(probe, train)
     return text
 
 
-def _check_environment(environment: Callable[[], Environment], data: PromptData) -> None:
+def _check_environment(env: Environment, data: PromptData) -> None:
     """Start an episode on the first row before training: an environment whose ``reset``
     fails or returns something other than messages is an error now, not at the first step."""
     from engine_core_roles.agents import ROW, check_messages, check_template
 
     row = data.batch([0])[ROW].tolist()[0]
-    env = environment()
     try:
         first = env.reset(row)
     except Exception as e:

@@ -381,9 +381,11 @@ class _Decoder:
     calls. Any other tokenizer goes through ``tokenizer.batch_decode``."""
 
     def __init__(self, tokenizer: Any) -> None:
+        from transformers import PreTrainedTokenizerFast
+
         self.tokenizer = tokenizer
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        plain = type(tokenizer)._decode is getattr(_fast_base(), "_decode", None)
+        plain = type(tokenizer)._decode is PreTrainedTokenizerFast._decode
         cleans = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
         self.backend = backend if backend is not None and plain and not cleans else None
 
@@ -402,15 +404,6 @@ class _Decoder:
         else:
             texts = self.tokenizer.batch_decode(distinct, skip_special_tokens=skip_special_tokens)
         return [texts[i] for i in where]
-
-
-def _fast_base() -> type | None:
-    """transformers' class of tokenizers backed by the Rust ``tokenizers`` library."""
-    try:
-        from transformers import PreTrainedTokenizerFast
-    except ImportError:  # pragma: no cover - transformers is a dependency of the roles
-        return None
-    return PreTrainedTokenizerFast
 
 
 class TextReward(SampleReward):
@@ -443,12 +436,16 @@ class TextReward(SampleReward):
     def decode(
         self, samples: TensorDict
     ) -> tuple[list[str], list[str], list[list[int]], list[list[int]]]:
-        """Each sample's prompt (special tokens kept) and response (special tokens skipped),
-        and their ids without padding."""
+        """Each sample's prompt (special tokens kept) and response (special tokens skipped;
+        an episode's: the model's last message, which the episode already holds as text), and
+        their ids without padding."""
         p_ids = _unpadded(samples[PROMPT_IDS], samples[PROMPT_MASK])
         r_ids = _unpadded(samples[RESPONSE_IDS], samples[RESPONSE_MASK])
         prompts = self._decode(p_ids, skip_special_tokens=False)
-        responses = self._decode(r_ids, skip_special_tokens=True)
+        if EPISODE in samples.keys():
+            responses = [str(e["final"]) for e in samples[EPISODE].tolist()]
+        else:
+            responses = self._decode(r_ids, skip_special_tokens=True)
         return prompts, responses, p_ids, r_ids
 
     def score(
@@ -458,8 +455,6 @@ class TextReward(SampleReward):
         decoded prompts and responses."""
         prompts, responses, p_ids, r_ids = self.decode(samples)
         episodes = samples[EPISODE].tolist() if EPISODE in samples.keys() else None
-        if episodes is not None:  # an episode's answer is the model's last message
-            responses = [str(e["final"]) for e in episodes]
         if self.fn is None or self.cfg is None:
             scored = Scored([0.0] * len(rows))
         else:
