@@ -23,11 +23,12 @@ in the output: MFU >= 0.45 on H100 for both engines.
 Without CUDA it runs a smoke configuration (a tiny Llama, one gloo process, fp32, a few steps) so
 the script keeps working; it prints the same JSON shape with ``"smoke": true`` and MFU null.
 
-Status: executed on one H100 80GB HBM3 (torch 2.11.0+cu130, one process, local megatron layers,
-SDPA attention; no TransformerEngine or flash-attention): fsdp2 40.1k tokens/s (MFU 0.284),
-megatron 40.5k tokens/s (MFU 0.287); ``--profile`` shows the matrix products at about 40% of
-the device time, the rest elementwise work (casts, norms, rotary, SiLU, gradient accumulation)
-that fused kernels would remove. More than one GPU has not run.
+``fsdp2_compile`` is ``fsdp2`` with ``compile: true`` (``torch.compile`` per decoder block).
+
+Status: executed on one H200 (torch 2.11.0+cu130, one process, no TransformerEngine or
+flash-attention), token budget 8192: fsdp2 42.4k tokens/s (MFU 0.300), megatron 47.5k (0.337),
+fsdp2_compile 47.8k (0.339); with ``--max-tokens 24576``: fsdp2 48.7k (0.345), fsdp2_compile
+60.0k (0.425). Figures and profiles in docs/status.md. More than one GPU has not run.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _recipes import build_engine, train_step  # noqa: E402  (benchmarks/ is on sys.path)
 
-ENGINES = ("fsdp2", "megatron")
+# "fsdp2_compile": fsdp2 with ``compile: true`` (torch.compile per decoder block)
+ENGINES = ("fsdp2", "fsdp2_compile", "megatron")
 TARGET_MFU = 0.45
 LLAMA_1B: dict[str, Any] = {
     "model_type": "llama",
@@ -141,6 +143,8 @@ def _has(module: str) -> bool:
 
 def engine_config(backend: str, plan: Plan, *, on_gpu: bool, world: int) -> dict[str, Any]:
     """The raw engine config each backend is resolved from (one place, so the JSON shows it)."""
+    compiled = backend == "fsdp2_compile"
+    backend = "fsdp2" if compiled else backend
     raw: dict[str, Any] = {
         "backend": backend,
         "model": {"config": dict(plan.model), "dtype": "float32"},
@@ -156,6 +160,8 @@ def engine_config(backend: str, plan: Plan, *, on_gpu: bool, world: int) -> dict
         raw["model"]["attn_implementation"] = "flash_attention_2" if flash else "sdpa_varlen"
         if plan.bf16:
             raw["mixed_precision"] = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+        if compiled:
+            raw["compile"] = True
     elif backend == "megatron":
         if plan.bf16:
             raw["model"]["dtype"] = "bfloat16"
@@ -323,7 +329,7 @@ def main() -> None:
             {
                 "benchmark": "training tokens/s and MFU: fsdp2 and megatron",
                 "smoke": not on_gpu,
-                "status": "GPU path executed on one H100; more than one GPU never executed",
+                "status": "GPU path executed on one H100 and one H200; more than one GPU never executed",
                 "device": {"name": device_name, "count": world, "peak_bf16_flops": peak},
                 "model": {
                     **plan.model,

@@ -52,6 +52,7 @@ def length_buckets(lengths: list[int], max_cost: float = MAX_PADDED_COST) -> lis
     return buckets
 
 
+@torch.compiler.disable  # lengths drive Python control flow: eager inside compiled blocks
 def sdpa_varlen_attention(
     module: torch.nn.Module,
     query: torch.Tensor,

@@ -26,6 +26,7 @@ changed since it started (modules may read them on import), or when a module to 
 
 from __future__ import annotations
 
+import multiprocessing
 import multiprocessing.forkserver as forkserver
 import os
 import pickle
@@ -137,7 +138,13 @@ def _launch(
     pg_backend: str | None,
     preload: Sequence[str],
 ) -> list[Any]:
-    ctx = _fork_server([fn.__module__, *preload])
+    # a fork server that imported a module asking torch.cuda anything (a skip mark's
+    # is_available()) forks children that cannot use CUDA: NCCL ranks start fresh (spawn)
+    ctx: Any = (
+        multiprocessing.get_context("spawn")
+        if pg_backend == "nccl"
+        else _fork_server([fn.__module__, *preload])
+    )
     queue = ctx.Queue()
     port = free_port()
     procs = [

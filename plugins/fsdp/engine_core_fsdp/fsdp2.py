@@ -42,7 +42,7 @@ from engine_core_fsdp._common import (
 from engine_core_fsdp._init import build_skeleton, materialize
 from engine_core_fsdp.capabilities import FSDP2_CAPABILITIES
 
-__all__ = ["FSDP2Engine", "FSDP2EngineConfig", "MeshAxis", "parallelize"]
+__all__ = ["FSDP2Engine", "FSDP2EngineConfig", "MeshAxis", "compile_blocks", "parallelize"]
 
 
 class MeshAxis(StrEnum):
@@ -76,6 +76,16 @@ class FSDP2EngineConfig(FSDPCommonConfig):
             "HSDP: number of replica groups on a 2-D (replicate, shard) mesh; parameters are "
             "sharded within a group and replicated across groups. None: a 1-D mesh sharding "
             "over every DP rank."
+        ),
+    )
+    compile: bool = Field(
+        False,
+        description=(
+            "torch.compile (inductor) each decoder block before sharding, so its norms, rotary "
+            "embeddings, SwiGLU and dtype casts run as a few fused kernels; sdpa_varlen "
+            "attention stays eager between the compiled parts. The first steps pay the "
+            "compilation (tens of seconds), and each new number of tokens in a micro-batch "
+            "may recompile until shapes go dynamic."
         ),
     )
 
@@ -129,6 +139,8 @@ class FSDP2Engine(FSDPEngineBase):
         if self.mesh.size() == 1 and cfg.mixed_precision is None:
             # one rank holds the whole model whatever the init mode; model.path loads as usual
             self.module = build_model(cfg.model, device=self.device)
+            if cfg.compile:
+                compile_blocks(self.module)
             self.init_optimizer(self.module)
             return
         full_state = None
@@ -143,6 +155,7 @@ class FSDP2Engine(FSDPEngineBase):
             mesh=self.mesh,
             reshard_after_forward=cfg.reshard_after_forward,
             mixed_precision=cfg.mixed_precision,
+            compile=cfg.compile,
         )
         if cfg.init != "all_ranks":
             materialize(
@@ -212,8 +225,10 @@ def parallelize(
     mesh: DeviceMesh,
     reshard_after_forward: bool,
     mixed_precision: MixedPrecisionConfig | None,
+    compile: bool = False,
 ) -> None:
-    """Apply tensor parallelism (when the mesh has a ``tp`` axis), then FSDP, in that order."""
+    """Apply tensor parallelism (when the mesh has a ``tp`` axis), then ``torch.compile`` per
+    block (when asked), then FSDP, in that order."""
     names = mesh.mesh_dim_names or ()
     blocks = decoder_blocks(module)
     if MeshAxis.TP in names:
@@ -230,6 +245,15 @@ def parallelize(
             param_dtype=mixed_precision.torch_param_dtype,
             reduce_dtype=mixed_precision.torch_reduce_dtype,
         )
+    if compile:
+        compile_blocks(module)
     for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(module, **kwargs)
+
+
+def compile_blocks(module: torch.nn.Module) -> None:
+    """``torch.compile`` each decoder block in place (parameter names do not change, so
+    checkpoints and weight sync see the same keys). Blocks of one class share their graphs."""
+    for block in decoder_blocks(module):
+        block.compile()

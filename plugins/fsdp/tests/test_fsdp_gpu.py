@@ -1,5 +1,6 @@
 """Both FSDP engines on CUDA with NCCL: outputs and training against the CPU reference, bf16
-mixed precision, offload between modes, and flash-attention varlen for packed sequences.
+mixed precision, offload between modes, flash-attention varlen for packed sequences, and
+fsdp2 with compiled blocks.
 
 Marked ``gpu``: skipped cleanly where no CUDA device is visible. One process per GPU, at most two.
 """
@@ -110,3 +111,21 @@ def test_flash_attention_varlen_packed_matches_sdpa(backend: str) -> None:
         assert torch.allclose(flash["lp"], sdpa["lp"], atol=5e-2)
         for (a, _), (b, _) in zip(flash["curve"], sdpa["curve"], strict=True):
             assert a == pytest.approx(b, rel=2e-2)
+
+
+def test_fsdp2_compiled_blocks_on_gpu(reference: dict) -> None:
+    # inductor's CUDA kernels for each block, packed rows through sdpa_varlen, fp32 then bf16
+    model = {"config": engine_config()["model"]["config"], "attn_implementation": "sdpa_varlen"}
+    packed = {"model": model, "use_packing": True, "compile": True}
+    for r in run_distributed(_worker, _world(), "fsdp2", packed, pg_backend="nccl"):
+        assert torch.allclose(r["lp"], reference["lp"], atol=1e-4)
+        for (loss, norm), (want_loss, want_norm) in zip(
+            r["curve"], reference["curve"], strict=True
+        ):
+            assert loss == pytest.approx(want_loss, rel=1e-4)
+            assert norm == pytest.approx(want_norm, rel=1e-4)
+    bf16 = {**packed, "mixed_precision": BF16}
+    for r in run_distributed(_worker, _world(), "fsdp2", bf16, pg_backend="nccl"):
+        assert torch.allclose(r["lp"], reference["lp"], atol=5e-2)
+        for (loss, _), (want_loss, _) in zip(r["curve"], reference["curve"], strict=True):
+            assert loss == pytest.approx(want_loss, rel=2e-2)
