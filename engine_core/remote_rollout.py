@@ -20,8 +20,10 @@ trainer makes of a rollout (``generate``, ``expected_weights``, ``release``, ``r
   ``i*n .. i*n+n-1``. Response-shaped fields are right-padded to the longest replica's width
   (``response_ids`` with the backend's pad id, ``response_mask`` and ``rollout_log_probs`` with
   0). Each row's ``rollout_replica`` (:data:`ROLLOUT_REPLICA`) says which replica generated it.
-  With several replicas and ``SamplingParams.seed`` set, replica ``i`` samples with its own seed
-  ``(seed * 1_000_003 + i) mod 2**63``; a single replica samples with ``seed`` as given.
+  With ``SamplingParams.seed`` set, the prompts travel with their ``prompt_seed`` column
+  (:func:`engine_core.rollout.prompt_seeds`: each prompt's seed from its index in the whole
+  call), so a prompt's samples are those one rollout in this process would draw, however many
+  replicas share the call.
 - ``generate_async`` is the same call without waiting: a future of the merged result, so a
   trainer can train while the replicas generate.
 - ``release`` / ``resume`` / ``shutdown`` apply to every replica. If a replica fails to start,
@@ -52,6 +54,7 @@ from engine_core.executors.base import (
     threads_per_process,
 )
 from engine_core.rollout import (
+    PROMPT_SEED,
     RESPONSE_IDS,
     RESPONSE_LOSS_MASK,
     RESPONSE_MASK,
@@ -61,13 +64,13 @@ from engine_core.rollout import (
     RolloutConfig,
     SamplingParams,
     WeightBucket,
+    prompt_seeds,
 )
 from engine_core.weight_sync import WeightSyncGroup, receive_weights
 
 __all__ = ["RolloutWorker", "ProcessRollout", "ROLLOUT_MESH"]
 
 ROLLOUT_MESH = "rollout"
-_SEED_STRIDE = 1_000_003
 # a replica is not a rank of a torch process group: the executor's rendezvous variables are
 # hidden from the backend it hosts (some read RANK / LOCAL_RANK / WORLD_SIZE on their own)
 _RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -160,13 +163,6 @@ def _replica_bounds(num_prompts: int, replicas: int) -> list[tuple[int, int]]:
         bounds.append((start, stop))
         start = stop
     return bounds
-
-
-def _replica_seed(seed: int | None, replica: int, replicas: int) -> int | None:
-    """The sampling seed of ``replica``: ``seed`` itself for a single replica (or no seed)."""
-    if seed is None or replicas == 1:
-        return seed
-    return (seed * _SEED_STRIDE + replica) % (1 << 63)
 
 
 def _merge_replica_outputs(parts: list[tuple[int, TensorDict]], pad_token_id: int) -> TensorDict:
@@ -296,16 +292,17 @@ class ProcessRollout:
     def generate_async(self, prompts: TensorDict, params: SamplingParams) -> WorkerFuture:
         """:meth:`generate` without waiting: a future of its result."""
         n = prompts.batch_size[0] if prompts.batch_dims else 0
+        seeds = prompt_seeds(prompts, params) if prompts.batch_dims else None
+        if seeds is not None and PROMPT_SEED not in prompts.keys():
+            prompts = prompts.clone(recurse=False)  # the caller's batch keeps its columns
+            prompts[PROMPT_SEED] = torch.tensor(seeds, dtype=torch.int64)
         per_replica: list[tuple[Any, ...]] = []
         for i, (start, stop) in enumerate(_replica_bounds(n, self.replicas)):
-            seeded = params.model_copy(
-                update={"seed": _replica_seed(params.seed, i, self.replicas)}
-            )
             if not prompts.batch_dims:  # no batch dimension: replica 0 answers as it is
-                per_replica.append((prompts if i == 0 else None, seeded))
+                per_replica.append((prompts if i == 0 else None, params))
             else:  # no prompt at all: replica 0 answers the empty batch
                 part = prompts[start:stop] if stop > start or i == 0 else None
-                per_replica.append((part, seeded))
+                per_replica.append((part, params))
         future = self.worker_group.call_each_async("generate", per_replica)
         return future.map(self._merge)
 

@@ -41,6 +41,8 @@ __all__ = [
     "model_weight_shapes",
     "saved_model_folder",
     "prompt_tensors",
+    "prompt_seeds",
+    "derive_seed",
     "response_batch",
     "PROMPT_IDS",
     "PROMPT_MASK",
@@ -50,6 +52,7 @@ __all__ = [
     "ROLLOUT_LOG_PROBS",
     "FINISH_REASON",
     "ROLLOUT_REPLICA",
+    "PROMPT_SEED",
 ]
 
 PROMPT_IDS = "prompt_ids"
@@ -62,6 +65,8 @@ RESPONSE_LOSS_MASK = "response_loss_mask"
 ROLLOUT_LOG_PROBS = "rollout_log_probs"
 FINISH_REASON = "finish_reason"
 ROLLOUT_REPLICA = "rollout_replica"  # which replica of a multi-process rollout generated a row
+# optional int64 column of a prompt batch: the prompt's own sampling seed (see prompt_seeds)
+PROMPT_SEED = "prompt_seed"
 
 
 class SamplingParams(FrozenModel):
@@ -73,7 +78,12 @@ class SamplingParams(FrozenModel):
     max_new_tokens: PositiveInt = 32
     stop_token_ids: list[int] = Field(default_factory=list)
     n: PositiveInt = Field(1, description="Samples per prompt.")
-    seed: int | None = None
+    seed: int | None = Field(
+        None,
+        description="Prompt i's samples draw from streams of derive_seed(seed, i), whatever "
+        "else is in the batch: the same prompts give the same samples however they are "
+        "batched or split between replicas. None: unseeded.",
+    )
 
     @model_validator(mode="after")
     def _top_k_nonzero(self) -> SamplingParams:
@@ -140,6 +150,46 @@ def prompt_tensors(prompts: TensorDict, who: str) -> tuple[torch.Tensor, torch.T
                 f"{who} needs {key!r} (left-padded [B, P]); got {sorted(prompts.keys())}."
             )
     return prompts[PROMPT_IDS], prompts[PROMPT_MASK]
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit integers that scatters nearby inputs."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """The seed of stream ``index`` under ``seed``, in ``[0, 2**63)``: prompt ``i``'s seed under
+    a request's seed, sample ``j``'s under its prompt's, an episode turn's under its episode's."""
+    return _mix64(_mix64(seed & _MASK64) ^ (index & _MASK64)) >> 1
+
+
+def prompt_seeds(prompts: TensorDict, params: SamplingParams) -> list[int] | None:
+    """Each prompt's sampling seed: the ``prompt_seed`` column where the batch carries one (a
+    share of a larger batch keeps the seeds its prompts had there), else
+    ``derive_seed(params.seed, i)`` for prompt ``i``; None when neither is set (unseeded).
+
+    A rollout samples prompt ``i``'s sample ``j`` from a stream seeded with
+    ``derive_seed(prompt_seeds[i], j)`` and nothing else, so a prompt's samples do not depend on
+    the other prompts of the call, their order, or how the prompts were split between calls."""
+    count = prompts.batch_size[0] if prompts.batch_dims else 0
+    if PROMPT_SEED in prompts.keys():
+        seeds = prompts[PROMPT_SEED]
+        if not isinstance(seeds, torch.Tensor) or seeds.dtype != torch.int64 or seeds.ndim != 1:
+            raise BatchError(
+                f"{PROMPT_SEED!r} holds one int64 seed per prompt; got "
+                f"{getattr(seeds, 'dtype', type(seeds).__name__)} of shape "
+                f"{tuple(getattr(seeds, 'shape', ()))}."
+            )
+        return [int(x) for x in seeds.tolist()]
+    if params.seed is None:
+        return None
+    return [derive_seed(params.seed, i) for i in range(count)]
 
 
 def response_batch(

@@ -7,6 +7,8 @@ task's config and tokenizer; the trainer's log-probs come from a real fsdp2 acto
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -123,17 +125,30 @@ def _hangs(key: str) -> str:
     return "late"
 
 
+def _pid(key: str) -> str:
+    """The process the tool runs in.
+
+    Args:
+        key: anything
+    """
+    return str(os.getpid())
+
+
 def _call(name: str, **arguments: Any) -> str:
     return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
 
 
-def test_tools_that_misbehave_become_error_observations() -> None:
-    env = ToolEnvironment([lookup, _raises, _number, _hangs], tool_timeout_s=0.3)
+@pytest.mark.parametrize("processes", [0, 2], ids=["threads", "processes"])
+def test_tools_that_misbehave_become_error_observations(processes: int) -> None:
+    env = ToolEnvironment(
+        [lookup, _raises, _number, _hangs, _pid], tool_timeout_s=0.3, processes=processes
+    )
     assert [t["function"]["name"] for t in env.tools or []] == [
         "lookup",
         "_raises",
         "_number",
         "_hangs",
+        "_pid",
     ]
     assert env.reset({"prompt": "qe"}) == [{"role": "user", "content": "qe"}]
 
@@ -150,7 +165,9 @@ def test_tools_that_misbehave_become_error_observations() -> None:
     cases = {
         _call("_raises", key="x"): "error: tool '_raises' raised RuntimeError: the backend is down",
         _call("_number", key="x"): "error: tool '_number' returned int, not text",
-        _call("nope"): "error: no tool 'nope'; the tools are lookup, _raises, _number, _hangs",
+        _call(
+            "nope"
+        ): "error: no tool 'nope'; the tools are lookup, _raises, _number, _hangs, _pid",
         _call("lookup", key=3): "error: bad arguments for 'lookup': 3 is not of type 'string'",
         _call("lookup"): "error: bad arguments for 'lookup': 'key' is a required property",
         "<tool_call>{not json</tool_call>": "error: the tool call '{not json' is not JSON",
@@ -165,6 +182,14 @@ def test_tools_that_misbehave_become_error_observations() -> None:
     assert time.monotonic() - t0 < 2.0  # the timeout fired; the hung call was left behind
     assert out == ["error: tool '_hangs' did not answer within 0.3 s", value_of("ab")]
     assert counts == {"tool_calls": 2, "tool_errors": 1}
+    (pid,), _, _ = answer(_call("_pid", key="x"))
+    assert (int(pid) != os.getpid()) == bool(processes)  # a worker process ran it
+    if processes:
+        # the hung call's process was killed, not left running; a fresh one took its place
+        alive = {p.pid for p in multiprocessing.active_children() if p.name == "engine-core-tool"}
+        assert int(pid) in alive and len(alive) <= processes
+        with pytest.raises(ConfigError, match="cannot run in a tool process"):
+            ToolEnvironment([lambda key: key], processes=1)
 
 
 @pytest.mark.parametrize(
@@ -413,7 +438,9 @@ def test_demonstrations_tokenize_as_the_template_renders_them(tokenizer: Any) ->
 def test_environment_config_errors() -> None:
     with pytest.raises(ConfigError, match="env.cls='no_such_pkg.envs:Env'"):
         load_environment(EnvConfig(cls="no_such_pkg.envs:Env"), prompt_key="prompt")
-    with pytest.raises(ConfigError, match="env.tools and env.parser configure the built-in"):
+    with pytest.raises(
+        ConfigError, match="env.tools, env.parser and env.tool_processes configure the built-in"
+    ):
         load_environment(
             EnvConfig(cls="tests.test_agents:Chatter", tools=["x:y"]), prompt_key="prompt"
         )
@@ -482,6 +509,14 @@ def test_the_agent_recipe_trains_logs_episodes_and_resumes_exactly(tmp_path: Pat
     assert all(
         m["role"] in ("user", "assistant", "tool", "error") for s in samples for m in s["episode"]
     )
+    # the tool in worker processes: the same step as on threads (enough warm-up that the
+    # model calls the tool)
+    called = ["steps=1", "warmup_sft_steps=30"]
+    run_rl_job(_job(tmp_path / "threads", *called), load_plugins())
+    run_rl_job(_job(tmp_path / "procs", *called, "env.tool_processes=2"), load_plugins())
+    (on_threads,), (in_procs,) = _rows(tmp_path / "threads"), _rows(tmp_path / "procs")
+    assert on_threads["episode/tool_calls"] > 0
+    assert in_procs == on_threads
     # stopped after step 2 and resumed: the same episodes, the same metrics
     resumed = tmp_path / "resumed"
     run_rl_job(_job(resumed, "steps=2"), load_plugins())
@@ -489,12 +524,14 @@ def test_the_agent_recipe_trains_logs_episodes_and_resumes_exactly(tmp_path: Pat
     assert _rows(resumed) == rows
 
 
-def test_episodes_under_dp2_with_replicas_and_async_equal_the_single_process_actor(
+def test_episodes_under_dp2_with_replicas_and_async_equal_the_colocated_run(
     tmp_path: Path,
 ) -> None:
     """Two rollout processes, each running its prompts' episodes whole, one step ahead of the
     actor: the actor as two data-parallel processes logs the same metrics, step by step, as
-    the actor in this process (the same episodes; the update equal up to float rounding)."""
+    the actor in this process (the same episodes; the update equal up to float rounding); and
+    step 1, which both generate from the initial weights, is the colocated synchronous run's
+    step 1 (an episode's turns draw from its own seed, not its replica's or its batch's)."""
     from engine_core_roles.rl_job import run_rl_job
 
     modes = [
@@ -521,6 +558,14 @@ def test_episodes_under_dp2_with_replicas_and_async_equal_the_single_process_act
         assert a.keys() == b.keys()
         for k in a:
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (a["step"], k)
+    run_rl_job(
+        _job(tmp_path / "colo", "steps=1", "warmup_sft_steps=0", "eval.every=0"), load_plugins()
+    )
+    (colo,) = _rows(tmp_path / "colo")
+    shared = {k for k in colo.keys() & dp2[0].keys() if not k.startswith("rollout/replica")}
+    assert {"reward", "episode/turns", "episode/tool_calls", "actor/pg_loss"} <= shared
+    for k in sorted(shared):
+        assert dp2[0][k] == pytest.approx(colo[k], rel=1e-4, abs=1e-6), k
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from tensordict import NonTensorStack, TensorDict
 
 from engine_core.config import ModelConfig
-from engine_core.errors import DispatchError, WeightSyncError
+from engine_core.errors import BatchError, DispatchError, WeightSyncError
 from engine_core.executors import LocalWorkerGroup, RayWorkerGroup
 from engine_core.models import build_model
 from engine_core.remote_rollout import (
@@ -28,17 +28,19 @@ from engine_core.remote_rollout import (
     RolloutWorker,
     _merge_replica_outputs,
     _replica_bounds,
-    _replica_seed,
 )
 from engine_core.rollout import (
     FINISH_REASON,
     PROMPT_IDS,
     PROMPT_MASK,
+    PROMPT_SEED,
     RESPONSE_IDS,
     RESPONSE_MASK,
     ROLLOUT_LOG_PROBS,
     ROLLOUT_REPLICA,
     SamplingParams,
+    derive_seed,
+    prompt_seeds,
 )
 from engine_core.weight_sync import receive_weights, send_weights
 from engine_core_roles.actor import Actor, ActorConfig
@@ -127,17 +129,25 @@ def test_every_replica_samples_from_the_sent_weights_in_prompt_order(
     assert _gap(_model(_hf_config().seed), out) > 1e-3
 
 
-def test_replicas_sample_with_their_own_seeds_and_repeat_with_the_same_seed(
+def test_replicas_sample_what_one_rollout_samples_and_repeat_with_the_same_seed(
     two: ProcessRollout,
 ) -> None:
     prompts = _prompts(4)
     prompts[PROMPT_IDS][2] = prompts[PROMPT_IDS][0]  # the same prompt on replica 0 and replica 1
-    params = SamplingParams(temperature=1.0, max_new_tokens=6, n=1, seed=5)
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=5)
     out = two.generate(prompts, params)
-    assert out[ROLLOUT_REPLICA].tolist() == [0, 0, 1, 1]
-    assert not torch.equal(out[RESPONSE_IDS][0], out[RESPONSE_IDS][2])  # different seeds
+    assert out[ROLLOUT_REPLICA].tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert not torch.equal(out[RESPONSE_IDS][0], out[RESPONSE_IDS][4])  # each prompt its seed
     again = two.generate(prompts, params)
     assert torch.equal(again[RESPONSE_IDS], out[RESPONSE_IDS])
+    # one rollout in this process with the same weights draws the same samples: a prompt's
+    # samples depend on its seed, not on the replica or the batch it shared
+    one = HFRollout(_hf_config())
+    one.model.load_state_dict(_model(SENT).state_dict())
+    alone = one.generate(prompts, params)
+    assert torch.equal(alone[RESPONSE_IDS], out[RESPONSE_IDS])
+    assert torch.allclose(alone[ROLLOUT_LOG_PROBS], out[ROLLOUT_LOG_PROBS], atol=1e-6)
+    assert PROMPT_SEED not in prompts.keys()  # the caller's batch is left as it was
 
 
 def test_fewer_prompts_than_replicas_and_release_resume(two: ProcessRollout) -> None:
@@ -231,13 +241,20 @@ def test_prompts_are_split_in_contiguous_near_equal_chunks() -> None:
     assert _replica_bounds(4, 1) == [(0, 4)]
 
 
-def test_replica_seeds() -> None:
-    assert _replica_seed(3, 0, 1) == 3  # a single replica keeps the seed as given
-    assert _replica_seed(None, 1, 2) is None
-    seeds = [_replica_seed(3, i, 4) for i in range(4)]
-    assert len(set(seeds)) == 4
+def test_prompt_seeds_follow_the_prompt_not_the_batch() -> None:
+    params = SamplingParams(seed=3)
+    prompts = _prompts(5)
+    seeds = prompt_seeds(prompts, params)
+    assert seeds is not None and len(set(seeds)) == 5
+    assert all(0 <= s < 2**63 for s in seeds)
+    assert prompt_seeds(prompts, SamplingParams()) is None  # unseeded
+    prompts[PROMPT_SEED] = torch.tensor(seeds)
+    assert prompt_seeds(prompts[2:], SamplingParams()) == seeds[2:]  # the column wins
+    prompts[PROMPT_SEED] = torch.tensor(seeds, dtype=torch.float32)
+    with pytest.raises(BatchError, match="one int64 seed per prompt"):
+        prompt_seeds(prompts, params)
     for big in (2**63 - 1, -(2**63), 2**80):
-        assert all(0 <= _replica_seed(big, i, 4) < 2**63 for i in range(4))  # type: ignore[operator]
+        assert 0 <= derive_seed(big, 1) < 2**63
 
 
 def _part(rows: int, width: int, token: int) -> TensorDict:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from pydantic import Field, PositiveFloat, PositiveInt
+from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt
 from tensordict import NonTensorStack, TensorDict
 
 from engine_core import BaseRollout, SamplingParams
@@ -49,14 +49,18 @@ from engine_core.rollout import (
     FINISH_REASON,
     PROMPT_IDS,
     PROMPT_MASK,
+    PROMPT_SEED,
     RESPONSE_IDS,
     RESPONSE_LOSS_MASK,
     RESPONSE_MASK,
     ROLLOUT_LOG_PROBS,
     WeightBucket,
+    derive_seed,
+    prompt_seeds,
 )
 from engine_core_roles.batches import prompt_batch
 from engine_core_roles.rewards import load_function
+from engine_core_roles.tool_processes import TOOL_PROCESSES
 
 __all__ = [
     "EPISODE",
@@ -269,6 +273,9 @@ class ToolEnvironment(Environment):
     calls out of a message's text (default: :func:`hermes_tool_calls`). ``prompt_key`` is the
     row's column of prompt messages (or text, sent as one user message). A call that fails in
     any way becomes a ``tool`` message starting ``error:``, counted in ``tool_errors``.
+    ``processes`` > 0 runs the calls in that many worker processes
+    (:mod:`engine_core_roles.tool_processes`; a call past its timeout kills its process) instead
+    of on threads; the tools must then be importable by path.
     """
 
     def __init__(
@@ -278,11 +285,19 @@ class ToolEnvironment(Environment):
         prompt_key: str = "prompt",
         parser: Callable[[str], list[ToolCall]] | str = hermes_tool_calls,
         tool_timeout_s: float = 10.0,
+        processes: int = 0,
     ) -> None:
         fns = [load_function(t, what="env.tools") if isinstance(t, str) else t for t in tools]
+        paths = [t if isinstance(t, str) else _import_path(t) if processes else "" for t in tools]
         self._tools: dict[str, _Tool] = {}
-        for fn in fns:
+        self._paths: dict[str, str] = {}
+        self.processes = processes
+        if processes:
+            TOOL_PROCESSES.resize(processes, paths)
+            TOOL_PROCESSES.warm()  # started (once), the tools imported, before a call is timed
+        for fn, path in zip(fns, paths, strict=True):
             tool = _Tool(fn, tool_schema(fn))
+            self._paths[tool.name] = path
             if tool.name in self._tools:
                 raise ConfigError(f"env.tools: two tools are named {tool.name!r}; rename one.")
             self._tools[tool.name] = tool
@@ -308,7 +323,10 @@ class ToolEnvironment(Environment):
         if not calls:
             return StepResult(done=True, counts={"tool_calls": 0, "tool_errors": 0})
         futures = [_TOOL_THREADS.submit(self._call, c) for c in calls]
-        deadline = time.monotonic() + self.tool_timeout_s
+        # a call in a process returns by its own deadlines (the wait for an idle process, then
+        # the tool's run, which a kill ends): wait for that
+        wait = self.tool_timeout_s * (2 if self.processes else 1) + (2.0 if self.processes else 0)
+        deadline = time.monotonic() + wait
         out, errors = [], 0
         for call, fut in zip(calls, futures, strict=True):
             try:
@@ -330,6 +348,10 @@ class ToolEnvironment(Environment):
         problems = sorted(tool.validator.iter_errors(call.arguments), key=str)
         if problems:
             return f"error: bad arguments for {call.name!r}: {problems[0].message}"
+        if self.processes:
+            return TOOL_PROCESSES.call(
+                self._paths[call.name], call.name, call.arguments, self.tool_timeout_s
+            )
         try:
             result = tool.fn(**call.arguments)
         except Exception as e:
@@ -337,6 +359,23 @@ class ToolEnvironment(Environment):
         if not isinstance(result, str):
             return f"error: tool {call.name!r} returned {type(result).__name__}, not text"
         return result
+
+
+def _import_path(fn: Callable[..., Any]) -> str:
+    """``module:name`` of a tool a worker process can import; a ConfigError for one it cannot."""
+    path = f"{getattr(fn, '__module__', '')}:{getattr(fn, '__qualname__', '')}"
+    try:
+        found = load_function(path, what="env.tools")
+    except ConfigError:
+        found = None
+    if found is not fn:
+        raise ConfigError(
+            f"tool {getattr(fn, '__name__', fn)!r} cannot run in a tool process: worker "
+            f"processes import each tool by path, and {path!r} does not name it (a lambda, a "
+            f"nested function, or one defined in __main__). Define it at module level and name "
+            f"it in env.tools as 'pkg.module:function', or set env.tool_processes=0."
+        )
+    return path
 
 
 class _Daemons:
@@ -426,9 +465,16 @@ class EnvConfig(FrozenModel):
     @property
     def step_timeout_s(self) -> float:
         """An environment's whole step may take this long (its tool calls' timeout, and some
-        room to answer with their errors) before the episode ends with ``env_error``."""
-        return self.tool_timeout_s + 5.0
+        room to answer with their errors) before the episode ends with ``env_error``. With tool
+        processes a call may first wait up to its timeout for an idle process."""
+        return self.tool_timeout_s * (2 if self.tool_processes else 1) + 5.0
 
+    tool_processes: NonNegativeInt = Field(
+        0,
+        description="0: tool calls run on threads (tools that wait). N: in N worker processes, "
+        "for tools that compute (no GIL shared with the rollout) or may hang (a call past "
+        "tool_timeout_s kills its process); tools must be importable by path. tools only.",
+    )
     workers: PositiveInt = Field(
         32,
         description="Threads running environment steps (and as many for tool calls) across "
@@ -454,13 +500,15 @@ def load_environment(cfg: EnvConfig, *, prompt_key: str) -> Callable[[], Environ
                 prompt_key=prompt_key,
                 parser=parser,
                 tool_timeout_s=cfg.tool_timeout_s,
+                processes=cfg.tool_processes,
                 **cfg.kwargs,
             )
 
     else:
-        if cfg.tools or cfg.parser:
+        if cfg.tools or cfg.parser or cfg.tool_processes:
             raise ConfigError(
-                f"env.tools and env.parser configure the built-in tool environment, but "
+                f"env.tools, env.parser and env.tool_processes configure the built-in tool "
+                f"environment, but "
                 f"env.cls={cfg.cls!r}; drop them, or pass them to your class through env.kwargs."
             )
         factory = load_function(cfg.cls, what="env.cls")
@@ -569,6 +617,7 @@ class _Running:
     trained: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     finish: str = "stop"
+    seed: int | None = None
 
     def append(self, ids: Sequence[int], lps: Sequence[float] | None) -> None:
         self.tokens += ids
@@ -642,6 +691,12 @@ class EpisodeRollout(BaseRollout):
         t_env = 0.0
         # a prompt's n episodes adjacent, as a rollout's n samples are
         running = [self._start(dict(row)) for row in rows for _ in range(n)]
+        # episode j of prompt i samples its turns from streams of its own seed, so an episode
+        # does not depend on which others share a turn's batch (or a replica)
+        seeds = prompt_seeds(prompts, params) if rows else None
+        if seeds is not None:
+            for k, r in enumerate(running):
+                r.seed = derive_seed(seeds[k // n], k % n)
         active = [r for r in running if r.env is not None]
         turn = 0
         while active:
@@ -656,10 +711,12 @@ class EpisodeRollout(BaseRollout):
             active = fits
             if not active:
                 break
-            seed = None if params.seed is None else params.seed + 7919 * (turn - 1)
-            turn_params = params.model_copy(update={"n": 1, "seed": seed})
+            turn_params = params.model_copy(update={"n": 1})
             ids = [r.prompt + r.tokens for r in active]
             batch = prompt_batch(ids, pad_token_id=self.pad_token_id)
+            if seeds is not None:
+                turn_seeds = [derive_seed(r.seed, turn) for r in active]  # type: ignore[arg-type]
+                batch[PROMPT_SEED] = torch.tensor(turn_seeds, dtype=torch.int64)
             out = self.inner.generate(batch, turn_params)
             resp, mask = out[RESPONSE_IDS], out[RESPONSE_MASK]
             lps = out[ROLLOUT_LOG_PROBS]

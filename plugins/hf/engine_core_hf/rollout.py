@@ -5,9 +5,14 @@ sampling temperature (1 for greedy) and log-softmaxed over the whole vocabulary 
 quantity a trainer computes with ``BatchMeta(temperature=T)``, so the two can be compared
 token by token. Top-k / top-p change which tokens can be sampled, not these log-probs.
 
-Seeds (the config's, for building the model; a request's ``SamplingParams.seed``) apply to a
-fork of the process's RNG, restored afterwards: seeding a rollout never changes the random
-stream of the trainer or anything else sharing the process.
+The config's seed (for building the model) applies to a fork of the process's RNG, restored
+afterwards: seeding a rollout never changes the random stream of the trainer or anything else
+sharing the process. A seeded request (``SamplingParams.seed``, or the prompts' ``prompt_seed``
+column) samples each row from a generator of its own, seeded with
+``derive_seed(prompt_seeds[i], j)`` for sample ``j`` of prompt ``i``: temperature, top-k and
+top-p are applied here and the token drawn with Gumbel noise from that generator, so a row's
+sample does not depend on the other rows of the batch (transformers' own sampling draws the
+whole batch from one global generator). Unseeded requests sample as transformers does.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any, ClassVar
 import torch
 from pydantic import Field, PositiveInt
 from tensordict import NonTensorStack, TensorDict
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from engine_core.backend import (
     FINISH_REASON,
@@ -32,6 +38,8 @@ from engine_core.backend import (
     RolloutConfig,
     SamplingParams,
     build_model,
+    derive_seed,
+    prompt_seeds,
     prompt_tensors,
     tensor_checksum,
 )
@@ -70,13 +78,21 @@ class HFRollout(BaseRollout):
     @torch.no_grad()
     def generate(self, prompts: TensorDict, params: SamplingParams) -> TensorDict:
         ids, mask = prompt_tensors(prompts, "HFRollout.generate")
+        seeds = None if params.greedy else prompt_seeds(prompts, params)
+        row_seeds = (
+            None if seeds is None else [derive_seed(s, j) for s in seeds for j in range(params.n)]
+        )
         ids, mask = ids.repeat_interleave(params.n, dim=0), mask.repeat_interleave(params.n, dim=0)
         rows = self.cfg.generation_batch_size * params.n  # every sample of a prompt in one call
-        with _seeded(params.seed, self.device):
-            parts = [
-                self._generate_chunk(ids[i : i + rows], mask[i : i + rows], params)
-                for i in range(0, ids.shape[0], rows)
-            ]
+        parts = [
+            self._generate_chunk(
+                ids[i : i + rows],
+                mask[i : i + rows],
+                params,
+                None if row_seeds is None else row_seeds[i : i + rows],
+            )
+            for i in range(0, ids.shape[0], rows)
+        ]
         width = max(p[0].shape[1] for p in parts)
         resp = torch.cat([_pad_right(p[0], width, self.pad_token_id) for p in parts])
         resp_mask = torch.cat([_pad_right(p[1], width, 0) for p in parts])
@@ -96,18 +112,25 @@ class HFRollout(BaseRollout):
         return out
 
     def _generate_chunk(
-        self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        params: SamplingParams,
+        row_seeds: list[int] | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str]]:
         stop = list(params.stop_token_ids)
         kwargs: dict[str, Any] = {
             "max_new_tokens": params.max_new_tokens,
-            "do_sample": not params.greedy,
+            "do_sample": not params.greedy and row_seeds is None,
             "pad_token_id": self.pad_token_id,
             "eos_token_id": stop or None,
             "return_dict_in_generate": True,
             "output_logits": True,
         }
-        if not params.greedy:
+        if row_seeds is not None:  # our sampler picks each row's token; generate takes argmax
+            kwargs.update(temperature=None, top_p=None, top_k=None)
+            kwargs["logits_processor"] = LogitsProcessorList([_RowSampler(row_seeds, params)])
+        elif not params.greedy:
             kwargs.update(
                 temperature=params.temperature,
                 top_p=params.top_p,
@@ -149,6 +172,34 @@ class HFRollout(BaseRollout):
 
     def resume(self) -> None:
         self.model.to(self.device)
+
+
+class _RowSampler(LogitsProcessor):
+    """Samples each row's next token from that row's own generator: temperature, top-k and
+    top-p as transformers' warpers apply them, then the Gumbel-max draw; the scores handed back
+    keep only the drawn token, which generate's greedy choice then takes."""
+
+    def __init__(self, row_seeds: list[int], params: SamplingParams) -> None:
+        self.generators = [torch.Generator().manual_seed(s) for s in row_seeds]
+        self.temperature, self.top_k, self.top_p = params.temperature, params.top_k, params.top_p
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        logits = scores.float() / self.temperature
+        vocab = logits.shape[-1]
+        if 0 < self.top_k < vocab:
+            kth = torch.topk(logits, self.top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if self.top_p < 1.0:
+            ordered, order = torch.sort(logits, descending=True, dim=-1)
+            probs = ordered.softmax(-1)
+            beyond = probs.cumsum(-1) - probs >= self.top_p  # the mass ahead already reaches p
+            drop = torch.zeros_like(beyond).scatter(-1, order, beyond)
+            logits = logits.masked_fill(drop, float("-inf"))
+        noise = torch.stack([torch.rand(vocab, generator=g) for g in self.generators])
+        gumbel = -torch.log(-torch.log(noise.clamp_min(torch.finfo(noise.dtype).tiny)))
+        choice = (logits + gumbel.to(logits.device)).argmax(-1, keepdim=True)
+        picked = torch.full_like(scores, float("-inf"))
+        return picked.scatter(-1, choice, 0.0)
 
 
 @contextmanager

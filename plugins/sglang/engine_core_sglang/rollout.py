@@ -58,7 +58,9 @@ from engine_core.backend import (
     WeightSyncError,
     checked_buckets,
     confirm_bucket,
+    derive_seed,
     model_weight_shapes,
+    prompt_seeds,
     prompt_tensors,
     response_batch,
     saved_model_folder,
@@ -155,9 +157,10 @@ def build_requests(
 ) -> SGLangRequests:
     """Strip the left padding of each prompt and repeat it ``n`` times (its samples adjacent).
 
-    With ``deterministic`` every sample gets its own ``sampling_seed``, drawn from
-    ``params.seed`` (reproducible) or from fresh randomness when no seed is set: SGLang's
-    seeded sampler gives two requests with one seed the same noise at each position.
+    With ``deterministic`` every sample gets its own ``sampling_seed``: sample ``j`` of prompt
+    ``i`` ``derive_seed(prompt_seeds[i], j)`` (reproducible, and the same however the prompts
+    are batched or split), or fresh randomness when no seed is set: SGLang's seeded sampler
+    gives two requests with one seed the same noise at each position.
     """
     ids, mask = prompt_tensors(prompts, "SGLangRollout.generate")
     if ids.shape != mask.shape:
@@ -172,8 +175,13 @@ def build_requests(
             raise BatchError(f"prompt {i} is empty ({PROMPT_MASK} is all zero).")
         rows.append(real)
     input_ids = [row for row in rows for _ in range(params.n)]
-    if deterministic:
-        rng = random.Random(params.seed)  # seed None: seeded from the OS
+    seeds = prompt_seeds(prompts, params)
+    if deterministic and seeds is not None:
+        sampling = [
+            {**base, "sampling_seed": derive_seed(s, j)} for s in seeds for j in range(params.n)
+        ]
+    elif deterministic:
+        rng = random.Random()  # seeded from the OS
         sampling = [{**base, "sampling_seed": rng.getrandbits(63)} for _ in input_ids]
     else:
         sampling = [dict(base) for _ in input_ids]

@@ -37,6 +37,7 @@ from engine_core.rollout import (
     FINISH_REASON,
     PROMPT_IDS,
     PROMPT_MASK,
+    PROMPT_SEED,
     RESPONSE_IDS,
     RESPONSE_MASK,
     ROLLOUT_LOG_PROBS,
@@ -44,6 +45,7 @@ from engine_core.rollout import (
     SamplingParams,
     confirm_bucket,
     model_weight_shapes,
+    prompt_seeds,
     tensor_checksum,
     verified_buckets,
 )
@@ -156,6 +158,11 @@ def test_deterministic_requests_get_distinct_reproducible_seeds() -> None:
     assert all(0 <= s < 2**63 for s in a)  # SGLang accepts int64 seeds
     assert seeds(SamplingParams(n=4, seed=8)) != a
     assert len(set(seeds(SamplingParams(n=4)))) == 12
+    # a share of the prompts carrying their seeds (as a replica gets it) seeds as the whole did
+    whole = prompts()
+    whole[PROMPT_SEED] = torch.tensor(prompt_seeds(whole, SamplingParams(seed=7)))
+    part = build_requests(whole[1:], SamplingParams(n=4, seed=7), deterministic=True)
+    assert [sp["sampling_seed"] for sp in part.sampling_params] == a[4:]
 
 
 # -- responses ------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from engine_core.backend import (
     checked_buckets,
     confirm_bucket,
     model_weight_shapes,
+    prompt_seeds,
     prompt_tensors,
     response_batch,
     saved_model_folder,
@@ -70,8 +71,11 @@ class VLLMRolloutConfig(RolloutConfig):
     pad_token_id: int = Field(0, ge=0)
 
 
-def to_vllm_sampling_params(params: SamplingParams) -> Any:
-    """Our :class:`SamplingParams` as vLLM's, asking for the sampled token's log-prob."""
+def to_vllm_sampling_params(params: SamplingParams, seed: int | None = None) -> Any:
+    """Our :class:`SamplingParams` as vLLM's for one prompt whose seed is ``seed`` (its entry
+    of :func:`engine_core.rollout.prompt_seeds`), asking for the sampled token's log-prob.
+    vLLM samples a seeded request from a generator of its own, so a prompt's samples do not
+    depend on the other requests of the batch."""
     from vllm import SamplingParams as VLLMSamplingParams
 
     return VLLMSamplingParams(
@@ -81,7 +85,7 @@ def to_vllm_sampling_params(params: SamplingParams) -> Any:
         top_k=params.top_k if params.top_k > 0 else 0,
         max_tokens=params.max_new_tokens,
         stop_token_ids=list(params.stop_token_ids),
-        seed=params.seed,
+        seed=seed,
         logprobs=0,  # the sampled token's log-prob only
         detokenize=False,
     )
@@ -142,7 +146,9 @@ class VLLMRollout(BaseRollout):
             TokensPrompt(prompt_token_ids=row[m.bool()].tolist())
             for row, m in zip(ids, mask, strict=True)
         ]
-        outputs = self.llm.generate(requests, to_vllm_sampling_params(params), use_tqdm=False)
+        seeds = prompt_seeds(prompts, params) or [None] * len(requests)
+        sampling = [to_vllm_sampling_params(params, seed) for seed in seeds]
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
         samples = []
         for out in outputs:  # a prompt's n samples, adjacent
             for c in out.outputs:

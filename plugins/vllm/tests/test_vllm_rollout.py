@@ -177,9 +177,10 @@ def test_sampling_params_mapping() -> None:
     sp = to_vllm_sampling_params(
         SamplingParams(
             temperature=0.5, top_p=0.9, top_k=-1, max_new_tokens=7, n=3, seed=4, stop_token_ids=[2]
-        )  # fmt: skip
+        ),  # fmt: skip
+        seed=9,  # the prompt's own seed (prompt_seeds), not the request's
     )
     assert (sp.temperature, sp.top_p, sp.top_k, sp.max_tokens, sp.n, sp.seed) == (
-        0.5, 0.9, 0, 7, 3, 4,
+        0.5, 0.9, 0, 7, 3, 9,
     )  # fmt: skip
     assert sp.stop_token_ids == [2] and sp.logprobs == 0
