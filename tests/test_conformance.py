@@ -35,6 +35,11 @@ EXPORT = "test_weight_export_matches_hf_state_dict"
 REGISTERED = "test_registered_class_declares_the_registered_capabilities"
 INPUTS = "test_inputs_left_unmodified"
 NO_GROUP = "test_runs_without_a_process_group"
+TO = "test_to_moves_what_its_flags_say"
+UPDATE = {
+    "test_update_matches_a_plain_adamw_loop_single_process",
+    "test_update_matches_a_plain_adamw_loop_two_dp_ranks",
+}
 
 # The broken engines run in a few pytest subprocesses, each on the contract tests around some
 # clauses (-k) and only the kit checks those tests need (--engine-core-kit-only):
@@ -50,6 +55,7 @@ GROUPS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
         ("modes", "optimizer", "export", "inputs"),
     ),
     "process": (frozenset({NO_GROUP, MODES}), ("lifecycle", "modes")),
+    "updates": (frozenset({*UPDATE, OPTIMIZER, TO}), ("update", "optimizer", "to_meta")),
 }
 
 
@@ -83,6 +89,9 @@ BROKEN = {
         "checkpoints", frozenset(CHECKPOINTS), "[checkpoint: LR schedule]"
     ),
     "example-bad-rng": Broken("checkpoints", frozenset(CHECKPOINTS), "[checkpoint: RNG]"),
+    "example-forgets-skipped-steps": Broken(
+        "checkpoints", frozenset(CHECKPOINTS), "[checkpoint: skipped steps]"
+    ),
     "example-bad-sharded-optimizer": Broken(
         "checkpoints", frozenset({"test_checkpoint_with_two_dp_ranks"}), "own part"
     ),
@@ -96,6 +105,12 @@ BROKEN = {
     "example-needs-process-group": Broken(
         "process", frozenset({NO_GROUP}), "create a one-rank group in init_model"
     ),
+    "example-ignores-loss-mask": Broken(
+        "updates", frozenset(UPDATE), "it trains on every predicted token"
+    ),
+    "example-no-clip": Broken("updates", frozenset(UPDATE), "gradients are not clipped"),
+    "example-double-step": Broken("updates", frozenset(UPDATE), "applies the update twice"),
+    "example-forgets-optimizer": Broken("updates", frozenset({TO}), "optimizer on ['cpu'], want"),
 }
 
 _REPORTS: dict[str, dict[tuple[str, str], str | None]] = {}

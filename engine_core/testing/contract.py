@@ -20,10 +20,15 @@ from engine_core.resolve import resolve_engine_config
 from engine_core.testing.distributed import run_distributed
 from engine_core.testing.kit import (
     CAPABILITY_TRIGGERS,
+    UPDATE_CAUSES,
+    UPDATE_STEPS,
     Baseline,
     declared_capabilities,
+    eval_batch,
     make_baseline,
     no_process_group_checks,
+    plain_log_probs,
+    plain_update,
     single_process_checks,
     two_process_checks,
 )
@@ -354,6 +359,33 @@ def test_to_round_trip_keeps_outputs(single: dict) -> None:
     assert diff <= ATOL, f"[to] outputs changed by {diff:.3g} after to('cpu') and back"
 
 
+def test_to_moves_what_its_flags_say(single: dict, caps: frozenset) -> None:
+    moved = _get(single, "to_meta", "to")
+    for flags, where in moved.items():
+        if "refused" in where:
+            if Capability.OFFLOAD in caps:
+                pytest.fail(
+                    f"[to] to('meta', {flags}) raised ({where['refused']}), but the engine "
+                    f"declares offload: to() must move model and optimizer state anywhere."
+                )
+            continue  # an engine without offload may refuse devices other than its own
+        model, optimizer = (part.split("=")[1] == "True" for part in flags.split(","))
+        want = {
+            "model": ["meta"] if model else ["cpu"],
+            "grads": ["meta"] if model else ["cpu"],
+            "optimizer": ["meta"] if optimizer else ["cpu"],
+        }
+        wrong = {k: v for k, v in where.items() if v and v != want[k]}
+        if wrong:
+            left = ", ".join(f"{k} on {v}" for k, v in wrong.items())
+            pytest.fail(
+                f"[to] after to('meta', {flags}): {left}, want {want}. to() moves the "
+                f"parameters and their gradients when model=True, and every tensor of the "
+                f"optimizer state (AdamW's exp_avg, exp_avg_sq and step) when optimizer=True; "
+                f"a sharded optimizer moves this rank's shard."
+            )
+
+
 def test_optimizer_step_semantics(single: dict) -> None:
     opt = _get(single, "optimizer", "optimizer")
     assert opt["moved"], "[optimizer] optimizer_step() did not change any weight"
@@ -366,6 +398,110 @@ def test_optimizer_step_semantics(single: dict) -> None:
         f"return the non-finite norm"
     )
     assert opt["unchanged_after_nan"], "[optimizer] a non-finite grad norm must skip the update"
+
+
+# ---------------------------------------------------------------------------- the update oracle
+UPDATE_TOL = 1e-3  # of the update's size: float noise is ~1e-5, the bugs the oracle names >= 0.05
+
+
+@pytest.fixture(scope="session")
+def update_oracle(kit_baseline: Baseline) -> dict[str | None, dict[str, torch.Tensor]]:
+    """The plain loop's weights after the update checks' steps: the correct update (key None),
+    and each named bug's (computed when an engine fails, to say which it matches)."""
+    return {None: plain_update(kit_baseline.policy_dir)}
+
+
+def _distance(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], start: dict[str, torch.Tensor]
+) -> tuple[float, str, float]:
+    """|got - want| / |want - start| over all weights together, and the worst weight's."""
+    num = den = 0.0
+    worst, worst_rel = "", -1.0
+    for name, w in want.items():
+        diff = float((got[name].float() - w).pow(2).sum())
+        moved = float((w - start[name]).pow(2).sum())
+        num, den = num + diff, den + moved
+        rel = (diff / moved) ** 0.5 if moved > 0 else (0.0 if diff == 0 else float("inf"))
+        if rel > worst_rel:
+            worst, worst_rel = name, rel
+    return (num / den) ** 0.5 if den > 0 else float("inf"), worst, worst_rel
+
+
+def _oracle_log_probs(state: dict[str, torch.Tensor], baseline: Baseline) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(baseline.policy_dir, dtype=torch.float32)
+    model.load_state_dict(state)
+    return plain_log_probs(model.eval(), eval_batch())[0]
+
+
+def check_update(
+    result: dict[str, Any],
+    oracle: dict[str | None, dict[str, torch.Tensor]],
+    baseline: Baseline,
+    layout: str,
+) -> None:
+    """The engine's weights after the kit's steps against the plain loop's; on a mismatch, the
+    loop's variant with a named bug that the weights match instead, if any."""
+    params = result["params"]
+    if params is not None:
+        missing = sorted(set(oracle[None]) - set(params))
+        if missing:
+            pytest.fail(
+                f"[update] {layout}: named_full_params() has no {missing[:3]}; see [export]."
+            )
+        start = baseline.state_dict
+
+        def distance(want: dict[str, torch.Tensor]) -> tuple[float, str, float]:
+            return _distance(params, want, start)
+
+        what = "weights"
+    else:  # no weight export: the log-probs of the updated model
+        lp0 = {"log_probs": baseline.log_probs}
+        got = {"log_probs": result["log_probs"]}
+
+        def distance(want: dict[str, torch.Tensor]) -> tuple[float, str, float]:
+            return _distance(got, {"log_probs": _oracle_log_probs(want, baseline)}, lp0)
+
+        what = "log-probs"
+    rel, worst, worst_rel = distance(oracle[None])
+    if rel <= UPDATE_TOL:
+        return
+    matches = []
+    for cause in UPDATE_CAUSES:
+        if cause not in oracle:
+            oracle[cause] = plain_update(baseline.policy_dir, cause=cause)
+        matches.append((distance(oracle[cause])[0], cause))
+    best, cause = min(matches)
+    if best <= 10 * UPDATE_TOL:
+        why = f"They match a loop in which {UPDATE_CAUSES[cause]}."
+    else:
+        why = (
+            "They match none of the usual bugs (loss_mask ignored, no clipping, a double step, "
+            "no schedule). Each step must be: the loss over loss_mask tokens, its gradient "
+            "summed over micro-batches and DP ranks, clipped to optim.clip_grad, one AdamW step "
+            "at the scheduled lr, then lr_scheduler_step()."
+        )
+    pytest.fail(
+        f"[update] {layout}: after {UPDATE_STEPS} steps on batches with a loss_mask (prompt "
+        f"holes, a fully masked sample), the engine's {what} differ from a plain PyTorch AdamW "
+        f"loop's by {rel:.3g} of the update's size (tolerance {UPDATE_TOL:g}; worst: {worst}, "
+        f"{worst_rel:.3g}). {why}"
+    )
+
+
+def test_update_matches_a_plain_adamw_loop_single_process(
+    single: dict, update_oracle: dict, kit_baseline: Baseline
+) -> None:
+    result = _get(single, "update", "update")
+    check_update(result, update_oracle, kit_baseline, "1 rank, micro-batches")
+
+
+def test_update_matches_a_plain_adamw_loop_two_dp_ranks(
+    double: list, update_oracle: dict, kit_baseline: Baseline
+) -> None:
+    for rank, r in enumerate(double):
+        check_update(_get(r, "update", "update"), update_oracle, kit_baseline, f"dp=2 rank {rank}")
 
 
 def _check_checkpoint(ck: dict[str, Any], where: str) -> None:
@@ -394,6 +530,13 @@ def _check_checkpoint(ck: dict[str, Any], where: str) -> None:
             f"(final weights sum {ck['weights'][1]!r} vs {ck['weights'][0]!r}). save_shards() "
             f"must write every rank's model and optimizer state (sharded optimizer state "
             f"included) and load_shards() must restore each rank's own part."
+        )
+    before, after = ck["skipped"]
+    if before is not None and after != before:
+        pytest.fail(
+            f"[checkpoint: skipped steps] {where}: skipped_steps was {before} when saved and "
+            f"{after} after loading. Save the counter with the schedule "
+            f"(checkpoint_extra_state(); SingleOptimizerMixin does) and restore it on load."
         )
     assert ck["kept"] == [3, 4], (
         f"[checkpoint: rotation] {where}: max_ckpt_to_keep=2 left steps {ck['kept']}, want [3, 4]"

@@ -25,11 +25,12 @@ from engine_core.batch import (
     ATTENTION_MASK,
     INPUT_IDS,
     LOG_PROBS,
+    LOSS_MASK,
     BatchMeta,
     set_meta,
 )
 from engine_core.capabilities import Capability
-from engine_core.engine import BaseEngine, loss_mask_of
+from engine_core.engine import BaseEngine, loss_mask_of, predicted_mask
 from engine_core.plugins import load_plugins
 from engine_core.resolve import resolve_engine_config
 from engine_core.testing.models import TINY_QWEN2, engine_config, nll_loss, random_batch
@@ -43,6 +44,11 @@ __all__ = [
     "plain_log_probs",
     "plain_values",
     "plain_loss_and_grad_norm",
+    "plain_update",
+    "masked_batch",
+    "UPDATE_OPTIM",
+    "UPDATE_STEPS",
+    "UPDATE_CAUSES",
     "no_process_group_checks",
     "single_process_checks",
     "two_process_checks",
@@ -167,6 +173,105 @@ def plain_loss_and_grad_norm(model: torch.nn.Module, batch: TensorDict) -> tuple
     return float(loss.detach()), norm
 
 
+# The update oracle's optimizer: a moving warm-up, clipping that bites, and eps large enough that
+# AdamW's step is close to lr * (momentum of the gradient), so the gradient's scale shows in the
+# weights (with eps 1e-8 Adam cancels it) and float noise in tiny gradients cannot flip a step.
+UPDATE_OPTIM: dict[str, Any] = {
+    "lr": 1.0,
+    "eps": 1.0,
+    "weight_decay": 0.0,
+    "warmup_steps": 2,
+    "clip_grad": 0.05,
+}
+UPDATE_STEPS = 3
+# what an engine's update matches instead of the oracle's, and what that usually means
+UPDATE_CAUSES: dict[str, str] = {
+    "no_loss_mask": "it trains on every predicted token: the batch's loss_mask is dropped or "
+    "ignored before the loss (prompt tokens and fully masked samples train)",
+    "no_clip": "gradients are not clipped to optim.clip_grad before the step "
+    "(SingleOptimizerMixin.optimizer_step and clip_and_step do it)",
+    "twice": "each optimizer_step() applies the update twice",
+    "no_schedule": "the learning rate ignores the schedule (the warm-up): the scheduler is not "
+    "built from optim, or lr_scheduler_step() does not advance it",
+}
+
+
+def masked_batch(seed: int) -> TensorDict:
+    """A training batch with a ``loss_mask`` as RL batches carry one: the first half of each
+    sequence's tokens is its prompt (no loss), the rest its response, and one sample trains on
+    nothing at all. Lengths are uneven."""
+    batch = random_batch(N, seed=100 + seed)
+    real = batch[ATTENTION_MASK].bool()
+    response = real.long().cumsum(-1) > real.sum(-1, keepdim=True) // 2
+    mask = predicted_mask(batch[ATTENTION_MASK]) & response
+    mask[seed % N] = False
+    batch[LOSS_MASK] = mask.long()
+    return batch
+
+
+def plain_update(
+    policy_dir: str, *, cause: str | None = None, steps: int = UPDATE_STEPS
+) -> dict[str, torch.Tensor]:
+    """The weights after ``steps`` training steps on :func:`masked_batch` written as a plain
+    PyTorch loop (torch's AdamW, ``clip_grad_norm_``, ``LambdaLR``), from ``policy_dir``'s
+    weights: what an engine's update must give. ``cause`` (a key of :data:`UPDATE_CAUSES`)
+    makes the loop commit that bug instead, so a failing engine's weights can be matched to
+    one."""
+    from transformers import AutoModelForCausalLM
+
+    from engine_core.config import OptimConfig
+    from engine_core.optim import lr_lambda
+
+    cfg = OptimConfig(**UPDATE_OPTIM)
+    model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).train()
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=cfg.lr,
+        betas=cfg.betas,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        foreach=False,
+    )
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: 1.0 if cause == "no_schedule" else lr_lambda(cfg, s)
+    )
+    for step in range(steps):
+        batch = masked_batch(step)
+        if cause == "no_loss_mask":
+            batch = batch.exclude(LOSS_MASK)
+        ids, mask, loss_mask = batch[INPUT_IDS], batch[ATTENTION_MASK], loss_mask_of(batch)
+        total = loss_mask.sum()
+        for i in range(ids.shape[0]):  # each sequence alone: no padding, no packing
+            real = mask[i].bool()
+            seq = ids[i][real].unsqueeze(0)
+            logp = torch.log_softmax(model(input_ids=seq).logits.float()[0, :-1], -1)
+            lp = logp.gather(-1, seq[0, 1:, None]).squeeze(-1)
+            (-(lp * loss_mask[i][real][1:].float()).sum() / total).backward()
+        if cfg.clip_grad is not None and cause != "no_clip":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)
+        for _ in range(2 if cause == "twice" else 1):
+            opt.step()
+        schedule.step()
+        opt.zero_grad(set_to_none=True)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _update(backend: str, policy: dict[str, Any], **overrides: Any) -> dict[str, Any]:
+    """The engine's weights (and log-probs) after the oracle's steps on the same batches."""
+    engine = build(backend, model=policy, optim=dict(UPDATE_OPTIM), **overrides)
+    for step in range(UPDATE_STEPS):
+        with engine.train_mode():
+            engine.forward_backward_step(engine.shard_data(masked_batch(step)))
+            engine.optimizer_step()
+            engine.lr_scheduler_step()
+            engine.optimizer_zero_grad()
+    export = Capability.WEIGHT_EXPORT in declared_capabilities(backend)
+    return {
+        "params": _params(engine) if export else None,
+        "log_probs": forward(engine, eval_batch())[LOG_PROBS],
+    }
+
+
 def make_baseline(root: str | None = None) -> Baseline:
     """Save a seeded policy and a seeded value model, and compute the plain figures on them."""
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
@@ -283,6 +388,53 @@ def _modes(backend: str, policy: dict[str, Any]) -> dict[str, Any]:
     return seen
 
 
+def _state_devices(engine: BaseEngine) -> dict[str, list[str]]:
+    """Device types of the engine's parameters, their gradients and its optimizer state."""
+
+    def types(tensors: Any) -> list[str]:
+        return sorted({t.device.type for t in tensors})
+
+    module = engine.module
+    assert module is not None
+    params = list(module.parameters())
+    optimizer: Any = getattr(engine, "optimizer", None)
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer wraps its own
+    state = [
+        v
+        for per_param in (getattr(inner, "state", {}) or {}).values()
+        for v in per_param.values()
+        if isinstance(v, torch.Tensor)
+    ]
+    return {
+        "model": types(params),
+        "grads": types(p.grad for p in params if p.grad is not None),
+        "optimizer": types(state),
+    }
+
+
+def _to(backend: str, policy: dict[str, Any]) -> dict[str, Any]:
+    """``to("meta", ...)`` with each pair of flags, after a step and a backward (so optimizer
+    state and gradients exist): where model, gradients and optimizer state went. The meta device
+    makes a forgotten tensor visible on a host with one device; an engine may refuse a device
+    (an EngineCoreError), which the contract allows only without ``offload``."""
+    from engine_core.errors import EngineCoreError
+
+    seen: dict[str, Any] = {}
+    for model, optimizer in ((True, True), (True, False), (False, True)):
+        engine = build(backend, model=policy, optim={"lr": 1e-3})
+        with engine.train_mode():
+            engine.forward_backward_step(engine.shard_data(train_batch(0)))
+            engine.optimizer_step()
+            engine.forward_backward_step(engine.shard_data(train_batch(1)))
+        try:
+            engine.to("meta", model=model, optimizer=optimizer)
+        except EngineCoreError as e:
+            seen[f"model={model},optimizer={optimizer}"] = {"refused": str(e)}
+            continue
+        seen[f"model={model},optimizer={optimizer}"] = _state_devices(engine)
+    return seen
+
+
 def _optimizer(backend: str, policy: dict[str, Any]) -> dict[str, Any]:
     optim = {"lr": 1e-2, "warmup_steps": 4, "clip_grad": None}
     engine = build(backend, model=policy, optim=optim)
@@ -350,6 +502,8 @@ def _checkpoint(backend: str, policy: dict[str, Any], root: str) -> dict[str, An
     model = _ckpt_model(policy)
     engine = build(backend, model=model, optim=CKPT_OPTIM)
     _train_lrs(engine, range(2))
+    _skip_a_step(engine)  # the skipped-step counter is part of what a resume restores
+    skipped_before = getattr(engine, "skipped_steps", None)
     folder = engine.save_checkpoint(root, step=2, max_ckpt_to_keep=2)
     straight_rng = _rng_draws()
     straight = _train_lrs(engine, range(2, 4))
@@ -359,6 +513,7 @@ def _checkpoint(backend: str, policy: dict[str, Any], root: str) -> dict[str, An
     again_rng = _rng_draws()
     again = _train_lrs(resumed, range(2, 4))
     again_weights = _fingerprint(resumed)
+    skipped_after = getattr(resumed, "skipped_steps", None)
     for s in (3, 4):
         engine.save_checkpoint(root, step=s, max_ckpt_to_keep=2)
     kept = [s for s, _ in list_checkpoints(root)]
@@ -369,8 +524,19 @@ def _checkpoint(backend: str, policy: dict[str, Any], root: str) -> dict[str, An
         "straight_rng": straight_rng,
         "again_rng": again_rng,
         "weights": (straight_weights, again_weights),
+        "skipped": (skipped_before, skipped_after),
         "kept": kept,
     }
+
+
+def _skip_a_step(engine: BaseEngine) -> None:
+    """One step whose gradient norm is NaN: skipped by the optimizer, counted."""
+    engine.set_loss_fn(lambda mb, out, ctx: ((out[LOG_PROBS] * math.nan).sum(), {}))
+    with engine.train_mode():
+        engine.forward_backward_step(engine.shard_data(train_batch(9)))
+        engine.optimizer_step()
+        engine.optimizer_zero_grad()
+    engine.set_loss_fn(nll_loss)
 
 
 def _inputs_unmodified(backend: str, policy: dict[str, Any]) -> dict[str, Any]:
@@ -484,6 +650,11 @@ def single_process_checks(
         _record(results, f"step_{name}", partial(_step, backend, kw))
     _record(results, "modes", lambda: _modes(backend, policy))
     _record(results, "optimizer", lambda: _optimizer(backend, policy))
+    _record(results, "to_meta", lambda: _to(backend, policy))
+    update = {"micro_batch_size": 3}
+    if Capability.DYNAMIC_BATCH in caps:
+        update = {"max_tokens_per_micro_batch": 40}
+    _record(results, "update", lambda: _update(backend, policy, **update))
     _record(
         results, "checkpoint", lambda: _checkpoint(backend, policy, baseline["checkpoint_root"])
     )
@@ -570,6 +741,7 @@ def two_process_checks(
     if Capability.DYNAMIC_BATCH in caps:
         kw = {"model": policy, "max_tokens_per_micro_batch": 48}
         _record(results, "uneven_counts", partial(_step, backend, kw, _uneven_batch()))
+    _record(results, "update", lambda: _update(backend, policy, micro_batch_size=2))
     # optimizer state sharded (or replicated) over two ranks: saved and restored by every rank
     _record(
         results, "checkpoint", lambda: _checkpoint(backend, policy, baseline["checkpoint_root"])
