@@ -132,7 +132,9 @@ def _parity_arguments(parser: argparse.ArgumentParser) -> None:
         "backends", nargs="+", metavar="BACKEND", help="engines; the first is the baseline"
     )
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps (default 5)")
-    parser.add_argument("--world-size", type=int, default=1, help="gloo processes per backend")
+    parser.add_argument(
+        "--world-size", type=int, default=2, help="gloo processes per backend (default 2)"
+    )
     parser.add_argument("--micro-batch-size", type=int, default=None)
     parser.add_argument("--rtol", type=float, default=1e-5, help="loss / grad-norm tolerance")
     parser.add_argument("--atol-logprob", type=float, default=1e-5, help="log-prob tolerance")

@@ -28,7 +28,14 @@ from rich.table import Table
 
 from engine_core.errors import ConfigError
 
-__all__ = ["ParityReport", "claim_report_path", "print_report", "run_parity", "write_report"]
+__all__ = [
+    "ParityReport",
+    "claim_report_path",
+    "first_divergence",
+    "print_report",
+    "run_parity",
+    "write_report",
+]
 
 OPTIM = {"lr": 1e-2, "clip_grad": 1.0, "warmup_steps": 1}
 
@@ -56,6 +63,8 @@ class ParityReport:
     max_rel_grad_norm_diff: dict[str, float] = field(default_factory=dict)
     max_abs_log_prob_diff_before: dict[str, float] = field(default_factory=dict)
     max_abs_log_prob_diff_after: dict[str, float] = field(default_factory=dict)
+    # per backend that fails: the first quantity that diverged, and what usually causes that
+    first_divergence: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def baseline(self) -> str:
@@ -100,11 +109,71 @@ def _rel(a: list[float], b: list[float]) -> float:
     return max((abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True)), default=0.0)
 
 
+def first_divergence(
+    run: BackendRun, base: BackendRun, rtol: float, atol: float, world_size: int
+) -> dict[str, Any] | None:
+    """Where ``run`` first leaves ``base``, in the order the figures are produced (the log-probs
+    before any step, then each step's loss and grad norm, then the log-probs after the last),
+    with the usual cause of that pattern; None when nothing diverges."""
+
+    def off(x: float, y: float) -> bool:
+        return abs(x - y) > rtol * max(abs(y), 1e-12)
+
+    if float((run.log_probs_before - base.log_probs_before).abs().max()) > atol:
+        return {
+            "step": 0,
+            "quantity": "log-probs before training",
+            "cause": "the forward pass itself: how the weights are loaded, position ids, padding "
+            "or packing boundaries, the attention mask, or the shift that aligns position t with "
+            "token t",
+        }
+    for i, (loss, norm, want_loss, want_norm) in enumerate(
+        zip(run.losses, run.grad_norms, base.losses, base.grad_norms, strict=True), start=1
+    ):
+        if off(loss, want_loss):
+            ratio = loss / want_loss
+            if i == 1:
+                cause = "the reported loss: its normalization (global token count, loss mask) "
+                if world_size > 1 and abs(ratio * world_size - 1) < 1e-3:
+                    cause = f"the reported loss is 1/{world_size} of the global one: a rank's part "
+                cause += "or its sum over micro-batches and ranks"
+            else:
+                cause = (
+                    "the update of the step before: the optimizer step (clipping, the lr schedule, "
+                    "AdamW settings, a skipped or doubled step)"
+                )
+            return {"step": i, "quantity": "loss", "ratio": ratio, "cause": cause}
+        if off(norm, want_norm):
+            ratio = norm / want_norm
+            if world_size > 1 and abs(ratio * world_size - 1) < 1e-3:
+                cause = (
+                    f"gradients are 1/{world_size} of the sum over ranks: a reduction that "
+                    f"averages (DDP, FSDP) needs backward(loss * dp_size)"
+                )
+            elif world_size > 1 and abs(ratio - world_size) < 1e-3:
+                cause = f"gradients are {world_size}x the sum: reduced twice, or scaled twice"
+            else:
+                cause = (
+                    "the gradient with an equal loss: micro-batch accumulation (zero_grad or an "
+                    "average between micro-batches), the reduction over ranks, or parameters "
+                    "left out of it"
+                )
+            return {"step": i, "quantity": "grad norm", "ratio": ratio, "cause": cause}
+    if float((run.log_probs_after - base.log_probs_after).abs().max()) > atol:
+        return {
+            "step": len(run.losses),
+            "quantity": "log-probs after training",
+            "cause": "the last optimizer step (every loss and grad norm agreed): clipping, the "
+            "lr of the last step, or the weights the forward reads after an update",
+        }
+    return None
+
+
 def run_parity(
     backends: list[str],
     *,
     steps: int = 5,
-    world_size: int = 1,
+    world_size: int = 2,
     micro_batch_size: int | None = None,
     rtol: float = 1e-5,
     atol_log_prob: float = 1e-5,
@@ -148,6 +217,10 @@ def run_parity(
         ):
             diff = float((got - want).abs().max())
             getattr(report, f"max_abs_log_prob_diff_{when}")[name] = diff
+        if name != backends[0]:
+            found = first_divergence(run, base, rtol, atol_log_prob, world_size)
+            if found is not None:
+                report.first_divergence[name] = found
     return report
 
 
@@ -242,6 +315,13 @@ def print_report(report: ParityReport, console: Console) -> None:
         f"{verdict}: tolerances rtol={report.rtol:g} (loss, grad norm), "
         f"atol={report.atol_log_prob:g} (log-probs)"
     )
+    for name, found in report.first_divergence.items():
+        ratio = f" ({found['ratio']:.4g}x {base}'s)" if "ratio" in found else ""
+        where = f"step {found['step']}" if found["step"] else "before the first step"
+        console.print(
+            f"{name}: first diverges in the {found['quantity']} at {where}{ratio}; usually "
+            f"{found['cause']}."
+        )
 
 
 def _table(

@@ -44,6 +44,25 @@ def test_parity_fails_for_a_broken_engine(broken_report: tuple[int, Path]) -> No
     report = json.loads(out.read_text())
     assert not report["passed"]
     assert report["max_rel_grad_norm_diff"]["example-bad-scaling"] == pytest.approx(0.5, rel=1e-3)
+    # the first figure that diverged, and the usual cause of that pattern
+    first = report["first_divergence"]["example-bad-scaling"]
+    assert (first["step"], first["quantity"]) == (1, "grad norm")
+    assert first["ratio"] == pytest.approx(0.5, rel=1e-3)
+    assert "backward(loss * dp_size)" in first["cause"]
+    assert "reference" not in report["first_divergence"]
+
+
+def test_parity_runs_two_processes_by_default() -> None:
+    import argparse
+    import inspect
+
+    from engine_core.cli import _parity_arguments
+    from engine_core.parity import run_parity
+
+    parser = argparse.ArgumentParser()
+    _parity_arguments(parser)
+    assert parser.parse_args(["reference", "fsdp"]).world_size == 2
+    assert inspect.signature(run_parity).parameters["world_size"].default == 2
 
 
 def _no_run(*args: object, **kwargs: object) -> None:

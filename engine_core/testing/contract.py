@@ -237,15 +237,36 @@ def test_model_parallel_outputs_match_transformers(
 # ---------------------------------------------------------------------------- gradients
 def _check_step(step: dict, baseline: Baseline, variant: str, dp_size: int = 1) -> None:
     loss, norm = step["loss"], step["norm"]
+    calls = int(step.get("calls") or 1)
     if loss is None or abs(loss - baseline.loss) > RTOL * abs(baseline.loss):
+        cause = ""
+        ratio = loss / baseline.loss if loss is not None else float("nan")
+        if calls > 1 and abs(ratio * calls - 1) < 1e-3:
+            cause = (
+                f" It is 1/{calls} of that, with {calls} micro-batches: the micro-batch losses "
+                f"are averaged. Each is already normalized by the global token count; add them."
+            )
+        elif dp_size > 1 and abs(ratio * dp_size - 1) < 1e-3:
+            cause = f" It is 1/{dp_size} of that: this rank's part only. Sum it over the DP ranks."
+        elif dp_size > 1 and abs(ratio - dp_size) < 1e-3:
+            cause = (
+                f" It is {dp_size}x that: scaled by dp_size. Scale what backward() sees (for a "
+                f"reduction that averages), never the loss reported."
+            )
         pytest.fail(
             f"[loss contract] {variant}: loss {loss} != full-batch token-mean loss "
             f"{baseline.loss:.8g}: the reported loss must be the global loss, summed over "
-            f"micro-batches and DP ranks."
+            f"micro-batches and DP ranks.{cause}"
         )
     if abs(norm - baseline.grad_norm) > RTOL * baseline.grad_norm:
         ratio = norm / baseline.grad_norm
-        if dp_size > 1 and abs(ratio * dp_size - 1) < 1e-3:
+        if calls > 1 and abs(ratio * calls - 1) < 1e-3:
+            fix = (
+                f"the gradients are 1/{calls} of the sum, with {calls} micro-batches: something "
+                f"averages over micro-batches (a division by their count, or a loss scaled by "
+                f"1/num_micro_batches). Each micro-batch's loss is already globally normalized."
+            )
+        elif dp_size > 1 and abs(ratio * dp_size - 1) < 1e-3:
             fix = (
                 f"the gradients are 1/{dp_size} of the sum: a backend whose reduction averages "
                 f"over ranks must scale the loss by dp_size."
@@ -582,11 +603,12 @@ def test_weight_export_matches_hf_state_dict(
     exported = _get(single, "export", "export")
     want = kit_baseline.state_dict
     missing, extra = sorted(want.keys() - exported.keys()), sorted(exported.keys() - want.keys())
-    assert not missing and not extra, (
-        f"[export] names differ from the HF state dict: missing {missing[:5]}, extra {extra[:5]}; "
-        f"named_full_params() must yield Hugging Face names (strip wrapper prefixes such as "
-        f"'module.' or '_fsdp_wrapped_module.', map backend layouts back)"
-    )
+    if missing or extra:
+        pytest.fail(
+            f"[export] names differ from the HF state dict: missing {missing[:5]}, extra "
+            f"{extra[:5]}; named_full_params() must yield every Hugging Face name"
+            f"{_export_hint(missing, extra)}"
+        )
     for name, tensor in want.items():
         got = exported[name]
         assert got.shape == tensor.shape, (
@@ -598,6 +620,33 @@ def test_weight_export_matches_hf_state_dict(
             f"weights in the model's dtype (rollouts cast on their side)"
         )
         assert torch.equal(got, tensor), f"[export] {name}: values differ from the HF weights"
+
+
+_WRAPPER_PREFIXES = (
+    "module.",
+    "_fsdp_wrapped_module.",
+    "_orig_mod.",
+    "_checkpoint_wrapped_module.",
+)
+
+
+def _export_hint(missing: list[str], extra: list[str]) -> str:
+    """What usually explains the names: wrapper prefixes only when the extra names carry them."""
+    wrapped = [n for n in extra if any(p in n for p in _WRAPPER_PREFIXES)]
+    if wrapped:
+        return (
+            f": {wrapped[0]!r} carries a wrapper's prefix; strip 'module.', "
+            f"'_fsdp_wrapped_module.', '_orig_mod.' and the like"
+        )
+    if missing and not extra:
+        tied = [n for n in missing if n.endswith(("lm_head.weight", "embed_tokens.weight"))]
+        if tied:
+            return (
+                f", a tied embedding and head under both names ({tied[0]!r} is missing), as "
+                f"transformers' state_dict() gives them"
+            )
+        return ", none left out (a rank that holds only some of them gathers the rest)"
+    return ": map the backend's own layout (fused or renamed weights) back to the HF names"
 
 
 def test_lora_trains_adapters_only(single: dict, caps: frozenset, kit_baseline: Baseline) -> None:
