@@ -134,6 +134,15 @@ def _pid(key: str) -> str:
     return str(os.getpid())
 
 
+def _exits(key: str) -> str:
+    """Ends the process it runs in (only ever called in a tool process).
+
+    Args:
+        key: anything
+    """
+    os._exit(3)
+
+
 def _call(name: str, **arguments: Any) -> str:
     return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
 
@@ -141,7 +150,7 @@ def _call(name: str, **arguments: Any) -> str:
 @pytest.mark.parametrize("processes", [0, 2], ids=["threads", "processes"])
 def test_tools_that_misbehave_become_error_observations(processes: int) -> None:
     env = ToolEnvironment(
-        [lookup, _raises, _number, _hangs, _pid], tool_timeout_s=0.3, processes=processes
+        [lookup, _raises, _number, _hangs, _pid, _exits], tool_timeout_s=0.3, processes=processes
     )
     assert [t["function"]["name"] for t in env.tools or []] == [
         "lookup",
@@ -149,6 +158,7 @@ def test_tools_that_misbehave_become_error_observations(processes: int) -> None:
         "_number",
         "_hangs",
         "_pid",
+        "_exits",
     ]
     assert env.reset({"prompt": "qe"}) == [{"role": "user", "content": "qe"}]
 
@@ -167,7 +177,7 @@ def test_tools_that_misbehave_become_error_observations(processes: int) -> None:
         _call("_number", key="x"): "error: tool '_number' returned int, not text",
         _call(
             "nope"
-        ): "error: no tool 'nope'; the tools are lookup, _raises, _number, _hangs, _pid",
+        ): "error: no tool 'nope'; the tools are lookup, _raises, _number, _hangs, _pid, _exits",
         _call("lookup", key=3): "error: bad arguments for 'lookup': 3 is not of type 'string'",
         _call("lookup"): "error: bad arguments for 'lookup': 'key' is a required property",
         "<tool_call>{not json</tool_call>": "error: the tool call '{not json' is not JSON",
@@ -188,6 +198,16 @@ def test_tools_that_misbehave_become_error_observations(processes: int) -> None:
         # the hung call's process was killed, not left running; a fresh one took its place
         alive = {p.pid for p in multiprocessing.active_children() if p.name == "engine-core-tool"}
         assert int(pid) in alive and len(alive) <= processes
+        # a tool that ends its own process: an error observation, and the pool goes on
+        (died,), counts, _ = answer(_call("_exits", key="x"))
+        assert died == "error: tool '_exits' ended its process (exit code 3)"
+        assert counts == {"tool_calls": 1, "tool_errors": 1}
+        from engine_core_roles.tool_processes import TOOL_PROCESSES
+
+        deadline = time.monotonic() + 120  # replacements start in the background
+        while TOOL_PROCESSES._idle.qsize() < processes and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert answer(_call("lookup", key="ab"))[0] == [value_of("ab")]
         with pytest.raises(ConfigError, match="cannot run in a tool process"):
             ToolEnvironment([lambda key: key], processes=1)
 

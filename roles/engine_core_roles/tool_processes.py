@@ -118,16 +118,12 @@ class ToolProcesses:
             )
 
     def _take(self, deadline: float) -> _Worker | None:
-        while True:
-            try:
-                return self._idle.get(timeout=0.05)
-            except queue.Empty:
-                if time.monotonic() > deadline:
-                    return None
-                with self._lock:
-                    short = self._running < self.size
-                if short:
-                    self.warm()
+        """An idle process, waiting for one until ``deadline`` (None: none came). A killed
+        process's replacement starts in the background, so a call never waits on a start."""
+        try:
+            return self._idle.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            return None
 
     def _retire(self, worker: _Worker, *, replace: bool = True) -> None:
         worker.kill()
