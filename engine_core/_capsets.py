@@ -16,5 +16,6 @@ REFERENCE_CAPABILITIES = frozenset(
         Capability.WEIGHT_EXPORT,
         Capability.VALUE_HEAD,
         Capability.GRADIENT_CHECKPOINTING,
+        Capability.BF16,
     }
 )

@@ -35,6 +35,7 @@ class Capability(StrEnum):
     CPU = "cpu"
     DATA_PARALLEL = "data_parallel"
     GRADIENT_CHECKPOINTING = "gradient_checkpointing"
+    BF16 = "bf16"  # trains and exports a model held in bfloat16 (model.dtype: bfloat16)
     # rollout capabilities
     SLEEP = "sleep"
     LOGPROBS = "logprobs"

@@ -173,4 +173,6 @@ class EngineConfig(FrozenModel):
             need.add(Capability.DYNAMIC_BATCH)
         if self.offload:
             need.add(Capability.OFFLOAD)
+        if self.model.dtype == "bfloat16":
+            need.add(Capability.BF16)
         return need

@@ -649,6 +649,55 @@ def _export_hint(missing: list[str], extra: list[str]) -> str:
     return ": map the backend's own layout (fused or renamed weights) back to the HF names"
 
 
+BF16_ATOL = 1e-2  # bf16 arithmetic, kernels and padding: the engines here differ by <= 2.2e-4
+
+
+def test_bf16_model_keeps_its_dtype_and_gives_float32_log_probs(
+    single: dict, caps: frozenset, kit_baseline: Baseline
+) -> None:
+    if Capability.BF16 not in caps:
+        pytest.skip("bf16 not declared")
+    got = _get(single, "bf16", "bf16")
+    lp = got["log_probs"]
+    if lp.dtype != torch.float32:
+        pytest.fail(
+            f"[bf16] log-probs of a bfloat16 model came back as {lp.dtype}: compute them in "
+            f"float32 from the logits (token_log_probs does), whatever the model's dtype."
+        )
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(kit_baseline.policy_dir, dtype=torch.bfloat16)
+    want = plain_log_probs(plain.eval(), eval_batch())[0]
+    diff = float((lp - want).abs().max())
+    if diff > BF16_ATOL:
+        pytest.fail(
+            f"[bf16] log-probs of the bfloat16 model differ from plain transformers in "
+            f"bfloat16 by {diff:.3g} (atol {BF16_ATOL}): build the model in model.dtype and "
+            f"keep its arithmetic there."
+        )
+    if got["export"] is not None:
+        for name, tensor in kit_baseline.state_dict.items():
+            exported = got["export"][name]
+            if exported.dtype != torch.bfloat16:
+                pytest.fail(
+                    f"[bf16] named_full_params() gave {name} as {exported.dtype} for a "
+                    f"bfloat16 model: export the weights in the model's dtype."
+                )
+            if not torch.equal(exported, tensor.to(torch.bfloat16)):
+                pytest.fail(f"[bf16] {name}: the exported bfloat16 weights are not the model's")
+        if got["export_dtypes_after"] != ["torch.bfloat16"]:
+            pytest.fail(
+                f"[bf16] after a training step the export holds {got['export_dtypes_after']}: "
+                f"a bfloat16 model stays bfloat16 (master weights, if any, are the engine's own)."
+            )
+    loss = got["loss"]
+    if loss is None or not abs(loss - kit_baseline.loss) <= 1e-3 * kit_baseline.loss:
+        pytest.fail(
+            f"[bf16] a training step of the bfloat16 model reported loss {loss}, the float32 "
+            f"model's is {kit_baseline.loss:.6g}."
+        )
+
+
 def test_lora_trains_adapters_only(single: dict, caps: frozenset, kit_baseline: Baseline) -> None:
     if Capability.LORA not in caps:
         pytest.skip("lora not declared")

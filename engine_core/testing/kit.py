@@ -70,6 +70,7 @@ CAPABILITY_TRIGGERS: dict[Capability, dict[str, Any]] = {
     Capability.PACKING: {"use_packing": True},
     Capability.DYNAMIC_BATCH: {"max_tokens_per_micro_batch": 64},
     Capability.OFFLOAD: {"offload": True},
+    Capability.BF16: {"model": {"config": dict(TINY_QWEN2), "dtype": "bfloat16"}},
 }
 
 
@@ -435,6 +436,24 @@ def _to(backend: str, policy: dict[str, Any]) -> dict[str, Any]:
     return seen
 
 
+def _bf16(backend: str, policy: dict[str, Any]) -> dict[str, Any]:
+    """A model held in bfloat16: its log-probs (their dtype), its export before and after a
+    step, and the step's loss."""
+    engine = build(backend, model={**policy, "dtype": "bfloat16"}, optim={"lr": 1e-3})
+    export = Capability.WEIGHT_EXPORT in declared_capabilities(backend)
+    before = _params(engine) if export else None
+    log_probs = forward(engine, eval_batch())[LOG_PROBS]
+    step = first_step(engine, train_batch())
+    return {
+        "log_probs": log_probs,
+        "export": before,
+        "export_dtypes_after": sorted({str(v.dtype) for v in _params(engine).values()})
+        if export
+        else None,
+        "loss": step["loss"],
+    }
+
+
 def _optimizer(backend: str, policy: dict[str, Any]) -> dict[str, Any]:
     optim = {"lr": 1e-2, "warmup_steps": 4, "clip_grad": None}
     engine = build(backend, model=policy, optim=optim)
@@ -651,6 +670,8 @@ def single_process_checks(
     _record(results, "modes", lambda: _modes(backend, policy))
     _record(results, "optimizer", lambda: _optimizer(backend, policy))
     _record(results, "to_meta", lambda: _to(backend, policy))
+    if Capability.BF16 in caps:
+        _record(results, "bf16", lambda: _bf16(backend, policy))
     update = {"micro_batch_size": 3}
     if Capability.DYNAMIC_BATCH in caps:
         update = {"max_tokens_per_micro_batch": 40}

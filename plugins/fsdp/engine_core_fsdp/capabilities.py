@@ -19,6 +19,7 @@ FSDP_CAPABILITIES = frozenset(
         Capability.VALUE_HEAD,
         Capability.WEIGHT_EXPORT,
         Capability.GRADIENT_CHECKPOINTING,
+        Capability.BF16,
         Capability.LORA,
         Capability.OFFLOAD,
     }

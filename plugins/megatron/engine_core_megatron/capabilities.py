@@ -21,5 +21,6 @@ MEGATRON_CAPABILITIES = frozenset(
         Capability.VALUE_HEAD,
         Capability.WEIGHT_EXPORT,
         Capability.GRADIENT_CHECKPOINTING,
+        Capability.BF16,
     }
 )
