@@ -446,11 +446,28 @@ def save_safetensors(
 ) -> None:
     from safetensors.torch import save, save_file
 
+    tensors = _unshared(tensors)
     if _is_local(location):
         save_file(tensors, _fs(location)[1], metadata=metadata)  # streams to disk
         return
     fs, path = _fs(location)
     fs.pipe_file(path, save(tensors, metadata=metadata))
+
+
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with each tensor that shares storage with an earlier one copied: safetensors
+    refuses shared storage, and a tied embedding and output head are one tensor under two
+    names. Loading puts both names back into the one parameter."""
+    seen: set[tuple[int, int]] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        key = (t.untyped_storage().data_ptr(), t.device.index or 0) if t.numel() else (0, -1)
+        if t.numel() and key in seen:
+            t = t.clone()
+        else:
+            seen.add(key)
+        out[name] = t
+    return out
 
 
 def load_safetensors(location: str) -> dict[str, torch.Tensor]:

@@ -37,6 +37,7 @@ INPUTS = "test_inputs_left_unmodified"
 NO_GROUP = "test_runs_without_a_process_group"
 TO = "test_to_moves_what_its_flags_say"
 BF16 = "test_bf16_model_keeps_its_dtype_and_gives_float32_log_probs"
+TIED = "test_tied_embeddings_export_and_checkpoint"
 UPDATE = {
     "test_update_matches_a_plain_adamw_loop_single_process",
     "test_update_matches_a_plain_adamw_loop_two_dp_ranks",
@@ -52,8 +53,8 @@ GROUPS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
     ),
     "checkpoints": (frozenset(CHECKPOINTS), ("checkpoint",)),
     "lifecycle": (
-        frozenset({MODES, OPTIMIZER, EXPORT, REGISTERED, INPUTS, BF16}),
-        ("modes", "optimizer", "export", "inputs", "bf16"),
+        frozenset({MODES, OPTIMIZER, EXPORT, REGISTERED, INPUTS, BF16, TIED}),
+        ("modes", "optimizer", "export", "inputs", "bf16", "tied"),
     ),
     "process": (frozenset({NO_GROUP, MODES}), ("lifecycle", "modes")),
     "updates": (frozenset({*UPDATE, OPTIMIZER, TO}), ("update", "optimizer", "to_meta")),
@@ -103,6 +104,7 @@ BROKEN = {
         "lifecycle", frozenset({OPTIMIZER}), "a non-finite grad norm must skip the update"
     ),
     "example-bad-export": Broken("lifecycle", frozenset({EXPORT}), "[export]"),
+    "example-drops-tied-head": Broken("lifecycle", frozenset({TIED}), "'lm_head.weight'"),
     "example-upcasts-export": Broken(
         "lifecycle", frozenset({BF16}), "export the weights in the model's dtype"
     ),

@@ -698,6 +698,36 @@ def test_bf16_model_keeps_its_dtype_and_gives_float32_log_probs(
         )
 
 
+def test_tied_embeddings_export_and_checkpoint(single: dict, caps: frozenset) -> None:
+    if Capability.WEIGHT_EXPORT not in caps:
+        pytest.skip("weight_export not declared")
+    got = _get(single, "tied", "tied embeddings")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine_core.testing.models import TINY_QWEN2
+
+    cfg = {**TINY_QWEN2, "tie_word_embeddings": True}
+    with torch.device("meta"):
+        want = sorted(AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg)).state_dict())
+    if got["names"] != want:
+        missing = sorted(set(want) - set(got["names"]))
+        extra = sorted(set(got["names"]) - set(want))
+        pytest.fail(
+            f"[tied embeddings] named_full_params() of a model with tie_word_embeddings: "
+            f"missing {missing}, extra {extra}. Yield every name of transformers' state_dict(), "
+            f"the tied head under 'lm_head.weight' too (a rollout's expected weights list it)."
+        )
+    if not got["head_is_embedding"]:
+        pytest.fail("[tied embeddings] the exported lm_head.weight is not the input embedding")
+    if got["round_trip"] or got["names_after"] != want:
+        pytest.fail(
+            f"[tied embeddings] after save_checkpoint and load_checkpoint into a fresh engine, "
+            f"{got['round_trip'] or 'the names'} differ: save the shared tensor once per name "
+            f"(safetensors refuses shared storage: engine_core.backend.save_safetensors copies) "
+            f"and tie it again on load."
+        )
+
+
 def test_lora_trains_adapters_only(single: dict, caps: frozenset, kit_baseline: Baseline) -> None:
     if Capability.LORA not in caps:
         pytest.skip("lora not declared")

@@ -454,6 +454,28 @@ def _bf16(backend: str, policy: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _tied(backend: str, root: str) -> dict[str, Any]:
+    """A model whose input embedding and output head are one tensor: the names its export
+    gives (and whether the two are equal), and its weights after a step, a save and a load
+    into a fresh engine against before the save."""
+    model = {"config": {**TINY_QWEN2, "tie_word_embeddings": True}}
+    engine = build(backend, model=model, optim={"lr": 1e-2})
+    first_step(engine, train_batch())
+    exported = _params(engine)
+    folder = engine.save_checkpoint(str(Path(root) / "tied"), step=1)
+    resumed = build(backend, model=model, optim={"lr": 1e-2})
+    resumed.load_checkpoint(folder)
+    again = _params(resumed)
+    head, embed = exported.get("lm_head.weight"), exported.get("model.embed_tokens.weight")
+    changed = [k for k in exported if k not in again or not torch.equal(exported[k], again[k])]
+    return {
+        "names": sorted(exported),
+        "head_is_embedding": head is not None and embed is not None and torch.equal(head, embed),
+        "round_trip": sorted(changed),
+        "names_after": sorted(again),
+    }
+
+
 def _optimizer(backend: str, policy: dict[str, Any]) -> dict[str, Any]:
     optim = {"lr": 1e-2, "warmup_steps": 4, "clip_grad": None}
     engine = build(backend, model=policy, optim=optim)
@@ -672,6 +694,8 @@ def single_process_checks(
     _record(results, "to_meta", lambda: _to(backend, policy))
     if Capability.BF16 in caps:
         _record(results, "bf16", lambda: _bf16(backend, policy))
+    if Capability.WEIGHT_EXPORT in caps:
+        _record(results, "tied", lambda: _tied(backend, baseline["checkpoint_root"]))
     update = {"micro_batch_size": 3}
     if Capability.DYNAMIC_BATCH in caps:
         update = {"max_tokens_per_micro_batch": 40}

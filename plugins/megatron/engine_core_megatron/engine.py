@@ -649,6 +649,16 @@ class MegatronEngine(BaseEngine):
     def checkpoint_preflight(self, path: str, *, saving: bool) -> None:
         _require_local(path)
         self._refuse_distributed_optimizer_checkpoint("save" if saving else "load")
+        if saving and not any(
+            sub.optimizer.state
+            for sub in getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        ):
+            raise CheckpointError(
+                "megatron: cannot save a checkpoint before the first optimizer step: "
+                "megatron-core has no optimizer state until a step has run, and a checkpoint "
+                "without it does not load. Save after a step, or write the weights alone with "
+                "export_hf()."
+            )
 
     @_on_device
     def save_shards(self, folder: str) -> None:
@@ -745,7 +755,12 @@ class MegatronEngine(BaseEngine):
                 yield from bucket
                 bucket, size = [], 0
             with self._device_context():
-                bucket += self._gather_param(megatron_name, owner)
+                gathered = self._gather_param(megatron_name, owner)
+            if layout.tied and not layout.value_head:
+                # transformers' state_dict() holds a tied head under its own name as well:
+                # the same tensor (a rollout's expected weights list both)
+                gathered += [("lm_head.weight", t) for n, t in gathered if n == TIED_SOURCE]
+            bucket += gathered
             size += nbytes
         yield from bucket
 
@@ -827,6 +842,9 @@ class MegatronEngine(BaseEngine):
 
     def _hf_shapes(self) -> dict[str, tuple[int, ...]]:
         return self._hf_shape_table
+
+
+TIED_SOURCE = "model.embed_tokens.weight"  # a tied model's head is this tensor
 
 
 def _finalize_without_rescaling(

@@ -114,6 +114,13 @@ def _resharded(rank: int, world: int, policy: str, root: str) -> dict[str, Any]:
     loaded = build("megatron", model={"path": policy, **bf16}, optim=OPTIM)
     out["bf16_step"] = loaded.load_checkpoint(folder)
     out["bf16_log_probs"] = [forward(e, eval_batch())[LOG_PROBS] for e in (engine, loaded)]
+    # before any optimizer step megatron-core holds no optimizer state: refused, nothing written
+    fresh = _engine("megatron", policy)
+    try:
+        fresh.save_checkpoint(str(Path(root) / "fresh"), step=0)
+    except CheckpointError as e:
+        out["fresh_refused"] = str(e)
+    out["fresh_written"] = (Path(root) / "fresh").exists() and any((Path(root) / "fresh").iterdir())
     return out
 
 
@@ -183,6 +190,13 @@ def test_distributed_optimizer_checkpoint_is_refused_before_writing(runs: dict[s
     for r in runs["two"]:
         assert "use_distributed_optimizer=false" in r["distributed_optimizer/refused"]
         assert "distributed_optimizer" not in r["distributed_optimizer/written"]
+
+
+def test_a_checkpoint_before_the_first_step_is_refused_before_writing(
+    runs: dict[str, Any],
+) -> None:
+    assert "before the first optimizer step" in runs["resharded"]["fresh_refused"]
+    assert not runs["resharded"]["fresh_written"]
 
 
 def test_bf16_checkpoint_round_trip(runs: dict[str, Any]) -> None:
