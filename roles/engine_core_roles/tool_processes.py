@@ -156,6 +156,7 @@ class ToolProcesses:
                 return late
             answer = json.loads(worker.conn.recv_bytes())
         except (EOFError, OSError):
+            worker.process.join(timeout=5)  # the pipe closes before the exit is reaped
             code = worker.process.exitcode
             self._retire(worker)
             return f"error: tool {name!r} ended its process (exit code {code})"
