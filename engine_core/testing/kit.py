@@ -490,11 +490,7 @@ def _optimizer(backend: str, policy: dict[str, Any]) -> dict[str, Any]:
     moved = any(not torch.equal(v, start[k]) for k, v in _params(engine).items())
     # a non-finite gradient norm must skip the update
     before = _params(engine)
-    engine.set_loss_fn(lambda mb, out, ctx: ((out[LOG_PROBS] * math.nan).sum(), {}))
-    with engine.train_mode():
-        engine.forward_backward_step(engine.shard_data(train_batch(7)))
-        nan_norm = engine.optimizer_step()
-        engine.optimizer_zero_grad()
+    nan_norm = _skip_a_step(engine, seed=7)
     unchanged = all(torch.equal(v, before[k]) for k, v in _params(engine).items())
     return {"moved": moved, "lrs": lrs, "nan_norm": nan_norm, "unchanged_after_nan": unchanged}
 
@@ -570,14 +566,16 @@ def _checkpoint(backend: str, policy: dict[str, Any], root: str) -> dict[str, An
     }
 
 
-def _skip_a_step(engine: BaseEngine) -> None:
-    """One step whose gradient norm is NaN: skipped by the optimizer, counted."""
+def _skip_a_step(engine: BaseEngine, seed: int = 9) -> float:
+    """One step whose gradient norm is NaN (which the optimizer must skip, and count); the
+    norm ``optimizer_step()`` returned."""
     engine.set_loss_fn(lambda mb, out, ctx: ((out[LOG_PROBS] * math.nan).sum(), {}))
     with engine.train_mode():
-        engine.forward_backward_step(engine.shard_data(train_batch(9)))
-        engine.optimizer_step()
+        engine.forward_backward_step(engine.shard_data(train_batch(seed)))
+        norm = engine.optimizer_step()
         engine.optimizer_zero_grad()
     engine.set_loss_fn(nll_loss)
+    return norm
 
 
 def _inputs_unmodified(backend: str, policy: dict[str, Any]) -> dict[str, Any]:

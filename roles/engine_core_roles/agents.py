@@ -323,10 +323,10 @@ class ToolEnvironment(Environment):
         if not calls:
             return StepResult(done=True, counts={"tool_calls": 0, "tool_errors": 0})
         futures = [_TOOL_THREADS.submit(self._call, c) for c in calls]
-        # a call in a process returns by its own deadlines (the wait for an idle process, then
-        # the tool's run, which a kill ends): wait for that
-        wait = self.tool_timeout_s * (2 if self.processes else 1) + (2.0 if self.processes else 0)
-        deadline = time.monotonic() + wait
+        # a call in a process returns by its own deadlines (a kill ends the tool's run): wait
+        # for that, and a little more
+        wait = _call_budget_s(self.tool_timeout_s, self.processes)
+        deadline = time.monotonic() + wait + (2.0 if self.processes else 0.0)
         out, errors = [], 0
         for call, fut in zip(calls, futures, strict=True):
             try:
@@ -359,6 +359,12 @@ class ToolEnvironment(Environment):
         if not isinstance(result, str):
             return f"error: tool {call.name!r} returned {type(result).__name__}, not text"
         return result
+
+
+def _call_budget_s(tool_timeout_s: float, processes: int) -> float:
+    """How long one tool call may take: its timeout, and with tool processes first as long
+    again waiting for an idle process."""
+    return tool_timeout_s * (2 if processes else 1)
 
 
 def _import_path(fn: Callable[..., Any]) -> str:
@@ -467,7 +473,7 @@ class EnvConfig(FrozenModel):
         """An environment's whole step may take this long (its tool calls' timeout, and some
         room to answer with their errors) before the episode ends with ``env_error``. With tool
         processes a call may first wait up to its timeout for an idle process."""
-        return self.tool_timeout_s * (2 if self.tool_processes else 1) + 5.0
+        return _call_budget_s(self.tool_timeout_s, self.tool_processes) + 5.0
 
     tool_processes: NonNegativeInt = Field(
         0,
