@@ -42,6 +42,7 @@ __all__ = [
     "saved_model_folder",
     "prompt_tensors",
     "prompt_seeds",
+    "sample_seeds",
     "derive_seed",
     "response_batch",
     "PROMPT_IDS",
@@ -190,6 +191,15 @@ def prompt_seeds(prompts: TensorDict, params: SamplingParams) -> list[int] | Non
     if params.seed is None:
         return None
     return [derive_seed(params.seed, i) for i in range(count)]
+
+
+def sample_seeds(prompts: TensorDict, params: SamplingParams) -> list[int] | None:
+    """Each sample's seed, a prompt's ``params.n`` samples adjacent: sample ``j`` of prompt
+    ``i`` is ``derive_seed(prompt_seeds[i], j)``; None when unseeded."""
+    seeds = prompt_seeds(prompts, params)
+    if seeds is None:
+        return None
+    return [derive_seed(s, j) for s in seeds for j in range(params.n)]
 
 
 def response_batch(

@@ -82,7 +82,8 @@ BACKEND_SURFACE = {
     "model_weight_shapes", "prompt_tensors", "response_batch", "saved_model_folder",
     "tensor_checksum", "verified_buckets", "sent_buckets", "checked_buckets", "SentBucket",
     "BUCKET_BYTES", "FINISH_REASON", "PROMPT_IDS", "PROMPT_MASK", "PROMPT_SEED",
-    "RESPONSE_IDS", "RESPONSE_MASK", "ROLLOUT_LOG_PROBS", "prompt_seeds", "derive_seed",
+    "RESPONSE_IDS", "RESPONSE_MASK", "ROLLOUT_LOG_PROBS", "prompt_seeds", "sample_seeds",
+    "derive_seed",
     # errors
     "BatchError", "CheckpointError", "ConfigError", "EngineCoreError", "WeightSyncError",
 }  # fmt: skip

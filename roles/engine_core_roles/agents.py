@@ -56,7 +56,7 @@ from engine_core.rollout import (
     ROLLOUT_LOG_PROBS,
     WeightBucket,
     derive_seed,
-    prompt_seeds,
+    sample_seeds,
 )
 from engine_core_roles.batches import prompt_batch
 from engine_core_roles.rewards import load_function
@@ -699,10 +699,10 @@ class EpisodeRollout(BaseRollout):
         running = [self._start(dict(row)) for row in rows for _ in range(n)]
         # episode j of prompt i samples its turns from streams of its own seed, so an episode
         # does not depend on which others share a turn's batch (or a replica)
-        seeds = prompt_seeds(prompts, params) if rows else None
+        seeds = sample_seeds(prompts, params) if rows else None
         if seeds is not None:
-            for k, r in enumerate(running):
-                r.seed = derive_seed(seeds[k // n], k % n)
+            for r, seed in zip(running, seeds, strict=True):
+                r.seed = seed
         active = [r for r in running if r.env is not None]
         turn = 0
         while active:

@@ -38,9 +38,8 @@ from engine_core.backend import (
     RolloutConfig,
     SamplingParams,
     build_model,
-    derive_seed,
-    prompt_seeds,
     prompt_tensors,
+    sample_seeds,
     tensor_checksum,
 )
 from engine_core_hf.capabilities import HF_CAPABILITIES
@@ -78,10 +77,7 @@ class HFRollout(BaseRollout):
     @torch.no_grad()
     def generate(self, prompts: TensorDict, params: SamplingParams) -> TensorDict:
         ids, mask = prompt_tensors(prompts, "HFRollout.generate")
-        seeds = None if params.greedy else prompt_seeds(prompts, params)
-        row_seeds = (
-            None if seeds is None else [derive_seed(s, j) for s in seeds for j in range(params.n)]
-        )
+        row_seeds = None if params.greedy else sample_seeds(prompts, params)
         ids, mask = ids.repeat_interleave(params.n, dim=0), mask.repeat_interleave(params.n, dim=0)
         rows = self.cfg.generation_batch_size * params.n  # every sample of a prompt in one call
         parts = [

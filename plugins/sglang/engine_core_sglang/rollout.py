@@ -58,11 +58,10 @@ from engine_core.backend import (
     WeightSyncError,
     checked_buckets,
     confirm_bucket,
-    derive_seed,
     model_weight_shapes,
-    prompt_seeds,
     prompt_tensors,
     response_batch,
+    sample_seeds,
     saved_model_folder,
 )
 from engine_core_sglang.plugin import SGLANG_CAPABILITIES
@@ -175,11 +174,9 @@ def build_requests(
             raise BatchError(f"prompt {i} is empty ({PROMPT_MASK} is all zero).")
         rows.append(real)
     input_ids = [row for row in rows for _ in range(params.n)]
-    seeds = prompt_seeds(prompts, params)
+    seeds = sample_seeds(prompts, params)
     if deterministic and seeds is not None:
-        sampling = [
-            {**base, "sampling_seed": derive_seed(s, j)} for s in seeds for j in range(params.n)
-        ]
+        sampling = [{**base, "sampling_seed": s} for s in seeds]
     elif deterministic:
         rng = random.Random()  # seeded from the OS
         sampling = [{**base, "sampling_seed": rng.getrandbits(63)} for _ in input_ids]
