@@ -74,6 +74,12 @@ class MeshWorker(Worker):
             return -1.0
         return self.all_reduce_rank()
 
+    def raise_or_wait(self, raiser: int) -> float:
+        """Worker ``raiser`` raises; the others wait for it in an all-reduce it never joins."""
+        if self.rank == raiser:
+            raise ValueError(f"worker {self.rank} fails before the collective")
+        return self.all_reduce_rank()
+
     def all_reduce_rank(self) -> float:
         join_process_group("gloo")  # with the executor's collective timeout
         t = torch.tensor([float(self.rank)])

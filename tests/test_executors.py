@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import socket
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -13,6 +14,7 @@ from tensordict import TensorDict
 
 from engine_core.errors import ConfigError, DispatchError, MeshRegistrationError
 from engine_core.executors import LocalWorkerGroup, WorkerGroup, worker_env
+from engine_core.executors.base import host_rendezvous
 from engine_core.settings import ENV_COLLECTIVE_TIMEOUT, Settings
 from tests._workers import MeshWorker
 
@@ -21,7 +23,7 @@ EXECUTORS = ["in_process", "processes", pytest.param("ray", marks=pytest.mark.ra
 
 def make_group(
     kind: str,
-    request: pytest.FixtureRequest,
+    request: pytest.FixtureRequest | None,
     n: int,
     executor: Mapping[str, Any] | None = None,
     **init: Any,
@@ -29,6 +31,7 @@ def make_group(
     """A group of ``n`` MeshWorkers built with ``init``; ``executor``: the executor's options."""
     options = dict(executor or {})
     if kind == "ray":
+        assert request is not None
         request.getfixturevalue("ray_session")
         from engine_core.executors import RayWorkerGroup
 
@@ -143,6 +146,34 @@ def test_a_collective_missing_a_rank_fails_after_collective_timeout(
     assert "timed out" in message.lower(), message  # the collective's own error, not a hang
     assert "no answer" not in message and "worker 1" not in message, message
     assert 2.5 < waited < 60, waited
+
+
+def test_a_failed_worker_is_named_at_once_not_when_its_waiting_peer_times_out() -> None:
+    # worker 1 waits for worker 0 in a collective for up to 600 s; the call fails within the
+    # grace the executor gives peers after a first failure, naming worker 0's error first
+    with make_group("processes", None, 2, {"collective_timeout_s": 600}, world=2) as group:
+        assert group.call_all("all_reduce_rank") == [1.0, 1.0]  # the group is formed
+        start = time.monotonic()
+        with pytest.raises(DispatchError) as failed:
+            group.call_all("raise_or_wait", 0)
+        waited = time.monotonic() - start
+        message = str(failed.value)
+        assert message.startswith("worker 0 raised in 'raise_or_wait'"), message
+        assert "fails before the collective" in message, message
+        assert "worker 1: no answer to 'raise_or_wait' within 10 s of the failure above" in message
+        assert waited < 60, waited
+        # worker 1's late answer must never be taken for the next call's
+        with pytest.raises(DispatchError, match="did not all answer 'raise_or_wait'"):
+            group.call_all("whoami")
+
+
+def test_the_rendezvous_port_is_held_while_the_group_lives() -> None:
+    # the port is bound by the store this process hosts, so no other process can take it
+    # between choosing it and the workers meeting there
+    store, port = host_rendezvous(2)
+    with socket.socket() as other, pytest.raises(OSError):
+        other.bind(("127.0.0.1", port))
+    del store
 
 
 @pytest.mark.parametrize(

@@ -35,6 +35,7 @@ __all__ = [
     "check_timeout",
     "enter_worker_env",
     "free_port",
+    "host_rendezvous",
     "join_process_group",
     "worker_env",
 ]
@@ -64,6 +65,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def host_rendezvous(world_size: int) -> tuple[Any, int]:
+    """A rendezvous store this process hosts for a group of ``world_size`` ranks, and its port.
+
+    The store binds a port the system picks and keeps listening on it, so no other process can
+    take the port between choosing it and listening (a port chosen by :func:`free_port` and bound
+    later by rank 0 can be, and rank 0 then fails while its peers wait). Hand the port to
+    :func:`worker_env` with ``hosted=True``: every rank then joins as a client. Keep the store
+    alive as long as the group's process group may form sub-groups (until shutdown).
+    """
+    import torch.distributed as dist
+
+    store = dist.TCPStore(LOOPBACK, 0, world_size, is_master=True, wait_for_workers=False)
+    return store, int(store.port)
 
 
 def threads_per_process(processes: int, cores: int | None = None) -> int:
@@ -138,11 +154,14 @@ def worker_env(
     extra: Mapping[str, str] | None = None,
     *,
     collective_timeout_s: float | None = None,
+    hosted: bool = False,
 ) -> dict[str, str]:
     """The environment a worker needs to call ``torch.distributed.init_process_group``.
 
     ``collective_timeout_s`` (None: torch's default) becomes ``ENGINE_CORE_COLLECTIVE_TIMEOUT_S``,
     which :func:`join_process_group` reads; it wins over the same variable in ``extra``.
+    ``hosted``: the store at ``port`` is hosted by the caller (:func:`host_rendezvous`), so every
+    rank, rank 0 included, joins it as a client (torch's ``TORCHELASTIC_USE_AGENT_STORE``).
     """
     env = {
         "RANK": str(rank),
@@ -152,6 +171,8 @@ def worker_env(
         "MASTER_PORT": str(port),
         "OMP_NUM_THREADS": "1",
     }
+    if hosted:
+        env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     env.update(extra or {})
     if collective_timeout_s is not None:
         env[ENV_COLLECTIVE_TIMEOUT] = repr(float(collective_timeout_s))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 import traceback
 from collections.abc import Mapping
+from multiprocessing.connection import wait
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -27,13 +28,14 @@ from engine_core.executors.base import (
     WorkerFuture,
     WorkerGroup,
     enter_worker_env,
-    free_port,
+    host_rendezvous,
     worker_env,
 )
 
 __all__ = ["LocalWorkerGroup"]
 
 _STOP = "__stop__"
+_GRACE_S = 10.0  # how long the other workers may take to report after a first failure
 
 
 def _serve(conn: Any, cls: type, init_args: tuple, init_kwargs: dict, env: dict[str, str]) -> None:
@@ -84,13 +86,15 @@ class LocalWorkerGroup(WorkerGroup):
         self._procs: list[Any] = []
         self._conns: list[Any] = []
         self._in_flight: str | None = None  # the method of the call sent and not yet gathered
+        self._store: Any = None  # the rendezvous this process hosts for the workers
+        self._unanswered: str | None = None  # a call some worker never answered
         if in_process:
             self._workers = [
                 worker_cls(*init_args, **dict(init_kwargs or {})) for _ in range(num_workers)
             ]
             return
         ctx = mp.get_context("spawn")
-        port = free_port()
+        self._store, port = host_rendezvous(num_workers)
         for rank in range(num_workers):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
@@ -101,7 +105,12 @@ class LocalWorkerGroup(WorkerGroup):
                     init_args,
                     dict(init_kwargs or {}),
                     worker_env(
-                        rank, num_workers, port, env, collective_timeout_s=self.collective_timeout_s
+                        rank,
+                        num_workers,
+                        port,
+                        env,
+                        collective_timeout_s=self.collective_timeout_s,
+                        hosted=True,
                     ),
                 ),
                 # not daemonic: a worker may start processes of its own (megatron-core's
@@ -119,38 +128,61 @@ class LocalWorkerGroup(WorkerGroup):
             raise
 
     def _gather(self, method: str, deadline: float | None = None) -> list[Any]:
-        results, failures, died = [], [], []
         if deadline is None:  # for the whole call, not per worker
             deadline = time.monotonic() + self.call_timeout_s
-        for i, (conn, proc) in enumerate(zip(self._conns, self._procs, strict=True)):
-            if not conn.poll(max(deadline - time.monotonic(), 0.0)):
-                alive = "alive" if proc.is_alive() else f"dead (exit code {proc.exitcode})"
-                failures.append(
-                    f"worker {i}: no answer to {method!r} within call_timeout_s="
-                    f"{self.call_timeout_s:g} s ({alive})"
-                )
-                continue
-            try:
-                status, payload = conn.recv()
-            except EOFError:
-                proc.join(timeout=5)
-                died.append(f"worker {i} died during {method!r} (exit code {proc.exitcode})")
-                continue
-            if status == "ok":
-                results.append(payload)
-            else:
-                failures.append(f"worker {i} raised in {method!r}:\n{payload}")
+        results: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        died: dict[int, str] = {}
+        pending = dict(enumerate(self._conns))
+        while pending:
+            # after a first failure, give the other workers a moment to report theirs: a failed
+            # worker's peers fail (or hang) in collectives, and the failed one must be named
+            # now, not when the call's whole time is up
+            end = deadline if not (failures or died) else min(deadline, time.monotonic() + _GRACE_S)
+            ready = wait(list(pending.values()), timeout=max(end - time.monotonic(), 0.0))
+            if not ready:
+                break
+            for i in [i for i, conn in pending.items() if conn in ready]:
+                conn, proc = pending.pop(i), self._procs[i]
+                try:
+                    status, payload = conn.recv()
+                except EOFError:
+                    proc.join(timeout=5)
+                    died[i] = f"worker {i} died during {method!r} (exit code {proc.exitcode})"
+                    continue
+                if status == "ok":
+                    results[i] = payload
+                else:
+                    failures[i] = f"worker {i} raised in {method!r}:\n{payload}"
+        if pending:  # an answer that comes later would be taken for the next call's
+            self._unanswered = method
+        for i in pending:  # no answer in time
+            proc = self._procs[i]
+            alive = "alive" if proc.is_alive() else f"dead (exit code {proc.exitcode})"
+            waited = (
+                f"within call_timeout_s={self.call_timeout_s:g} s"
+                if not (failures or died)
+                else f"within {_GRACE_S:g} s of the failure above (it may wait on that worker)"
+            )
+            failures[i] = f"worker {i}: no answer to {method!r} {waited} ({alive})"
         if died or failures:
             # a dead worker leaves its peers failing (or hanging) in collectives: name it first
-            head = [f"{'; '.join(died)}; the other failures follow from it:"] if died else []
-            raise DispatchError("\n".join(head + failures))
-        return results
+            head = (
+                [f"{'; '.join(died.values())}; the other failures follow from it:"] if died else []
+            )
+            raise DispatchError("\n".join(head + [failures[i] for i in sorted(failures)]))
+        return [results[i] for i in range(len(self._conns))]
 
     def _submit(self, method: str, calls: Calls) -> WorkerFuture:
         if self.in_process:
             return WorkerFuture.finished(method, lambda: self._run_here(method, calls))
         if not self._conns:
             raise DispatchError("this worker group has been shut down.")
+        if self._unanswered is not None:
+            raise DispatchError(
+                f"{method!r} was called on a worker group whose workers did not all answer "
+                f"{self._unanswered!r}; shut this group down and start a new one."
+            )
         if self._in_flight is not None:
             raise DispatchError(
                 f"{method!r} was called while {self._in_flight!r} is still in flight on this "
@@ -191,3 +223,4 @@ class LocalWorkerGroup(WorkerGroup):
                 proc.kill()
                 proc.join(timeout=5)
         self._conns, self._procs, self._workers = [], [], []
+        self._store = None

@@ -21,7 +21,7 @@ from engine_core.executors.base import (
     WorkerFuture,
     WorkerGroup,
     enter_worker_env,
-    free_port,
+    host_rendezvous,
     worker_env,
 )
 
@@ -86,14 +86,19 @@ class RayWorkerGroup(WorkerGroup):
             )
         self._ray = ray
         host = ray.remote(num_cpus=num_cpus)(_Host)
-        port = free_port()
+        self._store, port = host_rendezvous(num_workers)
         self._actors = [
             host.remote(
                 worker_cls,
                 init_args,
                 dict(init_kwargs or {}),
                 worker_env(
-                    r, num_workers, port, env, collective_timeout_s=self.collective_timeout_s
+                    r,
+                    num_workers,
+                    port,
+                    env,
+                    collective_timeout_s=self.collective_timeout_s,
+                    hosted=True,
                 ),
             )
             for r in range(num_workers)
@@ -162,3 +167,4 @@ class RayWorkerGroup(WorkerGroup):
         for actor in getattr(self, "_actors", []):
             self._ray.kill(actor)
         self._actors = []
+        self._store = None

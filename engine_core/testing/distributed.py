@@ -11,7 +11,8 @@ Usage from a test module (the worker must be a module-level function, so spawn c
     def test_sum() -> None:
         assert run_distributed(_worker, 2, 1.5) == [1.5, 1.5]
 
-Each child gets ``MASTER_ADDR=127.0.0.1``, a free port, ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``
+Each child gets ``MASTER_ADDR=127.0.0.1``, the port of a rendezvous store this process hosts
+(so no other process can take it first), ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``
 and one intra-op thread (``OMP_NUM_THREADS=1``), so two ranks do not oversubscribe a small host.
 Return values must be picklable; a child's traceback becomes the test failure.
 
@@ -43,6 +44,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from engine_core.executors.base import host_rendezvous
+
 __all__ = ["free_port", "run_distributed"]
 
 
@@ -70,12 +73,20 @@ def _entry(
         os.environ.update(
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
+            TORCHELASTIC_USE_AGENT_STORE="True",  # the caller hosts the store
             RANK=str(rank),
             WORLD_SIZE=str(world_size),
             LOCAL_RANK=str(rank),
         )
     else:  # a plain process, as `engine-core run` starts: no rendezvous variables either
-        for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        for name in (
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "TORCHELASTIC_USE_AGENT_STORE",
+        ):
             os.environ.pop(name, None)
     torch.set_num_threads(1)  # torch is imported already, so the env var alone is too late
     try:
@@ -114,20 +125,7 @@ def run_distributed(
     """
     if pg_backend is None and world_size != 1:
         raise ValueError(f"pg_backend=None runs one process; got world_size={world_size}")
-    # the rendezvous port is free when chosen, but another process may bind it before rank 0
-    # listens: a launch whose rendezvous fails that way (before `fn` ran) starts again on a
-    # new port
-    for attempt in range(_PORT_ATTEMPTS):
-        try:
-            return _launch(fn, world_size, args, timeout, pg_backend, preload)
-        except AssertionError as e:
-            rendezvous = "EADDRINUSE" in str(e) and "dist.init_process_group(" in str(e)
-            if not rendezvous or attempt == _PORT_ATTEMPTS - 1:
-                raise
-    raise AssertionError("unreachable")
-
-
-_PORT_ATTEMPTS = 3
+    return _launch(fn, world_size, args, timeout, pg_backend, preload)
 
 
 def _launch(
@@ -146,7 +144,9 @@ def _launch(
         else _fork_server([fn.__module__, *preload])
     )
     queue = ctx.Queue()
-    port = free_port()
+    # this process hosts the rendezvous on a port it keeps: no other process can take the port
+    # before the ranks meet (the store lives until every rank has been joined or killed)
+    store, port = host_rendezvous(world_size) if pg_backend is not None else (None, 0)
     procs = [
         ctx.Process(
             # not daemonic: the function may start processes (megatron-core's checkpoint
@@ -183,6 +183,7 @@ def _launch(
         p.join(timeout=5 if errors else timeout)
         if p.is_alive():
             p.kill()
+    del store
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r] for r in range(world_size)]
