@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engine_core.context_parallel import CP_GROUP_ATTR, head_to_seq, seq_to_head
+
 __all__ = ["SDPA_VARLEN", "length_buckets", "register_sdpa_varlen", "sdpa_varlen_attention"]
 
 SDPA_VARLEN = "sdpa_varlen"
@@ -64,7 +66,34 @@ def sdpa_varlen_attention(
     cu_seq_lens_q: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Per-sequence causal attention over one packed row (``query``: ``[1, H, T, D]``)."""
+    """Per-sequence causal attention over one packed row (``query``: ``[1, H, T, D]``).
+
+    Under context parallelism (the layer holds a group, :mod:`engine_core.context_parallel`)
+    the row's tokens are split over the group: the heads are spread over it for the attention
+    of whole sequences, then the tokens again."""
+    group = getattr(module, CP_GROUP_ATTR, None)
+    if group is not None and cu_seq_lens_q is not None:
+        q, k, v = (seq_to_head(x, group) for x in (query, key, value))
+        out, _ = _varlen_attention(
+            module, q, k, v, attention_mask, dropout, scaling, cu_seq_lens_q, **kwargs
+        )
+        return head_to_seq(out.transpose(1, 2), group).transpose(1, 2).contiguous(), None
+    return _varlen_attention(
+        module, query, key, value, attention_mask, dropout, scaling, cu_seq_lens_q, **kwargs
+    )
+
+
+def _varlen_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    scaling: float | None,
+    cu_seq_lens_q: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if cu_seq_lens_q is None or query.shape[0] != 1 or kwargs.get("sliding_window") is not None:

@@ -30,7 +30,9 @@ _EXPORTS: dict[str, str] = {
     "ModelInputs": "engine_core.engine",
     "loss_mask_of": "engine_core.engine",
     "predicted_mask": "engine_core.engine",
-    "token_log_probs": "engine_core.engine",
+    "token_log_probs": "engine_core.log_probs",
+    "CP_GROUP_ATTR": "engine_core.context_parallel",
+    "chunked_token_log_probs": "engine_core.log_probs",
     "Capability": "engine_core.capabilities",
     "StrEnum": "engine_core.capabilities",
     # configs
@@ -144,6 +146,7 @@ if TYPE_CHECKING:
     )
     from engine_core.comm import all_reduce_cpu, collective_device
     from engine_core.config import EngineConfig, FrozenModel, LoraConfig, ModelConfig, OptimConfig
+    from engine_core.context_parallel import CP_GROUP_ATTR
     from engine_core.engine import (
         CHECKPOINT_STATE_FILE,
         BaseEngine,
@@ -152,7 +155,6 @@ if TYPE_CHECKING:
         ModelInputs,
         loss_mask_of,
         predicted_mask,
-        token_log_probs,
     )
     from engine_core.errors import (
         BatchError,
@@ -162,6 +164,7 @@ if TYPE_CHECKING:
         WeightSyncError,
     )
     from engine_core.hookspecs import BackendRegistry, hookimpl
+    from engine_core.log_probs import chunked_token_log_probs, token_log_probs
     from engine_core.loss import GlobalBatchContext, Metric, MetricAccumulator
     from engine_core.models import DTYPES, build_hf_config, build_model, merged_lora_tensors
     from engine_core.optim import (

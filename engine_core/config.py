@@ -136,6 +136,14 @@ class EngineConfig(FrozenModel):
     tensor_parallel_size: PositiveInt = 1
     pipeline_parallel_size: PositiveInt = 1
     context_parallel_size: PositiveInt = 1
+    logits_chunk_tokens: PositiveInt | Literal["auto"] | None = Field(
+        "auto",
+        description=(
+            "Log-probs and entropy computed from the output layer this many tokens at a time, "
+            "never holding the full [tokens, vocab] logits; 'auto': chunks of about 2**22 "
+            "logits; null: full logits (the output layer's plain forward)."
+        ),
+    )
     seed: int = 0
 
     @model_validator(mode="after")
@@ -145,7 +153,18 @@ class EngineConfig(FrozenModel):
                 "set micro_batch_size (fixed) or max_tokens_per_micro_batch (token budget), not "
                 f"both; got {self.micro_batch_size} and {self.max_tokens_per_micro_batch}."
             )
-        if self.use_packing and self.model.attn_implementation is None:
+        if self.context_parallel_size > 1:
+            # a row split over ranks runs its whole sequences through sdpa_varlen
+            attn = self.model.attn_implementation
+            if attn not in (None, "sdpa_varlen"):
+                raise ValueError(
+                    f"context_parallel_size={self.context_parallel_size} needs "
+                    f"model.attn_implementation sdpa_varlen (or unset), got {attn!r}: the "
+                    f"context-parallel attention runs each whole sequence through it."
+                )
+        if (
+            self.use_packing or self.context_parallel_size > 1
+        ) and self.model.attn_implementation is None:
             # transformers attends over a packed row with one dense [T, T] mask: quadratic in
             # the whole row, several times the cost of the padded batch for many short samples
             varlen = self.model.model_copy(update={"attn_implementation": "sdpa_varlen"})

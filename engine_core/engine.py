@@ -40,7 +40,9 @@ from engine_core.capabilities import Capability
 from engine_core.checkpoint import JOB_STATE_FILE
 from engine_core.comm import all_reduce_cpu
 from engine_core.config import BUCKET_BYTES, EngineConfig
+from engine_core.context_parallel import SequenceShard, gather_sequence, shard_row
 from engine_core.errors import EngineCoreError
+from engine_core.log_probs import chunked_head, head_of, token_log_probs
 from engine_core.loss import GlobalBatchContext, LossFn, MetricAccumulator
 from engine_core.microbatch import prepare_micro_batches
 from engine_core.packing import PackedSequences, pack, sequence_start_mask, unpack
@@ -55,6 +57,7 @@ __all__ = [
     "JOB_STATE_FILE",
     "BaseEngine",
     "EngineOutput",
+    "HeadRequest",
     "MicroBatchResults",
     "ModelInputs",
     "loss_mask_of",
@@ -94,6 +97,24 @@ class ModelInputs:
 
     kwargs: dict[str, Any]
     packed: PackedSequences | None = None
+    #: set when the output layer computes log-probs in chunks (:meth:`BaseEngine.forward_model`)
+    head: HeadRequest | None = None
+    #: the next token id at each position of the model's input row (None: read from
+    #: ``input_ids``, whose last position has none)
+    targets: torch.Tensor | None = None
+    #: with context parallelism, which slice of the packed row this rank's model call sees
+    shard: SequenceShard | None = None
+
+
+@dataclass
+class HeadRequest:
+    """What the output layer computes instead of logits: the log-prob of ``targets`` (the next
+    id at each position of the model's input row) and, with ``entropy``, the entropy."""
+
+    targets: torch.Tensor
+    temperature: float
+    entropy: bool
+    chunk_tokens: int | None
 
 
 def predicted_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -110,14 +131,13 @@ def loss_mask_of(batch: TensorDict) -> torch.Tensor:
     return predicted_mask(batch[ATTENTION_MASK])
 
 
-def token_log_probs(
-    logits: torch.Tensor, next_ids: torch.Tensor, *, entropy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob of ``next_ids`` under ``logits`` (fp32), and optionally the entropy."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    out = logp.gather(-1, next_ids.unsqueeze(-1)).squeeze(-1)
-    ent = -(logp.exp() * logp).sum(-1) if entropy else None
-    return out, ent
+def _targets(inputs: ModelInputs, length: int | None = None) -> torch.Tensor:
+    """The next token id at each of the first ``length`` positions of the model's input row
+    (0 where the row has none)."""
+    if inputs.targets is not None:
+        return inputs.targets[:, :length]
+    ids = inputs.kwargs["input_ids"]
+    return torch.nn.functional.pad(ids[:, 1:], (0, 1))[:, :length]
 
 
 def _cause(e: BaseException) -> str:
@@ -258,6 +278,13 @@ class BaseEngine(abc.ABC):
         return torch.device("cpu")
 
     @property
+    def context_parallel_group(self) -> dist.ProcessGroup | None:
+        """The group of ranks that split each packed row between them (Ulysses context
+        parallelism, :mod:`engine_core.context_parallel`); None: each rank runs whole rows.
+        Engines that set it attach it to their attention layers too."""
+        return None
+
+    @property
     def is_distributed(self) -> bool:
         """Whether a default process group is initialized (collectives are possible)."""
         return dist.is_available() and dist.is_initialized()
@@ -352,6 +379,7 @@ class BaseEngine(abc.ABC):
             sync = forward_only or i == last
             with grad_ctx, contextlib.nullcontext() if sync else self.no_sync():
                 inputs = self.prepare_model_inputs(mb)
+                inputs.head = self._head_request(inputs, mb)
                 raw = self.forward_model(inputs)
                 out = self.prepare_model_outputs(raw, inputs, mb)
                 if self.loss_fn is not None:
@@ -394,6 +422,24 @@ class BaseEngine(abc.ABC):
         """
         ids, mask = micro_batch[INPUT_IDS], micro_batch[ATTENTION_MASK]
         dev = self.device
+        cp = self.context_parallel_group
+        if cp is not None:  # a packed row split over the group, whatever use_packing says
+            packed = pack(ids, mask)
+            shard, row, pos, targets, cu = shard_row(
+                packed.input_ids, packed.position_ids, packed.cu_seqlens, cp
+            )
+            cu = cu.to(dev)
+            longest = max(packed.max_seqlen, shard.padded - shard.length)
+            kwargs = {
+                "input_ids": shard.local(row).to(dev),
+                "position_ids": shard.local(pos).to(dev),
+                "use_cache": False,
+                "cu_seq_lens_q": cu,
+                "cu_seq_lens_k": cu,
+                "max_length_q": longest,
+                "max_length_k": longest,
+            }
+            return ModelInputs(kwargs, packed, targets=shard.local(targets).to(dev), shard=shard)
         if self.config.use_packing:
             packed = pack(ids, mask)
             kwargs = {
@@ -419,9 +465,44 @@ class BaseEngine(abc.ABC):
         }
         return ModelInputs(kwargs, None)
 
+    def _head_request(self, inputs: ModelInputs, micro_batch: TensorDict) -> HeadRequest | None:
+        """Whether the output layer computes log-probs in chunks for this micro-batch
+        (``logits_chunk_tokens``), for engines that keep the default forward and head."""
+        setting = self.config.logits_chunk_tokens
+        cls = type(self)
+        if (
+            setting is None
+            or self.config.model.value_head
+            or cls.forward_model is not BaseEngine.forward_model
+            or cls.prepare_model_outputs is not BaseEngine.prepare_model_outputs
+            or cls.token_log_probs is not BaseEngine.token_log_probs
+        ):
+            return None
+        head, _ = head_of(self.require_module())
+        if head is None:
+            return None
+        chunk = None if setting == "auto" else int(setting)
+        meta: BatchMeta = get_meta(micro_batch)
+        return HeadRequest(_targets(inputs), meta.temperature, meta.compute_entropy, chunk)
+
     def forward_model(self, inputs: ModelInputs) -> Any:
-        """Call the model."""
-        return self.require_module()(**inputs.kwargs)
+        """Call the model; with ``inputs.head``, its output layer gives log-probs and entropy
+        (:func:`~engine_core.log_probs.chunked_head`) instead of logits."""
+        module = self.require_module()
+        if inputs.head is None:
+            return module(**inputs.kwargs)
+        head, why = head_of(module)
+        if head is None:
+            raise EngineCoreError(f"chunked log-probs cannot run on this model: {why}.")
+        request = inputs.head
+        with chunked_head(
+            head,
+            request.targets,
+            temperature=request.temperature,
+            entropy=request.entropy,
+            chunk_tokens=request.chunk_tokens,
+        ):
+            return module(**inputs.kwargs)
 
     def prepare_model_outputs(
         self, raw: Any, inputs: ModelInputs, micro_batch: TensorDict
@@ -434,10 +515,14 @@ class BaseEngine(abc.ABC):
         """
         meta: BatchMeta = get_meta(micro_batch)
         logits = raw.logits
-        ids = inputs.kwargs["input_ids"]
+        shard = inputs.shard
+
+        def whole_row(x: torch.Tensor) -> torch.Tensor:  # context parallel: gather the slices
+            return x if shard is None else gather_sequence(x, shard.group)[:, : shard.length]
+
         if self.config.model.value_head and meta.values_at_token:
             # the head's output at every real token, no shift: only padding holds 0
-            at_token = logits[..., 0].float()
+            at_token = whole_row(logits[..., 0].float())
             if inputs.packed is not None:
                 values = unpack(inputs.packed, at_token)
             else:
@@ -445,19 +530,26 @@ class BaseEngine(abc.ABC):
                     ~micro_batch[ATTENTION_MASK].bool().to(logits.device), 0.0
                 )
             return TensorDict({VALUES: values.cpu()}, batch_size=[micro_batch.batch_size[0]])
+        # per position of the model's row, each predicting the token after it
         data: dict[str, torch.Tensor] = {}
         if self.config.model.value_head:
-            data[VALUES] = logits[:, :-1, 0].float()
+            data[VALUES] = logits[..., 0].float()
+        elif inputs.head is not None:  # the output layer gave (log-prob, entropy) per position
+            data[LOG_PROBS] = logits[..., 0]
+            if inputs.head.entropy:
+                data[ENTROPY] = logits[..., 1]
         else:
-            scores = logits[:, :-1]
+            scores = logits
             if meta.temperature != 1.0:  # x / 1.0 == x: skip a pass over the logits
                 scores = scores / meta.temperature
             lp, ent = self.token_log_probs(
-                scores, ids[:, 1 : logits.shape[1]], entropy=meta.compute_entropy
+                scores, _targets(inputs, logits.shape[1]), entropy=meta.compute_entropy
             )
             data[LOG_PROBS] = lp
             if ent is not None:
                 data[ENTROPY] = ent
+        # the row's last position predicts nothing
+        data = {k: whole_row(v)[:, :-1] for k, v in data.items()}
         return self.place_next_token_outputs(data, inputs, micro_batch)
 
     def place_next_token_outputs(

@@ -62,7 +62,8 @@ def test_roles_import_no_plugin() -> None:
 BACKEND_SURFACE = {
     # the engine contract, configs and registration
     "BaseEngine", "CHECKPOINT_STATE_FILE", "EngineOutput", "MicroBatchResults", "ModelInputs",
-    "loss_mask_of", "predicted_mask", "token_log_probs", "Capability", "StrEnum",
+    "loss_mask_of", "predicted_mask", "token_log_probs", "chunked_token_log_probs", "CP_GROUP_ATTR",
+    "Capability", "StrEnum",
     "EngineConfig", "FrozenModel", "LoraConfig", "ModelConfig", "OptimConfig",
     "BackendRegistry", "hookimpl",
     # models, optimizer, schedule, RNG

@@ -670,6 +670,12 @@ def single_process_checks(
             f"outputs_packing={packing}",
             partial(_outputs, backend, model=policy, use_packing=packing, micro_batch_size=3),
         )
+    # the output layer's plain forward (full logits) as well as the default chunked head
+    _record(
+        results,
+        "outputs_full_logits",
+        partial(_outputs, backend, model=policy, micro_batch_size=3, logits_chunk_tokens=None),
+    )
     if Capability.VALUE_HEAD in caps:
         _record(
             results,
@@ -679,6 +685,9 @@ def single_process_checks(
     variants: dict[str, dict[str, Any]] = {
         "mbs1": {"micro_batch_size": 1},
         "mbs3": {"micro_batch_size": 3},
+        # chunks of 3 tokens cross sequence boundaries; null: full logits
+        "chunks_of_3_tokens": {"micro_batch_size": 3, "logits_chunk_tokens": 3},
+        "full_logits": {"micro_batch_size": 3, "logits_chunk_tokens": None},
     }
     if Capability.DYNAMIC_BATCH in caps:
         variants["budget40"] = {"max_tokens_per_micro_batch": 40}
@@ -778,6 +787,8 @@ def two_process_checks(
     variants: dict[str, dict[str, Any]] = {"mbs2": {"micro_batch_size": 2}}
     if Capability.DYNAMIC_BATCH in caps:
         variants["budget40"] = {"max_tokens_per_micro_batch": 40}
+    if Capability.CONTEXT_PARALLEL in caps:  # each row split over both ranks: one DP rank
+        variants["cp2"] = {"micro_batch_size": 3, "context_parallel_size": 2}
     for name, overrides in variants.items():
         kw = {"model": policy, "optim": {"lr": 1e-3, "clip_grad": None}, **overrides}
         _record(results, f"step_{name}", partial(_step, backend, kw))

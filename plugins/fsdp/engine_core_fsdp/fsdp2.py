@@ -1,10 +1,12 @@
 """``FSDP2Engine``: parameters sharded with ``fully_shard`` over a data-parallel mesh.
 
-The device mesh has up to three named axes, outermost first: ``dp_replicate`` (HSDP replica
-groups), ``dp_shard`` (parameter sharding) and ``tp`` (tensor parallelism of the decoder
-blocks). Parallelism is applied in a fixed order by :func:`parallelize`: tensor parallel, then
-``fully_shard`` per decoder block, then the root. Data is split over the ``dp_replicate`` ×
-``dp_shard`` ranks; the ``tp`` ranks of one DP rank see the same data.
+The device mesh has up to four named axes, outermost first: ``dp_replicate`` (HSDP replica
+groups), ``dp_shard`` (parameter sharding), ``cp`` (context parallelism: each packed row split
+over its ranks, Ulysses attention, :mod:`engine_core.context_parallel`) and ``tp`` (tensor
+parallelism of the decoder blocks). Parallelism is applied in a fixed order by
+:func:`parallelize`: tensor parallel, then ``fully_shard`` per decoder block, then the root;
+parameters are sharded over ``dp_shard`` × ``cp``. Data is split over the ``dp_replicate`` ×
+``dp_shard`` ranks; the ``cp`` and ``tp`` ranks of one DP rank see the same data.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from engine_core.backend import (
+    CP_GROUP_ATTR,
     Capability,
     ConfigError,
     EngineConfig,
@@ -48,6 +51,7 @@ __all__ = ["FSDP2Engine", "FSDP2EngineConfig", "MeshAxis", "compile_blocks", "pa
 class MeshAxis(StrEnum):
     DP_REPLICATE = "dp_replicate"
     DP_SHARD = "dp_shard"
+    CP = "cp"
     TP = "tp"
 
 
@@ -91,6 +95,18 @@ class FSDP2EngineConfig(FSDPCommonConfig):
 
     @model_validator(mode="after")
     def _tp_limits(self) -> FSDP2EngineConfig:
+        if self.tensor_parallel_size > 1 and self.context_parallel_size > 1:
+            raise ValueError(
+                f"fsdp2 runs context parallelism or tensor parallelism, not both at once; got "
+                f"context_parallel_size={self.context_parallel_size} and "
+                f"tensor_parallel_size={self.tensor_parallel_size}. Set one of them to 1."
+            )
+        if self.context_parallel_size > 1 and self.data_parallel_replicate_size is not None:
+            raise ValueError(
+                "fsdp2 does not combine context parallelism with HSDP "
+                "(data_parallel_replicate_size); leave data_parallel_replicate_size unset to "
+                "shard over every data-parallel rank, or set context_parallel_size=1."
+            )
         if self.tensor_parallel_size > 1 and self.model.lora is not None:
             raise ValueError(
                 "tensor_parallel_size > 1 with model.lora is not supported by fsdp2; "
@@ -123,8 +139,15 @@ class FSDP2Engine(FSDPEngineBase):
         return self.mesh[MeshAxis.TP].get_local_rank() if self._has_tp else 0
 
     @property
+    def context_parallel_group(self) -> dist.ProcessGroup | None:
+        if self.mesh is None or MeshAxis.CP not in (self.mesh.mesh_dim_names or ()):
+            return None
+        return self.mesh[str(MeshAxis.CP)].get_group()
+
+    @property
     def is_collect_rank(self) -> bool:
-        return self.tp_rank == 0
+        group = self.context_parallel_group
+        return self.tp_rank == 0 and (group is None or dist.get_rank(group) == 0)
 
     @property
     def _has_tp(self) -> bool:
@@ -150,6 +173,10 @@ class FSDP2Engine(FSDPEngineBase):
             if cfg.init == "rank0_broadcast" and dist.get_rank() == 0:
                 full_state = build_model(cfg.model, device="cpu").state_dict()
             module = build_skeleton(cfg.model)
+        cp = self.context_parallel_group
+        if cp is not None:  # each attention layer splits its heads over the group
+            for block in decoder_blocks(module):
+                setattr(block.self_attn, CP_GROUP_ATTR, cp)
         parallelize(
             module,
             mesh=self.mesh,
@@ -190,31 +217,37 @@ def build_mesh(cfg: FSDP2EngineConfig, device_type: str) -> tuple[DeviceMesh, De
     world = dist.get_world_size()
     hsdp = cfg.data_parallel_replicate_size is not None
     replicate, tp = cfg.data_parallel_replicate_size or 1, cfg.tensor_parallel_size
-    if world % (replicate * tp):
+    cp = cfg.context_parallel_size
+    if world % (replicate * cp * tp):
         raise ConfigError(
             f"fsdp2: world size {world} does not divide by data_parallel_replicate_size "
-            f"({replicate}) x tensor_parallel_size ({tp}); choose sizes whose product divides "
-            f"the number of processes."
+            f"({replicate}) x context_parallel_size ({cp}) x tensor_parallel_size ({tp}); "
+            f"choose sizes whose product divides the number of processes."
         )
-    if tp > 1:
+    for size, name in ((tp, "tensor_parallel_size"), (cp, "context_parallel_size")):
+        if size == 1:
+            continue
         hf = build_hf_config(cfg.model)
-        heads, kv = hf.num_attention_heads, getattr(hf, "num_key_value_heads", None) or 0
-        if heads % tp or kv % tp:
+        heads = hf.num_attention_heads
+        kv = getattr(hf, "num_key_value_heads", None) or heads
+        if heads % size or kv % size:
             raise ConfigError(
-                f"fsdp2: tensor_parallel_size={tp} must divide num_attention_heads ({heads}) and "
-                f"num_key_value_heads ({kv}); choose a divisor of both."
+                f"fsdp2: {name}={size} must divide num_attention_heads ({heads}) and "
+                f"num_key_value_heads ({kv}): each rank takes a whole share of the heads. "
+                f"Choose a divisor of both."
             )
     shape, names = [], []
     for size, axis in (
         (replicate, MeshAxis.DP_REPLICATE),
-        (world // (replicate * tp), MeshAxis.DP_SHARD),
+        (world // (replicate * cp * tp), MeshAxis.DP_SHARD),
+        (cp, MeshAxis.CP),
         (tp, MeshAxis.TP),
     ):
         if axis == MeshAxis.DP_SHARD or (axis == MeshAxis.DP_REPLICATE and hsdp) or size > 1:
             shape.append(size)
             names.append(str(axis))
     mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
-    dp_names = tuple(n for n in names if n != MeshAxis.TP)
+    dp_names = tuple(n for n in names if n not in (MeshAxis.TP, MeshAxis.CP))
     dp_mesh = mesh[dp_names] if len(dp_names) == 1 else mesh[dp_names]._flatten("dp")
     return mesh, dp_mesh
 
@@ -236,9 +269,14 @@ def parallelize(
         for block in blocks:
             plan = {path: style() for path, style in LLAMA_TP_PLAN.items()}
             parallelize_module(block, tp_mesh, plan)
-    # HSDP: a 2-D (replicate, shard) mesh; otherwise the 1-D shard mesh
-    dp_names = tuple(n for n in names if n != MeshAxis.TP)
-    fsdp_mesh = mesh[dp_names]
+    # HSDP: a 2-D (replicate, shard) mesh; otherwise the 1-D shard mesh. Context-parallel ranks
+    # shard parameters too: their gradients are reduced with the data-parallel ranks'
+    # (HSDP is refused with context parallelism by the config)
+    dp_names = tuple(n for n in names if n not in (MeshAxis.TP, MeshAxis.CP))
+    if MeshAxis.CP in names:
+        fsdp_mesh = mesh[(str(MeshAxis.DP_SHARD), str(MeshAxis.CP))]._flatten("dp_shard_cp")
+    else:
+        fsdp_mesh = mesh[dp_names]
     kwargs: dict[str, Any] = {"mesh": fsdp_mesh, "reshard_after_forward": reshard_after_forward}
     if mixed_precision is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(

@@ -1,4 +1,4 @@
-"""FSDP2 meshes (HSDP 1×2 and 2×1, TP 1×2), and for both FSDP engines mixed precision, LoRA and
+"""FSDP2 meshes (HSDP 1×2 and 2×1, TP 1×2, CP 1×2 on Qwen2 and Llama shapes with GQA), and for both FSDP engines mixed precision, LoRA and
 rank-0 / meta init, on two real gloo processes against the single-process reference engine."""
 
 from __future__ import annotations
@@ -184,9 +184,66 @@ def test_rank0_and_meta_init_equal_a_plain_load(backend: str, init: str, tmp_pat
         assert torch.allclose(r["lp"], _log_probs(ref), atol=1e-5)  # buffers (rotary) intact
 
 
+TINY_LLAMA = {
+    **TINY_QWEN2,
+    "model_type": "llama",
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+
+
+def _cp_worker(rank: int, world: int, model: dict, packing: bool) -> dict:
+    engine = _fsdp2(
+        model={"config": model},
+        context_parallel_size=world,
+        use_packing=packing,
+        micro_batch_size=3,
+    )
+    return {
+        "mesh": (engine.mesh.mesh_dim_names, tuple(engine.mesh.shape)),
+        "dp": (engine.dp_rank, engine.dp_size, engine.is_collect_rank),
+        "lp": _log_probs(engine),
+        "curve": train_steps(engine, range(STEPS), N),
+    }
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+@pytest.mark.parametrize("model", [TINY_QWEN2, TINY_LLAMA], ids=["qwen2", "llama"])
+def test_context_parallel_matches_one_rank(model: dict, packing: bool) -> None:
+    # each row split over two ranks (Ulysses attention): the log-probs and five clipped
+    # training steps of the single-process reference engine on the same model
+    e = ReferenceEngine(
+        ReferenceEngineConfig(**engine_config(optim=OPTIM, model={"config": model}))
+    )
+    e.init_model()
+    e.set_loss_fn(nll_loss)
+    want = {"lp": _log_probs(e), "curve": train_steps(e, range(STEPS), N)}
+    ranks = run_distributed(_cp_worker, 2, model, packing)
+    for rank, r in enumerate(ranks):
+        assert r["mesh"] == (("dp_shard", "cp"), (1, 2))
+        assert r["dp"] == (0, 1, rank == 0)  # one DP rank; its first cp rank is collected
+        torch.testing.assert_close(r["lp"], want["lp"], rtol=0, atol=1e-5)
+        for (loss, norm), (want_loss, want_norm) in zip(r["curve"], want["curve"], strict=True):
+            assert loss == pytest.approx(want_loss, rel=1e-5)
+            assert norm == pytest.approx(want_norm, rel=1e-5)
+
+
 def test_config_errors_name_the_fix() -> None:
     with pytest.raises(ValueError, match="init='meta' reads weights from a saved"):
         FSDP2EngineConfig(**engine_config(backend="fsdp2", init="meta"))
+    with pytest.raises(ValueError, match="context parallelism or tensor parallelism, not both"):
+        FSDP2EngineConfig(
+            **engine_config(backend="fsdp2", tensor_parallel_size=2, context_parallel_size=2)
+        )
+    with pytest.raises(ValueError, match="does not combine context parallelism with HSDP"):
+        FSDP2EngineConfig(
+            **engine_config(
+                backend="fsdp2", context_parallel_size=2, data_parallel_replicate_size=1
+            )
+        )
+    eager = {"config": dict(TINY_QWEN2), "attn_implementation": "eager"}
+    with pytest.raises(ValueError, match="needs model.attn_implementation sdpa_varlen"):
+        FSDP2EngineConfig(**engine_config(backend="fsdp2", context_parallel_size=2, model=eager))
     with pytest.raises(ValueError, match="tensor_parallel_size > 1 with model.lora"):
         FSDP2EngineConfig(
             **engine_config(
@@ -215,8 +272,17 @@ def _bad_mesh_worker(rank: int, world: int, overrides: dict) -> str:
                 "tensor_parallel_size": 2,
                 "model": {"config": {**TINY_QWEN2, "num_key_value_heads": 1}},
             },
-            "must divide num_attention_heads",
+            "tensor_parallel_size=2 must divide num_attention_heads",
         ),
+        (
+            {
+                "context_parallel_size": 2,
+                "model": {"config": {**TINY_QWEN2, "num_key_value_heads": 1}},
+            },
+            "context_parallel_size=2 must divide num_attention_heads (4) and "
+            "num_key_value_heads (1)",
+        ),
+        ({"context_parallel_size": 4}, "does not divide"),
     ],
 )
 def test_mesh_errors_before_any_state(overrides: dict, message: str) -> None:

@@ -1,0 +1,203 @@
+"""Peak memory and time of one actor update on one long sequence: full logits against chunked.
+
+A 2-layer, hidden-64 Qwen2 (GQA: 4 heads, 2 key/value heads) built from a config, under the
+``--backend`` engine (default fsdp2, one process), trains one ``Actor.update_actor`` (PPO-clip
+loss with an entropy bonus, one optimizer step) on a single sequence of T tokens, for every T
+in ``--lengths`` and vocabulary V in ``--vocabs``, two ways side by side in the same run:
+
+- ``full``: ``logits_chunk_tokens: null``, the ``[T, V]`` logits materialised (the old path);
+- ``chunked``: ``logits_chunk_tokens: auto`` (the default: chunks of about 2**22 logits),
+  log-probs and entropy computed chunk by chunk and recomputed in the backward.
+
+Each configuration runs in its own process: build the engine, one warm-up update, then the
+resident-set high-water mark is reset (``/proc/self/clear_refs``) and ``--repeats`` updates
+run. ``peak_gib``: the process's high-water mark during them; ``step_gib``: that mark above the
+resident memory just before them (what the update itself adds); ``step_s``: the median update
+time. ``logits_gib`` is the size of one fp32 ``[T, V]`` tensor. Ratios compare the two paths
+of one (T, V). Then context parallelism: the chunked path on one process (``cp1``) against two
+processes splitting each row (``cp2``, Ulysses attention; each process gets half the threads),
+for every T in ``--cp-lengths`` at V ``--cp-vocab``; a ``cp2`` figure is that of the rank whose
+update added the most memory. A configuration whose full path would need more memory than the host has
+available is reported as skipped. Linux only (``/proc``). Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MODEL = {
+    "model_type": "qwen2",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": False,
+}
+
+
+def _rss_and_hwm() -> tuple[int, int]:
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            fields[key] = value
+    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+
+
+def _one(
+    backend: str, length: int, vocab: int, path: str, repeats: int, cp: int = 1
+) -> dict[str, Any]:
+    from tensordict import TensorDict
+
+    from engine_core.plugins import load_plugins
+    from engine_core_roles.actor import Actor, ActorConfig
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // cp))
+    model = {**MODEL, "vocab_size": vocab, "max_position_embeddings": length}
+    spec = load_plugins().get_engine(backend)
+    config = spec.load_config_class()(
+        backend=backend,
+        model={"config": model},
+        optim={"lr": 1e-4},
+        logits_chunk_tokens=None if path == "full" else "auto",
+        context_parallel_size=cp,
+    )
+    engine = spec.load_class()(config)
+    engine.init_model()
+    actor = Actor(ActorConfig(entropy_coeff=0.001), engine)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, vocab, (1, length), generator=g)
+    mask = torch.ones_like(ids)
+    loss_mask = mask.clone()
+    loss_mask[:, : length // 4] = 0  # a prompt
+    batch = TensorDict(
+        {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "position_ids": torch.arange(length)[None],
+            "loss_mask": loss_mask,
+            "old_log_probs": torch.full(ids.shape, -float(torch.tensor(vocab).log())),
+            "advantages": torch.randn(ids.shape, generator=g),
+        },
+        batch_size=[1],
+    )
+    actor.update_actor(batch)  # warm-up
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the high-water mark to the current resident set
+    before, _ = _rss_and_hwm()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        actor.update_actor(batch)
+        times.append(time.perf_counter() - t0)
+    _, peak = _rss_and_hwm()
+    return {
+        "peak_gib": round(peak / 2**30, 3),
+        "step_gib": round((peak - before) / 2**30, 3),
+        "step_s": round(statistics.median(times), 3),
+    }
+
+
+def _rank(rank: int, world: int, *args: Any) -> dict[str, Any]:
+    return _one(*args, cp=world)
+
+
+def _one_cp(backend: str, length: int, vocab: int, repeats: int, cp: int) -> dict[str, Any]:
+    """The chunked path on ``cp`` processes splitting the row; the figures of the rank whose
+    update added the most memory."""
+    from engine_core.testing.distributed import run_distributed
+
+    ranks = run_distributed(_rank, cp, backend, length, vocab, "chunked", repeats, timeout=3000)
+    return max(ranks, key=lambda r: r["step_gib"])
+
+
+def _spawn(
+    args: argparse.Namespace, length: int, vocab: int, path: str, cp: int = 0
+) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--one", f"{length},{vocab},{path},{cp}"]
+    cmd += ["--backend", args.backend, "--repeats", str(args.repeats)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        return {"error": f"exit code {done.returncode}: {tail[0]}"}
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--backend", default="fsdp2")
+    parser.add_argument("--lengths", default="2048,4096,8192")
+    parser.add_argument("--vocabs", default="32768,131072")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--cp-lengths", default="4096,8192")
+    parser.add_argument("--cp-vocab", type=int, default=32768)
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        length, vocab, path, cp = args.one.split(",")
+        if int(cp):
+            out = _one_cp(args.backend, int(length), int(vocab), args.repeats, int(cp))
+        else:
+            out = _one(args.backend, int(length), int(vocab), path, args.repeats)
+        print(json.dumps(out))
+        return
+    rows = []
+    for length in [int(x) for x in args.lengths.split(",")]:
+        for vocab in [int(x) for x in args.vocabs.split(",")]:
+            logits = length * vocab * 4
+            row: dict[str, Any] = {"T": length, "V": vocab, "logits_gib": round(logits / 2**30, 3)}
+            for path in ("full", "chunked"):
+                # the full path holds about five [T, V] fp32 tensors at its peak
+                need = 5 * logits if path == "full" else logits // 8
+                if need > psutil.virtual_memory().available:
+                    row[path] = {"skipped": f"needs about {need / 2**30:.1f} GiB"}
+                    continue
+                row[path] = _spawn(args, length, vocab, path)
+            full, chunked = row["full"], row["chunked"]
+            if "step_gib" in full and "step_gib" in chunked:
+                row["step_memory_ratio"] = round(full["step_gib"] / chunked["step_gib"], 2)
+                row["peak_ratio"] = round(full["peak_gib"] / chunked["peak_gib"], 2)
+                row["time_ratio_chunked_over_full"] = round(chunked["step_s"] / full["step_s"], 3)
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    cp_rows = []
+    for length in [int(x) for x in args.cp_lengths.split(",") if x]:
+        row = {"T": length, "V": args.cp_vocab}
+        for cp in (1, 2):
+            row[f"cp{cp}"] = _spawn(args, length, args.cp_vocab, "chunked", cp)
+        if "step_gib" in row["cp1"] and "step_gib" in row["cp2"]:
+            row["per_rank_step_memory_ratio"] = round(
+                row["cp1"]["step_gib"] / row["cp2"]["step_gib"], 2
+            )
+            row["time_ratio_cp2_over_cp1"] = round(row["cp2"]["step_s"] / row["cp1"]["step_s"], 3)
+        cp_rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    print(
+        json.dumps(
+            {
+                "backend": args.backend,
+                "model": MODEL,
+                "threads": os.cpu_count(),
+                "rows": rows,
+                "context_parallel": cp_rows,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""Per-token log-probs and entropy from a model's last hidden states, without its full logits.
+
+A causal LM's output projection turns ``[tokens, hidden]`` states into ``[tokens, vocab]``
+logits; with 8k tokens and a 152k vocabulary those are 5 GB in fp32 before their gradient,
+and the log-softmax, its exponent and their gradients are as large again. RL training needs
+two numbers per token from them: the log-prob of the token that came next and the entropy.
+
+:func:`chunked_token_log_probs` computes both over chunks of tokens: each chunk's logits live
+only while that chunk is computed, in the forward and again in the backward, which recomputes
+them instead of keeping them (one more ``[chunk, hidden] x [hidden, vocab]`` product per chunk)
+and applies the derivatives of log-softmax and entropy in closed form. Its values and
+gradients are those of :func:`token_log_probs` on the full logits (fp32: within float
+rounding).
+
+:func:`chunked_head` applies it inside a transformers model's forward: the output layer
+(``get_output_embeddings()``) returns ``[.., 2]`` (log-prob, entropy) instead of logits for the
+duration of one call, so wrappers that gather the layer's weight around the model's forward
+(FSDP, FSDP2) do so exactly as for the plain layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "DEFAULT_CHUNK_ELEMENTS",
+    "chunk_tokens_for",
+    "chunked_head",
+    "chunked_token_log_probs",
+    "head_of",
+    "token_log_probs",
+]
+
+#: logits per chunk when the chunk size is left to the engine: 2**22 fp32 values (16 MiB)
+DEFAULT_CHUNK_ELEMENTS = 1 << 22
+
+
+def token_log_probs(
+    logits: torch.Tensor, next_ids: torch.Tensor, *, entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of ``next_ids`` under ``logits`` (fp32), and optionally the entropy."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    out = logp.gather(-1, next_ids.unsqueeze(-1)).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1) if entropy else None
+    return out, ent
+
+
+def chunk_tokens_for(vocab: int, elements: int = DEFAULT_CHUNK_ELEMENTS) -> int:
+    """Tokens per chunk so that one chunk's logits hold about ``elements`` values."""
+    return max(1, elements // max(1, vocab))
+
+
+def _chunk_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    temperature: float,
+) -> torch.Tensor:
+    """fp32 log-softmax of one chunk's logits (computed in the layer's dtype, as the layer does)."""
+    z = F.linear(hidden, weight, bias).float()
+    if temperature != 1.0:
+        z.div_(temperature)  # z is this function's own tensor
+    return torch.log_softmax(z, dim=-1)
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        temperature: float,
+        chunk: int,
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = hidden.shape[0]
+        lp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        ent = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        logp = torch.empty(0)
+        for s in range(0, n, chunk):
+            logp = _chunk_log_probs(hidden[s : s + chunk], weight, bias, temperature)
+            lp[s : s + chunk] = logp.gather(-1, targets[s : s + chunk, None]).squeeze(-1)
+            if with_entropy:
+                ent[s : s + chunk] = -logp.exp().mul_(logp).sum(-1)
+        # one chunk holds every token: keeping it costs no more than recomputing it would
+        kept = logp if n <= chunk else None
+        del logp
+        ctx.save_for_backward(hidden, weight, bias, targets, kept)
+        ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
+        if not with_entropy:
+            ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None
+    ) -> tuple[Any, ...]:
+        hidden, weight, bias, targets, kept = ctx.saved_tensors
+        temperature, chunk = ctx.temperature, ctx.chunk
+        want_h, want_w, want_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if want_h else None
+        # the weight's gradient sums over every chunk: accumulated in fp32, then cast once
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_b = (
+            torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+            if bias is not None and want_b
+            else None
+        )
+        use_ent = ctx.with_entropy and g_ent is not None
+        for s in range(0, hidden.shape[0], chunk):
+            h = hidden[s : s + chunk]
+            logp = kept if kept is not None else _chunk_log_probs(h, weight, bias, temperature)
+            p = logp.exp()
+            # the gradient in the logits z, written in place over logp (no longer needed):
+            #   d log p_t / dz = onehot(t) - p;   d H / dz = -p (log p + H), H = -sum p log p
+            if use_ent:
+                assert g_ent is not None
+                h_ent = -(p * logp).sum(-1, keepdim=True)
+                gz = logp.add_(h_ent).mul_(p).mul_(-g_ent[s : s + chunk, None].float())
+            else:
+                gz = logp.zero_()
+            if g_lp is not None:
+                g = g_lp[s : s + chunk, None].float()
+                gz.addcmul_(p, g, value=-1.0)
+                gz.scatter_add_(-1, targets[s : s + chunk, None], g)
+            del p, logp
+            if temperature != 1.0:
+                gz.div_(temperature)
+            gz_model = gz.to(hidden.dtype)  # the gradient the layer's own backward receives
+            if grad_h is not None:
+                grad_h[s : s + chunk] = gz_model @ weight
+            if want_w:
+                grad_w += (gz_model.t() @ h).float()
+            if grad_b is not None:
+                grad_b += gz_model.float().sum(0)
+        return (
+            grad_h,
+            grad_w.to(weight.dtype) if want_w else None,
+            grad_b.to(bias.dtype) if grad_b is not None else None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def chunked_token_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    chunk_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of ``targets`` (and the entropy) under the logits ``hidden @ weight.T + bias``,
+    divided by ``temperature``, without materialising them: ``chunk_tokens`` rows at a time
+    (default: :func:`chunk_tokens_for` the vocabulary).
+
+    ``hidden``: ``[..., H]``; ``weight``: ``[V, H]``; ``targets``: ``[...]`` token ids. Returns
+    fp32 ``[...]`` tensors, differentiable in ``hidden``, ``weight`` and ``bias``.
+    """
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)} must agree on "
+            f"every dimension but the last."
+        )
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight {tuple(weight.shape)} must be [vocab, {hidden.shape[-1]}] for hidden "
+            f"states of width {hidden.shape[-1]}."
+        )
+    chunk = chunk_tokens or chunk_tokens_for(weight.shape[0])
+    if chunk < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}.")
+    lead = targets.shape
+    lp, ent = _ChunkedLogProbs.apply(
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        bias,
+        targets.reshape(-1),
+        float(temperature),
+        int(chunk),
+        bool(entropy),
+    )
+    return lp.view(lead), (ent.view(lead) if entropy else None)
+
+
+def head_of(module: torch.nn.Module) -> tuple[torch.nn.Linear | None, str]:
+    """The output layer :func:`chunked_head` can replace, or None and why not."""
+    get = getattr(module, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if not isinstance(head, torch.nn.Linear):
+        return None, f"the output layer is {type(head).__name__}, not a plain Linear layer"
+    config = getattr(module, "config", None)
+    if getattr(config, "final_logit_softcapping", None) is not None:
+        return None, "the model soft-caps its logits after the output layer"
+    if getattr(config, "logit_scale", None) not in (None, 1.0):
+        return None, "the model scales its logits after the output layer"
+    return head, ""
+
+
+@contextlib.contextmanager
+def chunked_head(
+    head: torch.nn.Linear,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    chunk_tokens: int | None = None,
+) -> Iterator[None]:
+    """For the calls inside it, ``head`` (a model's output layer) returns ``[..., 2]``: the
+    log-prob of ``targets`` (``[...]``, one id per position the layer sees) and the entropy (0
+    where not asked for), in fp32, instead of ``[..., vocab]`` logits."""
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        weight = head.weight  # gathered by a sharding wrapper around the model's forward
+        if isinstance(weight, DTensor) or isinstance(hidden, DTensor):
+            raise NotImplementedError(
+                "chunked log-probs need the output layer's whole weight during the forward; "
+                "it is a DTensor here (the layer is sharded by tensor parallelism). Set "
+                "logits_chunk_tokens: null in the engine config to use full logits."
+            )
+        lp, ent = chunked_token_log_probs(
+            hidden,
+            weight,
+            targets.to(hidden.device),
+            bias=head.bias,
+            temperature=temperature,
+            entropy=entropy,
+            chunk_tokens=chunk_tokens,
+        )
+        return torch.stack([lp, ent if ent is not None else torch.zeros_like(lp)], dim=-1)
+
+    head.forward = forward  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        del head.forward
