@@ -9,15 +9,20 @@ in ``--lengths`` and vocabulary V in ``--vocabs``, two ways side by side in the 
 - ``chunked``: ``logits_chunk_tokens: auto`` (the default: chunks of about 2**22 logits),
   log-probs and entropy computed chunk by chunk and recomputed in the backward.
 
-Each configuration runs in its own process: build the engine, one warm-up update, then the
-resident-set high-water mark is reset (``/proc/self/clear_refs``) and ``--repeats`` updates
-run. ``peak_gib``: the process's high-water mark during them; ``step_gib``: that mark above the
-resident memory just before them (what the update itself adds); ``step_s``: the median update
-time. ``logits_gib`` is the size of one fp32 ``[T, V]`` tensor. Ratios compare the two paths
+Each configuration runs in its own process: build the engine and run one warm-up update (which
+creates the optimizer state); then, before each of ``--repeats`` updates, malloc's free memory
+goes back to the system (``malloc_trim``) and the resident-set high-water mark is reset
+(``/proc/self/clear_refs``). ``step_gib``: the largest rise of that mark above the resident
+memory just before an update (what the update itself adds: activations, logits, gradients);
+``peak_gib``: the mark itself then; ``step_s``: the median update time. ``logits_gib`` is the size of one fp32 ``[T, V]`` tensor. Ratios compare the two paths
 of one (T, V). Then context parallelism: the chunked path on one process (``cp1``) against two
 processes splitting each row (``cp2``, Ulysses attention; each process gets half the threads),
-for every T in ``--cp-lengths`` at V ``--cp-vocab``; a ``cp2`` figure is that of the rank whose
-update added the most memory. A configuration whose full path would need more memory than the host has
+for every T in ``--cp-lengths`` at V ``--cp-vocab``, on a wider model (``CP_MODEL``: hidden
+256, 4 layers) so that activations outweigh the rest; a ``cp2`` figure is that of the rank whose
+update added the most memory. The per-rank activation memory is the slope of ``step_gib`` over
+T between the first and last of ``--cp-lengths`` (GiB per 1k tokens), for each; the fixed part
+of a step (FSDP's gathered weights and unsharded gradients at cp2, none of which grows with T)
+drops out of it. A configuration whose full path would need more memory than the host has
 available is reported as skipped. Linux only (``/proc``). Prints one JSON object.
 """
 
@@ -37,6 +42,8 @@ import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _process_stats import trim_heap  # noqa: E402  (benchmarks/ is on sys.path as a script)
 
 MODEL = {
     "model_type": "qwen2",
@@ -46,6 +53,16 @@ MODEL = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "tie_word_embeddings": False,
+}
+
+
+# the context-parallel comparison: a wider, deeper model, so activations outweigh the rest
+CP_MODEL = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
 }
 
 
@@ -59,7 +76,13 @@ def _rss_and_hwm() -> tuple[int, int]:
 
 
 def _one(
-    backend: str, length: int, vocab: int, path: str, repeats: int, cp: int = 1
+    backend: str,
+    length: int,
+    vocab: int,
+    path: str,
+    repeats: int,
+    cp: int = 1,
+    shape: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     from tensordict import TensorDict
 
@@ -67,7 +90,7 @@ def _one(
     from engine_core_roles.actor import Actor, ActorConfig
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // cp))
-    model = {**MODEL, "vocab_size": vocab, "max_position_embeddings": length}
+    model = {**MODEL, **(shape or {}), "vocab_size": vocab, "max_position_embeddings": length}
     spec = load_plugins().get_engine(backend)
     config = spec.load_config_class()(
         backend=backend,
@@ -95,16 +118,20 @@ def _one(
         },
         batch_size=[1],
     )
-    actor.update_actor(batch)  # warm-up
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the high-water mark to the current resident set
-    before, _ = _rss_and_hwm()
+    actor.update_actor(batch)  # warm-up: the optimizer state exists from here on
+    peak = before = 0
     times = []
     for _ in range(repeats):
+        trim_heap()  # what the last update freed goes back to the system, not to malloc's pool
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the high-water mark to the current resident set
+        rss, _ = _rss_and_hwm()
         t0 = time.perf_counter()
         actor.update_actor(batch)
         times.append(time.perf_counter() - t0)
-    _, peak = _rss_and_hwm()
+        _, hwm = _rss_and_hwm()
+        if hwm - rss > peak - before:
+            peak, before = hwm, rss
     return {
         "peak_gib": round(peak / 2**30, 3),
         "step_gib": round((peak - before) / 2**30, 3),
@@ -113,7 +140,7 @@ def _one(
 
 
 def _rank(rank: int, world: int, *args: Any) -> dict[str, Any]:
-    return _one(*args, cp=world)
+    return _one(*args, cp=world, shape=CP_MODEL)
 
 
 def _one_cp(backend: str, length: int, vocab: int, repeats: int, cp: int) -> dict[str, Any]:
@@ -143,7 +170,7 @@ def main() -> None:
     parser.add_argument("--lengths", default="2048,4096,8192")
     parser.add_argument("--vocabs", default="32768,131072")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--cp-lengths", default="4096,8192")
+    parser.add_argument("--cp-lengths", default="2048,8192")
     parser.add_argument("--cp-vocab", type=int, default=32768)
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -186,14 +213,31 @@ def main() -> None:
             row["time_ratio_cp2_over_cp1"] = round(row["cp2"]["step_s"] / row["cp1"]["step_s"], 3)
         cp_rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
+    # activation memory grows with the tokens a rank holds: its slope over T, per rank, is what
+    # context parallelism divides (the fixed part, FSDP's gathered weights and gradients, is not)
+    slopes: dict[str, Any] = {}
+    ok = [r for r in cp_rows if "step_gib" in r["cp1"] and "step_gib" in r["cp2"]]
+    if len(ok) >= 2:
+        lo, hi = ok[0], ok[-1]
+        for cp in ("cp1", "cp2"):
+            per_k = (hi[cp]["step_gib"] - lo[cp]["step_gib"]) / ((hi["T"] - lo["T"]) / 1024)
+            slopes[f"{cp}_activation_gib_per_1k_tokens"] = round(per_k, 4)
+        if slopes["cp2_activation_gib_per_1k_tokens"] > 0:
+            slopes["per_rank_activation_ratio"] = round(
+                slopes["cp1_activation_gib_per_1k_tokens"]
+                / slopes["cp2_activation_gib_per_1k_tokens"],
+                2,
+            )
     print(
         json.dumps(
             {
                 "backend": args.backend,
                 "model": MODEL,
+                "cp_model": {**MODEL, **CP_MODEL},
                 "threads": os.cpu_count(),
                 "rows": rows,
                 "context_parallel": cp_rows,
+                "context_parallel_activations": slopes,
             }
         )
     )

@@ -38,6 +38,7 @@ NO_GROUP = "test_runs_without_a_process_group"
 TO = "test_to_moves_what_its_flags_say"
 BF16 = "test_bf16_model_keeps_its_dtype_and_gives_float32_log_probs"
 TIED = "test_tied_embeddings_export_and_checkpoint"
+CHECKPOINTING = "test_gradient_checkpointing_recomputes_the_blocks"
 UPDATE = {
     "test_update_matches_a_plain_adamw_loop_single_process",
     "test_update_matches_a_plain_adamw_loop_two_dp_ranks",
@@ -53,8 +54,8 @@ GROUPS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
     ),
     "checkpoints": (frozenset(CHECKPOINTS), ("checkpoint",)),
     "lifecycle": (
-        frozenset({MODES, OPTIMIZER, EXPORT, REGISTERED, INPUTS, BF16, TIED}),
-        ("modes", "optimizer", "export", "inputs", "bf16", "tied"),
+        frozenset({MODES, OPTIMIZER, EXPORT, REGISTERED, INPUTS, BF16, TIED, CHECKPOINTING}),
+        ("modes", "optimizer", "export", "inputs", "bf16", "tied", "recompute"),
     ),
     "process": (frozenset({NO_GROUP, MODES}), ("lifecycle", "modes")),
     "updates": (frozenset({*UPDATE, OPTIMIZER, TO}), ("update", "optimizer", "to_meta")),
@@ -110,6 +111,9 @@ BROKEN = {
     ),
     "example-bad-capabilities": Broken("lifecycle", frozenset({REGISTERED}), "[capabilities]"),
     "example-modifies-inputs": Broken("lifecycle", frozenset({INPUTS}), "[inputs unmodified]"),
+    "example-ignores-checkpointing": Broken(
+        "lifecycle", frozenset({CHECKPOINTING}), "nothing is recomputed in the backward"
+    ),
     "example-needs-process-group": Broken(
         "process", frozenset({NO_GROUP}), "create a one-rank group in init_model"
     ),

@@ -744,6 +744,24 @@ def test_lora_trains_adapters_only(single: dict, caps: frozenset, kit_baseline: 
     )
 
 
+def test_gradient_checkpointing_recomputes_the_blocks(single: dict, caps: frozenset) -> None:
+    if Capability.GRADIENT_CHECKPOINTING not in caps:
+        pytest.skip("gradient_checkpointing not declared")
+    calls = _get(single, "recompute", "gradient checkpointing")
+    off, on = calls[False], calls[True]
+    if off < 0:
+        pytest.fail(
+            "[gradient checkpointing] no module of the model has a class name ending in "
+            "DecoderLayer or TransformerLayer, so the kit cannot count the blocks' forwards."
+        )
+    assert on > off, (
+        f"[gradient checkpointing] one training step ran the decoder blocks' forward {on} "
+        f"times with model.gradient_checkpointing=true and {off} times without: nothing is "
+        f"recomputed in the backward, so the option saves no memory. Enable activation "
+        f"checkpointing on the blocks (transformers: gradient_checkpointing_enable())."
+    )
+
+
 def test_offload_trains_the_same(single: dict, caps: frozenset) -> None:
     if Capability.OFFLOAD not in caps:
         pytest.skip("offload not declared")

@@ -389,6 +389,30 @@ def _modes(backend: str, policy: dict[str, Any]) -> dict[str, Any]:
     return seen
 
 
+def _block_calls(backend: str, policy: dict[str, Any], checkpointing: bool) -> int:
+    """Forward calls of the model's decoder blocks (modules whose class name ends in
+    ``DecoderLayer`` or ``TransformerLayer``) during one training step: activation
+    checkpointing runs each block's forward again in the backward."""
+    engine = build(backend, model={**policy, "gradient_checkpointing": checkpointing})
+    module = engine.module
+    assert module is not None
+    calls = [0]
+
+    def count(*_: Any) -> None:
+        calls[0] += 1
+
+    hooks = [
+        # a pre-hook: a recomputation may stop early, before a forward hook would run
+        m.register_forward_pre_hook(count)
+        for m in module.modules()
+        if type(m).__name__.endswith(("DecoderLayer", "TransformerLayer"))
+    ]
+    first_step(engine, train_batch())
+    for h in hooks:
+        h.remove()
+    return calls[0] if hooks else -1
+
+
 def _state_devices(engine: BaseEngine) -> dict[str, list[str]]:
     """Device types of the engine's parameters, their gradients and its optimizer state."""
 
@@ -693,6 +717,11 @@ def single_process_checks(
         variants["budget40"] = {"max_tokens_per_micro_batch": 40}
     if Capability.GRADIENT_CHECKPOINTING in caps:
         variants["checkpointing"] = {"model": {**policy, "gradient_checkpointing": True}}
+        _record(
+            results,
+            "recompute",
+            lambda: {on: _block_calls(backend, policy, on) for on in (False, True)},
+        )
     for name, overrides in variants.items():
         kw = {"model": policy, "optim": {"lr": 1e-3, "clip_grad": None}, **overrides}
         _record(results, f"step_{name}", partial(_step, backend, kw))

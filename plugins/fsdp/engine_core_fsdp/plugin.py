@@ -30,6 +30,7 @@ def engine_core_register(registry: BackendRegistry) -> None:
         capabilities=FSDP2_CAPABILITIES,
         description=(
             "torch fully_shard (FSDP2): sharded or hybrid-sharded (HSDP) data parallel, optional "
-            "tensor parallel, mixed precision, LoRA, meta-device init; DCP checkpoints."
+            "tensor or context (Ulysses) parallel, mixed precision, LoRA, meta-device init; DCP "
+            "checkpoints."
         ),
     )
