@@ -242,8 +242,12 @@ def chunked_head(
         )
         return torch.stack([lp, ent if ent is not None else torch.zeros_like(lp)], dim=-1)
 
+    own = head.__dict__.get("forward")  # a forward set on the instance by someone else
     head.forward = forward  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
-        del head.forward
+        if own is None:
+            del head.forward
+        else:
+            head.forward = own  # type: ignore[method-assign]

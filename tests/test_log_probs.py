@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine_core.log_probs import chunked_token_log_probs, head_of, token_log_probs
+from engine_core.log_probs import chunked_head, chunked_token_log_probs, head_of, token_log_probs
 
 N, H, V = 37, 16, 101
 
@@ -153,3 +153,15 @@ def test_models_that_change_logits_after_the_output_layer_keep_full_logits() -> 
     )
     head, why = head_of(capped)
     assert head is None and "soft-caps its logits" in why
+
+
+def test_the_head_gives_logits_again_after_the_call() -> None:
+    head = torch.nn.Linear(H, V)
+    hidden, _, _, targets = _inputs()
+    with chunked_head(head, targets, entropy=True):
+        assert head(hidden).shape == (N, 2)
+    assert head(hidden).shape == (N, V)
+    marker = head.forward = lambda x: x  # a forward someone else set on the instance
+    with chunked_head(head, targets):
+        assert head(hidden).shape == (N, 2)
+    assert head.forward is marker
