@@ -228,6 +228,28 @@ def test_context_parallel_matches_one_rank(model: dict, packing: bool) -> None:
             assert norm == pytest.approx(want_norm, rel=1e-5)
 
 
+def _values(engine, at_token: bool) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    batch = random_batch(N, seed=12)
+    set_meta(batch, BatchMeta(values_at_token=at_token))
+    engine.set_loss_fn(None)
+    with engine.eval_mode():
+        out = engine.forward_backward_step(engine.shard_data(batch), forward_only=True).outputs
+    return engine.unshard_data(out)["values"]
+
+
+def _cp_values_worker(rank: int, world: int, cp: int) -> list[torch.Tensor]:
+    critic = {"config": dict(TINY_QWEN2), "value_head": True}
+    engine = _fsdp2(model=critic, context_parallel_size=cp, micro_batch_size=3)
+    return [_values(engine, at_token) for at_token in (False, True)]
+
+
+def test_context_parallel_value_head_matches_one_rank() -> None:
+    (want,) = run_distributed(_cp_values_worker, 1, 1)
+    for got in run_distributed(_cp_values_worker, 2, 2):
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
+
+
 def test_config_errors_name_the_fix() -> None:
     with pytest.raises(ValueError, match="init='meta' reads weights from a saved"):
         FSDP2EngineConfig(**engine_config(backend="fsdp2", init="meta"))
