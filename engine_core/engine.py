@@ -111,6 +111,7 @@ class HeadRequest:
     """What the output layer computes instead of logits: the log-prob of ``targets`` (the next
     id at each position of the model's input row) and, with ``entropy``, the entropy."""
 
+    head: nn.Linear
     targets: torch.Tensor
     temperature: float
     entropy: bool
@@ -423,40 +424,29 @@ class BaseEngine(abc.ABC):
         ids, mask = micro_batch[INPUT_IDS], micro_batch[ATTENTION_MASK]
         dev = self.device
         cp = self.context_parallel_group
-        if cp is not None:  # a packed row split over the group, whatever use_packing says
+        if self.config.use_packing or cp is not None:  # a row split over cp ranks is packed
             packed = pack(ids, mask)
-            shard, row, pos, targets, cu = shard_row(
-                packed.input_ids, packed.position_ids, packed.cu_seqlens, cp
-            )
-            cu = cu.to(dev)
-            longest = max(packed.max_seqlen, shard.padded - shard.length)
-            kwargs = {
-                "input_ids": shard.local(row).to(dev),
-                "position_ids": shard.local(pos).to(dev),
-                "use_cache": False,
-                "cu_seq_lens_q": cu,
-                "cu_seq_lens_k": cu,
-                "max_length_q": longest,
-                "max_length_k": longest,
-            }
-            return ModelInputs(kwargs, packed, targets=shard.local(targets).to(dev), shard=shard)
-        if self.config.use_packing:
-            packed = pack(ids, mask)
-            kwargs = {
-                "input_ids": packed.input_ids.to(dev),
-                "position_ids": packed.position_ids.to(dev),
-                "use_cache": False,
-            }
+            row, pos, cu = packed.input_ids, packed.position_ids, packed.cu_seqlens
+            longest = packed.max_seqlen
+            shard: SequenceShard | None = None
+            targets: torch.Tensor | None = None
+            if cp is not None:  # this rank's slice of the row, padded to split evenly
+                shard, row, pos, targets, cu = shard_row(row, pos, cu, cp)
+                row, pos, targets = shard.local(row), shard.local(pos), shard.local(targets)
+                longest = max(longest, shard.padded - shard.length)
+            kwargs = {"input_ids": row.to(dev), "position_ids": pos.to(dev), "use_cache": False}
             if self.config.model.attn_implementation in VARLEN_KERNELS:
                 # sequence boundaries for varlen kernels (read from position ids otherwise)
-                cu = packed.cu_seqlens.to(dev)
+                cu = cu.to(dev)
                 kwargs.update(
-                    cu_seq_lens_q=cu,
-                    cu_seq_lens_k=cu,
-                    max_length_q=packed.max_seqlen,
-                    max_length_k=packed.max_seqlen,
+                    cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest
                 )
-            return ModelInputs(kwargs, packed)
+            return ModelInputs(
+                kwargs,
+                packed,
+                targets=None if targets is None else targets.to(dev),
+                shard=shard,
+            )
         kwargs = {
             "input_ids": ids.to(dev),
             "attention_mask": mask.to(dev),
@@ -483,20 +473,17 @@ class BaseEngine(abc.ABC):
             return None
         chunk = None if setting == "auto" else int(setting)
         meta: BatchMeta = get_meta(micro_batch)
-        return HeadRequest(_targets(inputs), meta.temperature, meta.compute_entropy, chunk)
+        return HeadRequest(head, _targets(inputs), meta.temperature, meta.compute_entropy, chunk)
 
     def forward_model(self, inputs: ModelInputs) -> Any:
         """Call the model; with ``inputs.head``, its output layer gives log-probs and entropy
         (:func:`~engine_core.log_probs.chunked_head`) instead of logits."""
         module = self.require_module()
-        if inputs.head is None:
-            return module(**inputs.kwargs)
-        head, why = head_of(module)
-        if head is None:
-            raise EngineCoreError(f"chunked log-probs cannot run on this model: {why}.")
         request = inputs.head
+        if request is None:
+            return module(**inputs.kwargs)
         with chunked_head(
-            head,
+            request.head,
             request.targets,
             temperature=request.temperature,
             entropy=request.entropy,

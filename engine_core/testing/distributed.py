@@ -32,7 +32,6 @@ import multiprocessing.forkserver as forkserver
 import os
 import pickle
 import queue as queue_mod
-import socket
 import sys
 import threading
 import time
@@ -44,16 +43,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine_core.executors.base import host_rendezvous
+from engine_core.executors.base import free_port, host_rendezvous
 
 __all__ = ["free_port", "run_distributed"]
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _entry(
