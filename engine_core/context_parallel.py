@@ -62,7 +62,7 @@ def _all_to_all(
     x: torch.Tensor, group: dist.ProcessGroup, scatter: int, gather: int
 ) -> torch.Tensor:
     world = dist.get_world_size(group)
-    send = torch.stack(x.chunk(world, dim=scatter)).contiguous()  # [world, ...chunk]
+    send = torch.stack(x.chunk(world, dim=scatter))  # [world, ...chunk], contiguous
     received = torch.empty_like(send)
     dist.all_to_all_single(received, send, group=group)
     return torch.cat(received.unbind(0), dim=gather)

@@ -43,6 +43,10 @@ __all__ = [
 # how long a call may take on every worker of a group before the executor gives up on it
 DEFAULT_CALL_TIMEOUT_S = 600.0
 
+# after a first worker fails a call, how long its peers may take to report: they fail (or
+# hang) in collectives waiting for it, and the failed one is named now, not at the deadline
+FAILURE_GRACE_S = 10.0
+
 Calls = list[tuple[tuple[Any, ...], dict[str, Any]]]
 
 

@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 from engine_core.errors import DispatchError
 from engine_core.executors.base import (
     DEFAULT_CALL_TIMEOUT_S,
+    FAILURE_GRACE_S,
     Calls,
     WorkerFuture,
     WorkerGroup,
@@ -35,7 +36,6 @@ from engine_core.executors.base import (
 __all__ = ["LocalWorkerGroup"]
 
 _STOP = "__stop__"
-_GRACE_S = 10.0  # how long the other workers may take to report after a first failure
 
 
 def _serve(conn: Any, cls: type, init_args: tuple, init_kwargs: dict, env: dict[str, str]) -> None:
@@ -138,7 +138,11 @@ class LocalWorkerGroup(WorkerGroup):
             # after a first failure, give the other workers a moment to report theirs: a failed
             # worker's peers fail (or hang) in collectives, and the failed one must be named
             # now, not when the call's whole time is up
-            end = deadline if not (failures or died) else min(deadline, time.monotonic() + _GRACE_S)
+            end = (
+                deadline
+                if not (failures or died)
+                else min(deadline, time.monotonic() + FAILURE_GRACE_S)
+            )
             ready = wait(list(pending.values()), timeout=max(end - time.monotonic(), 0.0))
             if not ready:
                 break
@@ -162,7 +166,7 @@ class LocalWorkerGroup(WorkerGroup):
             waited = (
                 f"within call_timeout_s={self.call_timeout_s:g} s"
                 if not (failures or died)
-                else f"within {_GRACE_S:g} s of the failure above (it may wait on that worker)"
+                else f"within {FAILURE_GRACE_S:g} s of the failure above (it may wait on that worker)"
             )
             failures[i] = f"worker {i}: no answer to {method!r} {waited} ({alive})"
         if died or failures:

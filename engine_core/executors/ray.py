@@ -17,6 +17,7 @@ from typing import Any
 from engine_core.errors import DispatchError
 from engine_core.executors.base import (
     DEFAULT_CALL_TIMEOUT_S,
+    FAILURE_GRACE_S,
     Calls,
     WorkerFuture,
     WorkerGroup,
@@ -26,8 +27,6 @@ from engine_core.executors.base import (
 )
 
 __all__ = ["RayWorkerGroup"]
-
-_GRACE_S = 10.0  # how long the other workers may take to report after a first failure
 
 
 def _import_ray() -> Any:
@@ -132,7 +131,7 @@ class RayWorkerGroup(WorkerGroup):
         while pending:
             # after a first failure, give the other workers a moment to report theirs: a dead
             # worker's peers fail (or hang) in collectives, and the dead one must be named
-            wait = max(deadline - time.monotonic(), 0.0) if not errors else _GRACE_S
+            wait = max(deadline - time.monotonic(), 0.0) if not errors else FAILURE_GRACE_S
             ready, pending = ray.wait(pending, num_returns=1, timeout=wait)
             if not ready:
                 break

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine_core.executors.base import free_port, host_rendezvous
+from engine_core.executors.base import free_port, host_rendezvous, worker_env
 
 __all__ = ["free_port", "run_distributed"]
 
@@ -60,26 +60,15 @@ def _entry(
 ) -> None:
     os.environ.clear()  # the caller's environment, as a spawned child has it
     os.environ.update(env)
-    os.environ["OMP_NUM_THREADS"] = "1"
+    # the rendezvous variables every executor's worker gets (worker_env), the caller hosting the
+    # store; a plain process, as `engine-core run` starts, has none of them
+    rendezvous = worker_env(rank, world_size, port, hosted=True)
     if pg_backend is not None:
-        os.environ.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            TORCHELASTIC_USE_AGENT_STORE="True",  # the caller hosts the store
-            RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            LOCAL_RANK=str(rank),
-        )
-    else:  # a plain process, as `engine-core run` starts: no rendezvous variables either
-        for name in (
-            "MASTER_ADDR",
-            "MASTER_PORT",
-            "RANK",
-            "WORLD_SIZE",
-            "LOCAL_RANK",
-            "TORCHELASTIC_USE_AGENT_STORE",
-        ):
+        os.environ.update(rendezvous)
+    else:
+        for name in rendezvous:
             os.environ.pop(name, None)
+    os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)  # torch is imported already, so the env var alone is too late
     try:
         if pg_backend == "nccl":
@@ -117,17 +106,6 @@ def run_distributed(
     """
     if pg_backend is None and world_size != 1:
         raise ValueError(f"pg_backend=None runs one process; got world_size={world_size}")
-    return _launch(fn, world_size, args, timeout, pg_backend, preload)
-
-
-def _launch(
-    fn: Callable[..., Any],
-    world_size: int,
-    args: tuple[Any, ...],
-    timeout: float,
-    pg_backend: str | None,
-    preload: Sequence[str],
-) -> list[Any]:
     # a fork server that imported a module asking torch.cuda anything (a skip mark's
     # is_available()) forks children that cannot use CUDA: NCCL ranks start fresh (spawn)
     ctx: Any = (
