@@ -17,5 +17,6 @@ REFERENCE_CAPABILITIES = frozenset(
         Capability.VALUE_HEAD,
         Capability.GRADIENT_CHECKPOINTING,
         Capability.BF16,
+        Capability.MIXED_PRECISION,
     }
 )

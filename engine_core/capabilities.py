@@ -36,6 +36,8 @@ class Capability(StrEnum):
     DATA_PARALLEL = "data_parallel"
     GRADIENT_CHECKPOINTING = "gradient_checkpointing"
     BF16 = "bf16"  # trains and exports a model held in bfloat16 (model.dtype: bfloat16)
+    # float32 master weights computing in a narrower dtype (compute_dtype: bfloat16)
+    MIXED_PRECISION = "mixed_precision"
     # rollout capabilities
     SLEEP = "sleep"
     LOGPROBS = "logprobs"

@@ -28,6 +28,10 @@ at once and what a weight sync sends at once (a bigger tensor goes alone)."""
 
 __all__ = ["FrozenModel", "ModelConfig", "LoraConfig", "OptimConfig", "EngineConfig"]
 
+DtypeName = Literal["float32", "bfloat16", "float16"]
+# bytes per element: a compute dtype must be narrower than the dtype the weights are held in
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
 
 class FrozenModel(BaseModel):
     """Base of every config model: immutable, unknown keys refused (naming the close matches)."""
@@ -68,7 +72,7 @@ class ModelConfig(FrozenModel):
         description="Local folder with the model's tokenizer (default: path). Engines train on "
         "token ids and never read it; a text job (and a rollout that decodes) does.",
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: DtypeName = "float32"
     value_head: bool = Field(False, description="Add a scalar value head (critic).")
     gradient_checkpointing: bool = False
     attn_implementation: Literal["eager", "sdpa", "sdpa_varlen", "flash_attention_2"] | None = (
@@ -144,6 +148,15 @@ class EngineConfig(FrozenModel):
             "logits; null: full logits (the output layer's plain forward)."
         ),
     )
+    compute_dtype: DtypeName | None = Field(
+        None,
+        description=(
+            "Mixed precision: parameters (master weights), gradients' accumulation and optimizer "
+            "state stay in model.dtype; forward and backward compute in compute_dtype (in "
+            "practice bfloat16 with a float32 model). None, or model.dtype itself: compute in "
+            "model.dtype. Nothing scales the loss, so prefer bfloat16 to float16."
+        ),
+    )
     seed: int = 0
 
     @model_validator(mode="after")
@@ -171,6 +184,21 @@ class EngineConfig(FrozenModel):
             object.__setattr__(self, "model", varlen)
         return self
 
+    @model_validator(mode="after")
+    def _narrower_compute_dtype(self) -> EngineConfig:
+        compute, held = self.compute_dtype, self.model.dtype
+        if compute == held:  # computing in the weights' own dtype is no mixed precision
+            object.__setattr__(self, "compute_dtype", None)
+        elif compute is not None and _DTYPE_BYTES[compute] >= _DTYPE_BYTES[held]:
+            wider = "wider than" if _DTYPE_BYTES[compute] > _DTYPE_BYTES[held] else "as wide as"
+            raise ValueError(
+                f"compute_dtype={compute!r} is {wider} model.dtype={held!r}: the "
+                f"weights are held in model.dtype and computed in compute_dtype, so set "
+                f"compute_dtype to a narrower dtype (bfloat16 with model.dtype float32) or unset "
+                f"it."
+            )
+        return self
+
     def required_capabilities(self) -> set[Capability]:
         """Capabilities this config asks of its engine; checked when the config is resolved."""
         need: set[Capability] = set()
@@ -194,4 +222,6 @@ class EngineConfig(FrozenModel):
             need.add(Capability.OFFLOAD)
         if self.model.dtype == "bfloat16":
             need.add(Capability.BF16)
+        if self.compute_dtype is not None:
+            need.add(Capability.MIXED_PRECISION)
         return need

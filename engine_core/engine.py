@@ -480,16 +480,26 @@ class BaseEngine(abc.ABC):
         (:func:`~engine_core.log_probs.chunked_head`) instead of logits."""
         module = self.require_module()
         request = inputs.head
-        if request is None:
-            return module(**inputs.kwargs)
-        with chunked_head(
-            request.head,
-            request.targets,
-            temperature=request.temperature,
-            entropy=request.entropy,
-            chunk_tokens=request.chunk_tokens,
-        ):
-            return module(**inputs.kwargs)
+        with self.forward_context():
+            if request is None:
+                return module(**inputs.kwargs)
+            with chunked_head(
+                request.head,
+                request.targets,
+                temperature=request.temperature,
+                entropy=request.entropy,
+                chunk_tokens=request.chunk_tokens,
+            ):
+                return module(**inputs.kwargs)
+
+    def forward_context(self) -> contextlib.AbstractContextManager[Any]:
+        """Context around each call of the model in :meth:`forward_model`.
+
+        Default: none. An engine that meets ``compute_dtype`` with autocast returns
+        ``torch.autocast(self.device.type, dtype=...)`` here: the model's forward, and the
+        backward recorded for it, compute in that dtype; the parameters and their gradients
+        stay in ``model.dtype``, and log-probs are float32 as always."""
+        return contextlib.nullcontext()
 
     def prepare_model_outputs(
         self, raw: Any, inputs: ModelInputs, micro_batch: TensorDict

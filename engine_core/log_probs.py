@@ -55,6 +55,15 @@ def chunk_tokens_for(vocab: int, elements: int = DEFAULT_CHUNK_ELEMENTS) -> int:
     return max(1, elements // max(1, vocab))
 
 
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast computes in on ``device_type`` now, or None when it is off."""
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device autocast does not know (meta, say): never enabled there
+        return None
+    return torch.get_autocast_dtype(device_type) if enabled else None
+
+
 def _chunk_log_probs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -94,12 +103,26 @@ class _ChunkedLogProbs(torch.autograd.Function):
         del logp
         ctx.save_for_backward(hidden, weight, bias, targets, kept)
         ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
+        ctx.autocast = _autocast_dtype(hidden.device.type)
+        ctx.device_type = hidden.device.type
         if not with_entropy:
             ctx.mark_non_differentiable(ent)
         return lp, ent
 
     @staticmethod
     def backward(  # type: ignore[override]
+        ctx: Any, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None
+    ) -> tuple[Any, ...]:
+        if ctx.autocast is None:
+            return _ChunkedLogProbs._backward(ctx, g_lp, g_ent)
+        # The forward ran under autocast (an engine's compute_dtype) and the backward runs
+        # outside it: turn it back on, so the recomputed logits and the layer's matmuls run in
+        # the forward's dtype, as a plain layer's recorded backward would.
+        with torch.autocast(ctx.device_type, ctx.autocast):
+            return _ChunkedLogProbs._backward(ctx, g_lp, g_ent)
+
+    @staticmethod
+    def _backward(
         ctx: Any, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None
     ) -> tuple[Any, ...]:
         hidden, weight, bias, targets, kept = ctx.saved_tensors

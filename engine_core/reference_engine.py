@@ -7,8 +7,9 @@ substitute for a sharded engine: use ``fsdp2`` for real training.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ from engine_core.checkpoint import (
 from engine_core.config import BUCKET_BYTES, EngineConfig
 from engine_core.engine import BaseEngine
 from engine_core.errors import CheckpointError
-from engine_core.models import build_model
+from engine_core.models import DTYPES, build_model
 from engine_core.optim import SingleOptimizerMixin
 
 __all__ = ["ReferenceEngine", "ReferenceEngineConfig"]
@@ -62,6 +63,12 @@ class ReferenceEngine(SingleOptimizerMixin, BaseEngine):
                 )
         self.module = module
         self.init_optimizer(module)
+
+    def forward_context(self) -> contextlib.AbstractContextManager[Any]:
+        # mixed precision: the weights stay in model.dtype, the model's ops autocast
+        if self.config.compute_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=DTYPES[self.config.compute_dtype])
 
     def finish_backward(self) -> None:
         if not (self.is_distributed and self.dp_size > 1):

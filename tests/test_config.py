@@ -146,6 +146,44 @@ def test_unsupported_capability_is_refused(
     assert "'reference'" in message and message.startswith("engine:")
 
 
+class _Fp32OnlyPlugin:
+    @hookimpl
+    def engine_core_register(self, registry: BackendRegistry) -> None:
+        registry.register_engine(
+            "fp32-only",
+            "engine_core.reference_engine:ReferenceEngine",
+            config="engine_core.reference_engine:ReferenceEngineConfig",
+            capabilities={Capability.CPU, Capability.PACKING},
+        )
+
+
+def test_compute_dtype_asks_for_mixed_precision(manager: PluginManager) -> None:
+    _, cfg = resolve_engine_config(_engine(compute_dtype="bfloat16"), manager)
+    assert cfg.compute_dtype == "bfloat16"
+    assert Capability.MIXED_PRECISION in cfg.required_capabilities()
+    # computing in the weights' own dtype is no mixed precision
+    bf16 = {"config": {"model_type": "qwen2"}, "dtype": "bfloat16"}
+    _, cfg = resolve_engine_config(_engine(model=bf16, compute_dtype="bfloat16"), manager)
+    assert cfg.compute_dtype is None
+    assert Capability.MIXED_PRECISION not in cfg.required_capabilities()
+    manager.register(_Fp32OnlyPlugin(), "fp32-only-plugin")
+    with pytest.raises(CapabilityError, match="'fp32-only' does not support: mixed_precision"):
+        resolve_engine_config(_engine(backend="fp32-only", compute_dtype="bfloat16"), manager)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "compute", "relation"),
+    [("bfloat16", "float32", "wider than"), ("float16", "bfloat16", "as wide as")],
+)
+def test_compute_dtype_must_be_narrower_than_the_weights(
+    manager: PluginManager, dtype: str, compute: str, relation: str
+) -> None:
+    model = {"config": {"model_type": "qwen2"}, "dtype": dtype}
+    with pytest.raises(ValidationError) as info:
+        resolve_engine_config(_engine(model=model, compute_dtype=compute), manager)
+    assert f"compute_dtype={compute!r} is {relation} model.dtype={dtype!r}" in str(info.value)
+
+
 @pytest.mark.parametrize(
     ("fields", "loc"),
     [

@@ -37,6 +37,7 @@ INPUTS = "test_inputs_left_unmodified"
 NO_GROUP = "test_runs_without_a_process_group"
 TO = "test_to_moves_what_its_flags_say"
 BF16 = "test_bf16_model_keeps_its_dtype_and_gives_float32_log_probs"
+MIXED_PRECISION = "test_mixed_precision_computes_in_bf16_on_float32_master_weights"
 TIED = "test_tied_embeddings_export_and_checkpoint"
 CHECKPOINTING = "test_gradient_checkpointing_recomputes_the_blocks"
 UPDATE = {
@@ -59,6 +60,7 @@ GROUPS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
     ),
     "process": (frozenset({NO_GROUP, MODES}), ("lifecycle", "modes")),
     "updates": (frozenset({*UPDATE, OPTIMIZER, TO}), ("update", "optimizer", "to_meta")),
+    "precision": (frozenset({BF16, MIXED_PRECISION}), ("bf16", "mixed_precision")),
 }
 
 
@@ -123,6 +125,9 @@ BROKEN = {
     "example-no-clip": Broken("updates", frozenset(UPDATE), "gradients are not clipped"),
     "example-double-step": Broken("updates", frozenset(UPDATE), "applies the update twice"),
     "example-forgets-optimizer": Broken("updates", frozenset({TO}), "optimizer on ['cpu'], want"),
+    "example-bf16-master-weights": Broken(
+        "precision", frozenset({MIXED_PRECISION}), "The master weights are not float32"
+    ),
 }
 
 _REPORTS: dict[str, dict[tuple[str, str], str | None]] = {}

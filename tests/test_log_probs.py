@@ -100,6 +100,32 @@ def test_bfloat16_layer_gives_float32_results_close_to_the_full_path() -> None:
         torch.testing.assert_close(a.float(), c.float(), rtol=2e-2, atol=2e-2)
 
 
+def test_float32_layer_under_autocast_computes_its_backward_like_the_plain_layer() -> None:
+    # an engine's compute_dtype: float32 weights, the forward under autocast, the backward
+    # outside it; the chunks' backward must still run the layer's matmuls in bfloat16
+    hidden, weight, _, targets = _inputs()
+
+    def grads(chunked: bool, autocast: bool = True) -> list[torch.Tensor]:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            if chunked:
+                lp, ent = chunked_token_log_probs(
+                    hidden, weight, targets, entropy=True, chunk_tokens=7
+                )
+            else:
+                lp, ent = token_log_probs(F.linear(hidden, weight), targets, entropy=True)
+        assert ent is not None and lp.dtype == torch.float32
+        (lp.sum() + 0.5 * ent.sum()).backward()
+        return _grads(hidden, weight)
+
+    plain, chunked, float32 = grads(False), grads(True), grads(True, autocast=False)
+    assert chunked[0].dtype == chunked[1].dtype == torch.float32  # the weights' dtype
+    # the hidden states' gradient is one bfloat16 matmul per row, whole or in chunks
+    torch.testing.assert_close(chunked[0], plain[0], rtol=0, atol=1e-6)
+    assert float((chunked[0] - float32[0]).abs().max()) > 1e-4  # not a float32 backward
+    # the weight's sums over chunks in float32: within bfloat16 rounding of the whole matmul's
+    torch.testing.assert_close(chunked[1], plain[1], rtol=2e-2, atol=2e-2)
+
+
 def test_the_backward_keeps_no_tensor_of_the_logits_size() -> None:
     hidden, weight, _, targets = _inputs()
     saved: list[int] = []

@@ -49,6 +49,7 @@ __all__ = [
     "UPDATE_OPTIM",
     "UPDATE_STEPS",
     "UPDATE_CAUSES",
+    "MIXED_PRECISION_OPTIM",
     "no_process_group_checks",
     "single_process_checks",
     "two_process_checks",
@@ -71,6 +72,7 @@ CAPABILITY_TRIGGERS: dict[Capability, dict[str, Any]] = {
     Capability.DYNAMIC_BATCH: {"max_tokens_per_micro_batch": 64},
     Capability.OFFLOAD: {"offload": True},
     Capability.BF16: {"model": {"config": dict(TINY_QWEN2), "dtype": "bfloat16"}},
+    Capability.MIXED_PRECISION: {"compute_dtype": "bfloat16"},
 }
 
 
@@ -210,20 +212,32 @@ def masked_batch(seed: int) -> TensorDict:
     return batch
 
 
+# The mixed-precision clause's optimizer: plain AdamW (eps 1e-8, so each step moves a weight by
+# about lr whatever its gradient's scale) with an lr below a bfloat16 weight's rounding step
+# (2**-8 to 2**-7 of its magnitude: 1.2e-4 at 0.02, the model's init scale; 7.8e-3 at a norm's
+# 1.0), far above a float32 one's (2**-16 of that): float32 master weights take the update,
+# weights held in bfloat16 round most of it away.
+MIXED_PRECISION_OPTIM: dict[str, Any] = {"lr": 1e-5, "clip_grad": None}
+
+
 def plain_update(
-    policy_dir: str, *, cause: str | None = None, steps: int = UPDATE_STEPS
+    policy_dir: str,
+    *,
+    cause: str | None = None,
+    steps: int = UPDATE_STEPS,
+    optim: dict[str, Any] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The weights after ``steps`` training steps on :func:`masked_batch` written as a plain
-    PyTorch loop (torch's AdamW, ``clip_grad_norm_``, ``LambdaLR``), from ``policy_dir``'s
-    weights: what an engine's update must give. ``cause`` (a key of :data:`UPDATE_CAUSES`)
-    makes the loop commit that bug instead, so a failing engine's weights can be matched to
-    one."""
+    float32 PyTorch loop (torch's AdamW, ``clip_grad_norm_``, ``LambdaLR``), from
+    ``policy_dir``'s weights: what an engine's update must give. ``cause`` (a key of
+    :data:`UPDATE_CAUSES`) makes the loop commit that bug instead, so a failing engine's weights
+    can be matched to one. ``optim``: the optimizer config (default :data:`UPDATE_OPTIM`)."""
     from transformers import AutoModelForCausalLM
 
     from engine_core.config import OptimConfig
     from engine_core.optim import lr_lambda
 
-    cfg = OptimConfig(**UPDATE_OPTIM)
+    cfg = OptimConfig(**(UPDATE_OPTIM if optim is None else optim))
     model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).train()
     opt = torch.optim.AdamW(
         model.parameters(),
@@ -478,6 +492,28 @@ def _bf16(backend: str, policy: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _mixed_precision(backend: str, policy: dict[str, Any]) -> dict[str, Any]:
+    """A float32 model computing in bfloat16 (``compute_dtype``): its log-probs, then its
+    exported weights after the update oracle's steps at :data:`MIXED_PRECISION_OPTIM`'s lr,
+    on micro-batches (gradients accumulate over them)."""
+    engine = build(
+        backend,
+        model=policy,
+        compute_dtype="bfloat16",
+        optim=dict(MIXED_PRECISION_OPTIM),
+        micro_batch_size=3,
+    )
+    log_probs = forward(engine, eval_batch())[LOG_PROBS]
+    for step in range(UPDATE_STEPS):
+        with engine.train_mode():
+            engine.forward_backward_step(engine.shard_data(masked_batch(step)))
+            engine.optimizer_step()
+            engine.lr_scheduler_step()
+            engine.optimizer_zero_grad()
+    export = Capability.WEIGHT_EXPORT in declared_capabilities(backend)
+    return {"log_probs": log_probs, "params": _params(engine) if export else None}
+
+
 def _tied(backend: str, root: str) -> dict[str, Any]:
     """A model whose input embedding and output head are one tensor: the names its export
     gives (and whether the two are equal), and its weights after a step, a save and a load
@@ -730,6 +766,8 @@ def single_process_checks(
     _record(results, "to_meta", lambda: _to(backend, policy))
     if Capability.BF16 in caps:
         _record(results, "bf16", lambda: _bf16(backend, policy))
+    if Capability.MIXED_PRECISION in caps:
+        _record(results, "mixed_precision", lambda: _mixed_precision(backend, policy))
     if Capability.WEIGHT_EXPORT in caps:
         _record(results, "tied", lambda: _tied(backend, baseline["checkpoint_root"]))
     update = {"micro_batch_size": 3}

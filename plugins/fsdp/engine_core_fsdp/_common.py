@@ -68,7 +68,11 @@ class FSDPCommonConfig(EngineConfig):
     """Fields both FSDP engines understand, on top of the common engine fields."""
 
     mixed_precision: MixedPrecisionConfig | None = Field(
-        None, description="Mixed precision policy; None computes in model.dtype."
+        None,
+        description=(
+            "Mixed precision policy. None: compute_dtype's, if set (param_dtype compute_dtype, "
+            "reduce_dtype float32), else compute in model.dtype."
+        ),
     )
     init: Literal["all_ranks", "rank0_broadcast", "meta"] = Field(
         "all_ranks",
@@ -79,6 +83,28 @@ class FSDPCommonConfig(EngineConfig):
             "shards from model.path's safetensors (no rank ever holds the full model)."
         ),
     )
+
+    @property
+    def precision_policy(self) -> MixedPrecisionConfig | None:
+        """The mixed precision in force: ``mixed_precision``, else the core's ``compute_dtype``
+        (computing in it, reducing gradients in float32), else None (compute in model.dtype)."""
+        if self.mixed_precision is not None:
+            return self.mixed_precision
+        if self.compute_dtype is not None:
+            return MixedPrecisionConfig(param_dtype=self.compute_dtype, reduce_dtype="float32")
+        return None
+
+    @model_validator(mode="after")
+    def _one_compute_dtype(self) -> FSDPCommonConfig:
+        mixed, compute = self.mixed_precision, self.compute_dtype
+        if mixed is not None and compute is not None and mixed.param_dtype != compute:
+            raise ValueError(
+                f"compute_dtype={compute!r} and mixed_precision.param_dtype="
+                f"{mixed.param_dtype!r} disagree on the dtype the model computes in; set only "
+                f"one of them (compute_dtype alone reduces gradients in float32), or the same "
+                f"dtype in both."
+            )
+        return self
 
     @model_validator(mode="after")
     def _init_needs_path(self) -> FSDPCommonConfig:

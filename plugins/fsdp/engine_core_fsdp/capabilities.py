@@ -20,6 +20,7 @@ FSDP_CAPABILITIES = frozenset(
         Capability.WEIGHT_EXPORT,
         Capability.GRADIENT_CHECKPOINTING,
         Capability.BF16,
+        Capability.MIXED_PRECISION,  # compute_dtype, through the engines' mixed precision
         Capability.LORA,
         Capability.OFFLOAD,
     }

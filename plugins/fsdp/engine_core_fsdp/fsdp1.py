@@ -114,7 +114,9 @@ class FSDPEngine(FSDPEngineBase):
         # One rank without mixed precision: nothing to shard, and FSDP1 would fall back to its
         # deprecated NO_SHARD mode, whose state-dict hooks lose frozen root parameters (LoRA)
         # after a forward. Run the plain module there; the engine's contract is unchanged.
-        self.wrapped = dist.get_world_size() > 1 or cfg.mixed_precision is not None
+        # Mixed precision (mixed_precision or compute_dtype) needs the wrapper to cast.
+        precision = cfg.precision_policy
+        self.wrapped = dist.get_world_size() > 1 or precision is not None
         if not self.wrapped:
             if rank0_only:
                 module = build_model(cfg.model, device=device)
@@ -128,7 +130,7 @@ class FSDPEngine(FSDPEngineBase):
             device_id=device,
             auto_wrap_policy=ModuleWrapPolicy(block_types) if block_types else None,
             sharding_strategy=SHARDING[cfg.sharding_strategy],
-            mixed_precision=_mixed_precision(cfg.mixed_precision),
+            mixed_precision=_mixed_precision(precision),
             use_orig_params=True,
             param_init_fn=_empty_on(device) if rank0_only else None,
         )

@@ -131,7 +131,7 @@ class FSDP2Engine(FSDPEngineBase):
     @property
     def sharded(self) -> bool:
         """Whether the module is sharded (``fully_shard``); a one-rank mesh without mixed
-        precision keeps it plain."""
+        precision (``mixed_precision`` or ``compute_dtype``) keeps it plain."""
         return isinstance(self.module, FSDPModule)
 
     @property
@@ -159,7 +159,8 @@ class FSDP2Engine(FSDPEngineBase):
         assert isinstance(cfg, FSDP2EngineConfig)
         self.mesh, self.dp_mesh = build_mesh(cfg, self.device.type)
         torch.manual_seed(cfg.seed)  # identical initialisation on every rank before sharding
-        if self.mesh.size() == 1 and cfg.mixed_precision is None:
+        precision = cfg.precision_policy
+        if self.mesh.size() == 1 and precision is None:
             # one rank holds the whole model whatever the init mode; model.path loads as usual
             self.module = build_model(cfg.model, device=self.device)
             if cfg.compile:
@@ -181,7 +182,7 @@ class FSDP2Engine(FSDPEngineBase):
             module,
             mesh=self.mesh,
             reshard_after_forward=cfg.reshard_after_forward,
-            mixed_precision=cfg.mixed_precision,
+            mixed_precision=precision,
             compile=cfg.compile,
         )
         if cfg.init != "all_ranks":

@@ -109,6 +109,52 @@ def test_bf16_mixed_precision_keeps_fp32_master_weights(backend: str, reference:
             assert norm == norm and norm > 0
 
 
+def _precision_worker(rank: int, world: int, backend: str, precision: dict) -> dict:
+    engine = _engine(backend, **precision)
+    return {
+        "wrapped": engine.sharded if backend == "fsdp2" else engine.wrapped,
+        "dtypes": {str(p.dtype) for p in engine.module.parameters()},
+        "lp": _log_probs(engine),
+        "curve": train_steps(engine, range(3), N),
+        "export": {str(t.dtype) for _, t in engine.named_full_params()},
+    }
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compute_dtype_is_their_mixed_precision_on_one_process(
+    backend: str, reference: dict
+) -> None:
+    # compute_dtype alone runs as mixed_precision {param_dtype: bfloat16, reduce_dtype: float32};
+    # on one process too, where a plain module would compute in float32, the model is wrapped
+    (core,) = run_distributed(_precision_worker, 1, backend, {"compute_dtype": "bfloat16"})
+    bf16 = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+    (own,) = run_distributed(_precision_worker, 1, backend, {"mixed_precision": bf16})
+    assert core["wrapped"] and own["wrapped"]
+    assert core["dtypes"] == core["export"] == {"torch.float32"}  # float32 master weights
+    assert torch.equal(core["lp"], own["lp"]) and core["curve"] == own["curve"]
+    diff = float((core["lp"] - reference["lp"]).abs().max())
+    assert 1e-5 < diff < 1e-2  # bfloat16 compute: close to float32, not equal
+
+
+def test_compute_dtype_and_mixed_precision_must_agree() -> None:
+    from engine_core_fsdp.fsdp1 import FSDPEngineConfig
+
+    both = {"compute_dtype": "bfloat16", "mixed_precision": {"param_dtype": "float16"}}
+    for cls, backend in ((FSDP2EngineConfig, "fsdp2"), (FSDPEngineConfig, "fsdp")):
+        with pytest.raises(ValueError, match=r"compute_dtype='bfloat16' and mixed_precision\."):
+            cls(**engine_config(backend=backend, **both))
+        agree = cls(**engine_config(backend=backend, compute_dtype="bfloat16"))
+        policy = agree.precision_policy
+        assert policy is not None and (policy.param_dtype, policy.reduce_dtype) == (
+            "bfloat16",
+            "float32",
+        )
+        own = {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16"}
+        kept = cls(**engine_config(backend=backend, compute_dtype="bfloat16", mixed_precision=own))
+        assert kept.precision_policy == kept.mixed_precision  # the engine's own field wins
+        assert cls(**engine_config(backend=backend)).precision_policy is None
+
+
 def _lora_worker(rank: int, world: int, backend: str, base_dir: str) -> dict:
     engine = _engine(backend, model={"path": base_dir, "lora": LORA})
     module = engine.module
