@@ -1,6 +1,7 @@
 """The hand-written minimal GRPO loop the benchmarks compare ``engine-core run`` with.
 
-One transformers model generates (``generate``, sampling) and trains: rewards, group-normalized
+One transformers model generates (``generate``, sampling) and trains (after the recipe's
+supervised warm-up on its demonstrations, if it has one): rewards, group-normalized
 advantages, one forward/backward of the token-level policy gradient (on-policy: the PPO ratio
 is 1) with the recipe's entropy bonus, one AdamW step with the recipe's optimizer settings. No engine, no checks, no weight
 copy. It runs any recipe the job runs on one process — the digit task (``task``) or a text
@@ -79,6 +80,55 @@ def _prompt_source(raw: dict[str, Any]) -> tuple[Any, Any, int, list[int]]:
     return draw_text, score_text, max_new, stop_token_ids(tokenizer)
 
 
+def _warm_up(raw: dict[str, Any], model: Any, opt: torch.optim.Optimizer) -> None:
+    """The recipe's supervised warm-up (``warmup_sft_steps`` on ``data.demos``), written out:
+    each step, ``warmup_batch_size`` demonstrations drawn with the trainer's seed, the
+    negative log-likelihood of their answers (the answer's tokens and the end of turn after
+    the prompt rendered with its generation prompt), one AdamW step (the loop's optimizer,
+    carried on into RL as the job carries its engine's)."""
+    steps = int(raw.get("warmup_sft_steps", 0))
+    demos = (raw.get("data") or {}).get("demos") or []
+    if not steps or not demos:
+        return
+    import json
+
+    from engine_core.config import ModelConfig
+    from engine_core.models import build_hf_config
+    from engine_core_roles.text import load_tokenizer
+
+    model_cfg = ModelConfig.model_validate(raw["engine"]["model"])
+    tokenizer = load_tokenizer(model_cfg, build_hf_config(model_cfg).vocab_size)
+    rows = []
+    for f in demos:
+        for line in Path(f).read_text().splitlines():
+            *prompt, answer = json.loads(line)["messages"]
+            text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+            ids = tokenizer(text).input_ids
+            target = tokenizer(answer["content"]).input_ids + [tokenizer.eos_token_id]
+            rows.append((ids + target, len(ids)))
+    gen = torch.Generator().manual_seed(int(raw.get("trainer", {}).get("seed") or 0))
+    batch = int(raw.get("warmup_batch_size", 32))
+    model.train()
+    for _ in range(steps):
+        pick = torch.randint(len(rows), (batch,), generator=gen).tolist()
+        width = max(len(rows[i][0]) for i in pick)
+        ids = torch.zeros(batch, width, dtype=torch.long)
+        attn, trained = torch.zeros_like(ids), torch.zeros_like(ids)
+        for j, i in enumerate(pick):
+            seq, start = rows[i]
+            ids[j, : len(seq)], attn[j, : len(seq)] = torch.tensor(seq), 1
+            trained[j, start : len(seq)] = 1
+        logits = model(ids, attention_mask=attn).logits[:, :-1].float()
+        nll = torch.nn.functional.cross_entropy(
+            logits.transpose(1, 2), ids[:, 1:], reduction="none"
+        )
+        mask = trained[:, 1:].float()
+        loss = (nll * mask).sum() / mask.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
 def minimal_grpo(raw: dict[str, Any], steps: int) -> list[tuple[float, float]]:
     """(seconds, mean reward) of each of ``steps`` steps of the minimal loop on recipe ``raw``
     (overrides applied; paths resolved)."""
@@ -102,6 +152,7 @@ def minimal_grpo(raw: dict[str, Any], steps: int) -> list[tuple[float, float]]:
         eps=float(optim.get("eps", 1e-8)),
     )
     clip = float(optim.get("clip_grad", 1.0))
+    _warm_up(raw, model, opt)
     entropy_coeff = float(raw.get("actor", {}).get("entropy_coeff", 0.0))
     trainer = raw.get("trainer", {})
     n = int(trainer.get("samples_per_prompt", 8))

@@ -33,7 +33,7 @@ def _seeded(raw: dict[str, Any], seed: int) -> list[str]:
     return [f"engine.seed={seed}", f"trainer.seed={seed}", f"{where}={seed}"]
 
 
-def _job(raw: dict[str, Any]) -> list[float]:
+def _job(raw: dict[str, Any]) -> tuple[list[float], float | None]:
     from rich.console import Console
 
     from engine_core.configio import apply_overrides
@@ -45,7 +45,8 @@ def _job(raw: dict[str, Any]) -> list[float]:
         with open(os.devnull, "w") as sink:
             run_rl_job(raw, load_plugins(), console=Console(file=sink))
         rows = [json.loads(x) for x in Path(tmp, "run", "metrics.jsonl").read_text().splitlines()]
-    return [r["reward"] for r in rows]
+    val = [r["val/reward"] for r in rows if "val/reward" in r]
+    return [r["reward"] for r in rows], (val[-1] if val else None)
 
 
 def _figures(rewards: list[float], target: float, seconds: float) -> dict[str, Any]:
@@ -84,11 +85,14 @@ def main() -> None:
         raw = load_recipe(args.recipe, [*extra, *_seeded(base, seed)])
         for loop in args.loops:
             t0 = time.perf_counter()
+            val = None
             if loop == "engine_core":
-                rewards = _job(raw)
+                rewards, val = _job(raw)
             else:
                 rewards = [r for _, r in minimal_grpo(raw, int(raw["steps"]))]
             results[loop][seed] = _figures(rewards, args.target, time.perf_counter() - t0)
+            if val is not None:  # the job's last evaluation (the minimal loop has none)
+                results[loop][seed]["final_val_reward"] = round(val, 4)
     summary = {}
     for loop, per_seed in results.items():
         finals = [f["final_reward"] for f in per_seed.values()]

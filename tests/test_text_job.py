@@ -179,6 +179,8 @@ def test_prompts_render_like_the_chat_template_and_decode_like_the_tokenizer(
         (["data.max_prompt_length=5"], "all 24 prompts are longer than 5 tokens"),
         (["data.train_files=[EMPTY]"], "holds no rows"),
         (["engine.model.tokenizer=SMALL"], "has 259 tokens but the model's vocabulary has 200"),
+        (["warmup_sft_steps=2"], "give data.demos (or env.demos with env)"),
+        (["warmup_sft_steps=2", "data.demos=[EMPTY]"], "hold no demonstration"),
     ],
 )
 def test_bad_text_input_is_refused_before_anything_trains(
@@ -194,10 +196,38 @@ def test_bad_text_input_is_refused_before_anything_trains(
     for key, value in subs.items():
         overrides = [o.replace(key, value) for o in overrides]
     out = tmp_path / "run"
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises((ConfigError, ValueError)) as e:  # ValueError: the config's validation
         run_rl_job(_raw(user, out, *overrides), load_plugins())
     assert message in str(e.value), str(e.value)
     assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
+
+
+def test_a_warm_up_on_demonstrations_teaches_their_form(
+    user: dict[str, Path], tmp_path: Path
+) -> None:
+    """data.demos: the training prompts answered (a number, then the end of turn). After the
+    supervised warm-up, step 1's samples (drawn before any RL update) take that form: every
+    response is a number and its stop token, where the cold model's run to max_new_tokens."""
+    demos = tmp_path / "demos.jsonl"
+    rows = [json.loads(line) for line in user["train"].read_text().splitlines()]
+    demos.write_text(
+        "".join(
+            json.dumps({"messages": [*r["prompt"], {"role": "assistant", "content": r["answer"]}]})
+            + "\n"
+            for r in rows
+        )
+    )
+    short = ["steps=1", "engine.optim.lr=1e-2"]
+    run_rl_job(_raw(user, tmp_path / "cold", *short), load_plugins())
+    warm = [f"data.demos=[{demos}]", "warmup_sft_steps=40", "warmup_batch_size=8"]
+    run_rl_job(_raw(user, tmp_path / "warm", *short, *warm), load_plugins())
+    cold, warm_row = _rows(tmp_path / "cold")[0], _rows(tmp_path / "warm")[0]
+    assert cold["response_length"] > 4.0, cold["response_length"]  # max_new_tokens: 6
+    assert warm_row["response_length"] <= 3.0, warm_row["response_length"]
+    samples = [
+        json.loads(x) for x in (tmp_path / "warm" / "samples.jsonl").read_text().splitlines()
+    ]
+    assert samples and all(s["response"].isdigit() for s in samples), samples
 
 
 def test_a_reward_that_fails_skips_the_step_and_then_stops_the_run(

@@ -207,6 +207,12 @@ class ActorGroup(RoleGroup):
         # the DP chunks in order, without the rows that padded the batch to the DP size
         return ActorUpdate(metrics, torch.cat(old)[: int(batch.batch_size[0])])
 
+    def supervised_step(self, batch: TensorDict) -> float:
+        """One supervised step of the whole group on ``batch``, split over its DP ranks (the
+        loss is the global one, the same on each)."""
+        losses: list[float] = self.group.execute("supervised_step", batch)
+        return float(losses[0])
+
     @property
     def max_position_embeddings(self) -> int | None:
         return self._max_positions

@@ -13,6 +13,7 @@ process or, with ``rollout_placement: process``, in processes of its own
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
+from tensordict import TensorDict
 
 from engine_core import (
     BaseEngine,
@@ -272,10 +274,10 @@ class RLJobConfig(FrozenModel):
                 "env runs episodes that start from dataset rows, but no data is set; add "
                 "data.train_files."
             )
-        if self.data is not None and self.warmup_sft_steps and not (self.env and self.env.demos):
+        if self.data is not None and self.warmup_sft_steps and not self.demo_files:
             raise ValueError(
-                "warmup_sft_steps warms up on the digit task, or on env.demos (demonstration "
-                "episodes); with data set and no env.demos, set it to 0."
+                f"warmup_sft_steps={self.warmup_sft_steps} warms up on demonstrations: with "
+                f"data set, give data.demos (or env.demos with env), or set warmup_sft_steps=0."
             )
         if self.env is not None and trainer.filter_groups:
             raise ValueError(
@@ -296,12 +298,6 @@ class RLJobConfig(FrozenModel):
             raise ValueError(
                 f"rollout_replicas={self.rollout_replicas} runs each replica in a process of its "
                 f"own; set rollout_placement=process, or rollout_replicas=1."
-            )
-        if self.placement.grouped and self.warmup_sft_steps:
-            raise ValueError(
-                f"warmup_sft_steps={self.warmup_sft_steps} runs on an actor in this process; "
-                f"with placement.executor={self.placement.executor} set warmup_sft_steps=0 (or "
-                f"warm up first, and start from that checkpoint's export)."
             )
         if self.ray.model_fields_set and self.placement.executor != "ray":
             raise ValueError(
@@ -338,6 +334,11 @@ class RLJobConfig(FrozenModel):
         if self.trainer.max_staleness and "mismatch_correction" not in self.actor.model_fields_set:
             return self.actor.model_copy(update={"mismatch_correction": MismatchCorrection.TIS})
         return self.actor
+
+    @property
+    def demo_files(self) -> list[str]:
+        """The warm-up's demonstration files: data.demos, then env.demos."""
+        return [*(self.data.demos if self.data else []), *(self.env.demos if self.env else [])]
 
     def critic_engine_config(self) -> dict[str, Any]:
         if self.critic_engine is not None:
@@ -922,50 +923,49 @@ def _print_summary(console: Console, summary: dict[str, Any]) -> None:
     console.print(Panel(table, title="engine-core run: done", expand=False))
 
 
-def _warmup_demos(engine: BaseEngine, text: _Text, job: RLJobConfig) -> None:
-    """Supervised steps on env.demos' demonstration episodes (the assistant's tokens only),
-    ``warmup_batch_size`` of them a step, drawn in a seeded order."""
+def _supervised(actor_part: Any) -> Callable[[TensorDict], float]:
+    """One supervised step of the actor, wherever it is: its engine in this process, or its
+    worker group (each DP rank on its share of the batch)."""
+    from engine_core_roles.train import supervised_step
+
+    if isinstance(actor_part, BaseEngine):
+        return functools.partial(supervised_step, actor_part)
+    step: Callable[[TensorDict], float] = actor_part.supervised_step
+    return step
+
+
+def _warmup_demos(actor_part: Any, text: _Text, job: RLJobConfig) -> None:
+    """Supervised steps on the demonstrations of data.demos and env.demos (the assistant's
+    tokens only, tokenized as the rollout samples them), ``warmup_batch_size`` of them a
+    step, drawn in a seeded order."""
     import json
 
-    from engine_core_roles.train import sft_loss
-
-    assert job.env is not None
     episodes = []
-    for f in job.env.demos:
+    for f in job.demo_files:
         try:
             lines = Path(f).read_text().splitlines()
         except OSError as e:
-            raise ConfigError(f"env.demos: {f} cannot be read ({e.strerror}).") from None
+            raise ConfigError(f"demos: {f} cannot be read ({e.strerror}).") from None
         for i, line in enumerate(x for x in lines if x.strip()):
             try:
                 episodes.append(json.loads(line)["messages"])
             except (ValueError, KeyError, TypeError):
                 raise ConfigError(
-                    f"env.demos: line {i + 1} of {f} is not a JSON object with 'messages'."
+                    f"demos: line {i + 1} of {f} is not a JSON object with 'messages'."
                 ) from None
     if not episodes:
         raise ConfigError(
-            "env.demos holds no demonstration episode; add some, or set warmup_sft_steps=0."
+            f"the demos ({', '.join(job.demo_files)}) hold no demonstration; add some, or set "
+            f"warmup_sft_steps=0."
         )
     gen = torch.Generator().manual_seed(job.trainer.seed or 0)
-    engine.set_loss_fn(sft_loss)
-    with engine.train_mode():
-        for _ in range(job.warmup_sft_steps):
-            pick = torch.randint(len(episodes), (job.warmup_batch_size,), generator=gen).tolist()
-            batch = demo_batch(text.tokenizer, text.tools, [episodes[i] for i in pick])
-            engine.forward_backward_step(batch)
-            engine.optimizer_step()
-            engine.optimizer_zero_grad()
-    engine.set_loss_fn(None)
+    step = _supervised(actor_part)
+    for _ in range(job.warmup_sft_steps):
+        pick = torch.randint(len(episodes), (job.warmup_batch_size,), generator=gen).tolist()
+        step(demo_batch(text.tokenizer, text.tools, [episodes[i] for i in pick]))
 
 
-def _warmup(engine: BaseEngine, task: DigitTask, job: RLJobConfig) -> None:
-    from engine_core_roles.train import sft_loss
-
-    engine.set_loss_fn(sft_loss)
-    with engine.train_mode():
-        for _ in range(job.warmup_sft_steps):
-            engine.forward_backward_step(task.supervised_batch(job.warmup_batch_size))
-            engine.optimizer_step()
-            engine.optimizer_zero_grad()
-    engine.set_loss_fn(None)
+def _warmup(actor_part: Any, task: DigitTask, job: RLJobConfig) -> None:
+    step = _supervised(actor_part)
+    for _ in range(job.warmup_sft_steps):
+        step(task.supervised_batch(job.warmup_batch_size))

@@ -77,7 +77,15 @@ class DataConfig(FrozenModel):
         "tokenizer (it is added to the stop token ids).",
     )
 
-    @field_validator("train_files", "val_files", mode="before")
+    demos: list[str] = Field(
+        default_factory=list,
+        description="JSONL files of demonstrations ({'messages': [...]} ending with the "
+        "assistant's answer) for the supervised warm-up (warmup_sft_steps): tokenized as the "
+        "rollout samples (the prompt with the generation prompt, then the answer and its end "
+        "of turn), trained on the answer's tokens only.",
+    )
+
+    @field_validator("train_files", "val_files", "demos", mode="before")
     @classmethod
     def _one_or_many(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else v

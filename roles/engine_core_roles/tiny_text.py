@@ -101,15 +101,22 @@ def reverse_rows(num_digits: int = 3) -> list[dict[str, Any]]:
     return rows
 
 
-def write_files(folder: str | Path, *, val_size: int = 100, seed: int = 0) -> None:
-    """The tokenizer (``folder/tokenizer``) and the prompts split into ``train.jsonl`` and a
-    held-out ``val.jsonl`` of ``val_size`` rows."""
+def write_files(folder: str | Path, *, val_size: int = 100, demos: int = 64, seed: int = 0) -> None:
+    """The tokenizer (``folder/tokenizer``), the prompts split into ``train.jsonl`` and a
+    held-out ``val.jsonl`` of ``val_size`` rows, and ``demos.jsonl``: the first ``demos``
+    training prompts answered, as conversations for the job's supervised warm-up."""
     folder = Path(folder)
     build_tokenizer(folder / "tokenizer")
     rows = reverse_rows()
     random.Random(seed).shuffle(rows)
-    for name, part in (("val.jsonl", rows[:val_size]), ("train.jsonl", rows[val_size:])):
+    train = rows[val_size:]
+    answered = [
+        {"messages": [*r["prompt"], {"role": "assistant", "content": r["answer"]}]}
+        for r in train[:demos]
+    ]
+    for name, part in (("val.jsonl", rows[:val_size]), ("train.jsonl", train)):
         (folder / name).write_text("".join(json.dumps(r) + "\n" for r in part))
+    (folder / "demos.jsonl").write_text("".join(json.dumps(r) + "\n" for r in answered))
 
 
 def digits_reward(prompt: str, response: str, answer: str, **_: Any) -> float:

@@ -28,7 +28,7 @@ from engine_core.resolve import resolve_engine_config
 from engine_core_roles.tasks import DigitTask, TaskConfig
 from engine_core_roles.tracking import claim_output_dir, failures_logged
 
-__all__ = ["SFTJobConfig", "run_sft", "sft_loss"]
+__all__ = ["SFTJobConfig", "run_sft", "sft_loss", "supervised_step"]
 
 
 class SFTJobConfig(FrozenModel):
@@ -53,6 +53,22 @@ def sft_loss(
     return aggregate_loss(nll, mask, "token-mean", ctx), {
         "target_prob": token_mean_metric(out[LOG_PROBS].exp(), mask, ctx)
     }
+
+
+def supervised_step(engine: BaseEngine, batch: TensorDict) -> float:
+    """One supervised step on ``batch`` (:func:`sft_loss` on its loss mask): forward and
+    backward, the optimizer's step. The engine's loss function is put back after. Returns the
+    loss."""
+    previous = engine.loss_fn
+    engine.set_loss_fn(sft_loss)
+    try:
+        with engine.train_mode():
+            result = engine.forward_backward_step(batch)
+            engine.optimizer_step()
+            engine.optimizer_zero_grad()
+    finally:
+        engine.set_loss_fn(previous)
+    return float(result.loss or 0.0)
 
 
 def run_sft(

@@ -146,6 +146,13 @@ class ActorWorker(_RoleWorker):
     def update_actor(self, batch: TensorDict) -> ActorUpdate:
         return self.actor.update_actor(batch)
 
+    @register(DispatchMode.ND_COMPUTE, mesh="actor")
+    def supervised_step(self, batch: TensorDict) -> float:
+        """One supervised step on this rank's share of ``batch`` (the job's warm-up)."""
+        from engine_core_roles.train import supervised_step
+
+        return supervised_step(self.engine, batch)
+
 
 class CriticWorker(_RoleWorker):
     mesh = "critic"
