@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from tensordict import TensorDict
 
 from engine_core.configio import apply_overrides, load_yaml
 from engine_core.errors import ConfigError
@@ -218,7 +219,9 @@ def test_a_warm_up_on_demonstrations_teaches_their_form(
         )
     )
     short = ["steps=1", "engine.optim.lr=1e-2"]
-    run_rl_job(_raw(user, tmp_path / "cold", *short), load_plugins())
+    # the cold run also ends its responses at a stop string of three tokens (StopStrings runs
+    # on every generation; what it cuts is its own test's)
+    run_rl_job(_raw(user, tmp_path / "cold", *short, "data.stop_strings=[END]"), load_plugins())
     warm = [f"data.demos=[{demos}]", "warmup_sft_steps=40", "warmup_batch_size=8"]
     run_rl_job(_raw(user, tmp_path / "warm", *short, *warm), load_plugins())
     cold, warm_row = _rows(tmp_path / "cold")[0], _rows(tmp_path / "warm")[0]
@@ -303,13 +306,38 @@ def test_filter_groups_replaces_groups_that_all_scored_the_same(tmp_path: Path) 
     assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-4
 
 
-def test_stop_strings_are_single_tokens_of_the_tokenizer(user: dict[str, Path]) -> None:
+def test_stop_strings_end_responses_at_their_first_occurrence(user: dict[str, Path]) -> None:
+    """A single-token stop string is a stop id of the rollout; a longer one ends the response
+    after the token that completes it (the tokens after it masked out), wherever it falls."""
     from transformers import AutoTokenizer
 
-    from engine_core_roles.text import stop_token_ids
+    from engine_core.rollout import RESPONSE_IDS, RESPONSE_MASK
+    from engine_core_roles.text import StopStrings, multi_token_stop_strings, stop_token_ids
 
     tok = AutoTokenizer.from_pretrained(user["model"])
     assert stop_token_ids(tok) == [tok.eos_token_id]
     assert stop_token_ids(tok, ["\n"]) == [tok.eos_token_id, tok("\n")["input_ids"][0]]
-    with pytest.raises(ConfigError, match="'END' is 3 tokens of this tokenizer"):
-        stop_token_ids(tok, ["END"])
+    assert stop_token_ids(tok, ["END"]) == [tok.eos_token_id]  # three tokens: not a stop id
+    assert multi_token_stop_strings(tok, ["\n", "END"]) == ["END"]
+
+    def ids(text: str) -> list[int]:
+        return list(tok(text, add_special_tokens=False)["input_ids"])
+
+    texts = ["12END34", "END", "1234", "12EN", "xENDyENDz"]
+    rows = [ids(t) for t in texts]
+    width = max(map(len, rows)) + 1
+    response = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros_like(response)
+    for i, r in enumerate(rows):
+        response[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
+    samples = TensorDict({RESPONSE_IDS: response, RESPONSE_MASK: mask}, batch_size=[len(rows)])
+    out = StopStrings(tok, ["END"])(samples.clone())
+    kept = [
+        tok.decode(out[RESPONSE_IDS][i][out[RESPONSE_MASK][i].bool()].tolist())
+        for i in range(len(rows))
+    ]
+    assert kept == ["12END", "END", "1234", "12EN", "xEND"]
+    # only tokens after the stop are masked: the kept ones are the response's own prefix
+    assert torch.equal(out[RESPONSE_MASK] <= mask, torch.ones_like(mask, dtype=torch.bool))
+    with pytest.raises(ValueError, match="non-empty"):
+        StopStrings(tok, [""])

@@ -72,8 +72,10 @@ from engine_core_roles.tasks import EOS, PAD, DigitTask, TaskConfig
 from engine_core_roles.text import (
     DataConfig,
     PromptData,
+    StopStrings,
     TextReward,
     load_tokenizer,
+    multi_token_stop_strings,
     stop_token_ids,
 )
 from engine_core_roles.tracking import RunTracker, claim_output_dir, failures_logged
@@ -410,6 +412,7 @@ class _Text:
     environment: Callable[[], Environment] | None = None
     tools: list[dict[str, Any]] | None = None
     context: int | None = None  # the model's context length
+    stop_strings: StopStrings | None = None  # ends responses at multi-token stop strings
     val_reward: TextReward | None = None
 
 
@@ -444,6 +447,13 @@ def _text(job: RLJobConfig, console: Console) -> _Text | None:
         job.data.train_files, tokenizer, job.data, max_length=limit, tools=tools, rows=rows
     )
     stops = stop_token_ids(tokenizer, job.data.stop_strings)
+    longer = multi_token_stop_strings(tokenizer, job.data.stop_strings)
+    if longer and job.env is not None:
+        raise ConfigError(
+            f"data.stop_strings {longer} are several tokens of this tokenizer; with env an "
+            f"episode's turns stop on token ids only. Give single-token stop strings, or drop "
+            f"them."
+        )
     if "stop_token_ids" in job.trainer.model_fields_set and job.data.stop_strings:
         raise ConfigError(
             "both trainer.stop_token_ids and data.stop_strings are set; give the stops in one "
@@ -451,6 +461,7 @@ def _text(job: RLJobConfig, console: Console) -> _Text | None:
         )
     reward = TextReward(reward_cfg, tokenizer, train, show=job.log_samples)
     text = _Text(tokenizer, train, reward, stops, environment=environment, tools=tools)
+    text.stop_strings = StopStrings(tokenizer, longer) if longer else None
     text.context = None if context is None else int(context)
     sets = [("data.train_files", train)]
     if job.data.val_files:
@@ -737,6 +748,7 @@ def _run(
         critic=roles.critic,
         reward_model=roles.reward_model,
         weights=roles.weights,
+        responses=None if text is None else text.stop_strings,
     )
     checkpoints = JobCheckpoints(out_dir / "checkpoints", max_ckpt_to_keep=job.max_ckpt_to_keep)
     parts = roles.parts

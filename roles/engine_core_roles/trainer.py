@@ -330,6 +330,9 @@ class RLTrainer:
     gives each step's prompts (see :data:`PromptSource`). A ``reference`` is required when the
     actor uses a KL loss; a ``critic`` exactly when ``config.algorithm`` is ``ppo``.
     ``global_step`` is the number of steps already taken (set it when resuming a checkpoint).
+    ``responses``, when given, takes every generation's samples before anything reads them and
+    returns them (e.g. :class:`engine_core_roles.text.StopStrings`, which ends responses at
+    stop strings of several tokens by masking what follows).
 
     >>> trainer = RLTrainer(TrainerConfig(), actor=actor, rollout=rollout,
     ...                     reward_fn=my_reward, prompts=my_prompts)  # doctest: +SKIP
@@ -349,6 +352,7 @@ class RLTrainer:
         reward_model: RewardRole | None = None,
         global_step: int = 0,
         weights: WeightLink | None = None,
+        responses: Callable[[TensorDict], TensorDict] | None = None,
     ) -> None:
         if reward_fn is None and reward_model is None:
             raise ValueError(
@@ -399,6 +403,9 @@ class RLTrainer:
         self._last_sync: dict[str, float] = {}
         self._reward_failures_in_a_row = 0
         self._reward_pool: ThreadPoolExecutor | None = None  # a SampleReward's thread
+        # applied to every generation's samples before anything reads them (the text job's
+        # multi-token stop strings, text.StopStrings)
+        self._responses = responses
 
     def sync_weights(self) -> None:
         """Push the actor's weights into the rollout (names, shapes and checksums verified).
@@ -422,8 +429,11 @@ class RLTrainer:
     def _generate(self, step: int) -> tuple[TensorDict, TensorDict, int]:
         """Step ``step``'s prompts, their samples, and the weight version that generated them."""
         prompts = self._prompts(step)
-        samples = self.rollout.generate(prompts, self.config.sampling_params(step))
+        samples = self._generated(self.rollout.generate(prompts, self.config.sampling_params(step)))
         return prompts, samples, self._synced_version()
+
+    def _generated(self, samples: TensorDict) -> TensorDict:
+        return samples if self._responses is None else self._responses(samples)
 
     def _synced_version(self) -> int:
         assert self._rollout_version is not None  # step() syncs before any generation
@@ -438,7 +448,9 @@ class RLTrainer:
             return _Settled(error=e)
         assert isinstance(self.rollout, ProcessRollout)  # checked in __init__
         params, version = self.config.sampling_params(step), self._synced_version()
-        return self.rollout.generate_async(prompts, params).map(lambda gen: (prompts, gen, version))
+        return self.rollout.generate_async(prompts, params).map(
+            lambda gen: (prompts, self._generated(gen), version)
+        )
 
     def generate(self, prompts: PromptBatch, params: SamplingParams) -> TensorDict:
         """Samples of ``prompts`` with the weights of the latest update (for evaluation); in
@@ -448,7 +460,7 @@ class RLTrainer:
                 self._pending.result()
         if self._rollout_version != self.global_step:
             self.sync_weights()
-        return self.rollout.generate(_as_prompts(prompts), params)
+        return self._generated(self.rollout.generate(_as_prompts(prompts), params))
 
     def step(self) -> dict[str, Any]:
         """One RL step; returns its metrics row (``step``, ``reward``, ``actor/*``, ...)."""
@@ -587,7 +599,9 @@ class RLTrainer:
                 break
             draw += 1
             prompts = self._prompts(step)
-            gen = self.rollout.generate(prompts, self.config.sampling_params(step, draw))
+            gen = self._generated(
+                self.rollout.generate(prompts, self.config.sampling_params(step, draw))
+            )
         p_all, g_all, r_all = kept_p + flat_p, kept_g + flat_g, kept_r + flat_r
         prompts = _cat_left_padded(p_all)[:want]
         gen = _cat_left_padded(g_all)[: want * n]
