@@ -28,11 +28,13 @@ _EXPORTS: dict[str, str] = {
     "EngineOutput": "engine_core.engine",
     "MicroBatchResults": "engine_core.engine",
     "ModelInputs": "engine_core.engine",
+    "HeadRequest": "engine_core.engine",
     "loss_mask_of": "engine_core.engine",
     "predicted_mask": "engine_core.engine",
     "token_log_probs": "engine_core.log_probs",
     "CP_GROUP_ATTR": "engine_core.context_parallel",
     "chunked_token_log_probs": "engine_core.log_probs",
+    "chunk_tokens_for": "engine_core.log_probs",
     "Capability": "engine_core.capabilities",
     "StrEnum": "engine_core.capabilities",
     # configs
@@ -151,6 +153,7 @@ if TYPE_CHECKING:
         CHECKPOINT_STATE_FILE,
         BaseEngine,
         EngineOutput,
+        HeadRequest,
         MicroBatchResults,
         ModelInputs,
         loss_mask_of,
@@ -164,7 +167,7 @@ if TYPE_CHECKING:
         WeightSyncError,
     )
     from engine_core.hookspecs import BackendRegistry, hookimpl
-    from engine_core.log_probs import chunked_token_log_probs, token_log_probs
+    from engine_core.log_probs import chunk_tokens_for, chunked_token_log_probs, token_log_probs
     from engine_core.loss import GlobalBatchContext, Metric, MetricAccumulator
     from engine_core.models import DTYPES, build_hf_config, build_model, merged_lora_tensors
     from engine_core.optim import (

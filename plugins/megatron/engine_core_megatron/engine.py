@@ -17,8 +17,11 @@ Contract mapping:
 - Outputs, losses and metrics exist on the last pipeline stage; they are broadcast to the
   other stages so every rank returns the same results. The collect rank of each DP rank is
   TP rank 0 of the last stage.
-- Log-probs and entropy are computed vocabulary-parallel: each TP rank keeps its slice of
-  the logits and only ``[tokens]``-sized partial sums cross ranks.
+- Log-probs and entropy are computed vocabulary-parallel: only ``[tokens]``-sized partial sums
+  cross ranks. With ``logits_chunk_tokens`` (the default) the last stage's output layer
+  computes them itself, a chunk of tokens at a time, so no rank holds its
+  ``[tokens, vocab / tp]`` logits; with ``logits_chunk_tokens: null`` each TP rank keeps its
+  slice of the logits (megatron-core's fused cross-entropy where it applies).
 
 On a CPU host (gloo) every call runs inside :func:`engine_core_megatron._cpu_compat.cpu_compat`;
 on a GPU host (NCCL) megatron-core runs unmodified.
@@ -33,7 +36,7 @@ import os
 import warnings
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -53,12 +56,14 @@ from engine_core.backend import (
     EngineConfig,
     EngineCoreError,
     GlobalBatchContext,
+    HeadRequest,
     MetricAccumulator,
     MicroBatchResults,
     ModelInputs,
     all_reduce_cpu,
     build_hf_config,
     build_model,
+    chunk_tokens_for,
     get_meta,
     is_dir,
     join,
@@ -79,7 +84,7 @@ from engine_core_megatron.convert import (
     shard_from_hf,
     transformer_config_kwargs,
 )
-from engine_core_megatron.vocab_parallel import vocab_parallel_log_probs
+from engine_core_megatron.vocab_parallel import chunked_output_layer, vocab_parallel_log_probs
 
 __all__ = ["MegatronEngine"]
 
@@ -478,16 +483,45 @@ class MegatronEngine(BaseEngine):
         }
         return ModelInputs(kwargs, None)
 
+    def _chunked_head_request(
+        self, inputs: ModelInputs, micro_batch: TensorDict
+    ) -> HeadRequest | None:
+        """Whether the last stage's output layer computes log-probs and entropy in chunks for
+        this micro-batch (``logits_chunk_tokens``; never for a value head), and how.
+
+        This takes precedence over :meth:`_fused_log_probs`: megatron-core's fused
+        cross-entropy still holds each rank's ``[tokens, vocab / tp]`` logits (and their
+        softmax for the backward), which is what chunking avoids."""
+        assert self.layout is not None
+        setting = self.config.logits_chunk_tokens
+        if setting is None or self.layout.value_head:
+            return None
+        tp = self.config.tensor_parallel_size  # type: ignore[attr-defined]
+        chunk = (
+            chunk_tokens_for(self.layout.padded_vocab_size // tp)
+            if setting == "auto"
+            else int(setting)
+        )
+        ids = inputs.kwargs["input_ids"]
+        # the next id at each position; the row's last position predicts nothing (dropped)
+        targets = torch.nn.functional.pad(ids[:, 1:], (0, 1))
+        meta = get_meta(micro_batch)
+        layer = self.chunks[-1].module.output_layer  # a ColumnParallelLinear, not nn.Linear
+        return HeadRequest(cast(Any, layer), targets, meta.temperature, meta.compute_entropy, chunk)
+
     def _fused_log_probs(self, micro_batch: TensorDict) -> bool:
         """Whether the model computes the log-probs itself: ``GPTModel(labels=...)`` runs
         megatron-core's vocabulary-parallel cross-entropy on the ``[s, b, vocab/tp]`` logits,
         which skips the ``[b, s, vocab/tp]`` copy of the logits and uses one fused autograd
-        function. Only log-probs at temperature 1 over an unpadded vocabulary: entropy, value
-        heads, temperatures and a vocabulary padded for TP go through :meth:`token_log_probs`."""
+        function. Only with full logits (``logits_chunk_tokens: null``, see
+        :meth:`_chunked_head_request`) and only log-probs at temperature 1 over an unpadded
+        vocabulary: entropy, value heads, temperatures and a vocabulary padded for TP go
+        through :meth:`token_log_probs`."""
         assert self.layout is not None
         meta = get_meta(micro_batch)
         return not (
-            self.layout.value_head
+            self.config.logits_chunk_tokens is not None
+            or self.layout.value_head
             or meta.compute_entropy
             or meta.temperature != 1.0
             or self.layout.padded_vocab_size != self.layout.vocab_size
@@ -537,8 +571,9 @@ class MegatronEngine(BaseEngine):
             mb: TensorDict, inputs: ModelInputs, fused: bool, output: torch.Tensor
         ) -> Any:
             nonlocal loss_sum
-            # the model's output: logits [b, s, vocab/tp], or per-token NLL [b, s] of the
-            # next token when it computed log-probs itself (see _fused_log_probs)
+            # the model's output: logits [b, s, vocab/tp], (log-prob, entropy) [b, s, 2] from
+            # a chunked output layer (inputs.head, see _chunked_head_request), or per-token
+            # NLL [b, s] of the next token when it computed log-probs itself (_fused_log_probs)
             output = output[:, : inputs.kwargs["length"]]
             if fused:
                 out = self.place_next_token_outputs({LOG_PROBS: -output[:, :-1]}, inputs, mb)
@@ -555,6 +590,20 @@ class MegatronEngine(BaseEngine):
         def forward_step(data_iterator: Iterator[Any], model: torch.nn.Module) -> Any:
             mb, inputs = next(data_iterator)
             kwargs = {k: v for k, v in inputs.kwargs.items() if k != "length"}
+            # only the chunk that ends the pipeline has the output layer (model: DDP-wrapped)
+            head = self._chunked_head_request(inputs, mb) if model.module.post_process else None
+            if head is not None:
+                inputs.head = head  # prepare_model_outputs reads (log-prob, entropy) from it
+                with chunked_output_layer(
+                    head.head,
+                    head.targets,
+                    vocab_size=self.layout.vocab_size,
+                    temperature=head.temperature,
+                    entropy=head.entropy,
+                    chunk_tokens=head.chunk_tokens,
+                ):
+                    output = model(**kwargs)
+                return output, functools.partial(loss_func, mb, inputs, False)
             fused = self._fused_log_probs(mb)
             if fused:  # labels[t] = token t + 1; the last position's label is dropped
                 kwargs["labels"] = torch.roll(kwargs["input_ids"], -1, dims=1)

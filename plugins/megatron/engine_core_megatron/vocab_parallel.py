@@ -7,14 +7,27 @@ the loss downstream is replicated on every TP rank, so each rank's gradient for 
 is already complete): only ``[tokens]``-sized tensors cross
 ranks, never the logits. Vocabulary rows added to make the vocabulary divide by the TP size are
 masked out.
+
+:func:`vocab_parallel_chunked_log_probs` does the same from the output layer's input and this
+rank's weight shard, a chunk of tokens at a time, so that no rank ever holds its
+``[tokens, vocab / tp]`` logits: each chunk's logits live while that chunk is reduced, in the
+forward and again in the backward, which recomputes them and applies the derivatives of
+log-softmax and entropy in closed form (as :mod:`engine_core.log_probs` does on one rank).
+:func:`chunked_output_layer` puts it in place of a ``GPTModel``'s output layer for one call.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
-__all__ = ["vocab_parallel_log_probs"]
+from engine_core.backend import chunk_tokens_for
+
+__all__ = ["chunked_output_layer", "vocab_parallel_chunked_log_probs", "vocab_parallel_log_probs"]
 
 
 def vocab_parallel_log_probs(
@@ -64,3 +77,266 @@ def vocab_parallel_log_probs(
         p_shifted = (exp * shifted.masked_fill(~valid, 0.0)).sum(-1)
         ent = log_z - total(p_shifted) / sum_exp
     return log_probs, ent
+
+
+def _vocab_slice(
+    targets: torch.Tensor, width: int, vocab_size: int, group: dist.ProcessGroup | None
+) -> tuple[int, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """This rank's view of the vocabulary: the TP size, its padded rows (None: none), whether
+    each target is in its slice, and each target's row there (clamped where it is not)."""
+    tp = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+    start = (dist.get_rank(group) if tp > 1 else 0) * width
+    rows = torch.arange(start, start + width, device=targets.device)
+    padding = None if start + width <= vocab_size else rows >= vocab_size
+    in_slice = (targets >= start) & (targets < start + width)
+    return tp, padding, in_slice, (targets - start).clamp(0, width - 1)
+
+
+def _chunk_logits(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    temperature: float,
+    padding: torch.Tensor | None,
+) -> torch.Tensor:
+    """fp32 logits of one chunk on this rank's vocabulary slice (the layer's dtype for the
+    product, as the layer computes it), divided by the temperature, padded rows at -inf."""
+    z = torch.nn.functional.linear(hidden, weight, bias).float()
+    if temperature != 1.0:
+        z.div_(temperature)  # z is this function's own tensor
+    if padding is not None:
+        z.masked_fill_(padding, float("-inf"))
+    return z
+
+
+class _VocabParallelChunked(torch.autograd.Function):
+    """Log-prob and entropy per token from ``hidden @ weight_shard.T``, a chunk of tokens at a
+    time; the backward recomputes each chunk's logits from the saved inputs and the per-token
+    log-partition function and entropy of the forward (no collective in the backward)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        vocab_size: int,
+        temperature: float,
+        group: dist.ProcessGroup | None,
+        chunk: int,
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        tp, padding, in_slice, local_t = _vocab_slice(targets, weight.shape[0], vocab_size, group)
+        n = hidden.shape[0]
+        lp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        ent = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        log_z = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        for s in range(0, n, chunk):
+            z = _chunk_logits(hidden[s : s + chunk], weight, bias, temperature, padding)
+            peak = z.max(dim=-1).values
+            if tp > 1:
+                dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+            z.sub_(peak.unsqueeze(-1))
+            e = z.exp()
+            # the sums over the vocabulary, one all-reduce for all of them: sum exp(z), the
+            # target's z (on the rank that holds it, 0 elsewhere) and sum exp(z) * z
+            sums = [
+                e.sum(-1),
+                z.gather(-1, local_t[s : s + chunk, None]).squeeze(-1) * in_slice[s : s + chunk],
+            ]
+            if with_entropy:
+                if padding is not None:
+                    z.masked_fill_(padding, 0.0)  # exp(-inf) * -inf would be nan; p = 0 there
+                sums.append((e * z).sum(-1))
+            total = torch.stack(sums, dim=-1)
+            del z, e
+            if tp > 1:
+                dist.all_reduce(total, group=group)
+            log_sum = total[:, 0].log()
+            lp[s : s + chunk] = total[:, 1] - log_sum
+            log_z[s : s + chunk] = peak + log_sum
+            if with_entropy:
+                # H = -sum p (z - log Z) = log sum exp(z - max) - E_p[z - max]
+                ent[s : s + chunk] = log_sum - total[:, 2] / total[:, 0]
+        ctx.save_for_backward(hidden, weight, bias, targets, log_z, ent)
+        ctx.vocab_size, ctx.temperature, ctx.group = vocab_size, temperature, group
+        ctx.chunk, ctx.with_entropy = chunk, with_entropy
+        if not with_entropy:
+            ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None
+    ) -> tuple[Any, ...]:
+        hidden, weight, bias, targets, log_z, ent = ctx.saved_tensors
+        _, padding, in_slice, local_t = _vocab_slice(
+            targets, weight.shape[0], ctx.vocab_size, ctx.group
+        )
+        want_h, want_w, want_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if want_h else None
+        # the weight's gradient sums over every chunk: accumulated in fp32, then cast once
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_b = (
+            torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+            if bias is not None and want_b
+            else None
+        )
+        use_ent = ctx.with_entropy and g_ent is not None
+        for s in range(0, hidden.shape[0], ctx.chunk):
+            h = hidden[s : s + ctx.chunk]
+            logp = _chunk_logits(h, weight, bias, ctx.temperature, padding)
+            logp.sub_(log_z[s : s + ctx.chunk, None])  # the global log-softmax on this slice
+            p = logp.exp()
+            if padding is not None:
+                logp.masked_fill_(padding, 0.0)  # p = 0 there: no gradient, and no nan
+            # in the logits z, written in place over logp:
+            #   d log p_t / dz = onehot(t) - p;   d H / dz = -p (log p + H)
+            if use_ent:
+                assert g_ent is not None
+                h_ent = ent[s : s + ctx.chunk, None]
+                gz = logp.add_(h_ent).mul_(p).mul_(-g_ent[s : s + ctx.chunk, None].float())
+            else:
+                gz = logp.zero_()
+            if g_lp is not None:
+                g = g_lp[s : s + ctx.chunk, None].float()
+                gz.addcmul_(p, g, value=-1.0)
+                # the one-hot term only on the rank whose slice holds the target
+                gz.scatter_add_(
+                    -1, local_t[s : s + ctx.chunk, None], g * in_slice[s : s + ctx.chunk, None]
+                )
+            del p, logp
+            if ctx.temperature != 1.0:
+                gz.div_(ctx.temperature)
+            gz_model = gz.to(hidden.dtype)  # the gradient the layer's own backward receives
+            if grad_h is not None:
+                # a partial sum over this rank's vocabulary slice: the input's TP mapping
+                # (an all-reduce, or a reduce-scatter with sequence parallelism) completes it
+                grad_h[s : s + ctx.chunk] = gz_model @ weight
+            if want_w:
+                grad_w += (gz_model.t() @ h).float()
+            if grad_b is not None:
+                grad_b += gz_model.float().sum(0)
+        return (
+            grad_h,
+            grad_w.to(weight.dtype) if want_w else None,
+            grad_b.to(bias.dtype) if grad_b is not None else None,
+            *([None] * 6),
+        )
+
+
+def vocab_parallel_chunked_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    vocab_size: int,
+    group: dist.ProcessGroup | None,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    chunk_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of ``targets`` (and the entropy) under the logits ``hidden @ weight.T + bias``
+    divided by ``temperature``, with the vocabulary split over ``group``, ``chunk_tokens``
+    tokens at a time (default: :func:`~engine_core.log_probs.chunk_tokens_for` the slice).
+
+    ``hidden``: ``[N, H]``, the same on every TP rank; ``weight``: ``[V / tp, H]``, this rank's
+    rows in rank order; ``bias``: ``[V / tp]`` or None; ``targets``: ``[N]`` global ids; rows at
+    or past ``vocab_size`` are padding. Returns fp32 ``[N]`` tensors, the same on every rank,
+    differentiable in ``weight``, ``bias`` and (as a partial sum over this slice, which the
+    caller reduces over TP) ``hidden``. Only ``[chunk]``-sized tensors cross ranks.
+    """
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} must be [tokens, hidden] and targets "
+            f"{tuple(targets.shape)} [tokens]."
+        )
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(
+            f"weight {tuple(weight.shape)} must be [vocab / tp, {hidden.shape[1]}] for hidden "
+            f"states of width {hidden.shape[1]}."
+        )
+    chunk = chunk_tokens or chunk_tokens_for(weight.shape[0])
+    if chunk < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}.")
+    lp, ent = _VocabParallelChunked.apply(
+        hidden,
+        weight,
+        bias,
+        targets,
+        int(vocab_size),
+        float(temperature),
+        group,
+        int(chunk),
+        bool(entropy),
+    )
+    return lp, (ent if entropy else None)
+
+
+@contextlib.contextmanager
+def chunked_output_layer(
+    layer: torch.nn.Module,
+    targets: torch.Tensor,
+    *,
+    vocab_size: int,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    chunk_tokens: int | None = None,
+) -> Iterator[None]:
+    """For the calls inside it, ``layer`` (a ``GPTModel``'s ``ColumnParallelLinear`` output
+    layer) returns ``([s, b, 2], bias)``: the log-prob of ``targets`` (``[b, s]``, the next id
+    at each position of the model's row) and the entropy (0 where not asked for), the same on
+    every TP rank, instead of ``[s, b, vocab / tp]`` logits.
+
+    The input goes through the TP mapping megatron-core's layer applies: with sequence
+    parallelism the ``[s / tp, b, h]`` slices are gathered (a reduce-scatter of the gradient),
+    else an identity whose backward all-reduces the gradient over TP. A ``weight`` argument
+    (tied embeddings) replaces the layer's own, as in megatron-core.
+    """
+    from megatron.core.tensor_parallel import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_sequence_parallel_region,
+    )
+
+    def forward(
+        input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if weight is None:
+            weight = layer.weight
+        group = layer.tp_group
+        if layer.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(input_, group=group)
+        else:
+            hidden = copy_to_tensor_model_parallel_region(input_, group=group)
+        s, b, h = hidden.shape
+        if tuple(targets.shape) != (b, s):
+            raise ValueError(
+                f"targets {tuple(targets.shape)} must be [batch, sequence] = {(b, s)} for the "
+                f"output layer's input {tuple(hidden.shape)}."
+            )
+        bias = None if layer.skip_bias_add else layer.bias
+        lp, ent = vocab_parallel_chunked_log_probs(
+            hidden.reshape(s * b, h),
+            weight,
+            targets.to(hidden.device).t().reshape(-1),
+            vocab_size=vocab_size,
+            group=group,
+            bias=bias,
+            temperature=temperature,
+            entropy=entropy,
+            chunk_tokens=chunk_tokens,
+        )
+        out = torch.stack([lp, ent if ent is not None else torch.zeros_like(lp)], dim=-1)
+        return out.view(s, b, 2), (layer.bias if layer.skip_bias_add else None)
+
+    own = layer.__dict__.get("forward")  # a forward set on the instance by someone else
+    layer.forward = forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if own is None:
+            del layer.forward
+        else:
+            layer.forward = own  # type: ignore[method-assign]

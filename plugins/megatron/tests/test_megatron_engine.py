@@ -62,10 +62,19 @@ def _grid(rank: int, world: int, policy: str, root: str) -> dict[str, Any]:
     """TP=2 x PP=2 on four ranks: outputs, 5 steps, a checkpoint and an HF export."""
     engine = _engine("megatron", policy, tensor_parallel_size=2, pipeline_parallel_size=2)
     out: dict[str, Any] = {"log_probs": forward(engine, eval_batch())[LOG_PROBS]}
-    # without entropy the model computes the log-probs itself (megatron's fused cross-entropy)
+    # without entropy, on full logits, the model computes the log-probs itself (megatron's
+    # fused cross-entropy); the engine above computes them in chunks (the default)
     plain = eval_batch()
     set_meta(plain, BatchMeta())
-    out["fused_log_probs"] = forward(engine, plain)[LOG_PROBS]
+    full = _engine(
+        "megatron",
+        policy,
+        tensor_parallel_size=2,
+        pipeline_parallel_size=2,
+        logits_chunk_tokens=None,
+    )
+    out["fused_log_probs"] = forward(full, plain)[LOG_PROBS]
+    del full
     out["steps"] = train_steps(engine, STEPS)
     out["trained_log_probs"] = forward(engine, eval_batch())[LOG_PROBS]
     engine.save_checkpoint(str(Path(root) / "tp2pp2"), step=5)
