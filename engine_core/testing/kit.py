@@ -271,15 +271,21 @@ def plain_update(
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _update(backend: str, policy: dict[str, Any], **overrides: Any) -> dict[str, Any]:
-    """The engine's weights (and log-probs) after the oracle's steps on the same batches."""
-    engine = build(backend, model=policy, optim=dict(UPDATE_OPTIM), **overrides)
+def _oracle_steps(engine: BaseEngine) -> None:
+    """The update oracle's :data:`UPDATE_STEPS` training steps, on the engine: the same
+    batches, each sharded over its DP ranks."""
     for step in range(UPDATE_STEPS):
         with engine.train_mode():
             engine.forward_backward_step(engine.shard_data(masked_batch(step)))
             engine.optimizer_step()
             engine.lr_scheduler_step()
             engine.optimizer_zero_grad()
+
+
+def _update(backend: str, policy: dict[str, Any], **overrides: Any) -> dict[str, Any]:
+    """The engine's weights (and log-probs) after the oracle's steps on the same batches."""
+    engine = build(backend, model=policy, optim=dict(UPDATE_OPTIM), **overrides)
+    _oracle_steps(engine)
     export = Capability.WEIGHT_EXPORT in declared_capabilities(backend)
     return {
         "params": _params(engine) if export else None,
@@ -504,12 +510,7 @@ def _mixed_precision(backend: str, policy: dict[str, Any]) -> dict[str, Any]:
         micro_batch_size=3,
     )
     log_probs = forward(engine, eval_batch())[LOG_PROBS]
-    for step in range(UPDATE_STEPS):
-        with engine.train_mode():
-            engine.forward_backward_step(engine.shard_data(masked_batch(step)))
-            engine.optimizer_step()
-            engine.lr_scheduler_step()
-            engine.optimizer_zero_grad()
+    _oracle_steps(engine)
     export = Capability.WEIGHT_EXPORT in declared_capabilities(backend)
     return {"log_probs": log_probs, "params": _params(engine) if export else None}
 
