@@ -35,6 +35,8 @@ _EXPORTS: dict[str, str] = {
     "CP_GROUP_ATTR": "engine_core.context_parallel",
     "chunked_token_log_probs": "engine_core.log_probs",
     "chunk_tokens_for": "engine_core.log_probs",
+    "HeadGrads": "engine_core.log_probs",
+    "logits_grad_": "engine_core.log_probs",
     "Capability": "engine_core.capabilities",
     "StrEnum": "engine_core.capabilities",
     # configs
@@ -167,7 +169,13 @@ if TYPE_CHECKING:
         WeightSyncError,
     )
     from engine_core.hookspecs import BackendRegistry, hookimpl
-    from engine_core.log_probs import chunk_tokens_for, chunked_token_log_probs, token_log_probs
+    from engine_core.log_probs import (
+        HeadGrads,
+        chunk_tokens_for,
+        chunked_token_log_probs,
+        logits_grad_,
+        token_log_probs,
+    )
     from engine_core.loss import GlobalBatchContext, Metric, MetricAccumulator
     from engine_core.models import DTYPES, build_hf_config, build_model, merged_lora_tensors
     from engine_core.optim import (

@@ -29,10 +29,12 @@ import torch.nn.functional as F
 
 __all__ = [
     "DEFAULT_CHUNK_ELEMENTS",
+    "HeadGrads",
     "chunk_tokens_for",
     "chunked_head",
     "chunked_token_log_probs",
     "head_of",
+    "logits_grad_",
     "token_log_probs",
 ]
 
@@ -75,6 +77,85 @@ def _chunk_log_probs(
     if temperature != 1.0:
         z.div_(temperature)  # z is this function's own tensor
     return torch.log_softmax(z, dim=-1)
+
+
+def logits_grad_(
+    logp: torch.Tensor,
+    p: torch.Tensor,
+    targets: torch.Tensor,
+    g_lp: torch.Tensor | None,
+    g_ent: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+    *,
+    temperature: float = 1.0,
+    on_this_slice: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The gradient in a chunk's logits ``z`` of ``sum g_lp * log p(target) + g_ent * H``,
+    written in place over ``logp`` (the chunk's fp32 log-softmax, finite everywhere) and
+    returned: ``d log p_t / dz = onehot(t) - p`` and ``d H / dz = -p (log p + H)``, divided by
+    ``temperature`` (the logits were). ``p`` is ``exp`` of the log-softmax; ``entropy`` ``[c, 1]``
+    is ``H`` per token (None: ``-sum p log p`` over ``logp``, the whole vocabulary). On a
+    vocabulary slice (tensor parallelism), ``targets`` index the slice and ``on_this_slice``
+    ``[c]`` is 1 where the target is in it, so the one-hot term lands on the rank that holds it.
+    ``g_ent`` None: no entropy term."""
+    if g_ent is not None:
+        h_ent = -(p * logp).sum(-1, keepdim=True) if entropy is None else entropy
+        gz = logp.add_(h_ent).mul_(p).mul_(-g_ent[:, None].float())
+    else:
+        gz = logp.zero_()
+    if g_lp is not None:
+        g = g_lp[:, None].float()
+        gz.addcmul_(p, g, value=-1.0)
+        gz.scatter_add_(
+            -1, targets[:, None], g if on_this_slice is None else g * on_this_slice[:, None]
+        )
+    if temperature != 1.0:
+        gz.div_(temperature)
+    return gz
+
+
+class HeadGrads:
+    """An output layer's gradients (its input, weight and bias; those ``needs`` asks for),
+    summed over chunks of tokens from each chunk's gradient in the logits. The weight's and
+    bias's sums are kept in fp32 and cast to their dtype once, at :meth:`result`."""
+
+    def __init__(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        needs: tuple[bool, ...],
+    ) -> None:
+        want_h, want_w, want_b = needs[:3]
+        self.weight, self.dtype = weight, hidden.dtype
+        self.bias_dtype = None if bias is None else bias.dtype
+        self.hidden = torch.empty_like(hidden) if want_h else None
+        self.w = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        )
+        self.b = (
+            torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+            if bias is not None and want_b
+            else None
+        )
+
+    def add(self, start: int, h: torch.Tensor, gz: torch.Tensor) -> None:
+        """Chunk ``h`` (rows ``start:`` of the input) with ``gz``, its gradient in the logits."""
+        gz_model = gz.to(self.dtype)  # the gradient the layer's own backward receives
+        if self.hidden is not None:
+            self.hidden[start : start + h.shape[0]] = gz_model @ self.weight
+        if self.w is not None:
+            self.w += (gz_model.t() @ h).float()
+        if self.b is not None:
+            self.b += gz_model.float().sum(0)
+
+    def result(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """(input, weight, bias) gradients; None for those not asked for."""
+        return (
+            self.hidden,
+            None if self.w is None else self.w.to(self.weight.dtype),
+            None if self.b is None or self.bias_dtype is None else self.b.to(self.bias_dtype),
+        )
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
@@ -127,51 +208,23 @@ class _ChunkedLogProbs(torch.autograd.Function):
     ) -> tuple[Any, ...]:
         hidden, weight, bias, targets, kept = ctx.saved_tensors
         temperature, chunk = ctx.temperature, ctx.chunk
-        want_h, want_w, want_b = ctx.needs_input_grad[:3]
-        grad_h = torch.empty_like(hidden) if want_h else None
-        # the weight's gradient sums over every chunk: accumulated in fp32, then cast once
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        grad_b = (
-            torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
-            if bias is not None and want_b
-            else None
-        )
-        use_ent = ctx.with_entropy and g_ent is not None
+        grads = HeadGrads(hidden, weight, bias, ctx.needs_input_grad)
+        g_ent = g_ent if ctx.with_entropy else None
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s : s + chunk]
             logp = kept if kept is not None else _chunk_log_probs(h, weight, bias, temperature)
-            p = logp.exp()
-            # the gradient in the logits z, written in place over logp (no longer needed):
-            #   d log p_t / dz = onehot(t) - p;   d H / dz = -p (log p + H), H = -sum p log p
-            if use_ent:
-                assert g_ent is not None
-                h_ent = -(p * logp).sum(-1, keepdim=True)
-                gz = logp.add_(h_ent).mul_(p).mul_(-g_ent[s : s + chunk, None].float())
-            else:
-                gz = logp.zero_()
-            if g_lp is not None:
-                g = g_lp[s : s + chunk, None].float()
-                gz.addcmul_(p, g, value=-1.0)
-                gz.scatter_add_(-1, targets[s : s + chunk, None], g)
-            del p, logp
-            if temperature != 1.0:
-                gz.div_(temperature)
-            gz_model = gz.to(hidden.dtype)  # the gradient the layer's own backward receives
-            if grad_h is not None:
-                grad_h[s : s + chunk] = gz_model @ weight
-            if want_w:
-                grad_w += (gz_model.t() @ h).float()
-            if grad_b is not None:
-                grad_b += gz_model.float().sum(0)
-        return (
-            grad_h,
-            grad_w.to(weight.dtype) if want_w else None,
-            grad_b.to(bias.dtype) if grad_b is not None else None,
-            None,
-            None,
-            None,
-            None,
-        )
+            gz = logits_grad_(
+                logp,
+                logp.exp(),
+                targets[s : s + chunk],
+                None if g_lp is None else g_lp[s : s + chunk],
+                None if g_ent is None else g_ent[s : s + chunk],
+                None,
+                temperature=temperature,
+            )
+            del logp
+            grads.add(s, h, gz)
+        return (*grads.result(), None, None, None, None)
 
 
 def chunked_token_log_probs(

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine_core.backend import chunk_tokens_for
+from engine_core.backend import HeadGrads, chunk_tokens_for, logits_grad_
 
 __all__ = ["chunked_output_layer", "vocab_parallel_chunked_log_probs", "vocab_parallel_log_probs"]
 
@@ -174,16 +174,8 @@ class _VocabParallelChunked(torch.autograd.Function):
         _, padding, in_slice, local_t = _vocab_slice(
             targets, weight.shape[0], ctx.vocab_size, ctx.group
         )
-        want_h, want_w, want_b = ctx.needs_input_grad[:3]
-        grad_h = torch.empty_like(hidden) if want_h else None
-        # the weight's gradient sums over every chunk: accumulated in fp32, then cast once
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        grad_b = (
-            torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
-            if bias is not None and want_b
-            else None
-        )
-        use_ent = ctx.with_entropy and g_ent is not None
+        grads = HeadGrads(hidden, weight, bias, ctx.needs_input_grad)
+        g_ent = g_ent if ctx.with_entropy else None
         for s in range(0, hidden.shape[0], ctx.chunk):
             h = hidden[s : s + ctx.chunk]
             logp = _chunk_logits(h, weight, bias, ctx.temperature, padding)
@@ -191,39 +183,22 @@ class _VocabParallelChunked(torch.autograd.Function):
             p = logp.exp()
             if padding is not None:
                 logp.masked_fill_(padding, 0.0)  # p = 0 there: no gradient, and no nan
-            # in the logits z, written in place over logp:
-            #   d log p_t / dz = onehot(t) - p;   d H / dz = -p (log p + H)
-            if use_ent:
-                assert g_ent is not None
-                h_ent = ent[s : s + ctx.chunk, None]
-                gz = logp.add_(h_ent).mul_(p).mul_(-g_ent[s : s + ctx.chunk, None].float())
-            else:
-                gz = logp.zero_()
-            if g_lp is not None:
-                g = g_lp[s : s + ctx.chunk, None].float()
-                gz.addcmul_(p, g, value=-1.0)
-                # the one-hot term only on the rank whose slice holds the target
-                gz.scatter_add_(
-                    -1, local_t[s : s + ctx.chunk, None], g * in_slice[s : s + ctx.chunk, None]
-                )
+            gz = logits_grad_(
+                logp,
+                p,
+                local_t[s : s + ctx.chunk],
+                None if g_lp is None else g_lp[s : s + ctx.chunk],
+                None if g_ent is None else g_ent[s : s + ctx.chunk],
+                ent[s : s + ctx.chunk, None],  # the forward's, over the whole vocabulary
+                temperature=ctx.temperature,
+                on_this_slice=in_slice[s : s + ctx.chunk],
+            )
             del p, logp
-            if ctx.temperature != 1.0:
-                gz.div_(ctx.temperature)
-            gz_model = gz.to(hidden.dtype)  # the gradient the layer's own backward receives
-            if grad_h is not None:
-                # a partial sum over this rank's vocabulary slice: the input's TP mapping
-                # (an all-reduce, or a reduce-scatter with sequence parallelism) completes it
-                grad_h[s : s + ctx.chunk] = gz_model @ weight
-            if want_w:
-                grad_w += (gz_model.t() @ h).float()
-            if grad_b is not None:
-                grad_b += gz_model.float().sum(0)
-        return (
-            grad_h,
-            grad_w.to(weight.dtype) if want_w else None,
-            grad_b.to(bias.dtype) if grad_b is not None else None,
-            *([None] * 6),
-        )
+            # grad of the input: a partial sum over this rank's vocabulary slice; the input's
+            # TP mapping (an all-reduce, or a reduce-scatter with sequence parallelism)
+            # completes it
+            grads.add(s, h, gz)
+        return (*grads.result(), *([None] * 6))
 
 
 def vocab_parallel_chunked_log_probs(
