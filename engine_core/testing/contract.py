@@ -14,7 +14,7 @@ import torch
 
 from engine_core.batch import ENTROPY, LOG_PROBS, VALUES
 from engine_core.capabilities import Capability
-from engine_core.errors import CapabilityError
+from engine_core.errors import CapabilityError, PluginError
 from engine_core.plugins import load_plugins
 from engine_core.resolve import resolve_engine_config
 from engine_core.testing.distributed import run_distributed
@@ -54,11 +54,19 @@ def caps(engine_core_backend: str) -> frozenset[Capability]:
     return found
 
 
-def _engine_module(backend: str) -> tuple[str, ...]:
-    """Modules the kit's processes start with imported: ``backend``'s engine class and the
-    transformers model of the kit's tiny Qwen2."""
-    engine = load_plugins().get_engine(backend).target.partition(":")[0]
-    return (engine, "transformers.models.qwen2.modeling_qwen2")
+def _preload(config: pytest.Config) -> tuple[str, ...]:
+    """Modules the kit's processes start with imported: the engine class of every backend this
+    run checks (so the fork server they start from is started once for the whole kit, not
+    again for each backend) and the transformers model of the kit's tiny Qwen2. A backend
+    that is not registered adds nothing here; its own tests report it."""
+    registry = load_plugins()
+    modules = []
+    for backend in dict.fromkeys(config.getoption("engine_core_backend")):
+        try:
+            modules.append(registry.get_engine(backend).target.partition(":")[0])
+        except PluginError:  # reported by the backend's own tests
+            continue
+    return (*modules, "transformers.models.qwen2.modeling_qwen2")
 
 
 def _paths(
@@ -86,7 +94,7 @@ def single(
         1,
         engine_core_backend,
         paths,
-        preload=_engine_module(engine_core_backend),
+        preload=_preload(request.config),
     )
     return result
 
@@ -106,7 +114,7 @@ def double(
         2,
         engine_core_backend,
         paths,
-        preload=_engine_module(engine_core_backend),
+        preload=_preload(request.config),
     )
 
 
@@ -124,7 +132,7 @@ def plain(
         engine_core_backend,
         paths,
         pg_backend=None,
-        preload=_engine_module(engine_core_backend),
+        preload=_preload(request.config),
     )
     return result
 
