@@ -18,5 +18,6 @@ REFERENCE_CAPABILITIES = frozenset(
         Capability.GRADIENT_CHECKPOINTING,
         Capability.BF16,
         Capability.MIXED_PRECISION,
+        Capability.ACTIVATION_OFFLOAD,
     }
 )

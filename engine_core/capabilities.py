@@ -38,6 +38,8 @@ class Capability(StrEnum):
     BF16 = "bf16"  # trains and exports a model held in bfloat16 (model.dtype: bfloat16)
     # float32 master weights computing in a narrower dtype (compute_dtype: bfloat16)
     MIXED_PRECISION = "mixed_precision"
+    # activations saved for the backward wait in host memory (activation_offload)
+    ACTIVATION_OFFLOAD = "activation_offload"
     # rollout capabilities
     SLEEP = "sleep"
     LOGPROBS = "logprobs"

@@ -137,6 +137,15 @@ class EngineConfig(FrozenModel):
     )
     use_packing: bool = Field(True, description="Padding-free execution with packed sequences.")
     offload: bool = Field(False, description="Offload params/optimizer outside train/eval mode.")
+    activation_offload: bool = Field(
+        False,
+        description=(
+            "Keep the activations the backward needs in host memory between the forward and "
+            "the backward (saved tensors of 64 KiB and more, parameters excepted), copied back "
+            "as the backward reads them. Frees device memory for two copies over the host link "
+            "per activation; on a CPU device nothing moves."
+        ),
+    )
     tensor_parallel_size: PositiveInt = 1
     pipeline_parallel_size: PositiveInt = 1
     context_parallel_size: PositiveInt = 1
@@ -220,6 +229,8 @@ class EngineConfig(FrozenModel):
             need.add(Capability.DYNAMIC_BATCH)
         if self.offload:
             need.add(Capability.OFFLOAD)
+        if self.activation_offload:
+            need.add(Capability.ACTIVATION_OFFLOAD)
         if self.model.dtype == "bfloat16":
             need.add(Capability.BF16)
         if self.compute_dtype is not None:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from torch import nn
 
+from engine_core.activation_offload import OffloadActivations
 from engine_core.batch import (
     ATTENTION_MASK,
     ENTROPY,
@@ -477,10 +478,14 @@ class BaseEngine(abc.ABC):
 
     def forward_model(self, inputs: ModelInputs) -> Any:
         """Call the model; with ``inputs.head``, its output layer gives log-probs and entropy
-        (:func:`~engine_core.log_probs.chunked_head`) instead of logits."""
+        (:func:`~engine_core.log_probs.chunked_head`) instead of logits. With
+        ``activation_offload``, inside :class:`~engine_core.activation_offload.OffloadActivations`."""
         module = self.require_module()
         request = inputs.head
-        with self.forward_context():
+        offload = (
+            OffloadActivations() if self.config.activation_offload else contextlib.nullcontext()
+        )
+        with self.forward_context(), offload:
             if request is None:
                 return module(**inputs.kwargs)
             with chunked_head(

@@ -73,6 +73,7 @@ CAPABILITY_TRIGGERS: dict[Capability, dict[str, Any]] = {
     Capability.OFFLOAD: {"offload": True},
     Capability.BF16: {"model": {"config": dict(TINY_QWEN2), "dtype": "bfloat16"}},
     Capability.MIXED_PRECISION: {"compute_dtype": "bfloat16"},
+    Capability.ACTIVATION_OFFLOAD: {"activation_offload": True},
 }
 
 

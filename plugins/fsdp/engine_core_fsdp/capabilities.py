@@ -21,6 +21,7 @@ FSDP_CAPABILITIES = frozenset(
         Capability.GRADIENT_CHECKPOINTING,
         Capability.BF16,
         Capability.MIXED_PRECISION,  # compute_dtype, through the engines' mixed precision
+        Capability.ACTIVATION_OFFLOAD,
         Capability.LORA,
         Capability.OFFLOAD,
     }
