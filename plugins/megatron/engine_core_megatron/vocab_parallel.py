@@ -109,10 +109,29 @@ def _chunk_logits(
     return z
 
 
+def _gather_rows(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The ``[N, H]`` rows of a sequence-parallel split from this rank's ``[N / tp, H]``."""
+    local = local.contiguous()
+    out = local.new_empty((local.shape[0] * dist.get_world_size(group), *local.shape[1:]))
+    dist.all_gather_into_tensor(out, local, group=group)
+    return out
+
+
+def _scatter_rows(full: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's rows of the sum over ``group`` of ``full`` (``[N, H]``, a partial sum)."""
+    full = full.contiguous()
+    out = full.new_empty((full.shape[0] // dist.get_world_size(group), *full.shape[1:]))
+    dist.reduce_scatter_tensor(out, full, group=group)
+    return out
+
+
 class _VocabParallelChunked(torch.autograd.Function):
     """Log-prob and entropy per token from ``hidden @ weight_shard.T``, a chunk of tokens at a
     time; the backward recomputes each chunk's logits from the saved inputs and the per-token
-    log-partition function and entropy of the forward (no collective in the backward)."""
+    log-partition function and entropy of the forward (no collective in the backward, but for
+    ``rows_split``: ``hidden`` is then this rank's rows of a sequence-parallel split, gathered
+    over the group in the forward and again in the backward, so that only the rows are kept, and
+    its gradient is reduce-scattered back to them, as megatron-core's own layer does)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -126,8 +145,13 @@ class _VocabParallelChunked(torch.autograd.Function):
         group: dist.ProcessGroup | None,
         chunk: int,
         with_entropy: bool,
+        rows_split: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         tp, padding, in_slice, local_t = _vocab_slice(targets, weight.shape[0], vocab_size, group)
+        rows = hidden
+        if rows_split and tp > 1:
+            assert group is not None
+            hidden = _gather_rows(rows, group)
         n = hidden.shape[0]
         lp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         ent = torch.zeros(n, dtype=torch.float32, device=hidden.device)
@@ -159,9 +183,10 @@ class _VocabParallelChunked(torch.autograd.Function):
             if with_entropy:
                 # H = -sum p (z - log Z) = log sum exp(z - max) - E_p[z - max]
                 ent[s : s + chunk] = log_sum - total[:, 2] / total[:, 0]
-        ctx.save_for_backward(hidden, weight, bias, targets, log_z, ent)
+        del hidden  # gathered rows: gathered again in the backward
+        ctx.save_for_backward(rows, weight, bias, targets, log_z, ent)
         ctx.vocab_size, ctx.temperature, ctx.group = vocab_size, temperature, group
-        ctx.chunk, ctx.with_entropy = chunk, with_entropy
+        ctx.chunk, ctx.with_entropy, ctx.rows_split = chunk, with_entropy, rows_split and tp > 1
         if not with_entropy:
             ctx.mark_non_differentiable(ent)
         return lp, ent
@@ -174,6 +199,8 @@ class _VocabParallelChunked(torch.autograd.Function):
         _, padding, in_slice, local_t = _vocab_slice(
             targets, weight.shape[0], ctx.vocab_size, ctx.group
         )
+        if ctx.rows_split:
+            hidden = _gather_rows(hidden, ctx.group)
         grads = HeadGrads(hidden, weight, bias, ctx.needs_input_grad)
         g_ent = g_ent if ctx.with_entropy else None
         for s in range(0, hidden.shape[0], ctx.chunk):
@@ -195,10 +222,13 @@ class _VocabParallelChunked(torch.autograd.Function):
             )
             del p, logp
             # grad of the input: a partial sum over this rank's vocabulary slice; the input's
-            # TP mapping (an all-reduce, or a reduce-scatter with sequence parallelism)
+            # TP mapping (an all-reduce), or with split rows the reduce-scatter below,
             # completes it
             grads.add(s, h, gz)
-        return (*grads.result(), *([None] * 6))
+        g_hidden, g_weight, g_bias = grads.result()
+        if ctx.rows_split and g_hidden is not None:
+            g_hidden = _scatter_rows(g_hidden, ctx.group)
+        return (g_hidden, g_weight, g_bias, *([None] * 7))
 
 
 def vocab_parallel_chunked_log_probs(
@@ -212,6 +242,7 @@ def vocab_parallel_chunked_log_probs(
     temperature: float = 1.0,
     entropy: bool = False,
     chunk_tokens: int | None = None,
+    sequence_parallel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of ``targets`` (and the entropy) under the logits ``hidden @ weight.T + bias``
     divided by ``temperature``, with the vocabulary split over ``group``, ``chunk_tokens``
@@ -222,11 +253,17 @@ def vocab_parallel_chunked_log_probs(
     or past ``vocab_size`` are padding. Returns fp32 ``[N]`` tensors, the same on every rank,
     differentiable in ``weight``, ``bias`` and (as a partial sum over this slice, which the
     caller reduces over TP) ``hidden``. Only ``[chunk]``-sized tensors cross ranks.
+
+    ``sequence_parallel``: ``hidden`` is this rank's ``[N / tp, H]`` rows of a sequence-parallel
+    split (rank order); they are gathered for the forward and again for the backward, only they
+    are kept in between, and their gradient is complete (reduce-scattered over ``group``).
     """
-    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+    tp = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+    rows = hidden.shape[0] * (tp if sequence_parallel else 1)
+    if hidden.dim() != 2 or tuple(targets.shape) != (rows,):
         raise ValueError(
-            f"hidden {tuple(hidden.shape)} must be [tokens, hidden] and targets "
-            f"{tuple(targets.shape)} [tokens]."
+            f"hidden {tuple(hidden.shape)} must be [tokens, hidden] (with sequence_parallel, "
+            f"this rank's [tokens / {tp}, hidden]) and targets {tuple(targets.shape)} [tokens]."
         )
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
         raise ValueError(
@@ -246,6 +283,7 @@ def vocab_parallel_chunked_log_probs(
         group,
         int(chunk),
         bool(entropy),
+        bool(sequence_parallel),
     )
     return lp, (ent if entropy else None)
 
@@ -266,14 +304,12 @@ def chunked_output_layer(
     every TP rank, instead of ``[s, b, vocab / tp]`` logits.
 
     The input goes through the TP mapping megatron-core's layer applies: with sequence
-    parallelism the ``[s / tp, b, h]`` slices are gathered (a reduce-scatter of the gradient),
-    else an identity whose backward all-reduces the gradient over TP. A ``weight`` argument
-    (tied embeddings) replaces the layer's own, as in megatron-core.
+    parallelism the ``[s / tp, b, h]`` slices are gathered (a reduce-scatter of the gradient;
+    like megatron-core's layer, only the slice is kept for the backward, which gathers it
+    again), else an identity whose backward all-reduces the gradient over TP. A ``weight``
+    argument (tied embeddings) replaces the layer's own, as in megatron-core.
     """
-    from megatron.core.tensor_parallel import (
-        copy_to_tensor_model_parallel_region,
-        gather_from_sequence_parallel_region,
-    )
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 
     def forward(
         input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: Any = None
@@ -281,19 +317,18 @@ def chunked_output_layer(
         if weight is None:
             weight = layer.weight
         group = layer.tp_group
-        if layer.sequence_parallel:
-            hidden = gather_from_sequence_parallel_region(input_, group=group)
-        else:
-            hidden = copy_to_tensor_model_parallel_region(input_, group=group)
-        s, b, h = hidden.shape
+        split = bool(layer.sequence_parallel) and dist.get_world_size(group) > 1
+        hidden = input_ if split else copy_to_tensor_model_parallel_region(input_, group=group)
+        local, b, h = hidden.shape
+        s = local * dist.get_world_size(group) if split else local
         if tuple(targets.shape) != (b, s):
             raise ValueError(
                 f"targets {tuple(targets.shape)} must be [batch, sequence] = {(b, s)} for the "
-                f"output layer's input {tuple(hidden.shape)}."
+                f"output layer's input {tuple(input_.shape)}."
             )
         bias = None if layer.skip_bias_add else layer.bias
         lp, ent = vocab_parallel_chunked_log_probs(
-            hidden.reshape(s * b, h),
+            hidden.reshape(local * b, h),
             weight,
             targets.to(hidden.device).t().reshape(-1),
             vocab_size=vocab_size,
@@ -302,6 +337,7 @@ def chunked_output_layer(
             temperature=temperature,
             entropy=entropy,
             chunk_tokens=chunk_tokens,
+            sequence_parallel=split,
         )
         out = torch.stack([lp, ent if ent is not None else torch.zeros_like(lp)], dim=-1)
         return out.view(s, b, 2), (layer.bias if layer.skip_bias_add else None)

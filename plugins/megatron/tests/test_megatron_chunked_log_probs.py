@@ -4,7 +4,8 @@ One run gathers every figure: the vocabulary-parallel chunked function against a
 log-softmax (values and gradients, a padded vocabulary, a temperature), and the engine at TP=2,
 with and without sequence parallelism, with chunks of 3 tokens (crossing sequence boundaries)
 against full logits (``logits_chunk_tokens: null``): outputs, training steps and the weights
-they leave; a value head is unaffected.
+they leave, and the rows of hidden states the head keeps for the backward (this rank's only,
+with sequence parallelism); a value head is unaffected.
 """
 
 from __future__ import annotations
@@ -108,6 +109,34 @@ def _forward_with_widths(engine: Any) -> tuple[dict[str, torch.Tensor], list[int
         hook.remove()
 
 
+def _rows_kept(engine: Any) -> list[tuple[int, int]]:
+    """For each training micro-batch: the rows (tokens) the output layer computed, and the rows
+    of hidden states its chunked function keeps for the backward."""
+    seen: list[tuple[int, int]] = []
+
+    def hook(module: Any, args: Any, out: Any) -> None:
+        nodes, visited = [out[0].grad_fn], set()
+        while nodes:
+            node = nodes.pop()
+            if node is None or id(node) in visited:
+                continue
+            visited.add(id(node))
+            if type(node).__name__.startswith("_VocabParallelChunked"):
+                seen.append((out[0].shape[0] * out[0].shape[1], node.saved_tensors[0].shape[0]))
+                return
+            nodes += [n for n, _ in node.next_functions]
+
+    layer = engine.chunks[-1].module.output_layer
+    handle = layer.register_forward_hook(hook)
+    try:
+        with engine.train_mode():
+            engine.forward_backward_step(engine.shard_data(random_batch(8, seed=5)))
+            engine.optimizer_zero_grad()
+    finally:
+        handle.remove()
+    return seen
+
+
 def _runs(rank: int, world: int, policy: str, critic: str) -> dict[str, Any]:
     out: dict[str, Any] = {"function": _function(rank)}
     for layout, sizes in LAYOUTS.items():
@@ -117,6 +146,8 @@ def _runs(rank: int, world: int, policy: str, critic: str) -> dict[str, Any]:
             )
             outputs, widths = _forward_with_widths(engine)
             run: dict[str, Any] = {"outputs": outputs, "widths": widths}
+            if chunk is not None:
+                run["rows_kept"] = _rows_kept(engine)
             # log-probs alone: megatron-core's fused cross-entropy on full logits
             run["steps"] = train_steps(engine, range(2))
             run["entropy_step"] = _entropy_step(engine)
@@ -183,6 +214,20 @@ def test_chunked_training_equals_full_logits(runs: list[dict[str, Any]], layout:
         for key in (LOG_PROBS, ENTROPY):
             diff = float((got["after"][key] - want["after"][key]).abs().max())
             assert diff <= ATOL, f"{layout}, rank {rank}: {key} after training differ by {diff}"
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_chunked_head_keeps_only_this_ranks_rows(runs: list[dict[str, Any]], layout: str) -> None:
+    """With sequence parallelism the head keeps its input's local rows for the backward (and
+    gathers them again there), as megatron-core's own layer does; without, every row."""
+    share = 2 if LAYOUTS[layout].get("sequence_parallel") else 1
+    for rank, r in enumerate(runs):
+        kept = r[f"{layout}/chunks_of_3"]["rows_kept"]
+        assert kept, f"{layout}, rank {rank}: the chunked head did not run in training"
+        for rows, saved in kept:
+            assert saved * share == rows, (
+                f"{layout}, rank {rank}: the head keeps {saved} of {rows} rows for the backward"
+            )
 
 
 def test_value_head_is_unaffected(runs: list[dict[str, Any]], baseline: Baseline) -> None:
