@@ -3,10 +3,23 @@
 The device mesh has up to four named axes, outermost first: ``dp_replicate`` (HSDP replica
 groups), ``dp_shard`` (parameter sharding), ``cp`` (context parallelism: each packed row split
 over its ranks, Ulysses attention, :mod:`engine_core.context_parallel`) and ``tp`` (tensor
-parallelism of the decoder blocks). Parallelism is applied in a fixed order by
-:func:`parallelize`: tensor parallel, then ``fully_shard`` per decoder block, then the root;
-parameters are sharded over ``dp_shard`` × ``cp``. Data is split over the ``dp_replicate`` ×
-``dp_shard`` ranks; the ``cp`` and ``tp`` ranks of one DP rank see the same data.
+parallelism of the decoder blocks); any of them combine. Parallelism is applied in a fixed order
+by :func:`parallelize`: tensor parallel, then ``fully_shard`` per decoder block, then the root.
+``fully_shard`` shards parameters over ``dp_shard`` × ``cp`` (one flattened ``dp_shard_cp``
+axis), replicated over ``dp_replicate`` under HSDP (a 2-D ``(dp_replicate, dp_shard_cp)`` mesh,
+:func:`fsdp_mesh`); never over ``tp``. Data is split over the ``dp_replicate`` × ``dp_shard``
+ranks; the ``cp`` and ``tp`` ranks of one DP rank see the same data, and its rank with
+``cp`` and ``tp`` rank 0 is the one collected.
+
+Under tensor parallelism the q/k/v projections are column-split, so each rank's attention holds
+``1/tp`` of the heads; context parallelism spreads those over its ``cp`` ranks, so the heads and
+the key/value heads must divide by ``tp × cp``. Gradients: FSDP averages over ``dp_replicate`` ×
+``dp_shard`` × ``cp`` (the context-parallel ranks' sum being ``cp`` times the row's gradient, that
+average is the data-parallel mean), which the loss scaled by the DP size turns into the
+contract's sum; a tensor-parallel weight's gradient is its own shard's, reduced over the same
+ranks and never over ``tp``, and a weight that is not split (norms, embeddings) gets the same
+whole gradient on every ``tp`` rank (the column-split layers' backward all-reduces their input
+gradient over ``tp``).
 """
 
 from __future__ import annotations
@@ -45,7 +58,14 @@ from engine_core_fsdp._common import (
 from engine_core_fsdp._init import build_skeleton, materialize
 from engine_core_fsdp.capabilities import FSDP2_CAPABILITIES
 
-__all__ = ["FSDP2Engine", "FSDP2EngineConfig", "MeshAxis", "compile_blocks", "parallelize"]
+__all__ = [
+    "FSDP2Engine",
+    "FSDP2EngineConfig",
+    "MeshAxis",
+    "compile_blocks",
+    "fsdp_mesh",
+    "parallelize",
+]
 
 
 class MeshAxis(StrEnum):
@@ -78,8 +98,8 @@ class FSDP2EngineConfig(FSDPCommonConfig):
         None,
         description=(
             "HSDP: number of replica groups on a 2-D (replicate, shard) mesh; parameters are "
-            "sharded within a group and replicated across groups. None: a 1-D mesh sharding "
-            "over every DP rank."
+            "sharded within a group (over its data- and context-parallel ranks) and replicated "
+            "across groups. None: a 1-D mesh sharding over every DP rank."
         ),
     )
     compile: bool = Field(
@@ -95,18 +115,6 @@ class FSDP2EngineConfig(FSDPCommonConfig):
 
     @model_validator(mode="after")
     def _tp_limits(self) -> FSDP2EngineConfig:
-        if self.tensor_parallel_size > 1 and self.context_parallel_size > 1:
-            raise ValueError(
-                f"fsdp2 runs context parallelism or tensor parallelism, not both at once; got "
-                f"context_parallel_size={self.context_parallel_size} and "
-                f"tensor_parallel_size={self.tensor_parallel_size}. Set one of them to 1."
-            )
-        if self.context_parallel_size > 1 and self.data_parallel_replicate_size is not None:
-            raise ValueError(
-                "fsdp2 does not combine context parallelism with HSDP "
-                "(data_parallel_replicate_size); leave data_parallel_replicate_size unset to "
-                "shard over every data-parallel rank, or set context_parallel_size=1."
-            )
         if self.tensor_parallel_size > 1 and self.model.lora is not None:
             raise ValueError(
                 "tensor_parallel_size > 1 with model.lora is not supported by fsdp2; "
@@ -225,17 +233,27 @@ def build_mesh(cfg: FSDP2EngineConfig, device_type: str) -> tuple[DeviceMesh, De
             f"({replicate}) x context_parallel_size ({cp}) x tensor_parallel_size ({tp}); "
             f"choose sizes whose product divides the number of processes."
         )
-    for size, name in ((tp, "tensor_parallel_size"), (cp, "context_parallel_size")):
-        if size == 1:
-            continue
+    if tp * cp > 1:
+        # tensor parallelism gives each rank 1/tp of the heads (q/k/v are column-split);
+        # context parallelism spreads those local heads over its cp ranks around attention
         hf = build_hf_config(cfg.model)
         heads = hf.num_attention_heads
         kv = getattr(hf, "num_key_value_heads", None) or heads
-        if heads % size or kv % size:
+        if heads % (tp * cp) or kv % (tp * cp):
+            named = [
+                f"{name}={size}"
+                for size, name in ((tp, "tensor_parallel_size"), (cp, "context_parallel_size"))
+                if size > 1
+            ]
+            if len(named) == 1:
+                split, fix = named[0], "a divisor of both"
+            else:
+                split, fix = f"{' x '.join(named)} = {tp * cp}", "sizes whose product divides both"
             raise ConfigError(
-                f"fsdp2: {name}={size} must divide num_attention_heads ({heads}) and "
-                f"num_key_value_heads ({kv}): each rank takes a whole share of the heads. "
-                f"Choose a divisor of both."
+                f"fsdp2: {split} must divide num_attention_heads ({heads}) and "
+                f"num_key_value_heads ({kv}): each rank takes a whole share of the heads "
+                f"(tensor parallelism splits them, context parallelism splits each share "
+                f"again). Choose {fix}."
             )
     shape, names = [], []
     for size, axis in (
@@ -251,6 +269,24 @@ def build_mesh(cfg: FSDP2EngineConfig, device_type: str) -> tuple[DeviceMesh, De
     dp_names = tuple(n for n in names if n not in (MeshAxis.TP, MeshAxis.CP))
     dp_mesh = mesh[dp_names] if len(dp_names) == 1 else mesh[dp_names]._flatten("dp")
     return mesh, dp_mesh
+
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ``fully_shard`` shards over: ``dp_shard`` flattened with ``cp`` (context-parallel
+    ranks shard parameters too, and their gradients are averaged with the data-parallel ranks'),
+    preceded by ``dp_replicate`` under HSDP (2-D: replicate, shard). ``tp`` is never part of it.
+    """
+    names = mesh.mesh_dim_names or ()
+    replicate, shard, cp = str(MeshAxis.DP_REPLICATE), str(MeshAxis.DP_SHARD), str(MeshAxis.CP)
+    if cp not in names:
+        return mesh[tuple(n for n in names if n in (replicate, shard))]
+    shard_cp = mesh[(shard, cp)]._flatten(f"{shard}_{cp}")
+    if replicate not in names:
+        return shard_cp
+    # a 2-D (replicate, flattened shard) mesh: fully_shard's own HSDP path joins a flattened
+    # shard mesh to its replicate mesh the same way (slicing the flattened name out of the root
+    # mesh instead is deprecated)
+    return DeviceMesh._concatenate([mesh[replicate], shard_cp])
 
 
 def parallelize(
@@ -270,15 +306,10 @@ def parallelize(
         for block in blocks:
             plan = {path: style() for path, style in LLAMA_TP_PLAN.items()}
             parallelize_module(block, tp_mesh, plan)
-    # HSDP: a 2-D (replicate, shard) mesh; otherwise the 1-D shard mesh. Context-parallel ranks
-    # shard parameters too: their gradients are reduced with the data-parallel ranks'
-    # (HSDP is refused with context parallelism by the config)
-    dp_names = tuple(n for n in names if n not in (MeshAxis.TP, MeshAxis.CP))
-    if MeshAxis.CP in names:
-        fsdp_mesh = mesh[(str(MeshAxis.DP_SHARD), str(MeshAxis.CP))]._flatten("dp_shard_cp")
-    else:
-        fsdp_mesh = mesh[dp_names]
-    kwargs: dict[str, Any] = {"mesh": fsdp_mesh, "reshard_after_forward": reshard_after_forward}
+    kwargs: dict[str, Any] = {
+        "mesh": fsdp_mesh(mesh),
+        "reshard_after_forward": reshard_after_forward,
+    }
     if mixed_precision is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=mixed_precision.torch_param_dtype,

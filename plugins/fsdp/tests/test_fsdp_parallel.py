@@ -1,5 +1,7 @@
-"""FSDP2 meshes (HSDP 1×2 and 2×1, TP 1×2, CP 1×2 on Qwen2 and Llama shapes with GQA), and for both FSDP engines mixed precision, LoRA and
-rank-0 / meta init, on two real gloo processes against the single-process reference engine."""
+"""FSDP2 meshes (HSDP 1×2 and 2×1, TP 1×2, CP 1×2 on Qwen2 and Llama shapes with GQA; on four
+processes CP 2 × TP 2 and HSDP 2 × CP 2), and for both FSDP engines mixed precision, LoRA and
+rank-0 / meta init, on real gloo processes (two unless named) against the single-process
+reference engine."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from engine_core_fsdp._common import full_tensors
 from engine_core_fsdp.fsdp2 import FSDP2Engine, FSDP2EngineConfig
 
@@ -238,40 +241,139 @@ TINY_LLAMA = {
 }
 
 
-def _cp_worker(rank: int, world: int, model: dict, packing: bool) -> dict:
-    engine = _fsdp2(
+# eight heads over four key/value heads (GQA): two heads and one key/value head per rank once
+# tensor parallelism (2) and context parallelism (2) have split them
+WIDE_QWEN2 = {**TINY_QWEN2, "num_attention_heads": 8, "num_key_value_heads": 4}
+# Final weights are compared at 1e-5. Adam's update lr * m / (sqrt(v) + eps) turns the last
+# bits of a gradient that nearly cancels (|g| ~ eps), which another reduction order (tensor-
+# parallel partial sums) changes by ~1e-10, into weight differences of ~lr * 3e-3 (2.7e-5 at
+# lr 1e-2, eps 1e-8, already with tensor parallelism alone); lr 1e-3 and eps 1e-6 keep that
+# rounding ~30x below 1e-5 while five steps still move each weight by up to 5e-3.
+CP_OPTIM = {**OPTIM, "lr": 1e-3, "eps": 1e-6}
+
+
+def _grads(engine) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """Every parameter's full gradient after one batch's backward, then cleared (no step)."""
+    with engine.train_mode():
+        engine.forward_backward_step(engine.shard_data(random_batch(N, seed=21)))
+    grads = {}
+    for name, param in engine.module.named_parameters():  # collective for sharded gradients
+        grad = param.grad
+        grads[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).clone()
+    engine.optimizer_zero_grad()
+    return grads
+
+
+def _run(engine) -> dict:  # type: ignore[no-untyped-def]
+    """Log-probs, one batch's gradients, five clipped training steps, the final weights."""
+    return {
+        "lp": _log_probs(engine),
+        "grads": _grads(engine),
+        "curve": train_steps(engine, range(STEPS), N),
+        "params": dict(engine.named_full_params()),
+    }
+
+
+def _reference_run(model: dict) -> dict:
+    e = ReferenceEngine(
+        ReferenceEngineConfig(**engine_config(optim=CP_OPTIM, model={"config": model}))
+    )
+    e.init_model()
+    e.set_loss_fn(nll_loss)
+    return _run(e)
+
+
+def _assert_same_run(got: dict, want: dict) -> None:
+    """:func:`_run`'s results equal the reference's within 1e-5."""
+    torch.testing.assert_close(got["lp"], want["lp"], rtol=0, atol=1e-5)
+    for key in ("grads", "params"):
+        assert got[key].keys() == want[key].keys()
+        for name, tensor in want[key].items():
+            torch.testing.assert_close(
+                got[key][name], tensor, rtol=0, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
+            )
+    for (loss, norm), (want_loss, want_norm) in zip(got["curve"], want["curve"], strict=True):
+        assert loss == pytest.approx(want_loss, rel=1e-5)
+        assert norm == pytest.approx(want_norm, rel=1e-5)
+
+
+def _cp_worker(rank: int, world: int, model: dict, packing: bool, overrides: dict) -> dict:
+    engine = registered_engine(
+        "fsdp2",
+        optim=CP_OPTIM,
         model={"config": model},
-        context_parallel_size=world,
         use_packing=packing,
         micro_batch_size=3,
+        **overrides,
     )
+    cp = engine.context_parallel_group
+    tp = engine.mesh["tp"].get_group() if engine.config.tensor_parallel_size > 1 else None
+    shard_mesh = next(engine.module.parameters()).device_mesh  # the embedding: FSDP's mesh only
     return {
         "mesh": (engine.mesh.mesh_dim_names, tuple(engine.mesh.shape)),
         "dp": (engine.dp_rank, engine.dp_size, engine.is_collect_rank),
-        "lp": _log_probs(engine),
-        "curve": train_steps(engine, range(STEPS), N),
+        "groups": tuple(None if g is None else dist.get_process_group_ranks(g) for g in (cp, tp)),
+        "fsdp": (shard_mesh.mesh_dim_names, shard_mesh.mesh.tolist()),
+        **_run(engine),
     }
 
 
 @pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
 @pytest.mark.parametrize("model", [TINY_QWEN2, TINY_LLAMA], ids=["qwen2", "llama"])
 def test_context_parallel_matches_one_rank(model: dict, packing: bool) -> None:
-    # each row split over two ranks (Ulysses attention): the log-probs and five clipped
-    # training steps of the single-process reference engine on the same model
-    e = ReferenceEngine(
-        ReferenceEngineConfig(**engine_config(optim=OPTIM, model={"config": model}))
-    )
-    e.init_model()
-    e.set_loss_fn(nll_loss)
-    want = {"lp": _log_probs(e), "curve": train_steps(e, range(STEPS), N)}
-    ranks = run_distributed(_cp_worker, 2, model, packing)
+    # each row split over two ranks (Ulysses attention): the log-probs, gradients, five clipped
+    # training steps and final weights of the single-process reference engine on the same model
+    want = _reference_run(model)
+    ranks = run_distributed(_cp_worker, 2, model, packing, {"context_parallel_size": 2})
     for rank, r in enumerate(ranks):
         assert r["mesh"] == (("dp_shard", "cp"), (1, 2))
         assert r["dp"] == (0, 1, rank == 0)  # one DP rank; its first cp rank is collected
-        torch.testing.assert_close(r["lp"], want["lp"], rtol=0, atol=1e-5)
-        for (loss, norm), (want_loss, want_norm) in zip(r["curve"], want["curve"], strict=True):
-            assert loss == pytest.approx(want_loss, rel=1e-5)
-            assert norm == pytest.approx(want_norm, rel=1e-5)
+        _assert_same_run(r, want)
+
+
+@pytest.mark.parametrize(
+    ("model", "overrides", "layout"),
+    [
+        (
+            WIDE_QWEN2,
+            {"context_parallel_size": 2, "tensor_parallel_size": 2},
+            {
+                "mesh": (("dp_shard", "cp", "tp"), (1, 2, 2)),
+                # one DP rank of four: every rank sees the whole batch, rank 0 is collected
+                "dp": [(0, 1, True), (0, 1, False), (0, 1, False), (0, 1, False)],
+                # (cp group, tp group): orthogonal, every rank in one of each
+                "groups": [([0, 2], [0, 1]), ([1, 3], [0, 1]), ([0, 2], [2, 3]), ([1, 3], [2, 3])],
+                # FSDP shards over dp_shard x cp (here the cp group), never over tp
+                "fsdp": [(("dp_shard_cp",), r) for r in ([0, 2], [1, 3], [0, 2], [1, 3])],
+            },
+        ),
+        (
+            TINY_LLAMA,
+            {"context_parallel_size": 2, "data_parallel_replicate_size": 2},
+            {
+                "mesh": (("dp_replicate", "dp_shard", "cp"), (2, 1, 2)),
+                # two DP ranks (the replicas), each split over a cp pair; one collect rank each
+                "dp": [(0, 2, True), (0, 2, False), (1, 2, True), (1, 2, False)],
+                "groups": [([0, 1], None), ([0, 1], None), ([2, 3], None), ([2, 3], None)],
+                # HSDP: replicated over dp_replicate, sharded over dp_shard x cp
+                "fsdp": [(("dp_replicate", "dp_shard_cp"), [[0, 1], [2, 3]])] * 4,
+            },
+        ),
+    ],
+    ids=["qwen2-cp2xtp2", "llama-hsdp2xcp2"],
+)
+def test_context_parallel_composes_on_four_ranks(
+    model: dict, overrides: dict, layout: dict
+) -> None:
+    # packed rows split over a cp pair beside tensor parallelism or HSDP replicas: the same
+    # log-probs, gradients, training steps and final weights as the single-process reference
+    want = _reference_run(model)
+    ranks = run_distributed(_cp_worker, 4, model, True, overrides)
+    for rank, r in enumerate(ranks):
+        assert r["mesh"] == layout["mesh"]
+        for key in ("dp", "groups", "fsdp"):
+            assert r[key] == layout[key][rank], key
+        _assert_same_run(r, want)
 
 
 def _values(engine, at_token: bool) -> torch.Tensor:  # type: ignore[no-untyped-def]
@@ -299,16 +401,8 @@ def test_context_parallel_value_head_matches_one_rank() -> None:
 def test_config_errors_name_the_fix() -> None:
     with pytest.raises(ValueError, match="init='meta' reads weights from a saved"):
         FSDP2EngineConfig(**engine_config(backend="fsdp2", init="meta"))
-    with pytest.raises(ValueError, match="context parallelism or tensor parallelism, not both"):
-        FSDP2EngineConfig(
-            **engine_config(backend="fsdp2", tensor_parallel_size=2, context_parallel_size=2)
-        )
-    with pytest.raises(ValueError, match="does not combine context parallelism with HSDP"):
-        FSDP2EngineConfig(
-            **engine_config(
-                backend="fsdp2", context_parallel_size=2, data_parallel_replicate_size=1
-            )
-        )
+    for both in ({"tensor_parallel_size": 2}, {"data_parallel_replicate_size": 2}):
+        FSDP2EngineConfig(**engine_config(backend="fsdp2", context_parallel_size=2, **both))
     eager = {"config": dict(TINY_QWEN2), "attn_implementation": "eager"}
     with pytest.raises(ValueError, match="needs model.attn_implementation sdpa_varlen"):
         FSDP2EngineConfig(**engine_config(backend="fsdp2", context_parallel_size=2, model=eager))
@@ -332,10 +426,11 @@ def _bad_mesh_worker(rank: int, world: int, overrides: dict) -> str:
 
 
 @pytest.mark.parametrize(
-    ("overrides", "message"),
+    ("world", "overrides", "message"),
     [
-        ({"tensor_parallel_size": 2, "data_parallel_replicate_size": 2}, "does not divide"),
+        (2, {"tensor_parallel_size": 2, "data_parallel_replicate_size": 2}, "does not divide"),
         (
+            2,
             {
                 "tensor_parallel_size": 2,
                 "model": {"config": {**TINY_QWEN2, "num_key_value_heads": 1}},
@@ -343,6 +438,7 @@ def _bad_mesh_worker(rank: int, world: int, overrides: dict) -> str:
             "tensor_parallel_size=2 must divide num_attention_heads",
         ),
         (
+            2,
             {
                 "context_parallel_size": 2,
                 "model": {"config": {**TINY_QWEN2, "num_key_value_heads": 1}},
@@ -350,9 +446,15 @@ def _bad_mesh_worker(rank: int, world: int, overrides: dict) -> str:
             "context_parallel_size=2 must divide num_attention_heads (4) and "
             "num_key_value_heads (1)",
         ),
-        ({"context_parallel_size": 4}, "does not divide"),
+        (2, {"context_parallel_size": 4}, "does not divide"),
+        (
+            4,  # each divides the 2 key/value heads, their product does not
+            {"context_parallel_size": 2, "tensor_parallel_size": 2},
+            "tensor_parallel_size=2 x context_parallel_size=2 = 4 must divide "
+            "num_attention_heads (4) and num_key_value_heads (2)",
+        ),
     ],
 )
-def test_mesh_errors_before_any_state(overrides: dict, message: str) -> None:
-    for text in run_distributed(_bad_mesh_worker, 2, overrides):
+def test_mesh_errors_before_any_state(world: int, overrides: dict, message: str) -> None:
+    for text in run_distributed(_bad_mesh_worker, world, overrides):
         assert message in text
