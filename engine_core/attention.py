@@ -77,6 +77,7 @@ def sdpa_varlen_attention(
         out, _ = _varlen_attention(
             module, q, k, v, attention_mask, dropout, scaling, cu_seq_lens_q, **kwargs
         )
+        # out: [1, T, heads/cp, D], contiguous; back to [1, T/cp, heads, D] (contiguous too)
         return head_to_seq(out.transpose(1, 2), group).transpose(1, 2).contiguous(), None
     return _varlen_attention(
         module, query, key, value, attention_mask, dropout, scaling, cu_seq_lens_q, **kwargs
@@ -102,41 +103,54 @@ def _varlen_attention(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     gqa = key.shape[1] != query.shape[1]
+    heads, dim, row = query.shape[1], query.shape[3], query.shape[2]
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa
+        )  # [n, H, M, D]
+
     cu = cu_seq_lens_q.to(query.device)
     lengths = cu[1:] - cu[:-1]
-    out = torch.empty_like(query)  # [1, H, T, D]; every position belongs to one sequence
-    last = query.shape[2] - 1
+    nonempty = lengths[lengths > 0].tolist()
+    if len(set(nonempty)) == 1 and len(nonempty) * nonempty[0] == row:
+        # every sequence has one length (a single sequence, say): the row is its sequences
+        # one after the other, so the kernel reads views of it and its result is the output
+        # (no gather and no scatter, in the forward or the backward)
+        block = attend(*(_split(x, len(nonempty)) for x in (query, key, value)))
+        return block.transpose(1, 2).reshape(1, row, heads, dim).contiguous(), None
+    # [1, H, T, D] in the layout of query (token-major as transformers' projections give it,
+    # so the [1, T, H, D] returned below needs no copy); every position belongs to one sequence
+    out = torch.empty_like(query)
+    last = row - 1
     # one batched call per bucket of lengths: [n, h, M, D] with M the bucket's longest length
-    for bucket in length_buckets(lengths[lengths > 0].tolist()):
+    for bucket in length_buckets(nonempty):
         chosen = (lengths[:, None] == torch.tensor(bucket, device=cu.device)).any(-1)
         starts, lens, longest = cu[:-1][chosen], lengths[chosen], max(bucket)
         # a shorter sequence reads past its end into whatever follows (clamped to the row):
         # under the causal mask no real query attends to those keys, and their outputs are
         # dropped below, so neither the result nor the gradient sees them
         at = (starts[:, None] + torch.arange(longest, device=cu.device)).clamp_(max=last).flatten()
-        q, k, v = (_gather(x, at, len(starts)) for x in (query, key, value))
-        block = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            dropout_p=dropout,
-            is_causal=True,
-            scale=scaling,
-            enable_gqa=gqa,
-        )  # [n, H, M, D]
-        flat = block.transpose(0, 1).reshape(1, query.shape[1], -1, query.shape[3])
+        block = attend(*(_gather(x, at, len(starts)) for x in (query, key, value)))
+        flat = block.transpose(0, 1).reshape(1, heads, -1, dim)
+        # in place: an out-of-place index_copy would copy the whole row's output per bucket
         if len(bucket) == 1:  # one length: every position is real
-            out = out.index_copy(2, at, flat)
+            out.index_copy_(2, at, flat)
         else:
             real = (torch.arange(longest, device=cu.device) < lens[:, None]).flatten()
             keep = real.nonzero().squeeze(-1)
-            out = out.index_copy(2, at[keep], flat.index_select(2, keep))
+            out.index_copy_(2, at[keep], flat.index_select(2, keep))
     return out.transpose(1, 2).contiguous(), None  # [1, T, H, D], as transformers expects
 
 
 def _gather(x: torch.Tensor, at: torch.Tensor, n: int) -> torch.Tensor:
     """Positions ``at`` of a packed ``[1, h, T, D]`` as ``[n, h, M, D]`` (``n * M`` of them)."""
     return x.index_select(2, at).view(x.shape[1], n, -1, x.shape[3]).transpose(0, 1)
+
+
+def _split(x: torch.Tensor, n: int) -> torch.Tensor:
+    """A packed ``[1, h, n * M, D]`` as ``[n, h, M, D]``, a view (whatever its layout)."""
+    return x.view(x.shape[1], n, -1, x.shape[3]).transpose(0, 1)
 
 
 def register_sdpa_varlen() -> None:

@@ -43,39 +43,70 @@ CP_GROUP_ATTR = "engine_core_cp_group"
 
 
 class _AllToAll(torch.autograd.Function):
-    """Split ``x`` into ``world`` chunks along ``scatter``, send chunk ``i`` to rank ``i``, and
-    concatenate the chunks received along ``gather`` (in rank order)."""
+    """:func:`seq_to_head` (``to_heads``) or :func:`head_to_seq`; the backward is the other."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, scatter: int, gather: int
+        ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, to_heads: bool
     ) -> torch.Tensor:
-        ctx.group, ctx.scatter, ctx.gather = group, scatter, gather
-        return _all_to_all(x, group, scatter, gather)
+        ctx.group, ctx.to_heads = group, to_heads
+        return (_seq_to_head if to_heads else _head_to_seq)(x, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        return _all_to_all(grad, ctx.group, ctx.gather, ctx.scatter), None, None, None
+        return (_head_to_seq if ctx.to_heads else _seq_to_head)(grad, ctx.group), None, None
 
 
-def _all_to_all(
-    x: torch.Tensor, group: dist.ProcessGroup, scatter: int, gather: int
-) -> torch.Tensor:
-    world = dist.get_world_size(group)
-    send = torch.stack(x.chunk(world, dim=scatter))  # [world, ...chunk], contiguous
-    received = torch.empty_like(send)
+# Both directions exchange token-major blocks ``[b, tokens, heads, d]``, the layout of the
+# attention layer's projections and of its output: for one row (``b == 1``) a rank's received
+# tokens of its heads are already the whole row in order (no concatenation), and the output's
+# slices to send are already contiguous (no staging copy). Each direction copies once.
+
+
+def _exchange(send: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``send[i]`` to rank ``i``; the result's ``[i]`` came from rank ``i``."""
+    received = torch.empty_like(send, memory_format=torch.contiguous_format)
     dist.all_to_all_single(received, send, group=group)
-    return torch.cat(received.unbind(0), dim=gather)
+    return received
+
+
+def _seq_to_head(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    b, heads, local, d = x.shape
+    # [world, b, T/cp, heads/cp, d]: block i holds the local tokens of rank i's heads
+    send = x.reshape(b, world, heads // world, local, d).permute(1, 0, 3, 2, 4)
+    received = _exchange(send.contiguous(), group)
+    # block i holds rank i's tokens: in rank order, the whole row (a view for b == 1)
+    row = received.transpose(0, 1).reshape(b, world * local, heads // world, d)
+    return row.transpose(1, 2)
+
+
+def _head_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    b, heads, length, d = x.shape
+    # [world, b, T/cp, heads/cp, d]: block i holds rank i's tokens (a view of a contiguous
+    # [b, T, heads/cp, d] for b == 1)
+    send = x.transpose(1, 2).reshape(b, world, length // world, heads, d).transpose(0, 1)
+    received = _exchange(send.contiguous(), group)
+    # block i holds rank i's heads of the local tokens: [b, T/cp, heads, d], token-major
+    local = received.permute(1, 2, 0, 3, 4).contiguous().view(b, length // world, -1, d)
+    return local.transpose(1, 2)
 
 
 def seq_to_head(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """``[b, heads, T/cp, d]`` (every head, the local tokens) to ``[b, heads/cp, T, d]``."""
-    return _AllToAll.apply(x, group, 1, 2)
+    """``[b, heads, T/cp, d]`` (every head, the local tokens) to ``[b, heads/cp, T, d]``.
+
+    The result is a transposed view of a token-major ``[b, T, heads/cp, d]``."""
+    return _AllToAll.apply(x, group, True)
 
 
 def head_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """``[b, heads/cp, T, d]`` back to ``[b, heads, T/cp, d]``."""
-    return _AllToAll.apply(x, group, 2, 1)
+    """``[b, heads/cp, T, d]`` back to ``[b, heads, T/cp, d]``.
+
+    The result is a transposed view of a contiguous ``[b, T/cp, heads, d]``; the exchange
+    sends without a staging copy when ``x`` is such a view of a contiguous ``[1, T, heads/cp,
+    d]``."""
+    return _AllToAll.apply(x, group, False)
 
 
 class _GatherSequence(torch.autograd.Function):
