@@ -18,8 +18,9 @@ memory just before an update (what the update itself adds: activations, logits, 
 of one (T, V). Then context parallelism: the chunked path on one process (``cp1``) against two
 processes splitting each row (``cp2``, Ulysses attention; each process gets half the threads),
 for every T in ``--cp-lengths`` at V ``--cp-vocab``, on a wider model (``CP_MODEL``: hidden
-256, 4 layers) so that activations outweigh the rest; a ``cp2`` figure is that of the rank whose
-update added the most memory. The per-rank activation memory is the slope of ``step_gib`` over
+256, 4 layers) so that activations outweigh the rest, with glibc's mmap threshold fixed at 128
+KiB (``CP_MALLOC_MMAP_THRESHOLD``); a ``cp2`` figure is that of the rank whose update added the
+most memory. The per-rank activation memory is the slope of ``step_gib`` over
 T between the first and last of ``--cp-lengths`` (GiB per 1k tokens), for each; the fixed part
 of a step (FSDP's gathered weights and unsharded gradients at cp2, none of which grows with T)
 drops out of it. A configuration whose full path would need more memory than the host has
@@ -64,6 +65,15 @@ CP_MODEL = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
 }
+
+
+# The context-parallel runs' processes allocate every block of 128 KiB or more with mmap
+# (glibc's MALLOC_MMAP_THRESHOLD_, unless already set): by default glibc raises that threshold
+# up to 32 MiB as blocks are freed, so [T, hidden] activations land on the heap, and the freed
+# gaps they leave stay resident in an amount that depends on allocation order, differing between
+# ranks and runs. With the threshold fixed, the resident step equals the tensors' own peak (the
+# profiler's, within 0.3%); the comparison is of activation memory, not of heap leftovers.
+CP_MALLOC_MMAP_THRESHOLD = 128 * 1024
 
 
 def _rss_and_hwm() -> tuple[int, int]:
@@ -157,7 +167,10 @@ def _spawn(
 ) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--one", f"{length},{vocab},{path},{cp}"]
     cmd += ["--backend", args.backend, "--repeats", str(args.repeats)]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    env = dict(os.environ)
+    if cp:  # see CP_MALLOC_MMAP_THRESHOLD
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(CP_MALLOC_MMAP_THRESHOLD))
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
         return {"error": f"exit code {done.returncode}: {tail[0]}"}
