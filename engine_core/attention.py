@@ -133,13 +133,15 @@ def _varlen_attention(
         at = (starts[:, None] + torch.arange(longest, device=cu.device)).clamp_(max=last).flatten()
         block = attend(*(_gather(x, at, len(starts)) for x in (query, key, value)))
         flat = block.transpose(0, 1).reshape(1, heads, -1, dim)
-        # in place: an out-of-place index_copy would copy the whole row's output per bucket
+        # in place: an out-of-place index_copy would copy the whole row's output per bucket;
+        # under autocast the kernel's output may be narrower than the row's (the out-of-place
+        # index_copy promoted it), so it is cast to the row's dtype
         if len(bucket) == 1:  # one length: every position is real
-            out.index_copy_(2, at, flat)
+            out.index_copy_(2, at, flat.to(out.dtype))
         else:
             real = (torch.arange(longest, device=cu.device) < lens[:, None]).flatten()
             keep = real.nonzero().squeeze(-1)
-            out.index_copy_(2, at[keep], flat.index_select(2, keep))
+            out.index_copy_(2, at[keep], flat.index_select(2, keep).to(out.dtype))
     return out.transpose(1, 2).contiguous(), None  # [1, T, H, D], as transformers expects
 
 
