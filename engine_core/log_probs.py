@@ -145,7 +145,13 @@ class HeadGrads:
         if self.hidden is not None:
             self.hidden[start : start + h.shape[0]] = gz_model @ self.weight
         if self.w is not None:
-            self.w += (gz_model.t() @ h).float()
+            # summed in place: in fp32 outside autocast, the product goes straight into the
+            # sum; otherwise the product in the layer's dtype is added to it (no fp32 copy of
+            # it): either way no [vocab, hidden] fp32 temporary per chunk
+            if h.dtype == gz_model.dtype == torch.float32 and not _autocast_dtype(h.device.type):
+                self.w.addmm_(gz_model.t(), h)
+            else:
+                self.w.add_(gz_model.t() @ h)
         if self.b is not None:
             self.b += gz_model.float().sum(0)
 
