@@ -6,10 +6,13 @@ parameter is copied to host memory (pinned when an accelerator is present) when 
 saves it, and copied back to its device when the backward reads it. Parameters stay where they
 are: they outlive the step anyway, and under FSDP the gathered weights are gathered again for the
 backward. Views of parameters (FSDP1's forward uses views of its flat parameter) and tensor
-subclasses (a tensor-parallel DTensor, say) stay as well. Tensors smaller than ``min_bytes`` stay too: their copies cost more than they free.
+subclasses (a tensor-parallel DTensor, say) stay as well. Tensors smaller than ``min_bytes``
+stay too: their copies cost more than they free.
 
 The engine option is ``activation_offload`` (capability ``activation_offload``): the default
-forward of :class:`~engine_core.engine.BaseEngine` runs the model inside this context. It trades
+forward of :class:`~engine_core.engine.BaseEngine` runs the model inside this context (one
+object per engine, entered at every forward; compiled blocks' saved tensors pass through it
+too, without recompiling). It trades
 two copies of every activation over the host link for device memory; the copies are synchronous
 (no overlap with compute). On a CPU device activations already live in host memory, so nothing
 moves; the copying path runs on accelerator devices only, and has not been executed on one.
@@ -41,7 +44,8 @@ class OffloadStats:
 
 class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     """Saved tensors on ``devices`` (device types; default: every type but ``cpu``) go to host
-    memory for the time between the forward and the backward. ``stats`` counts what moved."""
+    memory for the time between the forward and the backward. ``stats`` counts what moved in
+    every use of this object (it can be entered again and again, not nested in itself)."""
 
     def __init__(
         self, devices: tuple[str, ...] | None = None, min_bytes: int = MIN_OFFLOAD_BYTES

@@ -193,6 +193,8 @@ class BaseEngine(abc.ABC):
         self.config = config
         self.module: nn.Module | None = None
         self.__loss_fn: LossFn | None = None  # name-mangled: a subclass cannot shadow it
+        # activation offload's hooks: one object for the engine's life, entered at every forward
+        self.__offload = OffloadActivations() if config.activation_offload else None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Refuse a subclass that redefines one of ``BaseEngine``'s private helpers: the base
@@ -482,9 +484,7 @@ class BaseEngine(abc.ABC):
         ``activation_offload``, inside :class:`~engine_core.activation_offload.OffloadActivations`."""
         module = self.require_module()
         request = inputs.head
-        offload = (
-            OffloadActivations() if self.config.activation_offload else contextlib.nullcontext()
-        )
+        offload = self.__offload if self.__offload is not None else contextlib.nullcontext()
         with self.forward_context(), offload:
             if request is None:
                 return module(**inputs.kwargs)

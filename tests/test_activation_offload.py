@@ -110,3 +110,20 @@ def test_the_engine_runs_the_model_inside_the_offload_hooks(backend: str) -> Non
     # and training is unchanged (on CPU nothing moves)
     again = registered_engine(backend)
     assert train_steps(offloaded, range(2)) == train_steps(again, range(2))
+
+
+def test_compiled_blocks_save_through_the_hooks_without_recompiling() -> None:
+    """fsdp2 with ``compile``: the compiled blocks' saved tensors reach the engine's hooks too,
+    training is unchanged, and once shapes have gone dynamic, steps compile nothing new."""
+    from torch._dynamo.utils import counters
+
+    plain = registered_engine("fsdp2", compile=True)
+    offloaded = registered_engine("fsdp2", compile=True, activation_offload=True)
+    assert _saved_outside(offloaded) < _saved_outside(plain) // 10
+    again = registered_engine("fsdp2", compile=True)
+    # the first steps compile, then recompile with dynamic shapes (new lengths)
+    assert train_steps(offloaded, range(2)) == train_steps(again, range(2))
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0
+    assert train_steps(offloaded, range(2, 5)) == train_steps(again, range(2, 5))
+    assert counters["stats"]["unique_graphs"] == graphs
