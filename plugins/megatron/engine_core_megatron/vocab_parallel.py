@@ -98,15 +98,27 @@ def _chunk_logits(
     bias: torch.Tensor | None,
     temperature: float,
     padding: torch.Tensor | None,
+    out: torch.Tensor,
 ) -> torch.Tensor:
     """fp32 logits of one chunk on this rank's vocabulary slice (the layer's dtype for the
-    product, as the layer computes it), divided by the temperature, padded rows at -inf."""
-    z = torch.nn.functional.linear(hidden, weight, bias).float()
+    product, as the layer computes it), divided by the temperature, padded rows at -inf, written
+    into ``out`` (``[>= chunk, vocab / tp]`` fp32, reused from chunk to chunk: no allocation of
+    that size per chunk) and returned (``out``'s first rows)."""
+    z = out[: hidden.shape[0]]
+    if hidden.dtype == weight.dtype == torch.float32 and bias is None:
+        torch.mm(hidden, weight.t(), out=z)
+    else:
+        z.copy_(torch.nn.functional.linear(hidden, weight, bias))
     if temperature != 1.0:
         z.div_(temperature)  # z is this function's own tensor
     if padding is not None:
         z.masked_fill_(padding, float("-inf"))
     return z
+
+
+def _buffer(rows: int, weight: torch.Tensor) -> torch.Tensor:
+    """An fp32 ``[rows, vocab / tp]`` buffer for a chunk's logits or their exponentials."""
+    return torch.empty(rows, weight.shape[0], dtype=torch.float32, device=weight.device)
 
 
 def _gather_rows(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -156,13 +168,15 @@ class _VocabParallelChunked(torch.autograd.Function):
         lp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         ent = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         log_z = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        # two [chunk, vocab / tp] fp32 buffers for every chunk
+        z_buf, e_buf = (_buffer(min(chunk, n), weight) for _ in range(2))
         for s in range(0, n, chunk):
-            z = _chunk_logits(hidden[s : s + chunk], weight, bias, temperature, padding)
+            z = _chunk_logits(hidden[s : s + chunk], weight, bias, temperature, padding, z_buf)
             peak = z.max(dim=-1).values
             if tp > 1:
                 dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
             z.sub_(peak.unsqueeze(-1))
-            e = z.exp()
+            e = torch.exp(z, out=e_buf[: z.shape[0]])
             # the sums over the vocabulary, one all-reduce for all of them: sum exp(z), the
             # target's z (on the rank that holds it, 0 elsewhere) and sum exp(z) * z
             sums = [
@@ -172,7 +186,7 @@ class _VocabParallelChunked(torch.autograd.Function):
             if with_entropy:
                 if padding is not None:
                     z.masked_fill_(padding, 0.0)  # exp(-inf) * -inf would be nan; p = 0 there
-                sums.append((e * z).sum(-1))
+                sums.append(e.mul_(z).sum(-1))  # e's own sum is taken above
             total = torch.stack(sums, dim=-1)
             del z, e
             if tp > 1:
@@ -183,7 +197,7 @@ class _VocabParallelChunked(torch.autograd.Function):
             if with_entropy:
                 # H = -sum p (z - log Z) = log sum exp(z - max) - E_p[z - max]
                 ent[s : s + chunk] = log_sum - total[:, 2] / total[:, 0]
-        del hidden  # gathered rows: gathered again in the backward
+        del hidden, z_buf, e_buf  # gathered rows: gathered again in the backward
         ctx.save_for_backward(rows, weight, bias, targets, log_z, ent)
         ctx.vocab_size, ctx.temperature, ctx.group = vocab_size, temperature, group
         ctx.chunk, ctx.with_entropy, ctx.rows_split = chunk, with_entropy, rows_split and tp > 1
@@ -203,11 +217,12 @@ class _VocabParallelChunked(torch.autograd.Function):
             hidden = _gather_rows(hidden, ctx.group)
         grads = HeadGrads(hidden, weight, bias, ctx.needs_input_grad)
         g_ent = g_ent if ctx.with_entropy else None
+        z_buf, p_buf = (_buffer(min(ctx.chunk, hidden.shape[0]), weight) for _ in range(2))
         for s in range(0, hidden.shape[0], ctx.chunk):
             h = hidden[s : s + ctx.chunk]
-            logp = _chunk_logits(h, weight, bias, ctx.temperature, padding)
+            logp = _chunk_logits(h, weight, bias, ctx.temperature, padding, z_buf)
             logp.sub_(log_z[s : s + ctx.chunk, None])  # the global log-softmax on this slice
-            p = logp.exp()
+            p = torch.exp(logp, out=p_buf[: h.shape[0]])
             if padding is not None:
                 logp.masked_fill_(padding, 0.0)  # p = 0 there: no gradient, and no nan
             gz = logits_grad_(
