@@ -66,17 +66,38 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
     return torch.get_autocast_dtype(device_type) if enabled else None
 
 
+def _buffers(rows: int, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two fp32 ``[rows, vocab]`` buffers, reused from chunk to chunk (on a CPU, allocating
+    tensors of this size per chunk makes malloc map and fault them in again and again)."""
+    shape = (rows, weight.shape[0])
+    return (
+        torch.empty(shape, dtype=torch.float32, device=weight.device),
+        torch.empty(shape, dtype=torch.float32, device=weight.device),
+    )
+
+
 def _chunk_log_probs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     temperature: float,
+    buffers: tuple[torch.Tensor, torch.Tensor],
 ) -> torch.Tensor:
-    """fp32 log-softmax of one chunk's logits (computed in the layer's dtype, as the layer does)."""
-    z = F.linear(hidden, weight, bias).float()
+    """fp32 log-softmax of one chunk's logits (computed in the layer's dtype, as the layer does):
+    the logits go through ``buffers[0]`` and the result is the first rows of ``buffers[1]``."""
+    n = hidden.shape[0]
+    z = buffers[0][:n]
+    if (
+        hidden.dtype == weight.dtype == torch.float32
+        and bias is None
+        and _autocast_dtype(hidden.device.type) is None
+    ):
+        torch.mm(hidden, weight.t(), out=z)
+    else:
+        z.copy_(F.linear(hidden, weight, bias))  # in the layer's (or autocast's) dtype
     if temperature != 1.0:
-        z.div_(temperature)  # z is this function's own tensor
-    return torch.log_softmax(z, dim=-1)
+        z.div_(temperature)
+    return torch.log_softmax(z, dim=-1, out=buffers[1][:n])
 
 
 def logits_grad_(
@@ -180,14 +201,16 @@ class _ChunkedLogProbs(torch.autograd.Function):
         lp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         ent = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         logp = torch.empty(0)
+        buffers = _buffers(min(n, chunk), weight)
         for s in range(0, n, chunk):
-            logp = _chunk_log_probs(hidden[s : s + chunk], weight, bias, temperature)
+            logp = _chunk_log_probs(hidden[s : s + chunk], weight, bias, temperature, buffers)
             lp[s : s + chunk] = logp.gather(-1, targets[s : s + chunk, None]).squeeze(-1)
             if with_entropy:
-                ent[s : s + chunk] = -logp.exp().mul_(logp).sum(-1)
+                p = torch.exp(logp, out=buffers[0][: logp.shape[0]])
+                ent[s : s + chunk] = -p.mul_(logp).sum(-1)
         # one chunk holds every token: keeping it costs no more than recomputing it would
         kept = logp if n <= chunk else None
-        del logp
+        del logp, buffers
         ctx.save_for_backward(hidden, weight, bias, targets, kept)
         ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
         ctx.autocast = _autocast_dtype(hidden.device.type)
@@ -216,12 +239,16 @@ class _ChunkedLogProbs(torch.autograd.Function):
         temperature, chunk = ctx.temperature, ctx.chunk
         grads = HeadGrads(hidden, weight, bias, ctx.needs_input_grad)
         g_ent = g_ent if ctx.with_entropy else None
+        buffers = _buffers(min(hidden.shape[0], chunk), weight)
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s : s + chunk]
-            logp = kept if kept is not None else _chunk_log_probs(h, weight, bias, temperature)
+            if kept is not None:
+                logp = kept
+            else:
+                logp = _chunk_log_probs(h, weight, bias, temperature, buffers)
             gz = logits_grad_(
                 logp,
-                logp.exp(),
+                torch.exp(logp, out=buffers[0][: h.shape[0]]),
                 targets[s : s + chunk],
                 None if g_lp is None else g_lp[s : s + chunk],
                 None if g_ent is None else g_ent[s : s + chunk],
