@@ -14,17 +14,20 @@ creates the optimizer state); then, before each of ``--repeats`` updates, malloc
 goes back to the system (``malloc_trim``) and the resident-set high-water mark is reset
 (``/proc/self/clear_refs``). ``step_gib``: the largest rise of that mark above the resident
 memory just before an update (what the update itself adds: activations, logits, gradients);
-``peak_gib``: the mark itself then; ``step_s``: the median update time. ``logits_gib`` is the size of one fp32 ``[T, V]`` tensor. Ratios compare the two paths
-of one (T, V). Then context parallelism: the chunked path on one process (``cp1``) against two
-processes splitting each row (``cp2``, Ulysses attention; each process gets half the threads),
-for every T in ``--cp-lengths`` at V ``--cp-vocab``, on a wider model (``CP_MODEL``: hidden
-256, 4 layers) so that activations outweigh the rest, with glibc's mmap threshold fixed at 128
-KiB (``CP_MALLOC_MMAP_THRESHOLD``); a ``cp2`` figure is that of the rank whose update added the
-most memory. The per-rank activation memory is the slope of ``step_gib`` over
-T between the first and last of ``--cp-lengths`` (GiB per 1k tokens), for each; the fixed part
-of a step (FSDP's gathered weights and unsharded gradients at cp2, none of which grows with T)
-drops out of it. A configuration whose full path would need more memory than the host has
-available is reported as skipped. Linux only (``/proc``). Prints one JSON object.
+``peak_gib``: the mark itself then; ``step_s``: the median update time; ``log_prob_s``: the
+median time of ``Actor.compute_log_prob`` after them (forward only, no entropy: on megatron
+with full logits, megatron-core's fused cross-entropy). ``logits_gib`` is the size of one fp32
+``[T, V]`` tensor. Ratios compare the two paths of one (T, V). Then context parallelism: the
+chunked path on one process (``cp1``) against two processes splitting each row (``cp2``,
+Ulysses attention; each process gets half the threads), for every T in ``--cp-lengths`` at V
+``--cp-vocab``, on a wider model (``CP_MODEL``: hidden 256, 4 layers) so that activations
+outweigh the rest, with glibc's mmap threshold fixed at 128 KiB (``CP_MALLOC_MMAP_THRESHOLD``);
+a ``cp2`` figure is that of the rank whose update added the most memory. The per-rank
+activation memory is the slope of ``step_gib`` over T between the first and last of
+``--cp-lengths`` (GiB per 1k tokens), for each; the fixed part of a step (FSDP's gathered
+weights and unsharded gradients at cp2, none of which grows with T) drops out of it. A
+configuration whose full path would need more memory than the host has available is reported
+as skipped. Linux only (``/proc``). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -142,10 +145,16 @@ def _one(
         _, hwm = _rss_and_hwm()
         if hwm - rss > peak - before:
             peak, before = hwm, rss
+    log_prob_times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        actor.compute_log_prob(batch)
+        log_prob_times.append(time.perf_counter() - t0)
     return {
         "peak_gib": round(peak / 2**30, 3),
         "step_gib": round((peak - before) / 2**30, 3),
         "step_s": round(statistics.median(times), 3),
+        "log_prob_s": round(statistics.median(log_prob_times), 3),
     }
 
 
@@ -201,8 +210,9 @@ def main() -> None:
             logits = length * vocab * 4
             row: dict[str, Any] = {"T": length, "V": vocab, "logits_gib": round(logits / 2**30, 3)}
             for path in ("full", "chunked"):
-                # the full path holds about five [T, V] fp32 tensors at its peak
-                need = 5 * logits if path == "full" else logits // 8
+                # the full path's update adds about six [T, V] fp32 tensors at its peak
+                # (12.05 GiB for 2 GiB of logits at 4096 x 131072 on fsdp2)
+                need = 6 * logits if path == "full" else logits // 8
                 if need > psutil.virtual_memory().available:
                     row[path] = {"skipped": f"needs about {need / 2**30:.1f} GiB"}
                     continue
@@ -212,6 +222,9 @@ def main() -> None:
                 row["step_memory_ratio"] = round(full["step_gib"] / chunked["step_gib"], 2)
                 row["peak_ratio"] = round(full["peak_gib"] / chunked["peak_gib"], 2)
                 row["time_ratio_chunked_over_full"] = round(chunked["step_s"] / full["step_s"], 3)
+                row["log_prob_time_ratio_chunked_over_full"] = round(
+                    chunked["log_prob_s"] / full["log_prob_s"], 3
+                )
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     cp_rows = []
