@@ -12,10 +12,10 @@ stay too: their copies cost more than they free.
 The engine option is ``activation_offload`` (capability ``activation_offload``): the default
 forward of :class:`~engine_core.engine.BaseEngine` runs the model inside this context (one
 object per engine, entered at every forward; compiled blocks' saved tensors pass through it
-too, without recompiling). It trades
-two copies of every activation over the host link for device memory; the copies are synchronous
-(no overlap with compute). On a CPU device activations already live in host memory, so nothing
-moves; the copying path runs on accelerator devices only, and has not been executed on one.
+too, without recompiling). It trades two copies of every activation over the host link for
+device memory; the copies are synchronous (no overlap with compute). On a CPU device activations
+already live in host memory, so nothing moves; the copying path runs on accelerator devices
+only, and has not been executed on one.
 """
 
 from __future__ import annotations

@@ -481,7 +481,8 @@ class BaseEngine(abc.ABC):
     def forward_model(self, inputs: ModelInputs) -> Any:
         """Call the model; with ``inputs.head``, its output layer gives log-probs and entropy
         (:func:`~engine_core.log_probs.chunked_head`) instead of logits. With
-        ``activation_offload``, inside :class:`~engine_core.activation_offload.OffloadActivations`."""
+        ``activation_offload``, inside the engine's
+        :class:`~engine_core.activation_offload.OffloadActivations`."""
         module = self.require_module()
         request = inputs.head
         offload = self.__offload if self.__offload is not None else contextlib.nullcontext()

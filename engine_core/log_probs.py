@@ -169,7 +169,10 @@ class HeadGrads:
             # summed in place: in fp32 outside autocast, the product goes straight into the
             # sum; otherwise the product in the layer's dtype is added to it (no fp32 copy of
             # it): either way no [vocab, hidden] fp32 temporary per chunk
-            if h.dtype == gz_model.dtype == torch.float32 and not _autocast_dtype(h.device.type):
+            if (
+                h.dtype == gz_model.dtype == torch.float32
+                and _autocast_dtype(h.device.type) is None
+            ):
                 self.w.addmm_(gz_model.t(), h)
             else:
                 self.w.add_(gz_model.t() @ h)
