@@ -27,7 +27,13 @@ activation memory is the slope of ``step_gib`` over T between the first and last
 ``--cp-lengths`` (GiB per 1k tokens), for each; the fixed part of a step (FSDP's gathered
 weights and unsharded gradients at cp2, none of which grows with T) drops out of it. A
 configuration whose full path would need more memory than the host has available is reported
-as skipped. Linux only (``/proc``). Prints one JSON object.
+as skipped. On a CPU, Linux only (``/proc``). Prints one JSON object.
+
+On a CUDA host each configuration's process is one NCCL rank (a ``cp2`` run: two, one GPU
+each), so the engine runs on the GPU, and memory is ``torch.cuda.max_memory_allocated``: its
+peak is reset before each update, ``step_gib`` is its rise above the memory allocated just
+before, times are taken after ``torch.cuda.synchronize``, and the free memory that decides a
+skip is the first GPU's. This GPU path has never been executed.
 """
 
 from __future__ import annotations
@@ -132,23 +138,33 @@ def _one(
         batch_size=[1],
     )
     actor.update_actor(batch)  # warm-up: the optimizer state exists from here on
+    on_cuda = engine.device.type == "cuda"
     peak = before = 0
     times = []
     for _ in range(repeats):
-        trim_heap()  # what the last update freed goes back to the system, not to malloc's pool
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset the high-water mark to the current resident set
-        rss, _ = _rss_and_hwm()
+        if on_cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            now = torch.cuda.memory_allocated()
+        else:
+            trim_heap()  # what the last update freed goes back to the system, not to malloc
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset the high-water mark to the current resident set
+            now, _ = _rss_and_hwm()
         t0 = time.perf_counter()
         actor.update_actor(batch)
+        if on_cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-        _, hwm = _rss_and_hwm()
-        if hwm - rss > peak - before:
-            peak, before = hwm, rss
+        hwm = torch.cuda.max_memory_allocated() if on_cuda else _rss_and_hwm()[1]
+        if hwm - now > peak - before:
+            peak, before = hwm, now
     log_prob_times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         actor.compute_log_prob(batch)
+        if on_cuda:
+            torch.cuda.synchronize()
         log_prob_times.append(time.perf_counter() - t0)
     return {
         "peak_gib": round(peak / 2**30, 3),
@@ -162,13 +178,39 @@ def _rank(rank: int, world: int, *args: Any) -> dict[str, Any]:
     return _one(*args, cp=world, shape=CP_MODEL)
 
 
+def _gpu_rank(rank: int, world: int, *args: Any) -> dict[str, Any]:
+    return _one(*args)
+
+
+def _process_group() -> str:
+    """nccl on a CUDA host (the engines then run on the GPU, one per process), else gloo."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
 def _one_cp(backend: str, length: int, vocab: int, repeats: int, cp: int) -> dict[str, Any]:
     """The chunked path on ``cp`` processes splitting the row; the figures of the rank whose
     update added the most memory."""
     from engine_core.testing.distributed import run_distributed
 
-    ranks = run_distributed(_rank, cp, backend, length, vocab, "chunked", repeats, timeout=3000)
+    ranks = run_distributed(
+        _rank,
+        cp,
+        backend,
+        length,
+        vocab,
+        "chunked",
+        repeats,
+        timeout=3000,
+        pg_backend=_process_group(),
+    )
     return max(ranks, key=lambda r: r["step_gib"])
+
+
+def _available_bytes() -> int:
+    """Free memory where the update runs: the first GPU's on a CUDA host, else the host's."""
+    if torch.cuda.is_available():
+        return int(torch.cuda.mem_get_info(0)[0])
+    return int(psutil.virtual_memory().available)
 
 
 def _spawn(
@@ -200,6 +242,20 @@ def main() -> None:
         length, vocab, path, cp = args.one.split(",")
         if int(cp):
             out = _one_cp(args.backend, int(length), int(vocab), args.repeats, int(cp))
+        elif torch.cuda.is_available():  # one NCCL process, so that the engine runs on the GPU
+            from engine_core.testing.distributed import run_distributed
+
+            out = run_distributed(
+                _gpu_rank,
+                1,
+                args.backend,
+                int(length),
+                int(vocab),
+                path,
+                args.repeats,
+                timeout=3000,
+                pg_backend="nccl",
+            )[0]
         else:
             out = _one(args.backend, int(length), int(vocab), path, args.repeats)
         print(json.dumps(out))
@@ -213,7 +269,7 @@ def main() -> None:
                 # the full path's update adds about six [T, V] fp32 tensors at its peak
                 # (12.05 GiB for 2 GiB of logits at 4096 x 131072 on fsdp2)
                 need = 6 * logits if path == "full" else logits // 8
-                if need > psutil.virtual_memory().available:
+                if need > _available_bytes():
                     row[path] = {"skipped": f"needs about {need / 2**30:.1f} GiB"}
                     continue
                 row[path] = _spawn(args, length, vocab, path)
@@ -258,6 +314,12 @@ def main() -> None:
         json.dumps(
             {
                 "backend": args.backend,
+                "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+                "memory": (
+                    "torch.cuda.max_memory_allocated"
+                    if torch.cuda.is_available()
+                    else "resident-set high-water mark"
+                ),
                 "model": MODEL,
                 "cp_model": {**MODEL, **CP_MODEL},
                 "threads": os.cpu_count(),
