@@ -147,7 +147,7 @@ def _varlen_attention(
 
 def _gather(x: torch.Tensor, at: torch.Tensor, n: int) -> torch.Tensor:
     """Positions ``at`` of a packed ``[1, h, T, D]`` as ``[n, h, M, D]`` (``n * M`` of them)."""
-    return x.index_select(2, at).view(x.shape[1], n, -1, x.shape[3]).transpose(0, 1)
+    return _split(x.index_select(2, at), n)
 
 
 def _split(x: torch.Tensor, n: int) -> torch.Tensor:

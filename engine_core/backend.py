@@ -37,6 +37,8 @@ _EXPORTS: dict[str, str] = {
     "chunk_tokens_for": "engine_core.log_probs",
     "HeadGrads": "engine_core.log_probs",
     "logits_grad_": "engine_core.log_probs",
+    "chunk_logits_": "engine_core.log_probs",
+    "logits_buffer": "engine_core.log_probs",
     "Capability": "engine_core.capabilities",
     "StrEnum": "engine_core.capabilities",
     # configs
@@ -171,8 +173,10 @@ if TYPE_CHECKING:
     from engine_core.hookspecs import BackendRegistry, hookimpl
     from engine_core.log_probs import (
         HeadGrads,
+        chunk_logits_,
         chunk_tokens_for,
         chunked_token_log_probs,
+        logits_buffer,
         logits_grad_,
         token_log_probs,
     )

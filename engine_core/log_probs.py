@@ -30,10 +30,12 @@ import torch.nn.functional as F
 __all__ = [
     "DEFAULT_CHUNK_ELEMENTS",
     "HeadGrads",
+    "chunk_logits_",
     "chunk_tokens_for",
     "chunked_head",
     "chunked_token_log_probs",
     "head_of",
+    "logits_buffer",
     "logits_grad_",
     "token_log_probs",
 ]
@@ -66,14 +68,40 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
     return torch.get_autocast_dtype(device_type) if enabled else None
 
 
+def logits_buffer(rows: int, weight: torch.Tensor) -> torch.Tensor:
+    """An fp32 ``[rows, vocab]`` buffer (``vocab``: ``weight``'s rows) for a chunk's logits or a
+    tensor of their shape, made once per call of a chunked head and reused from chunk to chunk:
+    on a CPU, allocating tensors of this size per chunk makes malloc map and fault them in
+    again and again."""
+    return torch.empty(rows, weight.shape[0], dtype=torch.float32, device=weight.device)
+
+
+def chunk_logits_(
+    out: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    temperature: float,
+) -> torch.Tensor:
+    """The fp32 logits of one chunk, ``(hidden @ weight.T + bias) / temperature``, written into
+    the first rows of ``out`` (a :func:`logits_buffer`) and returned. The product is computed
+    as the layer computes it: in its (or autocast's) dtype, then widened to fp32."""
+    z = out[: hidden.shape[0]]
+    if (
+        hidden.dtype == weight.dtype == torch.float32
+        and bias is None
+        and _autocast_dtype(hidden.device.type) is None
+    ):
+        torch.mm(hidden, weight.t(), out=z)
+    else:
+        z.copy_(F.linear(hidden, weight, bias))
+    if temperature != 1.0:
+        z.div_(temperature)
+    return z
+
+
 def _buffers(rows: int, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two fp32 ``[rows, vocab]`` buffers, reused from chunk to chunk (on a CPU, allocating
-    tensors of this size per chunk makes malloc map and fault them in again and again)."""
-    shape = (rows, weight.shape[0])
-    return (
-        torch.empty(shape, dtype=torch.float32, device=weight.device),
-        torch.empty(shape, dtype=torch.float32, device=weight.device),
-    )
+    return logits_buffer(rows, weight), logits_buffer(rows, weight)
 
 
 def _chunk_log_probs(
@@ -83,21 +111,10 @@ def _chunk_log_probs(
     temperature: float,
     buffers: tuple[torch.Tensor, torch.Tensor],
 ) -> torch.Tensor:
-    """fp32 log-softmax of one chunk's logits (computed in the layer's dtype, as the layer does):
-    the logits go through ``buffers[0]`` and the result is the first rows of ``buffers[1]``."""
-    n = hidden.shape[0]
-    z = buffers[0][:n]
-    if (
-        hidden.dtype == weight.dtype == torch.float32
-        and bias is None
-        and _autocast_dtype(hidden.device.type) is None
-    ):
-        torch.mm(hidden, weight.t(), out=z)
-    else:
-        z.copy_(F.linear(hidden, weight, bias))  # in the layer's (or autocast's) dtype
-    if temperature != 1.0:
-        z.div_(temperature)
-    return torch.log_softmax(z, dim=-1, out=buffers[1][:n])
+    """fp32 log-softmax of one chunk's logits: the logits go through ``buffers[0]``
+    (:func:`chunk_logits_`) and the result is the first rows of ``buffers[1]``."""
+    z = chunk_logits_(buffers[0], hidden, weight, bias, temperature)
+    return torch.log_softmax(z, dim=-1, out=buffers[1][: z.shape[0]])
 
 
 def logits_grad_(

@@ -63,7 +63,8 @@ BACKEND_SURFACE = {
     # the engine contract, configs and registration
     "BaseEngine", "CHECKPOINT_STATE_FILE", "EngineOutput", "MicroBatchResults", "ModelInputs",
     "loss_mask_of", "predicted_mask", "token_log_probs", "chunked_token_log_probs", "CP_GROUP_ATTR",
-    "HeadRequest", "chunk_tokens_for", "HeadGrads", "logits_grad_",
+    "HeadRequest", "chunk_tokens_for", "HeadGrads", "logits_grad_", "chunk_logits_",
+    "logits_buffer",
     "Capability", "StrEnum",
     "EngineConfig", "FrozenModel", "LoraConfig", "ModelConfig", "OptimConfig",
     "BackendRegistry", "hookimpl",

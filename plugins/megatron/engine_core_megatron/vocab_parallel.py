@@ -25,7 +25,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine_core.backend import HeadGrads, chunk_tokens_for, logits_grad_
+from engine_core.backend import (
+    HeadGrads,
+    chunk_logits_,
+    chunk_tokens_for,
+    logits_buffer,
+    logits_grad_,
+)
 
 __all__ = ["chunked_output_layer", "vocab_parallel_chunked_log_probs", "vocab_parallel_log_probs"]
 
@@ -100,25 +106,12 @@ def _chunk_logits(
     padding: torch.Tensor | None,
     out: torch.Tensor,
 ) -> torch.Tensor:
-    """fp32 logits of one chunk on this rank's vocabulary slice (the layer's dtype for the
-    product, as the layer computes it), divided by the temperature, padded rows at -inf, written
-    into ``out`` (``[>= chunk, vocab / tp]`` fp32, reused from chunk to chunk: no allocation of
-    that size per chunk) and returned (``out``'s first rows)."""
-    z = out[: hidden.shape[0]]
-    if hidden.dtype == weight.dtype == torch.float32 and bias is None:
-        torch.mm(hidden, weight.t(), out=z)
-    else:
-        z.copy_(torch.nn.functional.linear(hidden, weight, bias))
-    if temperature != 1.0:
-        z.div_(temperature)  # z is this function's own tensor
+    """fp32 logits of one chunk on this rank's vocabulary slice (:func:`chunk_logits_` into
+    ``out``, a :func:`logits_buffer` reused from chunk to chunk), padded rows at -inf."""
+    z = chunk_logits_(out, hidden, weight, bias, temperature)
     if padding is not None:
         z.masked_fill_(padding, float("-inf"))
     return z
-
-
-def _buffer(rows: int, weight: torch.Tensor) -> torch.Tensor:
-    """An fp32 ``[rows, vocab / tp]`` buffer for a chunk's logits or their exponentials."""
-    return torch.empty(rows, weight.shape[0], dtype=torch.float32, device=weight.device)
 
 
 def _gather_rows(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -169,7 +162,7 @@ class _VocabParallelChunked(torch.autograd.Function):
         ent = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         log_z = torch.empty(n, dtype=torch.float32, device=hidden.device)
         # two [chunk, vocab / tp] fp32 buffers for every chunk
-        z_buf, e_buf = (_buffer(min(chunk, n), weight) for _ in range(2))
+        z_buf, e_buf = (logits_buffer(min(chunk, n), weight) for _ in range(2))
         for s in range(0, n, chunk):
             z = _chunk_logits(hidden[s : s + chunk], weight, bias, temperature, padding, z_buf)
             peak = z.max(dim=-1).values
@@ -217,7 +210,7 @@ class _VocabParallelChunked(torch.autograd.Function):
             hidden = _gather_rows(hidden, ctx.group)
         grads = HeadGrads(hidden, weight, bias, ctx.needs_input_grad)
         g_ent = g_ent if ctx.with_entropy else None
-        z_buf, p_buf = (_buffer(min(ctx.chunk, hidden.shape[0]), weight) for _ in range(2))
+        z_buf, p_buf = (logits_buffer(min(ctx.chunk, hidden.shape[0]), weight) for _ in range(2))
         for s in range(0, hidden.shape[0], ctx.chunk):
             h = hidden[s : s + ctx.chunk]
             logp = _chunk_logits(h, weight, bias, ctx.temperature, padding, z_buf)
