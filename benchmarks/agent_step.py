@@ -23,7 +23,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine_core_roles.agents import _STEP_THREADS, Environment, StepResult  # noqa: E402
+from engine_core_roles.episodes.protocol import Environment, StepResult
+from engine_core_roles.episodes.threads import _STEP_THREADS
 
 
 class Slow(Environment):
@@ -57,9 +58,10 @@ def main() -> None:
     from engine_core.config import ModelConfig
     from engine_core.resolve import resolve_rollout_config
     from engine_core_roles import prompt_batch
-    from engine_core_roles.agents import EPISODE, ROW, EpisodeRollout
-    from engine_core_roles.cli import RECIPES, load_recipe
-    from engine_core_roles.text import load_tokenizer
+    from engine_core_roles.batch.keys import EPISODE, ROW
+    from engine_core_roles.data.tokenizer import load_tokenizer
+    from engine_core_roles.episodes.rollout import EpisodeRollout
+    from engine_core_roles.jobs.cli import RECIPES, load_recipe
 
     Slow.delay = args.tool_ms / 1000
     model = load_recipe(RECIPES / "agent_tiny.yaml")["engine"]["model"]

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine_core_roles.cli import RECIPES
+from engine_core_roles.jobs.cli import RECIPES
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -47,7 +47,7 @@ def _run(mode: str, steps: int, backend: str, out: Path) -> list[dict[str, Any]]
 
     from engine_core.configio import apply_overrides, load_yaml
     from engine_core.plugins import load_plugins
-    from engine_core_roles.rl_job import run_rl_job
+    from engine_core_roles.jobs.rl.run import run_rl_job
 
     threads, extra = MODES[mode]
     torch.set_num_threads(threads)  # the rollout's process takes the same number

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from engine_core_roles.cli import DEFAULT_RL_RECIPE, RECIPES, load_recipe
+from engine_core_roles.jobs.cli import DEFAULT_RL_RECIPE, RECIPES, load_recipe
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _minimal import minimal_grpo  # noqa: E402  (benchmarks/ is on sys.path as a script)
@@ -69,10 +69,11 @@ def _engine_core(
     from rich.console import Console
 
     from engine_core.plugins import load_plugins
-    from engine_core_roles.actor import Actor
-    from engine_core_roles.rl_job import run_rl_job
-    from engine_core_roles.text import PromptData, TextReward
-    from engine_core_roles.trainer import RLTrainer
+    from engine_core_roles.data.prompts import PromptData
+    from engine_core_roles.data.text_reward import TextReward
+    from engine_core_roles.jobs.rl.run import run_rl_job
+    from engine_core_roles.roles.actor import Actor
+    from engine_core_roles.trainer.loop import RLTrainer
 
     times: dict[str, list[float]] = collections.defaultdict(list)
     restore = [

@@ -25,7 +25,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _minimal import minimal_grpo  # noqa: E402  (benchmarks/ is on sys.path as a script)
 
-from engine_core_roles.cli import DEFAULT_RL_RECIPE, RECIPES, load_recipe  # noqa: E402
+from engine_core_roles.jobs.cli import DEFAULT_RL_RECIPE, RECIPES, load_recipe
 
 
 def _seeded(raw: dict[str, Any], seed: int) -> list[str]:
@@ -38,7 +38,7 @@ def _job(raw: dict[str, Any]) -> tuple[list[float], float | None]:
 
     from engine_core.configio import apply_overrides
     from engine_core.plugins import load_plugins
-    from engine_core_roles.rl_job import run_rl_job
+    from engine_core_roles.jobs.rl.run import run_rl_job
 
     with tempfile.TemporaryDirectory() as tmp:
         raw = apply_overrides(raw, [f"output_dir={tmp}/run", f"save_every={raw['steps']}"])

@@ -72,7 +72,7 @@ def main() -> None:
     from engine_core.models import build_model
     from engine_core.rollout import RESPONSE_MASK, SamplingParams
     from engine_core_roles import Actor, ActorConfig, WeightLink
-    from engine_core_roles.workers import build_engine
+    from engine_core_roles.distributed.workers import build_engine
 
     torch.manual_seed(0)
     model = build_model(ModelConfig(config=dict(MODEL)))

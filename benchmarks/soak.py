@@ -5,9 +5,9 @@ Python objects).
 The experiment is the shipped tiny GRPO recipe (``roles/engine_core_roles/recipes/grpo_tiny.yaml``:
 "reverse three digits", Qwen2 hidden 64, ``fsdp2``, ``hf`` rollout) run by
 :class:`engine_core_roles.RLTrainer`, with one change of placement: the actor is an
-:class:`engine_core_roles.placement.ActorGroup` of two ``torch.multiprocessing`` processes
+:class:`engine_core_roles.distributed.placement.ActorGroup` of two ``torch.multiprocessing`` processes
 (``LocalWorkerGroup``, gloo, dp=2) running :class:`SoakActorWorker` (the job's
-:class:`engine_core_roles.workers.ActorWorker` plus what the soak reads from its process), and the rollout
+:class:`engine_core_roles.distributed.workers.ActorWorker` plus what the soak reads from its process), and the rollout
 runs in this process. The weights take the job's one path, :class:`engine_core_roles.WeightLink`: after
 every update the group's writing rank streams them here bucket by bucket, and the rollout loads
 and verifies each.
@@ -87,10 +87,10 @@ from engine_core import (  # noqa: E402  (the repository root is on sys.path)
 )
 from engine_core.executors import LocalWorkerGroup  # noqa: E402
 from engine_core_roles import RLTrainer, WeightLink  # noqa: E402
-from engine_core_roles.placement import ActorGroup  # noqa: E402
-from engine_core_roles.rl_job import RLJobConfig  # noqa: E402
-from engine_core_roles.tasks import PAD, DigitTask  # noqa: E402
-from engine_core_roles.workers import ActorWorker  # noqa: E402
+from engine_core_roles.data.tasks import PAD, DigitTask
+from engine_core_roles.distributed.placement import ActorGroup
+from engine_core_roles.distributed.workers import ActorWorker
+from engine_core_roles.jobs.rl.config import RLJobConfig
 
 HOST = "127.0.0.1"
 PHASES = ("generate", "compute_log_prob", "update_actor", "weight_sync")
@@ -160,9 +160,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     raw = load_yaml(str(files("engine_core_roles") / "recipes" / "grpo_tiny.yaml"))
-    job = RLJobConfig.model_validate(
-        apply_overrides(raw, [*args.overrides, f"steps={args.steps}"])
-    )
+    job = RLJobConfig.model_validate(apply_overrides(raw, [*args.overrides, f"steps={args.steps}"]))
     task = DigitTask(job.task)
     rspec, rollout_cfg = resolve_rollout_config(
         {"model": job.engine["model"], **job.rollout}, load_plugins()

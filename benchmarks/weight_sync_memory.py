@@ -74,8 +74,8 @@ def main() -> None:
     from engine_core_hf.rollout import HFRollout, HFRolloutConfig
 
     from engine_core_roles import ActorConfig, WeightLink
-    from engine_core_roles.placement import ActorGroup, PlacementConfig, start_group
-    from engine_core_roles.workers import ActorWorker
+    from engine_core_roles.distributed.placement import ActorGroup, PlacementConfig, start_group
+    from engine_core_roles.distributed.workers import ActorWorker
 
     engine = {"backend": "fsdp2", "model": {"config": dict(MODEL)}, "seed": 1}
     group = start_group(PlacementConfig(executor="local"), ActorWorker, 2, (engine, {}))

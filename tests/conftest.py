@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from engine_core.settings import ENV_EXTRA_PLUGINS
-from engine_core_roles.cli import RECIPES
+from engine_core_roles.jobs.cli import RECIPES
 
 EXAMPLE_ENGINE = Path(__file__).parent / "fixtures" / "example_engine"
 EXAMPLE_PLUGIN = ("example", "engine_core_example.plugin")

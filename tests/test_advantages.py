@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_core_roles.advantages import (
+from engine_core_roles.algorithms.advantages import (
     AdaptiveKLController,
     FixedKLController,
     gae_advantages,

@@ -28,24 +28,17 @@ from engine_core.rollout import (
     ROLLOUT_LOG_PROBS,
 )
 from engine_core_roles import Actor, ActorConfig, training_batch
-from engine_core_roles.agents import (
-    EPISODE,
-    ROW,
-    EnvConfig,
-    Environment,
-    EpisodeRollout,
-    StepResult,
-    ToolEnvironment,
-    _Template,
-    check_tool_schema,
-    demo_batch,
-    episode_metrics,
-    hermes_tool_calls,
-    load_environment,
-)
-from engine_core_roles.cli import RECIPES, load_recipe
-from engine_core_roles.text import load_tokenizer
-from engine_core_roles.tiny_agent import demonstration, lookup, value_of, write_files
+from engine_core_roles.batch.keys import EPISODE, ROW
+from engine_core_roles.data.tiny_agent import demonstration, lookup, value_of, write_files
+from engine_core_roles.data.tokenizer import load_tokenizer
+from engine_core_roles.episodes.config import EnvConfig, load_environment
+from engine_core_roles.episodes.demos import demo_batch
+from engine_core_roles.episodes.metrics import episode_metrics
+from engine_core_roles.episodes.protocol import Environment, StepResult
+from engine_core_roles.episodes.rollout import EpisodeRollout
+from engine_core_roles.episodes.template import _Template
+from engine_core_roles.episodes.tools import ToolEnvironment, check_tool_schema, hermes_tool_calls
+from engine_core_roles.jobs.cli import RECIPES, load_recipe
 from tests.test_trainer import build_engine
 
 RECIPE = RECIPES / "agent_tiny.yaml"
@@ -202,7 +195,7 @@ def test_tools_that_misbehave_become_error_observations(processes: int) -> None:
         (died,), counts, _ = answer(_call("_exits", key="x"))
         assert died == "error: tool '_exits' ended its process (exit code 3)"
         assert counts == {"tool_calls": 1, "tool_errors": 1}
-        from engine_core_roles.tool_processes import TOOL_PROCESSES
+        from engine_core_roles.episodes.tool_processes import TOOL_PROCESSES
 
         deadline = time.monotonic() + 120  # replacements start in the background
         while TOOL_PROCESSES._idle.qsize() < processes and time.monotonic() < deadline:
@@ -379,7 +372,7 @@ def test_the_gradient_on_environment_tokens_is_exactly_zero(tokenizer: Any) -> N
     from engine_core.config import ModelConfig
     from engine_core.loss import GlobalBatchContext
     from engine_core.models import build_hf_config
-    from engine_core_roles.losses import policy_loss
+    from engine_core_roles.algorithms.losses import policy_loss
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(build_hf_config(ModelConfig.model_validate(MODEL)))
@@ -473,7 +466,7 @@ def test_environment_config_errors() -> None:
 
 
 def test_recipe_loads() -> None:
-    assert load_yaml(RECIPE)["env"]["tools"] == ["engine_core_roles.tiny_agent:lookup"]
+    assert load_yaml(RECIPE)["env"]["tools"] == ["engine_core_roles.data.tiny_agent:lookup"]
 
 
 # -- the job -------------------------------------------------------------------------------------
@@ -498,7 +491,7 @@ def _job(out: Path, *overrides: str) -> dict[str, Any]:
 
 
 def _rows(out: Path) -> list[dict[str, Any]]:
-    from engine_core_roles.trainer import TIMING_KEYS
+    from engine_core_roles.trainer.metrics import TIMING_KEYS
 
     volatile = set(TIMING_KEYS)
     return [
@@ -508,7 +501,7 @@ def _rows(out: Path) -> list[dict[str, Any]]:
 
 
 def test_the_agent_recipe_trains_logs_episodes_and_resumes_exactly(tmp_path: Path) -> None:
-    from engine_core_roles.rl_job import run_rl_job
+    from engine_core_roles.jobs.rl.run import run_rl_job
 
     straight = tmp_path / "straight"
     run_rl_job(_job(straight), load_plugins())
@@ -552,7 +545,7 @@ def test_episodes_under_dp2_with_replicas_and_async_equal_the_colocated_run(
     the actor in this process (the same episodes; the update equal up to float rounding); and
     step 1, which both generate from the initial weights, is the colocated synchronous run's
     step 1 (an episode's turns draw from its own seed, not its replica's or its batch's)."""
-    from engine_core_roles.rl_job import run_rl_job
+    from engine_core_roles.jobs.rl.run import run_rl_job
 
     modes = [
         "steps=2",
@@ -594,7 +587,7 @@ def test_episodes_under_dp2_with_replicas_and_async_equal_the_colocated_run(
     ids=["ppo", "vllm"],
 )
 def test_episodes_with_ppo_and_vllm(tmp_path: Path, overrides: list[str]) -> None:
-    from engine_core_roles.rl_job import run_rl_job
+    from engine_core_roles.jobs.rl.run import run_rl_job
 
     if "rollout.backend=vllm" in overrides:
         pytest.importorskip("vllm", reason="make setup installs the vllm plugin")
@@ -624,7 +617,7 @@ def test_episodes_with_ppo_and_vllm(tmp_path: Path, overrides: list[str]) -> Non
 def test_bad_agent_input_is_refused_before_anything_trains(
     tmp_path: Path, overrides: list[str], message: str
 ) -> None:
-    from engine_core_roles.rl_job import run_rl_job
+    from engine_core_roles.jobs.rl.run import run_rl_job
 
     out = tmp_path / "run"
     with pytest.raises((ConfigError, ValueError)) as e:

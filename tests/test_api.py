@@ -44,7 +44,7 @@ def test_roles_import_no_plugin() -> None:
     } - {"engine_core"}
     assert plugins, "no plugin installed: this test would check nothing"
     imported: dict[str, set[str]] = {}
-    for path in (Path(__file__).parents[1] / "roles" / "engine_core_roles").glob("*.py"):
+    for path in (Path(__file__).parents[1] / "roles" / "engine_core_roles").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]

@@ -21,8 +21,8 @@ from engine_core.checkpoint import MANIFEST_FILE, is_dir, list_checkpoints, veri
 from engine_core.errors import CheckpointError
 from engine_core.reference_engine import ReferenceEngine, ReferenceEngineConfig
 from engine_core.testing.models import engine_config, nll_loss, train_steps
-from engine_core_roles.cli import RECIPES
-from engine_core_roles.trainer import TIMING_KEYS
+from engine_core_roles.jobs.cli import RECIPES
+from engine_core_roles.trainer.metrics import TIMING_KEYS
 from tests._dist import run_distributed
 
 
@@ -149,7 +149,7 @@ def _run(out: Path, steps: int, *extra: str, resume: bool = False) -> tuple[dict
 
     from engine_core.configio import apply_overrides, load_yaml
     from engine_core.plugins import load_plugins
-    from engine_core_roles.rl_job import run_rl_job
+    from engine_core_roles.jobs.rl.run import run_rl_job
 
     recipe = RECIPES / "grpo_tiny.yaml"
     overrides = [
@@ -212,7 +212,7 @@ def test_resume_skips_a_damaged_checkpoint_and_says_so(tmp_path: Path, algorithm
 def test_no_command_overwrites_a_run_or_writes_where_it_cannot(tmp_path: Path) -> None:
     from engine_core.configio import apply_overrides, load_yaml
     from engine_core.plugins import load_plugins
-    from engine_core_roles.train import run_sft
+    from engine_core_roles.jobs.sft import run_sft
 
     recipe = RECIPES / "sft_tiny.yaml"
     out = tmp_path / "sft"

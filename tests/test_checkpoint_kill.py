@@ -22,15 +22,15 @@ from typing import Any
 
 import pytest
 
-from engine_core_roles.cli import RECIPES
+from engine_core_roles.jobs.cli import RECIPES
 from tests._forkserver import ForkServer
 
 RECIPE = RECIPES / "grpo_tiny.yaml"
 
 SETUP = r"""
 import json, os, signal, sys
-from engine_core_roles.cli import main  # imported once, before any fork
-import engine_core_roles.rl_job  # noqa: F401
+from engine_core_roles.jobs.cli import main  # imported once, before any fork
+import engine_core_roles.jobs.rl.run  # noqa: F401
 
 WATCH = {"open", "os.rename", "os.replace", "os.remove", "os.unlink", "os.rmdir", "os.mkdir",
          "shutil.rmtree", "shutil.move"}
@@ -106,7 +106,7 @@ def _overrides(out: Path, algorithm: str, keep: int) -> list[str]:
 
 
 def _rows(out: Path) -> list[dict[str, Any]]:
-    from engine_core_roles.trainer import TIMING_KEYS
+    from engine_core_roles.trainer.metrics import TIMING_KEYS
 
     drop = TIMING_KEYS
     lines = (out / "metrics.jsonl").read_text().splitlines()
@@ -117,7 +117,7 @@ def _rows(out: Path) -> list[dict[str, Any]]:
 def test_a_kill_anywhere_in_a_save_leaves_a_run_that_resumes_exactly(
     runs: _Runs, tmp_path: Path, algorithm: str, keep: int
 ) -> None:
-    from engine_core_roles.cli import main
+    from engine_core_roles.jobs.cli import main
 
     straight, record = tmp_path / "straight", tmp_path / "calls.json"
     assert runs.run(straight, _overrides(straight, algorithm, keep), record=str(record)) == 0

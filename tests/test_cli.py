@@ -12,7 +12,7 @@ import pytest
 
 from engine_core.cli import COMMANDS, Command, build_parser
 from engine_core.settings import Settings
-from engine_core_roles.cli import main
+from engine_core_roles.jobs.cli import main
 from tests.fixtures.plugins._install import install_test_plugins, run_python
 
 SCRIPT = Path(sys.executable).parent / "engine-core"
@@ -205,7 +205,7 @@ def test_a_run_that_fails_after_it_started_is_one_line_and_a_logged_traceback(
 
 
 def test_the_core_command_line_knows_no_command_above_it() -> None:
-    """``run`` and ``train`` are the jobs' (engine_core_roles.cli), added on top of the core's table; the
+    """``run`` and ``train`` are the jobs' (engine_core_roles.jobs.cli), added on top of the core's table; the
     core's modules import nothing from the roles."""
     import ast
 

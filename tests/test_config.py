@@ -17,7 +17,7 @@ from engine_core.hookspecs import BackendRegistry, hookimpl
 from engine_core.plugins import PluginManager, load_plugins
 from engine_core.resolve import resolve_engine_config, resolve_rollout_config
 from engine_core.settings import Settings
-from engine_core_roles.cli import RECIPES
+from engine_core_roles.jobs.cli import RECIPES
 
 RECIPE = RECIPES / "sft_tiny.yaml"
 

@@ -216,8 +216,8 @@ def shell_commands() -> list[str]:
 # Each command runs in a child forked from one server (tests/_forkserver.py) that has imported
 # what the commands import: a run costs the command, not an interpreter start and its imports.
 COMMAND_SERVER = """
-from engine_core_roles.cli import main
-import engine_core.parity, engine_core_roles.train, engine_core_roles.rl_job  # noqa: F401
+from engine_core_roles.jobs.cli import main
+import engine_core.parity, engine_core_roles.jobs.sft, engine_core_roles.jobs.rl  # noqa: F401
 
 def run(request):
     return main(request["args"])

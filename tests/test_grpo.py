@@ -9,9 +9,9 @@ import pytest
 
 from engine_core.configio import apply_overrides, load_yaml
 from engine_core.plugins import load_plugins
-from engine_core_roles.cli import RECIPES
-from engine_core_roles.rl_job import run_rl_job
-from engine_core_roles.trainer import TIMING_KEYS
+from engine_core_roles.jobs.cli import RECIPES
+from engine_core_roles.jobs.rl.run import run_rl_job
+from engine_core_roles.trainer.metrics import TIMING_KEYS
 
 RECIPE = RECIPES / "grpo_tiny.yaml"
 
@@ -225,7 +225,7 @@ def test_asynchronous_training_resumes_exactly_and_never_trains_on_stale_samples
 def test_asynchronous_jobs_correct_with_tis_unless_told_otherwise(
     overrides: list[str], want: str
 ) -> None:
-    from engine_core_roles.rl_job import RLJobConfig
+    from engine_core_roles.jobs.rl.config import RLJobConfig
 
     job = RLJobConfig.model_validate(apply_overrides(load_yaml(RECIPE), overrides))
     assert job.actor_config().mismatch_correction == want

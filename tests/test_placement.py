@@ -15,9 +15,10 @@ import pytest
 from engine_core.configio import apply_overrides, load_yaml
 from engine_core.errors import ConfigError, RunFailed
 from engine_core.plugins import load_plugins
-from engine_core_roles.cli import RECIPES
-from engine_core_roles.rl_job import RLJobConfig, run_rl_job
-from engine_core_roles.trainer import TIMING_KEYS
+from engine_core_roles.jobs.cli import RECIPES
+from engine_core_roles.jobs.rl.config import RLJobConfig
+from engine_core_roles.jobs.rl.run import run_rl_job
+from engine_core_roles.trainer.metrics import TIMING_KEYS
 
 RECIPE = RECIPES / "grpo_tiny.yaml"
 # two supervised warm-up steps first: on a worker group each DP rank takes its share of them
@@ -101,7 +102,7 @@ def test_two_rollout_replicas_follow_the_trainer_every_step(
 ) -> None:
     """The actor at dp=2 streams its weights from its writing rank straight to two replica
     processes (every sync: the driver only waits); each replica follows it every step."""
-    from engine_core_roles.weights import WeightLink
+    from engine_core_roles.distributed.weights import WeightLink
 
     synced: list[tuple[str, float]] = []
     sync = WeightLink.sync
@@ -130,7 +131,7 @@ def test_a_replica_given_corrupted_weights_stops_the_job_naming_it(
 ) -> None:
     """Replica 1 corrupts what it loads (tests/_workers.py): the job's first sync fails naming
     that replica and no other, and the job stops before training on anything."""
-    import engine_core_roles.rl_job
+    import engine_core_roles.jobs.rl.build
     from engine_core.errors import WeightSyncError
     from engine_core.remote_rollout import ProcessRollout
     from tests._workers import CORRUPTED, CorruptingRolloutWorker
@@ -139,7 +140,7 @@ def test_a_replica_given_corrupted_weights_stops_the_job_naming_it(
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, worker_cls=CorruptingRolloutWorker, **kwargs)
 
-    monkeypatch.setattr(engine_core_roles.rl_job, "ProcessRollout", Corrupting)
+    monkeypatch.setattr(engine_core_roles.jobs.rl.build, "ProcessRollout", Corrupting)
     with pytest.raises(RunFailed) as failed:
         _run(tmp_path, "steps=2", "rollout_placement=process", "rollout_replicas=2")
     # one line: what failed, where its traceback went, what is safe; the failure is the cause

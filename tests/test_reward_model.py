@@ -17,9 +17,10 @@ from engine_core.configio import apply_overrides, load_yaml
 from engine_core.errors import ConfigError
 from engine_core.plugins import load_plugins
 from engine_core.reference_engine import ReferenceEngine, ReferenceEngineConfig
-from engine_core_roles.cli import RECIPES
-from engine_core_roles.reward_model import RM_SCORES, TOKEN_LEVEL_SCORES, RewardModel
-from engine_core_roles.rl_job import run_rl_job
+from engine_core_roles.batch.keys import RM_SCORES, TOKEN_LEVEL_SCORES
+from engine_core_roles.jobs.cli import RECIPES
+from engine_core_roles.jobs.rl.run import run_rl_job
+from engine_core_roles.roles.reward_model import RewardModel
 from tests._models import TINY_QWEN2, engine_config, random_batch, save_reward_model
 
 
@@ -96,16 +97,16 @@ def test_job_reward_is_the_task_score_plus_the_weighted_model_score(
     """Each step's samples (recorded as the trainer builds its batch) scored by transformers'
     sequence-classification model: their mean is the logged ``reward/model``, and ``reward``
     is ``reward/fn + weight * reward/model``."""
-    import engine_core_roles.trainer
+    import engine_core_roles.trainer.scoring
 
     batches: list[TensorDict] = []
-    original = engine_core_roles.trainer.training_batch
+    original = engine_core_roles.batch.build.training_batch
 
     def recording(gen: TensorDict, params: SamplingParams) -> TensorDict:
         batches.append(original(gen, params))
         return batches[-1]
 
-    monkeypatch.setattr(engine_core_roles.trainer, "training_batch", recording)
+    monkeypatch.setattr(engine_core_roles.trainer.scoring, "training_batch", recording)
     _job(tmp_path, recipe_reward_model, "steps=2", "trainer.reward_model_weight=0.5")
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     model = AutoModelForSequenceClassification.from_pretrained(recipe_reward_model).eval()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine_core import GlobalBatchContext
-from engine_core_roles.losses import (
+from engine_core_roles.algorithms.losses import (
     entropy_loss,
     kl_penalty,
     mis_weights,

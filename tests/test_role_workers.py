@@ -11,10 +11,9 @@ import pytest
 import torch
 
 from engine_core.executors import LocalWorkerGroup
-from engine_core_roles.actor import OLD_LOG_PROBS, REF_LOG_PROBS
-from engine_core_roles.advantages import gae_advantages, sequence_to_token_rewards
-from engine_core_roles.critic import OLD_VALUES, RETURNS
-from engine_core_roles.workers import ActorWorker, CriticWorker, ReferenceWorker
+from engine_core_roles.algorithms.advantages import gae_advantages, sequence_to_token_rewards
+from engine_core_roles.batch.keys import OLD_LOG_PROBS, OLD_VALUES, REF_LOG_PROBS, RETURNS
+from engine_core_roles.distributed.workers import ActorWorker, CriticWorker, ReferenceWorker
 from tests._dist import run_distributed
 from tests._models import engine_config
 from tests.test_roles import ppo_batch

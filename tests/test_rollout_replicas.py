@@ -43,9 +43,9 @@ from engine_core.rollout import (
     prompt_seeds,
 )
 from engine_core.weight_sync import receive_weights, send_weights
-from engine_core_roles.actor import Actor, ActorConfig
-from engine_core_roles.weights import WeightLink
-from engine_core_roles.workers import build_engine
+from engine_core_roles.distributed.weights import WeightLink
+from engine_core_roles.distributed.workers import build_engine
+from engine_core_roles.roles.actor import Actor, ActorConfig
 from tests._models import TINY_QWEN2, engine_config
 from tests._workers import CORRUPTED, CorruptingRolloutWorker, FailingRolloutWorker
 from tests.test_weight_sync import _pair
@@ -329,8 +329,8 @@ def test_a_data_parallel_actor_streams_from_its_writing_rank(replicas: int, tmp_
     process; to a rollout in this process, it receives the stream bucket by bucket. Each rollout
     then samples from the actor's weights; a receiver that corrupts its load fails the sync
     naming it, twice in a row (the group stays in step)."""
-    from engine_core_roles.placement import ActorGroup, PlacementConfig, start_group
-    from engine_core_roles.workers import ActorWorker
+    from engine_core_roles.distributed.placement import ActorGroup, PlacementConfig, start_group
+    from engine_core_roles.distributed.workers import ActorWorker
 
     engine = engine_config(backend="fsdp2", seed=SENT)
     group = start_group(PlacementConfig(executor="local"), ActorWorker, 2, (engine, {}))

@@ -43,7 +43,7 @@ from engine_core.weight_sync import (
     receive_weights,
     send_weights,
 )
-from engine_core_roles.cli import RECIPES
+from engine_core_roles.jobs.cli import RECIPES
 from tests._dist import run_distributed
 from tests._models import engine_config, nll_loss, registered_engine, train_steps
 
@@ -233,7 +233,7 @@ def test_grpo_trainer_state(tmp_path: Path) -> None:
     from engine_core.configio import apply_overrides, load_yaml
     from engine_core.engine import CHECKPOINT_STATE_FILE, JOB_STATE_FILE
     from engine_core.plugins import load_plugins
-    from engine_core_roles.rl_job import run_rl_job
+    from engine_core_roles.jobs.rl.run import run_rl_job
 
     recipe = RECIPES / "grpo_tiny.yaml"
     out = tmp_path / "run"
@@ -253,7 +253,9 @@ def test_grpo_trainer_state(tmp_path: Path) -> None:
         ):
             marker = str(tmp_path / "marker")
             messages = _refusals(
-                state_file, lambda: run_rl_job(resume, manager, resume=True, console=console), marker
+                state_file,
+                lambda: run_rl_job(resume, manager, resume=True, console=console),
+                marker,
             )
             _assert_refused(messages, state_file, marker)
 
@@ -270,7 +272,13 @@ def _params() -> list[tuple[str, torch.Tensor]]:
 
 
 def test_messages_round_trip() -> None:
-    for msg in (_header(_params(), "0" * 32), _End(), _Abort("boom"), _Verdict(""), _Verdict("bad")):
+    for msg in (
+        _header(_params(), "0" * 32),
+        _End(),
+        _Abort("boom"),
+        _Verdict(""),
+        _Verdict("bad"),
+    ):
         assert decode_message(encode_message(msg)) == msg
 
 

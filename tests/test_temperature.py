@@ -25,8 +25,8 @@ from engine_core_roles import (
     RLTrainer,
     TrainerConfig,
 )
-from engine_core_roles.cli import RECIPES
-from engine_core_roles.trainer import LogProbGapError
+from engine_core_roles.jobs.cli import RECIPES
+from engine_core_roles.trainer.guards import LogProbGapError
 from tests.test_trainer import build_engine
 
 RECIPE = RECIPES / "grpo_tiny.yaml"

@@ -14,9 +14,9 @@ from tensordict import TensorDict
 from engine_core.configio import apply_overrides, load_yaml
 from engine_core.errors import ConfigError
 from engine_core.plugins import load_plugins
-from engine_core_roles.cli import RECIPES
-from engine_core_roles.rl_job import run_rl_job
-from engine_core_roles.trainer import TIMING_KEYS
+from engine_core_roles.jobs.cli import RECIPES
+from engine_core_roles.jobs.rl.run import run_rl_job
+from engine_core_roles.trainer.metrics import TIMING_KEYS
 from tests.fixtures.text_model import build_model_folder
 
 REWARD_MODULE = '''
@@ -134,8 +134,9 @@ def test_prompts_render_like_the_chat_template_and_decode_like_the_tokenizer(
     from transformers import AutoTokenizer
 
     from engine_core.rollout import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK
-    from engine_core_roles.rewards import RewardConfig
-    from engine_core_roles.text import DataConfig, PromptData, TextReward
+    from engine_core_roles.data.prompts import DataConfig, PromptData
+    from engine_core_roles.data.rewards import RewardConfig
+    from engine_core_roles.data.text_reward import TextReward
 
     tok = AutoTokenizer.from_pretrained(user["model"])
     data = PromptData(
@@ -312,7 +313,11 @@ def test_stop_strings_end_responses_at_their_first_occurrence(user: dict[str, Pa
     from transformers import AutoTokenizer
 
     from engine_core.rollout import RESPONSE_IDS, RESPONSE_MASK
-    from engine_core_roles.text import StopStrings, multi_token_stop_strings, stop_token_ids
+    from engine_core_roles.data.stop_strings import (
+        StopStrings,
+        multi_token_stop_strings,
+        stop_token_ids,
+    )
 
     tok = AutoTokenizer.from_pretrained(user["model"])
     assert stop_token_ids(tok) == [tok.eos_token_id]
@@ -341,3 +346,4 @@ def test_stop_strings_end_responses_at_their_first_occurrence(user: dict[str, Pa
     assert torch.equal(out[RESPONSE_MASK] <= mask, torch.ones_like(mask, dtype=torch.bool))
     with pytest.raises(ValueError, match="non-empty"):
         StopStrings(tok, [""])
+

@@ -10,9 +10,10 @@ import torch
 from tensordict import TensorDict
 
 from engine_core.rollout import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK
-from engine_core_roles.cli import RECIPES, recipe_relative
-from engine_core_roles.tiny_text import digits_reward, write_files
-from engine_core_roles.trainer import TrainerConfig, _cat_left_padded
+from engine_core_roles.data.tiny_text import digits_reward, write_files
+from engine_core_roles.jobs.cli import RECIPES, recipe_relative
+from engine_core_roles.trainer.config import TrainerConfig
+from engine_core_roles.trainer.dynamic_sampling import _cat_left_padded
 
 SHIPPED = RECIPES / "tiny_text"
 

@@ -11,8 +11,8 @@ from pydantic import ValidationError
 from engine_core.checkpoint import list_checkpoints
 from engine_core.configio import apply_overrides, load_yaml
 from engine_core.plugins import load_plugins
-from engine_core_roles.cli import RECIPES
-from engine_core_roles.train import run_sft
+from engine_core_roles.jobs.cli import RECIPES
+from engine_core_roles.jobs.sft import run_sft
 
 RECIPE = RECIPES / "sft_tiny.yaml"
 

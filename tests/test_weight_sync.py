@@ -28,8 +28,8 @@ from engine_core.models import build_model
 from engine_core.remote_rollout import ProcessRollout, RolloutWorker
 from engine_core.rollout import SamplingParams
 from engine_core.weight_sync import WeightSyncGroup, receive_weights, send_weights
-from engine_core_roles.actor import Actor, ActorConfig
-from engine_core_roles.weights import WeightLink
+from engine_core_roles.distributed.weights import WeightLink
+from engine_core_roles.roles.actor import Actor, ActorConfig
 from tests._dist import run_distributed
 from tests._models import TINY_QWEN2, random_batch, registered_engine
 

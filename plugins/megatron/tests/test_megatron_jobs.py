@@ -9,8 +9,8 @@ import pytest
 
 from engine_core.configio import apply_overrides, load_yaml
 from engine_core.plugins import load_plugins
-from engine_core_roles.rl_job import run_rl_job
-from engine_core_roles.trainer import TIMING_KEYS
+from engine_core_roles.jobs.rl.run import run_rl_job
+from engine_core_roles.trainer.metrics import TIMING_KEYS
 
 RECIPES = Path(__file__).parents[3] / "roles" / "engine_core_roles" / "recipes"
 VOLATILE = set(TIMING_KEYS)

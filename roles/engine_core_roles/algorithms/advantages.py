@@ -1,0 +1,140 @@
+"""Advantage estimators and KL-in-reward controllers, as pure functions.
+
+Tensors are ``[batch, seq_len]`` with a response ``mask``; rewards are per token (a sequence
+reward sits on the last response token) or per sequence (``[batch]``) where noted.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "whiten",
+    "gae_advantages",
+    "grpo_advantages",
+    "rloo_advantages",
+    "sequence_to_token_rewards",
+    "FixedKLController",
+    "AdaptiveKLController",
+]
+
+
+def sequence_to_token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Place each sequence's score on its last masked token."""
+    rewards = torch.zeros(
+        mask.shape, dtype=scores.dtype if scores.is_floating_point() else torch.float32
+    )
+    positions = torch.arange(mask.shape[1]).expand_as(mask)
+    last = torch.where(mask.bool(), positions, -1).max(-1).values
+    has = last >= 0
+    rewards[has, last[has]] = scores[has].to(rewards.dtype)
+    return rewards
+
+
+def gae_advantages(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation over masked tokens; returns (advantages, returns).
+
+    Masked-out positions are skipped (the recursion jumps over them), so left or right padding
+    of the response does not change the result.
+    """
+    mask_f = mask.to(values.dtype)
+    advantages = torch.zeros_like(values)
+    next_value = torch.zeros(values.shape[0], dtype=values.dtype)
+    running = torch.zeros(values.shape[0], dtype=values.dtype)
+    for t in reversed(range(values.shape[1])):
+        m = mask_f[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        new_running = delta + gamma * lam * running
+        running = m * new_running + (1 - m) * running
+        next_value = m * values[:, t] + (1 - m) * next_value
+        advantages[:, t] = running * m
+    returns = (advantages + values) * mask_f
+    return advantages, returns
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Zero-mean, unit-variance over the masked entries (0 elsewhere)."""
+    m = mask.bool()
+    vals = x[m]
+    std = vals.std(unbiased=False) if vals.numel() > 1 else torch.ones(())
+    return ((x - vals.mean()) / (std + eps)) * m
+
+
+def _group_ids(index: torch.Tensor) -> tuple[torch.Tensor, int]:
+    uniq, inverse = torch.unique(index, return_inverse=True)
+    return inverse, int(uniq.numel())
+
+
+def grpo_advantages(
+    scores: torch.Tensor,
+    group_index: torch.Tensor,
+    *,
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Group-normalized advantages per sequence: ``(r - mean_group) / (std_group + eps)``.
+
+    ``group_index`` gives each sample's prompt id; std is the unbiased sample std (a group of
+    one gets advantage 0).
+    """
+    scores = scores.float()
+    gid, n = _group_ids(group_index)
+    count = torch.zeros(n).index_add_(0, gid, torch.ones_like(scores))
+    mean = torch.zeros(n).index_add_(0, gid, scores) / count
+    centered = scores - mean[gid]
+    if not normalize_std:
+        return centered
+    sq = torch.zeros(n).index_add_(0, gid, centered.square())
+    std = torch.sqrt(sq / (count - 1).clamp_min(1))
+    std = torch.where(count > 1, std, torch.zeros_like(std))
+    return centered / (std[gid] + eps)
+
+
+def rloo_advantages(scores: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """Leave-one-out baseline: ``r_i - mean_{j != i} r_j`` within each group (0 for groups of one)."""
+    scores = scores.float()
+    gid, n = _group_ids(group_index)
+    count = torch.zeros(n).index_add_(0, gid, torch.ones_like(scores))
+    total = torch.zeros(n).index_add_(0, gid, scores)
+    others = count[gid] - 1
+    baseline = (total[gid] - scores) / others.clamp_min(1)
+    return torch.where(others > 0, scores - baseline, torch.zeros_like(scores))
+
+
+class FixedKLController:
+    """A constant KL-in-reward coefficient."""
+
+    def __init__(self, coef: float) -> None:
+        if coef < 0:
+            raise ValueError(f"KL coefficient must be >= 0, got {coef}.")
+        self.value = coef
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        return self.value
+
+
+class AdaptiveKLController:
+    """Adjusts the coefficient so the observed KL tracks ``target`` over ``horizon`` samples."""
+
+    def __init__(self, init_coef: float, target: float, horizon: int) -> None:
+        if init_coef < 0 or target <= 0 or horizon <= 0:
+            raise ValueError(
+                f"need init_coef >= 0, target > 0, horizon > 0; got {init_coef}, {target}, {horizon}."
+            )
+        self.value, self.target, self.horizon = init_coef, target, horizon
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        if not math.isfinite(current_kl):
+            return self.value
+        error = min(max(current_kl / self.target - 1, -0.2), 0.2)
+        self.value *= 1 + error * n_steps / self.horizon
+        return self.value

@@ -1,0 +1,66 @@
+"""What a job reads: the tokenizer and its chat template, prompt datasets, stop strings, reward
+functions and their contract, and the tasks shipped with the SDK.
+"""
+
+from __future__ import annotations
+
+from engine_core_roles.data.answers import (
+    BUILTINS,
+    exact_match,
+    extract_answer,
+    format_reward,
+    math_answer,
+    normalize_answer,
+)
+from engine_core_roles.data.prompts import DataConfig, PromptData
+from engine_core_roles.data.rewards import (
+    RewardConfig,
+    RewardError,
+    RewardFn,
+    Rewards,
+    SampleReward,
+    Scored,
+    accepts,
+    load_function,
+    score_samples,
+)
+from engine_core_roles.data.stop_strings import (
+    StopStrings,
+    multi_token_stop_strings,
+    stop_token_ids,
+)
+from engine_core_roles.data.tasks import BOS, EOS, PAD, SEP, VOCAB_SIZE, DigitTask, TaskConfig
+from engine_core_roles.data.text_reward import TextReward
+from engine_core_roles.data.tokenizer import load_tokenizer
+
+__all__ = [
+    "extract_answer",
+    "normalize_answer",
+    "exact_match",
+    "math_answer",
+    "format_reward",
+    "BUILTINS",
+    "DataConfig",
+    "PromptData",
+    "RewardError",
+    "RewardConfig",
+    "load_function",
+    "Scored",
+    "score_samples",
+    "accepts",
+    "RewardFn",
+    "Rewards",
+    "SampleReward",
+    "stop_token_ids",
+    "multi_token_stop_strings",
+    "StopStrings",
+    "PAD",
+    "BOS",
+    "SEP",
+    "EOS",
+    "VOCAB_SIZE",
+    "TaskConfig",
+    "DigitTask",
+    "TextReward",
+    "load_tokenizer",
+]

@@ -1,0 +1,284 @@
+"""Prompt datasets read from files: :class:`PromptData` reads JSONL, Parquet or saved ``datasets``
+folders with the ``datasets`` library (memory-mapped Arrow), renders each prompt — chat messages
+through the tokenizer's chat template with the generation prompt, text as it is — drops prompts
+too long for the model (counted), and hands out batches in a seeded order, epoch after epoch; its
+position is a small dict the job's checkpoint keeps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import Field, PositiveInt, field_validator
+from tensordict import NonTensorStack, TensorDict
+
+from engine_core.config import FrozenModel
+from engine_core.errors import ConfigError
+from engine_core_roles.batch.build import prompt_batch
+from engine_core_roles.batch.keys import ROW, ROW_INDEX
+
+__all__ = ["DataConfig", "PromptData"]
+
+_IDS_COLUMN = "_engine_core_prompt_ids"
+
+
+class DataConfig(FrozenModel):
+    """Where the prompts come from and how they are drawn."""
+
+    train_files: list[str] = Field(
+        ..., description="JSONL/JSON, Parquet files, or folders saved with datasets' save_to_disk."
+    )
+    val_files: list[str] = Field(default_factory=list, description="Validation prompts (eval).")
+    prompt_key: str = Field(
+        "prompt",
+        description="The prompt column: a list of {role, content} messages (rendered with the "
+        "chat template and its generation prompt) or a string (used as it is).",
+    )
+    chat_template: bool | None = Field(
+        None,
+        description="None: messages through the template, strings as they are; true: a string "
+        "prompt becomes one user message; false: strings only.",
+    )
+    max_prompt_length: PositiveInt | None = Field(
+        None,
+        description="Longer prompts are dropped (counted); default: the model's context minus "
+        "the response length.",
+    )
+    shuffle: bool = True
+    seed: int = Field(0, description="Seed of the shuffled order (epoch e uses seed + e).")
+    stop_strings: list[str] = Field(
+        default_factory=list,
+        description="Responses also end at these strings: one that is one token of the "
+        "tokenizer is a stop token id of the rollout; a longer one ends the response after the "
+        "token that completes it (the rollout generates on; what follows is not trained on).",
+    )
+
+    demos: list[str] = Field(
+        default_factory=list,
+        description="JSONL files of demonstrations ({'messages': [...]} ending with the "
+        "assistant's answer) for the supervised warm-up (warmup_sft_steps): tokenized as the "
+        "rollout samples (the prompt with the generation prompt, then the answer and its end "
+        "of turn), trained on the answer's tokens only.",
+    )
+
+    @field_validator("train_files", "val_files", "demos", mode="before")
+    @classmethod
+    def _one_or_many(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("train_files")
+    @classmethod
+    def _some(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("data.train_files is empty; give at least one file or folder.")
+        return v
+
+
+def _read(files: Sequence[str], what: str) -> Any:
+    """One ``datasets.Dataset`` of every file/folder in ``files`` (concatenated)."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    parts = []
+    for name in files:
+        path = Path(name).expanduser()
+        if not path.exists():
+            raise ConfigError(f"{what}: {path} does not exist; give existing files or folders.")
+        if path.is_file() and path.stat().st_size == 0:
+            raise ConfigError(
+                f"{what}: {path} is empty: it holds no rows; give a file with prompts."
+            )
+        try:
+            if path.is_dir():
+                loaded = datasets.load_from_disk(str(path))
+                if isinstance(loaded, datasets.DatasetDict):
+                    split = "train" if "train" in loaded else next(iter(loaded))
+                    loaded = loaded[split]
+            elif path.suffix in (".jsonl", ".json"):
+                loaded = datasets.load_dataset("json", data_files=str(path), split="train")
+            elif path.suffix == ".parquet":
+                loaded = datasets.load_dataset("parquet", data_files=str(path), split="train")
+            else:
+                raise ConfigError(
+                    f"{what}: {path} is neither .jsonl/.json, .parquet nor a saved datasets "
+                    f"folder; convert it to one of those."
+                )
+        except ConfigError:
+            raise
+        except Exception as e:
+            raise ConfigError(f"{what}: {path} could not be read: {type(e).__name__}: {e}") from e
+        parts.append(loaded)
+    data = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+    if len(data) == 0:
+        raise ConfigError(f"{what}: {', '.join(files)} holds no rows; give a file with prompts.")
+    return data
+
+
+class PromptData:
+    """Rendered, length-filtered prompts of one dataset, drawn in a seeded order.
+
+    ``rows`` of the file keep every column; the rendered token ids sit beside them. Batches
+    are drawn epoch after epoch, each epoch a new permutation (``seed + epoch``) when
+    shuffling; :meth:`state_dict` / :meth:`load_state_dict` are the position (epoch, index).
+    """
+
+    def __init__(
+        self,
+        files: Sequence[str],
+        tokenizer: Any,
+        cfg: DataConfig,
+        *,
+        max_length: int,
+        what: str = "data.train_files",
+        tools: list[dict[str, Any]] | None = None,
+        rows: bool = False,
+    ) -> None:
+        self.cfg, self.tokenizer, self.what, self.tools = cfg, tokenizer, what, tools
+        self.with_rows = rows
+        data = _read(files, what)
+        if cfg.prompt_key not in data.column_names:
+            raise ConfigError(
+                f"{what}: no {cfg.prompt_key!r} column; the columns are "
+                f"{', '.join(data.column_names)}. Set data.prompt_key to the prompt column."
+            )
+        fingerprint = hashlib.sha256(
+            json.dumps(
+                [
+                    data._fingerprint,
+                    cfg.prompt_key,
+                    cfg.chat_template,
+                    len(tokenizer),
+                    tokenizer.chat_template,
+                    tokenizer.name_or_path,
+                    tools,
+                ]
+            ).encode()
+        ).hexdigest()[:16]
+        rendered = data.map(
+            self._render_batch, batched=True, new_fingerprint=fingerprint, desc="rendering prompts"
+        )
+        lengths = rendered.with_format(None)[_IDS_COLUMN]
+        keep = [i for i, ids in enumerate(lengths) if len(ids) <= max_length]
+        self.total, self.dropped, self.max_length = (
+            len(rendered),
+            len(rendered) - len(keep),
+            max_length,
+        )
+        if not keep:
+            raise ConfigError(
+                f"{what}: all {self.total} prompts are longer than {max_length} tokens (the "
+                f"model's context minus the response length); shorten the prompts, raise "
+                f"data.max_prompt_length, or use a model with a longer context."
+            )
+        self.data = rendered if not self.dropped else rendered.select(keep)
+        self.columns = [c for c in data.column_names if c != cfg.prompt_key]
+        # views, selected once: a step reads its rows' ids and other columns through them
+        self._ids = self.data.select_columns([_IDS_COLUMN])
+        self._other = self.data.select_columns(self.columns) if self.columns else None
+        self._whole = self.data.select_columns(list(data.column_names))
+        self._epoch, self._index = 0, 0
+        self._order = self._permutation(0)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def render(self, prompt: Any) -> list[int]:
+        """One prompt's token ids: messages through the chat template (generation prompt
+        added), a string as it is."""
+        use_template = self.cfg.chat_template
+        if isinstance(prompt, str) and use_template:
+            prompt = [{"role": "user", "content": prompt}]
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        if use_template is False:
+            raise ConfigError(
+                f"{self.what}: a prompt is a list of messages but data.chat_template=false; "
+                f"set it to null or true."
+            )
+        if not isinstance(prompt, list) or not all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in prompt
+        ):
+            raise ConfigError(
+                f"{self.what}: a {self.cfg.prompt_key!r} value is {str(prompt)[:80]!r}; a prompt "
+                f"is a string or a list of {{'role', 'content'}} messages."
+            )
+        if not self.tokenizer.chat_template:
+            raise ConfigError(
+                f"{self.what}: prompts are chat messages but the tokenizer has no chat "
+                f"template; save one with the tokenizer, or give text prompts."
+            )
+        ids = self.tokenizer.apply_chat_template(
+            prompt, tools=self.tools, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        return list(ids)
+
+    def _render_batch(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        return {_IDS_COLUMN: [self.render(p) for p in batch[self.cfg.prompt_key]]}
+
+    def _permutation(self, epoch: int) -> list[int]:
+        if not self.cfg.shuffle:
+            return list(range(len(self.data)))
+        gen = torch.Generator().manual_seed(self.cfg.seed + epoch)
+        return torch.randperm(len(self.data), generator=gen).tolist()
+
+    def next_indices(self, n: int) -> list[int]:
+        """The next ``n`` rows in draw order (into the next epoch when this one runs out)."""
+        out: list[int] = []
+        while len(out) < n:
+            if self._index >= len(self._order):
+                self._epoch, self._index = self._epoch + 1, 0
+                self._order = self._permutation(self._epoch)
+            take = self._order[self._index : self._index + n - len(out)]
+            out += take
+            self._index += len(take)
+        return out
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def batch(self, indices: Sequence[int]) -> TensorDict:
+        """The prompt batch of these rows: left-padded ids, mask and ``row_index``; built with
+        ``rows=True``, each whole row too (a dict per prompt under
+        :data:`~engine_core_roles.batch.keys.ROW`, which an episode's environment starts from)."""
+        ids = self._ids[list(indices)][_IDS_COLUMN]
+        out = prompt_batch(ids, pad_token_id=int(self.tokenizer.pad_token_id))
+        out[ROW_INDEX] = torch.tensor(list(indices), dtype=torch.long)
+        if self.with_rows:
+            table = self._whole[list(indices)]
+            out[ROW] = NonTensorStack.from_list(
+                [{c: table[c][i] for c in table} for i in range(len(indices))]
+            )
+        return out
+
+    def next_batch(self, n: int) -> TensorDict:
+        return self.batch(self.next_indices(n))
+
+    def batches(self, n: int) -> Iterator[TensorDict]:
+        """Every row once, in file order, ``n`` at a time (the last batch may be short)."""
+        for start in range(0, len(self.data), n):
+            yield self.batch(range(start, min(start + n, len(self.data))))
+
+    def rows(self, indices: Sequence[int]) -> dict[str, list[Any]]:
+        """The other columns of these rows, one list per column."""
+        if self._other is None:
+            return {}
+        return self._other[list(indices)]  # type: ignore[no-any-return]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self._epoch, "index": self._index, "rows": len(self.data)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if int(state.get("rows", len(self.data))) != len(self.data):
+            raise ConfigError(
+                f"the checkpoint's dataset position is for {state['rows']} prompts, but "
+                f"{self.what} now holds {len(self.data)}; resume with the same files and "
+                f"data settings, or start a new run."
+            )
+        self._epoch, self._index = int(state["epoch"]), int(state["index"])
+        self._order = self._permutation(self._epoch)

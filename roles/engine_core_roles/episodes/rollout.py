@@ -1,0 +1,333 @@
+"""The turn loop: :class:`EpisodeRollout` runs episodes on any :class:`engine_core.BaseRollout`.
+
+Each turn generates for every unfinished episode in one ``generate`` call, appends the tokens of
+what the environment answered, and goes on until every episode is over or stopped by a limit
+(``max_turns``, the episode's token budget, a turn that hits ``max_new_tokens``). Its result is a
+``generate`` result whose response holds the model's and the environment's tokens, exactly as
+sampled and appended (never a re-tokenization of the decoded conversation), with
+:data:`~engine_core.rollout.RESPONSE_LOSS_MASK` 1 on the model's tokens only.
+:class:`EpisodeWorker` is a rollout replica that runs whole episodes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tensordict import NonTensorStack, TensorDict
+
+from engine_core import BaseRollout, SamplingParams
+from engine_core.errors import ConfigError
+from engine_core.remote_rollout import RolloutWorker
+from engine_core.rollout import (
+    FINISH_REASON,
+    PROMPT_IDS,
+    PROMPT_MASK,
+    PROMPT_SEED,
+    RESPONSE_IDS,
+    RESPONSE_LOSS_MASK,
+    RESPONSE_MASK,
+    ROLLOUT_LOG_PROBS,
+    WeightBucket,
+    derive_seed,
+    sample_seeds,
+)
+from engine_core_roles.batch.build import prompt_batch
+from engine_core_roles.batch.keys import EPISODE, ROW
+from engine_core_roles.data.tokenizer import load_tokenizer
+from engine_core_roles.episodes.config import EnvConfig, load_environment
+from engine_core_roles.episodes.protocol import Environment, Episode, Message, StepResult
+from engine_core_roles.episodes.template import _Template, check_messages
+from engine_core_roles.episodes.threads import _STEP_THREADS
+
+__all__ = ["EpisodeRollout", "EpisodeWorker"]
+
+
+@dataclass
+class _Running:
+    env: Environment | None
+    episode: Episode
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    trained: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    finish: str = "stop"
+    seed: int | None = None
+
+    def append(self, ids: Sequence[int], lps: Sequence[float] | None) -> None:
+        self.tokens += ids
+        self.trained += [1 if lps is not None else 0] * len(ids)
+        self.log_probs += list(lps) if lps is not None else [0.0] * len(ids)
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.tokens)
+
+
+class EpisodeRollout(BaseRollout):
+    """Episodes over ``inner`` (any :class:`BaseRollout`): a ``generate`` whose prompts carry
+    their dataset rows (:data:`ROW`) and whose result is each episode as one sample.
+
+    ``environment`` makes one :class:`Environment` per episode; ``tokenizer`` is the actor's
+    (with the chat template); ``max_turns``, ``max_episode_tokens`` and the sampling params'
+    ``max_new_tokens`` (per turn) bound an episode. The result's ``prompt_ids`` are the
+    rendered first messages (with the environment's tools), its response every token after
+    them, :data:`RESPONSE_LOSS_MASK` 1 on the model's tokens, ``rollout_log_probs`` the
+    model's log-probs there (0 on the environment's), and :data:`EPISODE` the record of each.
+    Weights, release and resume go to ``inner``.
+    """
+
+    def __init__(
+        self,
+        inner: BaseRollout,
+        environment: Callable[[], Environment],
+        tokenizer: Any,
+        *,
+        max_turns: int = 4,
+        max_episode_tokens: int,
+        step_timeout_s: float = 60.0,
+    ) -> None:
+        super().__init__(inner.config)
+        self.inner, self.environment, self.tokenizer = inner, environment, tokenizer
+        self.capabilities = inner.capabilities  # type: ignore[misc]
+        self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
+        self.step_timeout_s = step_timeout_s
+        self.pad_token_id = int(getattr(inner, "pad_token_id", None) or tokenizer.pad_token_id or 0)
+        self._templates: dict[str, _Template] = {}
+
+    # weights and memory: the inner rollout's
+    def expected_weights(self) -> dict[str, tuple[int, ...]]:
+        return self.inner.expected_weights()
+
+    def load_weights(self, buckets: Any) -> list[WeightBucket]:
+        return self.inner.load_weights(buckets)
+
+    def release(self) -> None:
+        self.inner.release()
+
+    def resume(self) -> None:
+        self.inner.resume()
+
+    def _template(self, tools: list[dict[str, Any]] | None) -> _Template:
+        key = json.dumps(tools, sort_keys=True)
+        if key not in self._templates:
+            self._templates[key] = _Template(self.tokenizer, tools)
+        return self._templates[key]
+
+    def generate(self, prompts: TensorDict, params: SamplingParams) -> TensorDict:
+        if ROW not in prompts.keys():
+            raise ConfigError(
+                f"an episode rollout needs each prompt's dataset row in the {ROW!r} field of the "
+                f"prompt batch (engine_core_roles.data.prompts.PromptData(..., rows=True) puts them "
+                f"there); got {sorted(prompts.keys())}."
+            )
+        rows = list(prompts[ROW].tolist()) if prompts.batch_size[0] else []
+        n = params.n
+        t_env = 0.0
+        # a prompt's n episodes adjacent, as a rollout's n samples are
+        running = [self._start(dict(row)) for row in rows for _ in range(n)]
+        # episode j of prompt i samples its turns from streams of its own seed, so an episode
+        # does not depend on which others share a turn's batch (or a replica)
+        seeds = sample_seeds(prompts, params) if rows else None
+        if seeds is not None:
+            for r, seed in zip(running, seeds, strict=True):
+                r.seed = seed
+        active = [r for r in running if r.env is not None]
+        turn = 0
+        while active:
+            turn += 1
+            # episodes that cannot fit another full turn end on the budget
+            fits = []
+            for r in active:
+                if r.length + params.max_new_tokens > self.max_episode_tokens:
+                    r.episode.end, r.finish = "token_budget", "length"
+                else:
+                    fits.append(r)
+            active = fits
+            if not active:
+                break
+            turn_params = params.model_copy(update={"n": 1})
+            ids = [r.prompt + r.tokens for r in active]
+            batch = prompt_batch(ids, pad_token_id=self.pad_token_id)
+            if seeds is not None:
+                turn_seeds = [derive_seed(r.seed, turn) for r in active]  # type: ignore[arg-type]
+                batch[PROMPT_SEED] = torch.tensor(turn_seeds, dtype=torch.int64)
+            out = self.inner.generate(batch, turn_params)
+            resp, mask = out[RESPONSE_IDS], out[RESPONSE_MASK]
+            lps = out[ROLLOUT_LOG_PROBS]
+            reasons = out[FINISH_REASON].tolist() if FINISH_REASON in out.keys() else None
+            stepping = []
+            for j, r in enumerate(active):
+                keep = mask[j].bool()
+                sampled = resp[j][keep].tolist()
+                r.append(sampled, lps[j][keep].tolist())
+                r.episode.turns += 1
+                text = self.tokenizer.decode(sampled, skip_special_tokens=False)
+                stopped = (reasons[j] if reasons is not None else "stop") == "stop"
+                content = str(self.tokenizer.decode(sampled, skip_special_tokens=True))
+                r.episode.messages.append({"role": "assistant", "content": content})
+                if not stopped:
+                    r.episode.end, r.finish = "max_new_tokens", "length"
+                    continue
+                stepping.append((r, text))
+            t1 = time.perf_counter()
+            results = self._step_all([(r, dict(r.episode.messages[-1])) for r, _ in stepping])
+            t_env += time.perf_counter() - t1
+            active = []
+            for (r, text), res in zip(stepping, results, strict=True):
+                if isinstance(res, str):  # the environment failed on this episode
+                    r.episode.end = "env_error"
+                    r.episode.counts["env_errors"] = r.episode.counts.get("env_errors", 0) + 1
+                    r.episode.messages.append({"role": "error", "content": res})
+                    continue
+                r.episode.reward += float(res.reward)
+                for key, v in res.counts.items():
+                    r.episode.counts[key] = r.episode.counts.get(key, 0) + float(v)
+                if res.done:
+                    r.episode.end = "done"
+                    continue
+                if r.episode.turns >= self.max_turns:
+                    r.episode.end, r.finish = "max_turns", "length"
+                    continue
+                assert r.env is not None
+                obs_ids = self._template(r.env.tools).after_turn(text, res.messages)
+                if r.length + len(obs_ids) + 1 > self.max_episode_tokens:
+                    r.episode.end, r.finish = "token_budget", "length"
+                    continue
+                r.episode.messages += res.messages
+                r.append(obs_ids, None)
+                active.append(r)
+        for r in running:
+            if r.env is not None:
+                extra = _call_quietly(r.env.score, r.episode)
+                if isinstance(extra, int | float) and not isinstance(extra, bool):
+                    r.episode.reward += float(extra)
+        return self._result(running, t_env)
+
+    def _start(self, row: dict[str, Any]) -> _Running:
+        try:
+            env = self.environment()
+            first = env.reset(row)
+            check_messages(first, f"{type(env).__name__}.reset")
+            ids = self._template(env.tools).prompt(first)
+        except Exception as e:
+            episode = Episode(row, [{"role": "error", "content": f"{type(e).__name__}: {e}"}])
+            episode.end = "env_error"
+            episode.counts["env_errors"] = 1.0
+            pad = [int(self.pad_token_id)]
+            return _Running(None, episode, pad, finish="length")
+        return _Running(env, Episode(row, list(first)), ids)
+
+    def _step_all(self, work: list[tuple[_Running, Message]]) -> list[StepResult | str]:
+        futures = []
+        for r, msg in work:
+            assert r.env is not None
+            futures.append(_STEP_THREADS.submit(r.env.step, msg))
+        deadline = time.monotonic() + self.step_timeout_s
+        out: list[StepResult | str] = []
+        for (r, _), fut in zip(work, futures, strict=True):
+            name = type(r.env).__name__
+            try:
+                res = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                _STEP_THREADS.abandoned()
+                out.append(f"{name}.step did not answer within {self.step_timeout_s:g} s")
+                continue
+            except Exception as e:
+                out.append(f"{name}.step raised {type(e).__name__}: {e}")
+                continue
+            if not isinstance(res, StepResult):
+                out.append(
+                    f"{name}.step returned {type(res).__name__}; return a "
+                    f"engine_core_roles.episodes.protocol.StepResult"
+                )
+                continue
+            if isinstance(res.reward, bool) or not isinstance(res.reward, int | float):
+                out.append(f"{name}.step returned a reward of {res.reward!r}; give a number")
+                continue
+            try:
+                check_messages(res.messages, f"{name}.step")
+            except ConfigError as e:
+                out.append(str(e))
+                continue
+            out.append(res)
+        return out
+
+    def _result(self, running: list[_Running], env_wait_s: float) -> TensorDict:
+        prompts = prompt_batch([r.prompt for r in running], pad_token_id=self.pad_token_id)
+        width = max([len(r.tokens) for r in running] + [1])
+        total = len(running)
+        resp = torch.full((total, width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((total, width), dtype=torch.long)
+        trained = torch.zeros((total, width), dtype=torch.long)
+        lps = torch.zeros((total, width), dtype=torch.float32)
+        for k, r in enumerate(running):
+            m = len(r.tokens)
+            if m:
+                resp[k, :m] = torch.tensor(r.tokens, dtype=torch.long)
+                mask[k, :m] = 1
+                trained[k, :m] = torch.tensor(r.trained, dtype=torch.long)
+                lps[k, :m] = torch.tensor(r.log_probs, dtype=torch.float32)
+        out = TensorDict(
+            {
+                PROMPT_IDS: prompts[PROMPT_IDS],
+                PROMPT_MASK: prompts[PROMPT_MASK],
+                RESPONSE_IDS: resp,
+                RESPONSE_MASK: mask,
+                RESPONSE_LOSS_MASK: trained,
+                ROLLOUT_LOG_PROBS: lps,
+            },
+            batch_size=[total],
+        )
+        finish: list[Any] = [r.finish for r in running]
+        out[FINISH_REASON] = NonTensorStack.from_list(finish)
+        out[EPISODE] = NonTensorStack.from_list([_record(r.episode, env_wait_s) for r in running])
+        return out
+
+
+def _record(ep: Episode, env_wait_s: float) -> dict[str, Any]:
+    return {
+        "env_wait_s": env_wait_s,
+        "turns": ep.turns,
+        "end": ep.end,
+        "reward": ep.reward,
+        "counts": dict(ep.counts),
+        "final": ep.final,
+        "messages": ep.messages,
+    }
+
+
+def _call_quietly(fn: Callable[[Episode], Any], episode: Episode) -> Any:
+    try:
+        return fn(episode)
+    except Exception as e:
+        episode.counts["env_errors"] = episode.counts.get("env_errors", 0) + 1
+        episode.messages.append({"role": "error", "content": f"score raised {e!r}"})
+        return None
+
+
+class EpisodeWorker(RolloutWorker):
+    """A rollout replica that runs whole episodes (``ProcessRollout(worker_cls=EpisodeWorker,
+    worker_args=(settings,))``): the backend it hosts is wrapped in an :class:`EpisodeRollout`
+    built from ``settings`` (``env``: an :class:`EnvConfig` as a dict, ``prompt_key``,
+    ``max_episode_tokens``), the tokenizer read from the rollout's model config as the job
+    reads it. Every turn of an episode runs on the replica that started it."""
+
+    def __init__(self, config: dict[str, Any], settings: dict[str, Any]) -> None:
+        super().__init__(config)
+
+        env = EnvConfig.model_validate(settings["env"])
+        tokenizer = load_tokenizer(self.rollout.config.model, None)
+        self.rollout = EpisodeRollout(
+            self.rollout,
+            load_environment(env, prompt_key=str(settings["prompt_key"])),
+            tokenizer,
+            max_turns=env.max_turns,
+            max_episode_tokens=int(settings["max_episode_tokens"]),
+            step_timeout_s=env.step_timeout_s,
+        )

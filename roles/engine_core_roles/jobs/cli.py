@@ -1,0 +1,131 @@
+"""The jobs' subcommands of the ``engine-core`` script: ``run`` and ``train``.
+
+The jobs sit above the core and the roles (an RL job is :class:`engine_core_roles.RLTrainer`
+plus recipes, checkpoints and plots). :data:`COMMANDS` reaches the core's script through the
+``engine_core.commands`` entry point of this distribution, so the core's command line imports
+nothing above it. :func:`main` runs the script with them whether or not the entry point is
+installed (``python -m engine_core_roles.jobs.cli``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from engine_core import cli
+from engine_core.cli import Command
+from engine_core.configio import apply_overrides, load_yaml
+from engine_core.plugins import load_plugins
+from engine_core.settings import Settings
+from engine_core_roles.jobs.rl.run import run_rl_job
+from engine_core_roles.jobs.sft import run_sft
+
+__all__ = [
+    "COMMANDS",
+    "DEFAULT_RL_RECIPE",
+    "RECIPES",
+    "recipe_relative",
+    "DEFAULT_TRAIN_RECIPE",
+    "main",
+]
+
+RECIPES = Path(__file__).parents[1] / "recipes"  # package data, beside the layers
+"""The shipped recipes."""
+DEFAULT_RL_RECIPE = "text_tiny.yaml"
+DEFAULT_TRAIN_RECIPE = "sft_tiny.yaml"
+
+
+def _recipe_arguments(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument(
+        "recipe", nargs="?", default=None, help=f"YAML recipe (default: the shipped {default})"
+    )
+    parser.add_argument(
+        "overrides", nargs="*", help="dotted overrides, e.g. engine.micro_batch_size=4 steps=50"
+    )
+
+
+def _recipe(args: argparse.Namespace, default: str) -> dict[str, Any]:
+    """The recipe (or the shipped ``default``) with the command line's dotted overrides applied."""
+    recipe, overrides = args.recipe, list(args.overrides)
+    if recipe is not None and "=" in recipe:  # only overrides were given
+        recipe, overrides = None, [recipe, *overrides]
+    return load_recipe(recipe or RECIPES / default, overrides)
+
+
+def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """The YAML recipe at ``path``, its ``./`` paths resolved beside it, with dotted
+    ``overrides`` applied (what ``engine-core run PATH OVERRIDES...`` runs)."""
+
+    path = Path(path)
+    return apply_overrides(recipe_relative(load_yaml(path), path.parent), list(overrides))
+
+
+def recipe_relative(raw: Any, folder: Path) -> Any:
+    """``raw`` with every string that starts with ``./`` or ``../`` made a path under
+    ``folder`` (the recipe's own): a recipe names the files beside it wherever it is run from.
+    Command-line overrides are taken as given (relative to the working directory)."""
+    if isinstance(raw, dict):
+        return {k: recipe_relative(v, folder) for k, v in raw.items()}
+    if isinstance(raw, list):
+        return [recipe_relative(v, folder) for v in raw]
+    if isinstance(raw, str) and raw.startswith(("./", "../")):
+        return str((folder / raw).resolve())
+    return raw
+
+
+# -- engine-core run -----------------------------------------------------------------------------
+
+
+def _run_arguments(parser: argparse.ArgumentParser) -> None:
+    _recipe_arguments(parser, DEFAULT_RL_RECIPE)
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from the latest checkpoint in output_dir"
+    )
+
+
+def run_rl(args: argparse.Namespace, settings: Settings) -> int:
+    """An RL run (GRPO, or PPO with a critic): :class:`engine_core_roles.RLTrainer` built from a recipe."""
+
+    run_rl_job(_recipe(args, DEFAULT_RL_RECIPE), load_plugins(settings), resume=args.resume)
+    return 0
+
+
+# -- engine-core train ---------------------------------------------------------------------------
+
+
+def _train_arguments(parser: argparse.ArgumentParser) -> None:
+    _recipe_arguments(parser, DEFAULT_TRAIN_RECIPE)
+
+
+def run_train(args: argparse.Namespace, settings: Settings) -> int:
+    """Supervised training through the recipe's engine (see :mod:`engine_core_roles.jobs.sft`)."""
+
+    run_sft(_recipe(args, DEFAULT_TRAIN_RECIPE), load_plugins(settings))
+    return 0
+
+
+COMMANDS: tuple[Command, ...] = (
+    Command(
+        "run",
+        "an RL run (GRPO, or PPO with a critic) through the roles, from a YAML recipe",
+        run_rl,
+        _run_arguments,
+    ),
+    Command(
+        "train",
+        "supervised training of a model through any engine, from a YAML recipe",
+        run_train,
+        _train_arguments,
+    ),
+)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``engine-core`` script with the core's commands and these; returns the exit code."""
+    return cli.main(argv, (*cli.COMMANDS, *COMMANDS))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,276 @@
+"""``RLJobConfig``: one ``engine-core run`` recipe, validated whole before anything is built."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, PositiveInt, model_validator
+
+from engine_core import (
+    FrozenModel,
+)
+from engine_core_roles.algorithms.losses import MismatchCorrection
+from engine_core_roles.data.prompts import DataConfig
+from engine_core_roles.data.rewards import RewardConfig
+from engine_core_roles.data.tasks import EOS, DigitTask, TaskConfig
+from engine_core_roles.distributed.placement import (
+    PlacementConfig,
+    RayConfig,
+)
+from engine_core_roles.episodes.config import EnvConfig
+from engine_core_roles.roles.actor import ActorConfig
+from engine_core_roles.roles.critic import CriticConfig
+from engine_core_roles.trainer.config import TrainerConfig
+
+__all__ = ["RewardModelJobConfig", "EvalConfig", "RLJobConfig"]
+
+
+class RewardModelJobConfig(FrozenModel):
+    """A learned reward on top of the task's rule-based score (weighed by
+    ``trainer.reward_model_weight``)."""
+
+    engine: dict[str, Any] = Field(
+        ...,
+        description="The reward model's engine config: model.path a sequence-classification "
+        "checkpoint (one label) over the actor's vocabulary; model.value_head is set to true.",
+    )
+
+    def engine_config(self) -> dict[str, Any]:
+        model = self.engine.get("model")
+        if not isinstance(model, dict):
+            return self.engine  # the engine config's own validation names what is missing
+        return {**self.engine, "model": {**model, "value_head": True}}
+
+
+class EvalConfig(FrozenModel):
+    """Validation on ``data.val_files``: mean reward and pass@k, logged as ``val/*``."""
+
+    every: int = Field(0, ge=0, description="Evaluate every N steps and at the end (0: never).")
+    samples_per_prompt: PositiveInt = Field(
+        1, description="k of pass@k: samples per validation prompt (greedy takes 1)."
+    )
+    greedy: bool = Field(True, description="Greedy decoding; false: at trainer.temperature.")
+    max_prompts: PositiveInt | None = Field(None, description="Evaluate the first N only.")
+    batch_prompts: PositiveInt = Field(64, description="Prompts per generate call.")
+
+    @model_validator(mode="after")
+    def _greedy_once(self) -> EvalConfig:
+        if self.greedy and self.samples_per_prompt > 1:
+            raise ValueError(
+                f"eval.greedy=true gives one answer per prompt, so samples_per_prompt="
+                f"{self.samples_per_prompt} would repeat it; set eval.greedy=false to sample "
+                f"k answers, or samples_per_prompt=1."
+            )
+        return self
+
+
+# the loop's settings that a job config once declared beside TrainerConfig's own
+_TRAINER_KEYS = (
+    "algorithm",
+    "samples_per_prompt",
+    "temperature",
+    "gamma",
+    "lam",
+    "max_consecutive_skipped_updates",
+)
+
+
+class RLJobConfig(FrozenModel):
+    """An RL run: the loop's settings, the task, the actor's (and critic's) engine, the rollout.
+
+    Every setting lives in one place: the loop's (algorithm, sampling, advantages, staleness,
+    the gap guard) in ``trainer`` — a :class:`engine_core_roles.TrainerConfig`, the object a script hands
+    to :class:`engine_core_roles.RLTrainer` — the actor's update in ``actor``, the critic's in ``critic``.
+    What a section leaves unset and the job derives (the task's response length, TIS for
+    asynchronous runs) comes from :meth:`trainer_config` and :meth:`actor_config`; the config
+    itself is never changed after validation.
+    """
+
+    steps: PositiveInt = 100
+    prompts_per_step: PositiveInt = 16
+    trainer: TrainerConfig = Field(
+        default_factory=TrainerConfig,
+        description="The loop: algorithm, samples_per_prompt, temperature (the rollout samples "
+        "at it and the actor and reference compute their log-probs at it), gamma/lam, seed, "
+        "max_staleness, the gap guard. max_new_tokens and stop_token_ids default to the "
+        "task's (its response length; stop at EOS).",
+    )
+    warmup_sft_steps: int = Field(0, ge=0, description="Supervised steps before RL (0: none).")
+    warmup_batch_size: PositiveInt = 32
+    log_every: PositiveInt = 10
+    output_dir: str = "outputs/grpo"
+    task: TaskConfig = TaskConfig()
+    data: DataConfig | None = Field(
+        None,
+        description="Prompts from files (the text job): tokenized with the actor's tokenizer "
+        "(engine.model.tokenizer or engine.model.path), scored by `reward`. None: the built-in "
+        "digit task (`task`).",
+    )
+    reward: RewardConfig | None = Field(
+        None,
+        description="The text job's reward function (default: math_answer; with env: none, "
+        "the environment's rewards alone).",
+    )
+    env: EnvConfig | None = Field(
+        None,
+        description="Multi-turn episodes: the model and this environment take turns (tool "
+        "calls, observations) until it ends the episode or a limit does; the reward function "
+        "reads the model's last message. Needs data.",
+    )
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    log_samples: int = Field(
+        4, ge=0, description="Decoded samples written to samples.jsonl every log_every steps."
+    )
+    actor: ActorConfig = Field(
+        default_factory=ActorConfig,
+        description="The actor's update. Asynchronous runs (trainer.max_staleness >= 1) correct "
+        "for their one-version-old samples with mismatch_correction=tis unless it is set.",
+    )
+    save_every: int = Field(50, ge=0, description="Checkpoint every N steps (0: only at the end).")
+    max_ckpt_to_keep: PositiveInt | None = 2
+    engine: dict[str, Any] = Field(..., description="The actor's engine config.")
+    rollout: dict[str, Any] = Field(default_factory=lambda: {"backend": "hf"})
+    rollout_placement: Literal["colocated", "process"] = Field(
+        "colocated",
+        description="colocated: the rollout runs in this process; process: in processes of its "
+        "own (rollout_replicas of them), weights streamed to them over a gloo (NCCL on GPUs) "
+        "group and verified per replica.",
+    )
+    rollout_replicas: PositiveInt = Field(
+        1,
+        description="rollout_placement=process: rollout processes; each step's prompts are "
+        "split across them (a prompt's samples stay in one) and the samples gathered back in "
+        "prompt order.",
+    )
+    placement: PlacementConfig = Field(
+        default_factory=PlacementConfig,
+        description="Where the actor, critic and reference run: in this process, or as "
+        "data-parallel worker groups on local processes or Ray.",
+    )
+    ray: RayConfig = Field(
+        default_factory=RayConfig, description="placement.executor=ray: the cluster to run on."
+    )
+    critic: CriticConfig = CriticConfig()
+    critic_engine: dict[str, Any] | None = Field(
+        None,
+        description="ppo: the critic's engine config; default: the actor's engine config with "
+        "model.value_head=true.",
+    )
+    reward_model: RewardModelJobConfig | None = Field(
+        None,
+        description="A reward model scoring every sample as well (placement.reward_model: "
+        "where it runs; trainer.reward_model_weight: its weight); None: the task's score alone.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        moved = {k: f"trainer.{k}" for k in _TRAINER_KEYS if k in data}
+        if isinstance(data.get("async"), dict) and "max_staleness" in data["async"]:
+            moved["async.max_staleness"] = "trainer.max_staleness"
+        if isinstance(data.get("reward_model"), dict) and "weight" in data["reward_model"]:
+            moved["reward_model.weight"] = "trainer.reward_model_weight"
+        if moved:
+            raise ValueError(
+                "these settings belong to the loop and live in the trainer section now (one "
+                "place each): "
+                + ", ".join(f"{old} -> {new}" for old, new in moved.items())
+                + "; rename them in the recipe or on the command line."
+            )
+        return data
+
+    @model_validator(mode="after")
+    def _check_algorithm(self) -> RLJobConfig:
+        trainer = self.trainer
+        if self.data is not None and "task" in self.model_fields_set:
+            raise ValueError(
+                "both task (the built-in digit task) and data (prompts from files) are set; a "
+                "run trains on one: drop one of them."
+            )
+        if self.data is None and self.reward is not None:
+            raise ValueError(
+                "reward.fn scores text, but no data is set (the digit task scores itself); add "
+                "data.train_files, or drop reward."
+            )
+        if self.eval.every and (self.data is None or not self.data.val_files):
+            raise ValueError(
+                f"eval.every={self.eval.every} evaluates on data.val_files, which is not set; "
+                f"add data.val_files, or set eval.every=0."
+            )
+        if self.env is not None and self.data is None:
+            raise ValueError(
+                "env runs episodes that start from dataset rows, but no data is set; add "
+                "data.train_files."
+            )
+        if self.data is not None and self.warmup_sft_steps and not self.demo_files:
+            raise ValueError(
+                f"warmup_sft_steps={self.warmup_sft_steps} warms up on demonstrations: with "
+                f"data set, give data.demos (or env.demos with env), or set warmup_sft_steps=0."
+            )
+        if self.env is not None and trainer.filter_groups:
+            raise ValueError(
+                "trainer.filter_groups draws extra prompts for single responses; it is not "
+                "built for episodes yet. Set trainer.filter_groups=false with env."
+            )
+        if trainer.algorithm == "grpo" and self.critic_engine is not None:
+            raise ValueError(
+                "critic_engine is set but trainer.algorithm=grpo trains no critic; remove "
+                "critic_engine or set trainer.algorithm=ppo."
+            )
+        if self.reward_model is None and "reward_model_weight" in trainer.model_fields_set:
+            raise ValueError(
+                "trainer.reward_model_weight is set but no reward_model scores the samples; "
+                "add reward_model.engine, or drop trainer.reward_model_weight."
+            )
+        if self.rollout_replicas > 1 and self.rollout_placement != "process":
+            raise ValueError(
+                f"rollout_replicas={self.rollout_replicas} runs each replica in a process of its "
+                f"own; set rollout_placement=process, or rollout_replicas=1."
+            )
+        if self.ray.model_fields_set and self.placement.executor != "ray":
+            raise ValueError(
+                f"ray.{sorted(self.ray.model_fields_set)[0]} is set but placement.executor="
+                f"{self.placement.executor}; set placement.executor=ray, or drop the ray block."
+            )
+        if trainer.max_staleness and self.rollout_placement != "process":
+            raise ValueError(
+                f"trainer.max_staleness={trainer.max_staleness} generates while the actor "
+                f"trains, which needs the rollout in a process of its own; set "
+                f"rollout_placement=process, or trainer.max_staleness=0."
+            )
+        return self
+
+    def trainer_config(self, task: DigitTask) -> TrainerConfig:
+        """The loop's settings: ``trainer``, with the task's response length and its stop token
+        where ``trainer`` leaves max_new_tokens and stop_token_ids unset."""
+        derived = {"max_new_tokens": task.response_len, "stop_token_ids": [EOS]}
+        unset = {k: v for k, v in derived.items() if k not in self.trainer.model_fields_set}
+        return self.trainer.model_copy(update=unset)
+
+    def text_trainer_config(self, stops: list[int]) -> TrainerConfig:
+        """The loop's settings of a text job: ``trainer``, stopping at ``stops`` (the
+        tokenizer's EOS, its chat template's end of turn and data.stop_strings' tokens) where
+        ``trainer`` leaves stop_token_ids unset."""
+        if "stop_token_ids" in self.trainer.model_fields_set:
+            return self.trainer
+        return self.trainer.model_copy(update={"stop_token_ids": stops})
+
+    def actor_config(self) -> ActorConfig:
+        """The actor's settings: ``actor``, with TIS for an asynchronous run that leaves
+        mismatch_correction unset (its samples are one version old: off-policy by
+        construction; 0.772 without it against 0.848 with it at 500 steps)."""
+        if self.trainer.max_staleness and "mismatch_correction" not in self.actor.model_fields_set:
+            return self.actor.model_copy(update={"mismatch_correction": MismatchCorrection.TIS})
+        return self.actor
+
+    @property
+    def demo_files(self) -> list[str]:
+        """The warm-up's demonstration files: data.demos, then env.demos."""
+        return [*(self.data.demos if self.data else []), *(self.env.demos if self.env else [])]
+
+    def critic_engine_config(self) -> dict[str, Any]:
+        if self.critic_engine is not None:
+            return self.critic_engine
+        return {**self.engine, "model": {**self.engine["model"], "value_head": True}}

@@ -1,0 +1,272 @@
+"""The RL job of ``engine-core run``: GRPO, or PPO with a critic, on text prompts from files
+scored by a reward function (``data``, ``reward``), or on the built-in digit task's token ids
+(``task``).
+
+The loop itself is :class:`engine_core_roles.RLTrainer`; :func:`run_rl_job` builds its pieces
+from one config (:mod:`~engine_core_roles.jobs.rl.build`, :mod:`~engine_core_roles.jobs.rl.text`)
+and adds what a job needs around it: an optional supervised warm-up, exact resume, checkpoints,
+a progress bar, metrics (JSONL, TensorBoard, a plot), evaluation, a summary and a Hugging Face
+export.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+from rich.console import Console
+from rich.panel import Panel
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from engine_core import (
+    PluginManager,
+    prefix_validation_error,
+)
+from engine_core.checkpoint import JobCheckpoints, latest_checkpoint
+from engine_core.errors import CheckpointError
+from engine_core_roles.data.rewards import RewardFn, SampleReward
+from engine_core_roles.data.tasks import PAD, DigitTask
+from engine_core_roles.jobs.rl.build import _build, _Roles, _threads
+from engine_core_roles.jobs.rl.config import RLJobConfig
+from engine_core_roles.jobs.rl.evaluate import _evaluate
+from engine_core_roles.jobs.rl.text import _Text, _text
+from engine_core_roles.jobs.rl.warmup import _warmup, _warmup_demos
+from engine_core_roles.jobs.tracking import RunTracker, claim_output_dir, failures_logged
+from engine_core_roles.trainer.loop import RLTrainer
+from engine_core_roles.trainer.metrics import plot_keys
+from engine_core_roles.trainer.protocols import (
+    PromptSource,
+)
+
+__all__ = ["run_rl_job"]
+
+
+def run_rl_job(
+    raw: dict[str, Any],
+    manager: PluginManager,
+    *,
+    resume: bool = False,
+    console: Console | None = None,
+) -> dict[str, Any]:
+    """Run the job in ``raw``; with ``resume``, continue from the latest checkpoint in its output_dir."""
+    console = console or Console()
+    try:
+        job = RLJobConfig.model_validate(raw)
+    except ValidationError as e:
+        raise prefix_validation_error(e, (), "RLJobConfig") from None
+    out_dir = Path(job.output_dir)
+    ckpt_root = out_dir / "checkpoints"
+    latest = latest_checkpoint(ckpt_root)
+    if resume and latest is None:
+        raise CheckpointError(
+            f"--resume: no checkpoint under {ckpt_root}; run without --resume to start fresh."
+        )
+    # refused before anything is built or overwritten: a folder holding another run, or one
+    # that cannot be written
+    claim_output_dir(out_dir, command="engine-core run", resume=resume)
+    resume_from = None
+    if resume:
+        resume_from = _resume_point(job, console)
+    text = _text(job, console)
+    threads = _threads(job)
+    before = torch.get_num_threads()
+    safe = f"checkpoints already saved under {ckpt_root} are kept, and --resume continues"
+    try:
+        with (
+            failures_logged(out_dir, command="engine-core run", safe=safe),
+            contextlib.ExitStack() as stack,
+        ):
+            if threads.driver is not None and threads.driver != before:
+                torch.set_num_threads(threads.driver)
+            roles = _build(job, manager, stack, threads, text)
+            return _run(job, roles, resume_from, console, text)
+    finally:
+        # only when changed: setting it at all, even to the same count, slows this process's
+        # later CPU kernels (measured: 15% on the recipe's model)
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
+def _run(
+    job: RLJobConfig,
+    roles: _Roles,
+    resume_from: str | None,
+    console: Console,
+    text: _Text | None = None,
+) -> dict[str, Any]:
+    out_dir = Path(job.output_dir)
+    task = DigitTask(job.task)
+    reward_fn: RewardFn | SampleReward
+    if text is None:
+        trainer_cfg = job.trainer_config(task)
+        reward_fn = lambda prompt, response, mask: task.score(  # noqa: E731
+            prompt, response.masked_fill(mask == 0, PAD)
+        )
+        prompts: PromptSource = lambda step: task.prompt_ids(  # noqa: E731
+            task.sample_digits(job.prompts_per_step)
+        )
+    else:
+        trainer_cfg = job.text_trainer_config(text.stops)
+        reward_fn, train = text.reward, text.train
+        prompts = lambda step: train.next_batch(job.prompts_per_step)  # noqa: E731
+
+    def position() -> dict[str, Any]:
+        """Where the prompts continue: the digit task's sampler, or the dataset position."""
+        return {"task_rng": task.rng_state()} if text is None else {"data": text.train.state_dict()}
+
+    trainer = RLTrainer(
+        trainer_cfg,
+        actor=roles.actor,
+        rollout=roles.rollout,
+        reward_fn=reward_fn,
+        prompts=prompts,
+        reference=roles.reference,
+        critic=roles.critic,
+        reward_model=roles.reward_model,
+        weights=roles.weights,
+        responses=None if text is None else text.stop_strings,
+    )
+    checkpoints = JobCheckpoints(out_dir / "checkpoints", max_ckpt_to_keep=job.max_ckpt_to_keep)
+    parts = roles.parts
+    if resume_from is not None:
+        job_state = checkpoints.load(resume_from, parts, verified=True)  # _resume_point did
+        where = "task_rng" if text is None else "data"
+        if not isinstance(job_state.get("trainer"), dict) or where not in job_state:
+            raise CheckpointError(
+                f"{resume_from} holds no job position (trainer, {where}); it was not saved by "
+                f"engine-core run with this job's {'task' if text is None else 'data'}. Resume "
+                f"from another checkpoint, or with the settings that saved it."
+            )
+        trainer.load_state_dict(job_state["trainer"])
+        if text is None:
+            task.set_rng_state(job_state["task_rng"])
+        else:
+            text.train.load_state_dict(job_state["data"])
+        console.print(f"resumed from {resume_from} (next step {trainer.global_step + 1})")
+    elif job.warmup_sft_steps and text is not None:
+        _warmup_demos(roles.actor_part, text, job)
+    elif job.warmup_sft_steps:
+        _warmup(roles.actor_part, task, job)
+    tracker = RunTracker(out_dir, resume_after_step=trainer.global_step)
+    ckpt: str | None = str(resume_from) if resume_from is not None else None
+    progress = Progress(
+        TextColumn("[bold blue]grpo"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn(
+            "reward {task.fields[reward]:.3f}  loss {task.fields[loss]:+.4f}  {task.fields[tps]:.0f} tok/s"
+        ),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+    )
+
+    def log(trainer: RLTrainer, row: dict[str, Any]) -> None:
+        step = row["step"]
+        shown = row.pop("samples", None)
+        every = job.eval.every
+        if text is not None and every and (step % every == 0 or step == job.steps):
+            row.update(_evaluate(trainer, text, job, step))
+        tracker.log(row)
+        nan = float("nan")
+        progress.update(
+            bar,
+            advance=1,
+            reward=row["reward"],
+            loss=row.get("actor/loss", nan),
+            tps=row["tokens_per_s"],
+        )
+        if step % job.log_every == 0 or step == job.steps:
+            if shown:
+                tracker.log_samples(step, shown)
+            val = "".join(f" {k} {v:.3f}" for k, v in row.items() if k.startswith("val/"))
+            console.print(
+                f"step {step:>4}/{job.steps} reward {row['reward']:.3f} "
+                f"pg {row.get('actor/pg_loss', nan):+.4f} ent {row.get('actor/entropy', nan):.3f} "
+                f"kl {row.get('actor/kl_loss', 0.0):.4f} "
+                f"lp_diff {row.get('rollout/logprob_diff_max', nan):.0e} {row['time_s']:.2f}s" + val
+            )
+
+    def save(trainer: RLTrainer, row: dict[str, Any]) -> None:
+        nonlocal ckpt
+        step = row["step"]
+        if step == job.steps or (job.save_every and step % job.save_every == 0):
+            # actor, critic and the task position: one folder, committed by one rename
+            # (and, asynchronous, the generation in flight: a resume trains on the same samples)
+            state = {**position(), "trainer": trainer.state_dict()}
+            ckpt = checkpoints.save(step, parts, state)
+
+    with progress:
+        bar = progress.add_task(
+            "grpo", total=job.steps, completed=trainer.global_step, reward=0.0, loss=0.0, tps=0.0
+        )
+        try:
+            trainer.fit(job.steps, callbacks=[log, save])
+        finally:
+            trainer.close()
+    hf_export = roles.actor_part.export_hf(str(out_dir / "hf_export"))
+    if text is not None:  # a folder that from_pretrained and the tokenizer both load
+        text.tokenizer.save_pretrained(hf_export)
+    rows = tracker.rows
+    what = (
+        job.task.name if job.data is None else ", ".join(Path(f).name for f in job.data.train_files)
+    )
+    title = f"{job.trainer.algorithm.upper()} on '{what}' ({job.steps} steps)"
+    plot = tracker.plot(plot_keys(rows), title=title)
+    tracker.close()
+    rewards = [r["reward"] for r in rows]
+    first, last = rewards[: min(10, len(rewards))], rewards[-min(10, len(rewards)) :]
+    summary = {
+        "steps": job.steps,
+        "reward_first10": sum(first) / len(first),
+        "reward_last10": sum(last) / len(last),
+        "metrics": str(tracker.metrics_path),
+        "tensorboard": str(tracker.tensorboard_dir),
+        "plot": str(plot),
+        "checkpoint": ckpt,
+        "hf_export": hf_export,
+    }
+    val_keys = [k for r in rows for k in r if k.startswith("val/pass@")]
+    if val_keys:
+        key = max(set(val_keys), key=lambda k: (k != "val/pass@1", k))  # pass@k over pass@1
+        best = max((r for r in rows if key in r), key=lambda r: r[key])
+        summary.update(
+            {"best_val": best[key], "best_val_metric": key, "best_val_step": best["step"]}
+        )
+    _print_summary(console, summary)
+    return summary
+
+
+def _resume_point(job: RLJobConfig, console: Console) -> str:
+    """The newest step whose checkpoint (actor, critic under ppo, job state) verifies; newer
+    ones are set aside (renamed ``*.rejected``, kept) and the console says which and why."""
+    names = ["actor", "critic"] if job.trainer.algorithm == "ppo" else ["actor"]
+    root = Path(job.output_dir) / "checkpoints"
+    try:
+        folder, skipped = JobCheckpoints(root).newest_verified(names)
+    except CheckpointError as e:
+        raise CheckpointError(f"--resume: {e}") from None
+    for step, reason, moved in skipped:
+        console.print(
+            f"[yellow]--resume: skipped step {step}: {reason} Set aside as {moved}.[/yellow]",
+            soft_wrap=True,
+        )
+    return folder
+
+
+def _print_summary(console: Console, summary: dict[str, Any]) -> None:
+    table = Table(show_header=False, box=None, padding=(0, 2))
+    table.add_row("reward (first 10 steps)", f"{summary['reward_first10']:.3f}")
+    table.add_row("reward (last 10 steps)", f"{summary['reward_last10']:.3f}")
+    if "best_val" in summary:
+        table.add_row(
+            f"best {summary['best_val_metric']}",
+            f"{summary['best_val']:.3f} (step {summary['best_val_step']})",
+        )
+    for key in ("metrics", "tensorboard", "plot", "checkpoint", "hf_export"):
+        table.add_row(key, str(summary[key]))
+    console.print(Panel(table, title="engine-core run: done", expand=False))

@@ -1,0 +1,189 @@
+"""Run outputs people read: metrics as JSONL and TensorBoard, a PNG plot at the end, and the
+run's log file holding the traceback of a failure.
+
+Resuming keeps the rows up to the resumed step and drops the rest, so a resumed run's file
+reads exactly like an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import math
+import traceback
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from engine_core.errors import CheckpointError, ConfigError, PluginError, RunFailed
+
+__all__ = ["RunTracker", "RunFailed", "claim_output_dir", "failures_logged", "RUN_LOG"]
+
+RUN_LOG = "run.log"  # in a run's output_dir: the traceback of each failure, appended
+
+# bad input found while a run is set up: reported as such (the CLI's usage exit), not logged
+_USAGE_ERRORS = (ConfigError, PluginError, ValidationError)
+
+
+@contextlib.contextmanager
+def failures_logged(out_dir: Path, *, command: str, safe: str) -> Iterator[None]:
+    """Turn a failure inside into :class:`RunFailed`: what failed, in one line, where the
+    traceback went (``out_dir / RUN_LOG``, appended) and ``safe``, what is still safe.
+
+    Bad input (config, plugin and validation errors) and interrupts pass through unchanged.
+    """
+    try:
+        yield
+    except _USAGE_ERRORS:
+        raise
+    except Exception as e:
+        log_path = out_dir / RUN_LOG
+        stamp = datetime.datetime.now().isoformat(timespec="seconds")
+        try:
+            with log_path.open("a") as log:
+                log.write(f"--- {stamp} {command} failed\n{traceback.format_exc()}\n")
+            where = f"traceback in {log_path}"
+        except OSError as write_error:
+            where = f"the traceback could not be written to {log_path}: {write_error.strerror}"
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        what = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+        raise RunFailed(f"{command} failed: {what} ({where}; {safe})", log_path) from e
+
+
+def _keep_up_to(path: Path, step: int | None) -> list[dict[str, Any]]:
+    """Rewrite the JSONL file ``path`` with its rows of steps up to ``step`` (none when
+    ``step`` is None: a fresh run) and return them."""
+    kept: list[dict[str, Any]] = []
+    if step is not None and path.exists():
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line]
+        kept = [r for r in rows if r["step"] <= step]
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    return kept
+
+
+# what marks a folder as holding a run's outputs
+_RUN_MARKERS = ("metrics.jsonl", "checkpoints")
+
+
+def claim_output_dir(out_dir: str | Path, *, command: str, resume: bool = False) -> Path:
+    """Make sure ``out_dir`` can hold this run, before anything is built or written.
+
+    A folder that holds another run (``metrics.jsonl`` or ``checkpoints/``) is refused unless
+    resuming, so no command overwrites an earlier run; a folder that cannot be created or
+    written is a one-line error naming it.
+    """
+
+    path = Path(out_dir)
+    held = [m for m in _RUN_MARKERS if (path / m).exists()]
+    if held and not resume:
+        way_out = "Pass --resume to continue it, or c" if command == "engine-core run" else "C"
+        raise CheckpointError(
+            f"{command}: output_dir {path} already holds a run ({', '.join(held)}); refusing to "
+            f"overwrite it. {way_out}hoose another folder (output_dir=...) or delete it."
+        )
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".engine-core-write-probe"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise CheckpointError(
+            f"{command}: cannot write to output_dir {path} ({e.strerror or e}); choose a "
+            f"writable folder (output_dir=...)."
+        ) from None
+    return path
+
+
+class RunTracker:
+    """Writes one JSON row per step to ``metrics.jsonl`` and the numbers to TensorBoard."""
+
+    def __init__(
+        self, out_dir: str | Path, *, resume_after_step: int | None = None, tensorboard: bool = True
+    ) -> None:
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.out_dir / "metrics.jsonl"
+        self.tensorboard_dir = self.out_dir / "tensorboard"
+        self._rows = _keep_up_to(self.metrics_path, resume_after_step)
+        self._file = self.metrics_path.open("a")
+        self.samples_path = self.out_dir / "samples.jsonl"
+        if self.samples_path.exists():
+            _keep_up_to(self.samples_path, resume_after_step)
+        self._tb: Any = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(
+                str(self.tensorboard_dir), purge_step=(resume_after_step or 0) + 1
+            )
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        return list(self._rows)
+
+    def log(self, row: dict[str, Any]) -> None:
+        self._rows.append(row)
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in row.items():
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(key, value, row["step"])
+
+    def log_samples(self, step: int, samples: Sequence[dict[str, Any]]) -> None:
+        """Decoded samples of ``step`` (prompt, response, reward, ...) for people to read: one
+        JSON line each in ``samples.jsonl``, and one text entry in TensorBoard."""
+        with self.samples_path.open("a") as f:
+            for sample in samples:
+                f.write(json.dumps({"step": step, **sample}) + "\n")
+        if self._tb is not None and samples:
+            text = "\n\n".join(
+                f"**reward {s.get('reward')}**\n\n    " + _shown(s).replace("\n", "\n    ")
+                for s in samples
+            )
+            self._tb.add_text("samples", text, step)
+
+    def plot(self, keys: Sequence[str], path: str | Path | None = None, title: str = "") -> Path:
+        """One panel per key that was logged, against the step; saved as PNG."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
+
+        present = [k for k in keys if any(k in r for r in self._rows)]
+        cols = min(len(present), 3) or 1
+        rows = math.ceil(len(present) / cols) or 1
+        fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
+        for ax, key in zip(axes.flat, present, strict=False):
+            pts = [(r["step"], r[key]) for r in self._rows if key in r]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], linewidth=1.2)
+            ax.set_title(key, fontsize=10)
+            ax.set_xlabel("step")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+            ax.grid(alpha=0.3)
+        for ax in list(axes.flat)[len(present) :]:
+            ax.axis("off")
+        if title:
+            fig.suptitle(title)
+        fig.tight_layout()
+        out = Path(path) if path is not None else self.out_dir / "metrics.png"
+        fig.savefig(out, dpi=110)
+        plt.close(fig)
+        return out
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _shown(sample: dict[str, Any]) -> str:
+    """A sample as text: an episode turn by turn (role: content), else prompt then response."""
+    episode = sample.get("episode")
+    if episode:
+        return "\n".join(f"{m.get('role')}: {m.get('content')}" for m in episode)
+    return f"{sample.get('prompt', '')}{sample.get('response', '')}"

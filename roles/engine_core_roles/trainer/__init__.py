@@ -1,0 +1,46 @@
+"""``RLTrainer`` and the parts its step is made of: configuration, generation (synchronous or
+asynchronous), dynamic sampling, scoring, advantage estimation, guards, metrics and resumable
+state.
+"""
+
+from __future__ import annotations
+
+from engine_core_roles.trainer.config import (
+    EXTRA_DRAW_STRIDE,
+    SEED_STRIDE,
+    Algorithm,
+    TrainerConfig,
+    check_group_size,
+)
+from engine_core_roles.trainer.generation import PromptsExhausted
+from engine_core_roles.trainer.guards import LogProbGapError
+from engine_core_roles.trainer.loop import RLTrainer, StepCallback
+from engine_core_roles.trainer.metrics import TIMING_KEYS, plot_keys
+from engine_core_roles.trainer.protocols import (
+    PolicyRole,
+    PromptBatch,
+    PromptSource,
+    ReferenceRole,
+    RewardRole,
+    ValueRole,
+)
+
+__all__ = [
+    "SEED_STRIDE",
+    "EXTRA_DRAW_STRIDE",
+    "Algorithm",
+    "check_group_size",
+    "TrainerConfig",
+    "PromptsExhausted",
+    "LogProbGapError",
+    "StepCallback",
+    "RLTrainer",
+    "TIMING_KEYS",
+    "plot_keys",
+    "PromptBatch",
+    "PromptSource",
+    "PolicyRole",
+    "ValueRole",
+    "ReferenceRole",
+    "RewardRole",
+]

@@ -1,0 +1,125 @@
+"""``TrainerConfig``: how each RL step samples, which advantage estimator it uses, and its guards."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, PositiveInt, model_validator
+
+from engine_core import (
+    FrozenModel,
+    SamplingParams,
+)
+
+__all__ = ["SEED_STRIDE", "EXTRA_DRAW_STRIDE", "Algorithm", "check_group_size", "TrainerConfig"]
+
+# rollout seed of step s: seed * SEED_STRIDE + s, so a resumed run samples what a straight one did
+SEED_STRIDE = 100003
+
+
+EXTRA_DRAW_STRIDE = 10_000_019  # filter_groups' extra draws: seeds apart from every step's
+
+
+Algorithm = Annotated[
+    Literal["grpo", "ppo"],
+    Field(
+        description="grpo: group-normalized scores as advantages, no critic; ppo: GAE over a "
+        "critic's values (whitened), and a critic update every step."
+    ),
+]
+
+
+def check_group_size(algorithm: str, samples_per_prompt: int) -> None:
+    """grpo needs at least two samples per prompt to normalize within a group."""
+    if algorithm == "grpo" and samples_per_prompt < 2:
+        raise ValueError(
+            f"grpo normalizes rewards within each prompt's group, so samples_per_prompt must "
+            f"be >= 2 (got {samples_per_prompt}); raise it, or use algorithm=ppo."
+        )
+
+
+class TrainerConfig(FrozenModel):
+    """How each step samples, and which advantage estimator it uses."""
+
+    algorithm: Algorithm = "grpo"
+    samples_per_prompt: PositiveInt = 8
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the rollout.")
+    max_new_tokens: PositiveInt = 32
+    stop_token_ids: list[int] = Field(default_factory=list)
+    gamma: float = Field(1.0, ge=0, le=1, description="ppo: GAE discount.")
+    lam: float = Field(0.95, ge=0, le=1, description="ppo: GAE lambda.")
+    max_consecutive_skipped_updates: int = Field(
+        3,
+        ge=0,
+        description="Stop with an error when this many steps in a row applied no actor update "
+        "(every optimizer step skipped for a non-finite gradient norm); 0: never stop.",
+    )
+    seed: int | None = Field(
+        0,
+        description="Step s samples with seed * 100003 + s (a resumed run repeats a straight "
+        "one); None: unseeded.",
+    )
+    reward_model_weight: float = Field(
+        1.0,
+        description="With a reward_model: each sample's reward is reward_fn's score (0 without "
+        "one) plus this times the reward model's score.",
+    )
+    filter_groups: bool = Field(
+        False,
+        description="Dynamic sampling: drop the prompts whose samples all scored the same "
+        "(under grpo they carry no gradient) and draw more prompts, up to max_extra_draws "
+        "times, until the step has prompts_per_step groups that differ; still short, it is "
+        "topped up with dropped groups. Synchronous runs only.",
+    )
+    max_extra_draws: int = Field(
+        3, ge=0, description="filter_groups: the most extra generations per step."
+    )
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="0: synchronous (each step generates with the weights of the step before). "
+        ">= 1: asynchronous; step t+1 is generated while step t trains, so samples are one "
+        "weight version old, never more than max_staleness. Needs a rollout that generates in "
+        "another process (rollout_placement: process).",
+    )
+
+    logprob_gap_limit: float | None = Field(
+        1e-2,
+        gt=0,
+        description="The gap guard: stop when the mean |rollout - trainer| log-prob gap over "
+        "the response tokens exceeds this in one of the first logprob_gap_steps steps (of "
+        "samples drawn with the trainer's current weights). Both sides compute the same "
+        "distribution, so the gap is float noise (about 1e-6 in fp32); a larger one means they "
+        "disagree on the temperature, the tokenizer or the weights. None: never check.",
+    )
+    logprob_gap_steps: int = Field(
+        3,
+        ge=0,
+        description="How many steps of a run (counted from its start, or from a resume) the "
+        "gap guard checks.",
+    )
+
+    @model_validator(mode="after")
+    def _check_groups(self) -> TrainerConfig:
+        check_group_size(self.algorithm, self.samples_per_prompt)
+        if self.filter_groups and self.max_staleness:
+            raise ValueError(
+                f"filter_groups draws more prompts within a step, which an asynchronous run "
+                f"(max_staleness={self.max_staleness}) has already generated; set "
+                f"filter_groups=false or max_staleness=0."
+            )
+        return self
+
+    def sampling_params(self, step: int, draw: int = 0) -> SamplingParams:
+        """Step ``step``'s sampling; ``draw`` > 0: filter_groups' extra generations, each with
+        a seed of its own."""
+        seed = (
+            None if self.seed is None else self.seed * SEED_STRIDE + step + draw * EXTRA_DRAW_STRIDE
+        )
+        return SamplingParams(
+            temperature=self.temperature,
+            max_new_tokens=self.max_new_tokens,
+            n=self.samples_per_prompt,
+            stop_token_ids=list(self.stop_token_ids),
+            seed=seed,
+        )

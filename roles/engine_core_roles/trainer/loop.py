@@ -1,0 +1,412 @@
+"""``RLTrainer``: the GRPO / PPO loop over the roles, a rollout and a reward function.
+
+One :meth:`RLTrainer.step` reads as the algorithm: generate → score → old and reference
+log-probs → advantages → update → sync, then one row of metrics. What varies is a part picked
+once, when the trainer is built, never an ``if`` in the step:
+
+- generation: :class:`~engine_core_roles.trainer.generation.Synchronous`, or
+  :class:`~engine_core_roles.trainer.generation.Asynchronous` with ``max_staleness >= 1``
+  (step ``t + 1`` generates while step ``t`` trains, one weight version old);
+- scoring: :class:`~engine_core_roles.trainer.scoring.ScoreAsDrawn`, or dynamic sampling
+  (:class:`~engine_core_roles.trainer.dynamic_sampling.FilteredGroups`);
+- old log-probs: a forward before the update, or the update's own
+  (:mod:`engine_core_roles.trainer.guards`), with the log-prob gap guard on either;
+- advantages: the estimator of ``config.algorithm``
+  (:mod:`engine_core_roles.trainer.estimators`: group-normalized scores, or GAE over a critic
+  that is then updated).
+
+:meth:`RLTrainer.fit` repeats the step and hands every row to the callbacks (logging,
+checkpoints). ``engine-core run`` (:mod:`engine_core_roles.jobs.rl`) is this trainer plus config
+files, checkpoints and plots; a script builds the same object from its own roles, rollout,
+prompts and reward.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from engine_core import ATTENTION_MASK, BaseRollout, EngineCoreError, SamplingParams
+from engine_core.remote_rollout import ProcessRollout
+from engine_core.rollout import RESPONSE_MASK
+from engine_core_roles.batch.keys import REF_LOG_PROBS
+from engine_core_roles.data.rewards import RewardFn, Rewards, SampleReward
+from engine_core_roles.distributed.weights import WeightLink
+from engine_core_roles.episodes.metrics import episode_metrics
+from engine_core_roles.roles.actor import ActorUpdate
+from engine_core_roles.trainer.config import TrainerConfig
+from engine_core_roles.trainer.dynamic_sampling import FilteredGroups
+from engine_core_roles.trainer.estimators import estimator_for
+from engine_core_roles.trainer.generation import (
+    Asynchronous,
+    Drawn,
+    Generation,
+    PromptReader,
+    Synchronous,
+    as_prompts,
+)
+from engine_core_roles.trainer.guards import (
+    Gap,
+    GapGuard,
+    check_skipped,
+    old_log_probs_stage,
+    per_replica,
+    sampled_mask,
+)
+from engine_core_roles.trainer.protocols import (
+    PolicyRole,
+    PromptBatch,
+    PromptSource,
+    ReferenceRole,
+    RewardRole,
+    ValueRole,
+)
+from engine_core_roles.trainer.scoring import ScoreAsDrawn, Scorer, group_spread
+from engine_core_roles.trainer.state import batch_of, plain
+
+__all__ = ["StepCallback", "RLTrainer"]
+
+_log = logging.getLogger(__name__)
+
+
+StepCallback = Callable[["RLTrainer", dict[str, Any]], None]
+"""Called by :meth:`RLTrainer.fit` after every step with the trainer and that step's row."""
+
+
+class RLTrainer:
+    """GRPO or PPO on an :class:`Actor` (plus optional :class:`Reference` and :class:`Critic`).
+
+    ``rollout`` generates with the actor's weights, synced and verified before the first step and
+    after every update. ``reward_fn`` scores each sample (see :class:`RewardFn`), and/or
+    ``reward_model`` (a :class:`engine_core_roles.RewardModel` on the actor's vocabulary) does: a sample's
+    reward is the first plus ``config.reward_model_weight`` times the second; ``prompts``
+    gives each step's prompts (see :data:`PromptSource`). A ``reference`` is required when the
+    actor uses a KL loss; a ``critic`` exactly when ``config.algorithm`` is ``ppo``.
+    ``global_step`` is the number of steps already taken (set it when resuming a checkpoint).
+    ``responses``, when given, takes every generation's samples before anything reads them and
+    returns them (e.g. :class:`engine_core_roles.data.stop_strings.StopStrings`, which ends responses at
+    stop strings of several tokens by masking what follows).
+
+    >>> trainer = RLTrainer(TrainerConfig(), actor=actor, rollout=rollout,
+    ...                     reward_fn=my_reward, prompts=my_prompts)  # doctest: +SKIP
+    >>> history = trainer.fit(100, callbacks=[lambda t, row: print(row["reward"])])  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        *,
+        actor: PolicyRole,
+        rollout: BaseRollout | ProcessRollout,
+        reward_fn: RewardFn | SampleReward | None = None,
+        prompts: PromptSource,
+        reference: ReferenceRole | None = None,
+        critic: ValueRole | None = None,
+        reward_model: RewardRole | None = None,
+        global_step: int = 0,
+        weights: WeightLink | None = None,
+        responses: Callable[[TensorDict], TensorDict] | None = None,
+    ) -> None:
+        if reward_fn is None and reward_model is None:
+            raise ValueError(
+                "nothing scores the samples: pass reward_fn= (a callable scoring each sample), "
+                "reward_model= (a RewardModel), or both."
+            )
+        if config.algorithm == "ppo" and critic is None:
+            raise ValueError("algorithm='ppo' estimates advantages with a critic; pass critic=.")
+        if config.algorithm == "grpo" and critic is not None:
+            raise ValueError(
+                "a critic was passed but algorithm='grpo' trains none; drop critic= or set "
+                "algorithm='ppo'."
+            )
+        if actor.config.use_kl_loss and reference is None:
+            raise ValueError(
+                "the actor has use_kl_loss=True, which needs reference log-probs; pass "
+                "reference=Reference(engine) (a frozen copy of the initial policy)."
+            )
+        if config.max_staleness and not isinstance(rollout, ProcessRollout):
+            raise ValueError(
+                f"max_staleness={config.max_staleness} overlaps generation with training, which "
+                f"needs a rollout that generates in another process; "
+                f"{type(rollout).__name__} generates in this one. Use a ProcessRollout "
+                f"(engine-core run: rollout_placement=process), or max_staleness=0."
+            )
+        self.config = config
+        self.actor = actor
+        self.rollout = rollout
+        self.reward_fn = reward_fn
+        self.reward_model = reward_model
+        self.reference = reference
+        self.critic = critic
+        self.global_step = global_step
+        self._skipped_in_a_row = 0
+        self._reward_failures_in_a_row = 0
+        # the actor's weight version the rollout holds (None: not synced since this object,
+        # or a resume, started)
+        self._rollout_version: int | None = None
+        if weights is not None and (weights.policy is not actor or weights.rollout is not rollout):
+            raise ValueError(
+                "weights= must be the WeightLink of this trainer's actor and rollout; build it "
+                "as WeightLink(actor, rollout), or leave weights= out and the trainer builds it."
+            )
+        self._weights = weights  # built on the first sync when not given (and then owned)
+        self._owns_weights = weights is None
+        self._last_sync: dict[str, float] = {}
+        # the step's parts, each picked once here
+        params = config.sampling_params
+        reader = PromptReader(
+            prompts,
+            max_positions=lambda: actor.max_position_embeddings,
+            max_new_tokens=config.max_new_tokens,
+        )
+        self._generation: Generation
+        if isinstance(rollout, ProcessRollout) and config.max_staleness:
+            self._generation = Asynchronous(
+                rollout,
+                reader,
+                params,
+                self._synced_version,
+                responses,
+                before_next=self._sync_if_stale,
+            )
+        else:
+            self._generation = Synchronous(rollout, reader, params, self._synced_version, responses)
+        self._scorer = Scorer(reward_fn, reward_model, config.reward_model_weight)
+        self._scoring = (
+            FilteredGroups(
+                self._scorer,
+                self._generation,
+                params,
+                samples_per_prompt=config.samples_per_prompt,
+                max_extra_draws=config.max_extra_draws,
+            )
+            if config.filter_groups and isinstance(self._generation, Synchronous)
+            else ScoreAsDrawn(self._scorer, params)
+        )
+        self._old_log_probs = old_log_probs_stage(actor, GapGuard(config))
+        self._advantages = estimator_for(config, critic)
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def step(self) -> dict[str, Any]:
+        """One RL step; returns its metrics row (``step``, ``reward``, ``actor/*``, ...)."""
+        if self._rollout_version is None:
+            self.sync_weights()
+        step, t0 = self.global_step + 1, time.perf_counter()
+        drawn = self._generation.draw(step)
+        staleness = self._staleness(step, drawn)
+        drawn, batch, scoring, figures = self._scoring(step, drawn)
+        gap = self._old_log_probs.before_update(step, staleness, drawn.samples, batch)
+        if self.reference is not None:
+            batch[REF_LOG_PROBS] = self.reference.compute_ref_log_prob(batch)[REF_LOG_PROBS]
+        rewards = scoring()
+        if rewards.failures:
+            return self._unscored_step(step, t0, rewards, drawn.samples, batch)
+        self._reward_failures_in_a_row = 0
+        critic_metrics = self._advantages(batch, rewards.scores)
+        update = self.actor.update_actor(batch)
+        gap = self._old_log_probs.after_update(step, staleness, drawn.samples, batch, update) or gap
+        assert gap is not None  # one of the two stages computed it
+        self._count_skipped(step, update, batch)
+        self._advance(step)
+        row = self._row(step, drawn, staleness, rewards, figures, gap, update.metrics)
+        return {**row, **critic_metrics, **self._timing(t0, batch), **_shown(rewards)}
+
+    def _staleness(self, step: int, drawn: Drawn) -> int:
+        """How many updates old the step's samples are: never more than ``max_staleness``."""
+        staleness = self.global_step - drawn.version
+        if staleness > self.config.max_staleness:  # a broken invariant, never a user error
+            raise EngineCoreError(
+                f"step {step}: samples generated by weight version {drawn.version} are "
+                f"{staleness} versions old, more than max_staleness={self.config.max_staleness}."
+            )
+        return staleness
+
+    def _advance(self, step: int) -> None:
+        """The step is spent: the actor's weights are version ``step``; a synchronous run syncs
+        them now, an asynchronous one before its next generation starts."""
+        self.global_step = step
+        if not self.config.max_staleness:
+            self.sync_weights()
+
+    def _row(
+        self,
+        step: int,
+        drawn: Drawn,
+        staleness: int,
+        rewards: Rewards,
+        figures: dict[str, float],
+        gap: Gap,
+        update: dict[str, float],
+    ) -> dict[str, Any]:
+        gen, (per_column, mismatch) = drawn.samples, gap
+        return {
+            "step": step,
+            "reward": float(rewards.scores.mean()),
+            **rewards.metrics,
+            **group_spread(rewards.scores, self.config.samples_per_prompt),
+            **figures,
+            "response_length": float(gen[RESPONSE_MASK].bool().sum(-1).float().mean()),
+            "rollout/logprob_diff_max": float(mismatch.max()),
+            "rollout/logprob_diff_mean": float(mismatch.mean()),
+            # asynchronous: the weights that generated the samples, how many updates old
+            **(
+                {
+                    "rollout/weight_version": float(drawn.version),
+                    "rollout/staleness": float(staleness),
+                }
+                if self.config.max_staleness
+                else {}
+            ),
+            **per_replica(gen, per_column, sampled_mask(gen)),
+            **episode_metrics(gen),
+            **self._last_sync,
+            **update,
+        }
+
+    def _timing(self, t0: float, batch: TensorDict) -> dict[str, float]:
+        dt = time.perf_counter() - t0
+        return {"time_s": dt, "tokens_per_s": float(batch[ATTENTION_MASK].sum()) / dt}
+
+    def _unscored_step(
+        self, step: int, t0: float, rewards: Rewards, gen: TensorDict, batch: TensorDict
+    ) -> dict[str, Any]:
+        """A step whose samples could not all be scored: not trained on, counted, logged; the
+        run stops when ``max_consecutive_skipped_updates`` steps in a row end so."""
+        self._reward_failures_in_a_row += 1
+        failures = rewards.failures
+        _log.warning(
+            "step %d is not trained on: %d sample(s) could not be scored; first: %s",
+            step,
+            len(failures),
+            failures[0],
+        )
+        limit = self.config.max_consecutive_skipped_updates
+        if limit and self._reward_failures_in_a_row >= limit:
+            raise EngineCoreError(
+                f"step {step}: {self._reward_failures_in_a_row} steps in a row were not trained "
+                f"on because samples could not be scored; the last: {failures[0]}. Stopping "
+                f"before the run goes on without learning; checkpoints already saved are kept. "
+                f"Fix the reward function, or raise max_consecutive_skipped_updates."
+            )
+        self._advance(step)  # the step's prompts are spent; the weights did not change
+        finite = rewards.scores[torch.isfinite(rewards.scores)]
+        return {
+            "step": step,
+            "reward": float(finite.mean()) if finite.numel() else float("nan"),
+            "reward/failed_samples": float(len(failures)),
+            "response_length": float(gen[RESPONSE_MASK].sum(-1).float().mean()),
+            "actor/num_optimizer_steps": 0.0,
+            **self._timing(t0, batch),
+            **_shown(rewards),
+        }
+
+    def _count_skipped(self, step: int, update: ActorUpdate, batch: TensorDict) -> None:
+        if update.metrics.get("actor/num_optimizer_steps", 1.0) > 0:
+            self._skipped_in_a_row = 0
+            return
+        self._skipped_in_a_row += 1
+        check_skipped(
+            step, self._skipped_in_a_row, self.config.max_consecutive_skipped_updates, batch
+        )
+
+    # -- weights ---------------------------------------------------------------------------
+
+    def sync_weights(self) -> None:
+        """Push the actor's weights into the rollout (names, shapes and checksums verified).
+
+        :meth:`step` calls it before its first generation and after every update; call it again
+        after changing the actor's weights yourself (e.g. loading a checkpoint).
+        """
+        self._generation.settle()  # never swap weights under a generation in flight
+        if self._weights is None:
+            self._weights = WeightLink(self.actor, self.rollout)  # type: ignore[arg-type]
+        self._last_sync = self._weights.sync()
+        self._rollout_version = self.global_step
+
+    def _sync_if_stale(self) -> None:
+        if self._rollout_version != self.global_step:
+            self.sync_weights()
+
+    def _synced_version(self) -> int:
+        assert self._rollout_version is not None  # step() syncs before any generation
+        return self._rollout_version
+
+    def generate(self, prompts: PromptBatch, params: SamplingParams) -> TensorDict:
+        """Samples of ``prompts`` with the weights of the latest update (for evaluation); in
+        asynchronous mode after the generation in flight, which stays the next step's."""
+        self._generation.settle(quiet=True)
+        self._sync_if_stale()
+        return self._generation.generate(as_prompts(prompts), params)
+
+    # -- the run ---------------------------------------------------------------------------
+
+    def fit(
+        self, max_steps: int, *, callbacks: Sequence[StepCallback] = ()
+    ) -> list[dict[str, Any]]:
+        """Step until ``global_step`` reaches ``max_steps``; returns the rows of the steps run.
+
+        Each callback gets ``(trainer, row)`` after every step, in order: log, plot, save a
+        checkpoint there. A trainer resumed at step ``k`` runs steps ``k+1 .. max_steps``.
+        """
+        history = []
+        while self.global_step < max_steps:
+            row = self.step()
+            history.append(row)
+            for callback in callbacks:
+                callback(self, row)
+        return history
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resume needs beyond the engines' checkpoints, as plain data: the step, the
+        count of skipped updates in a row and, in asynchronous mode, the generation in flight
+        (waited for: its prompts, samples and weight version)."""
+        drawn = self._generation.in_flight()
+        pending = None
+        if drawn is not None:
+            pending = {
+                "prompts": plain(drawn.prompts),
+                "samples": plain(drawn.samples),
+                "version": drawn.version,
+            }
+        return {
+            "global_step": self.global_step,
+            "skipped_in_a_row": self._skipped_in_a_row,
+            "unscored_in_a_row": self._reward_failures_in_a_row,
+            "pending": pending,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (after the engines' checkpoints were loaded)."""
+        self.global_step = int(state["global_step"])
+        self._skipped_in_a_row = int(state.get("skipped_in_a_row", 0))
+        self._reward_failures_in_a_row = int(state.get("unscored_in_a_row", 0))
+        self._rollout_version = None
+        pending = state.get("pending")
+        if pending is not None:
+            self._generation.restore(
+                Drawn(
+                    batch_of(pending["prompts"]),
+                    batch_of(pending["samples"]),
+                    int(pending["version"]),
+                )
+            )
+
+    def close(self) -> None:
+        """Wait for a generation in flight (asynchronous mode) and close the weight link the
+        trainer built; safe to call twice."""
+        self._generation.close()
+        if self._weights is not None and self._owns_weights:
+            self._weights.close()
+            self._weights = None
+        self._scorer.close()
+
+
+def _shown(rewards: Rewards) -> dict[str, Any]:
+    """A few decoded samples for people to read, where the reward gave any."""
+    return {"samples": rewards.samples} if rewards.samples else {}
