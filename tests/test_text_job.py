@@ -347,3 +347,58 @@ def test_stop_strings_end_responses_at_their_first_occurrence(user: dict[str, Pa
     with pytest.raises(ValueError, match="non-empty"):
         StopStrings(tok, [""])
 
+
+def test_the_three_override_command_runs_as_typed_and_says_what_it_dropped(
+    user: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``engine-core run engine.model.path=M data.train_files=[T] reward.fn=R`` on the default
+    recipe: the model folder replaces the shipped model's config and tokenizer, the training
+    files the shipped task's validation files, demonstrations, warm-up and evaluation; one line
+    says so, and the run trains (steps and output folder set so the test is short)."""
+    from engine_core_roles.jobs.cli import main
+
+    code = main(
+        [
+            "run",
+            f"engine.model.path={user['model']}",
+            f"data.train_files=[{user['train']}]",
+            f"reward.fn={user['reward']}:ends_with_answer",
+            "steps=1",
+            f"output_dir={tmp_path}",
+        ]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "dropped settings" in x)
+    assert (
+        "engine.model.path replaces the recipe's engine.model.config, engine.model.tokenizer"
+        in line
+    )
+    assert (
+        "data.train_files replaces the recipe's data.val_files, data.demos, warmup_sft_steps"
+        in line
+    )
+    assert [r["step"] for r in _rows(tmp_path)] == [1]
+
+
+def test_settings_given_beside_their_replacement_are_kept(user: dict[str, Path]) -> None:
+    """Only what the overrides leave as the recipe had it goes; a setting given on the command
+    line stays, and a recipe whose model has no config loses nothing."""
+    from engine_core_roles.jobs.cli import load_recipe
+
+    told: list[str] = []
+    raw = load_recipe(
+        RECIPES / "text_tiny.yaml",
+        [f"data.train_files=[{user['train']}]", "warmup_sft_steps=5", "eval.every=50"],
+        on_drop=told.append,
+    )
+    assert raw["warmup_sft_steps"] == 5 and raw["eval"]["every"] == 50
+    assert "demos" not in raw["data"] and "val_files" not in raw["data"]
+    assert raw["engine"]["model"]["config"]["vocab_size"] == 72  # the model was not replaced
+    assert told == [
+        "text_tiny.yaml: dropped settings of the recipe that the overrides replace: "
+        "data.train_files replaces the recipe's data.val_files, data.demos."
+    ]
+    told.clear()
+    assert load_recipe(RECIPES / "text_tiny.yaml", ["steps=3"], on_drop=told.append)["steps"] == 3
+    assert told == []

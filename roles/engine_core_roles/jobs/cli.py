@@ -10,7 +10,7 @@ installed (``python -m engine_core_roles.jobs.cli``).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,15 +51,73 @@ def _recipe(args: argparse.Namespace, default: str) -> dict[str, Any]:
     recipe, overrides = args.recipe, list(args.overrides)
     if recipe is not None and "=" in recipe:  # only overrides were given
         recipe, overrides = None, [recipe, *overrides]
-    return load_recipe(recipe or RECIPES / default, overrides)
+    return load_recipe(recipe or RECIPES / default, overrides, on_drop=print)
 
 
-def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
+# A setting of a recipe that belongs to another: when a run gives the second a value of its own,
+# the recipe's first goes with it (a model folder brings its config and tokenizer; new training
+# prompts leave the shipped task's validation files, demonstrations, warm-up and evaluation)
+REPLACES: dict[str, tuple[str, ...]] = {
+    "engine.model.path": ("engine.model.config", "engine.model.tokenizer"),
+    "data.train_files": ("task", "data.val_files", "data.demos", "warmup_sft_steps", "eval"),
+}
+
+
+def load_recipe(
+    path: str | Path,
+    overrides: Sequence[str] = (),
+    *,
+    on_drop: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """The YAML recipe at ``path``, its ``./`` paths resolved beside it, with dotted
-    ``overrides`` applied (what ``engine-core run PATH OVERRIDES...`` runs)."""
+    ``overrides`` applied (what ``engine-core run PATH OVERRIDES...`` runs).
 
+    Where the overrides replace a setting that others of the recipe belong to (:data:`REPLACES`),
+    those others are dropped unless the overrides set them too; ``on_drop`` is told, in one
+    line, what went."""
     path = Path(path)
-    return apply_overrides(recipe_relative(load_yaml(path), path.parent), list(overrides))
+    recipe = recipe_relative(load_yaml(path), path.parent)
+    raw = apply_overrides(recipe, list(overrides))
+    dropped: list[str] = []
+    for key, belongs in REPLACES.items():
+        if _get(raw, key) in (_MISSING, _get(recipe, key)):
+            continue
+        gone = [
+            k
+            for k in belongs
+            if _get(recipe, k) is not _MISSING and _get(raw, k) == _get(recipe, k)
+        ]
+        for k in gone:
+            _pop(raw, k)
+        if gone:
+            dropped.append(f"{key} replaces the recipe's {', '.join(gone)}")
+    if dropped and on_drop is not None:
+        on_drop(
+            f"{path.name}: dropped settings of the recipe that the overrides replace: "
+            + "; ".join(dropped)
+            + "."
+        )
+    return raw
+
+
+_MISSING = object()
+
+
+def _get(data: dict[str, Any], key: str) -> Any:
+    node: Any = data
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def _pop(data: dict[str, Any], key: str) -> None:
+    *parents, last = key.split(".")
+    node = data
+    for part in parents:
+        node = node[part]
+    del node[last]
 
 
 def recipe_relative(raw: Any, folder: Path) -> Any:
