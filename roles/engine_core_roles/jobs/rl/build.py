@@ -1,23 +1,27 @@
-"""Building a job's roles: engines in this process, or worker groups, the rollout where the
-recipe puts it, the weight link between them, and the job's thread plan.
+"""Building a job: every config resolved first (:func:`resolve`), then the roles (engines in this
+process, or worker groups), the rollout where the recipe puts it, and the weight link between
+them (:func:`build`), each registered for closing as soon as it exists; and the job's thread plan.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from engine_core import (
+    BackendSpec,
     BaseEngine,
+    EngineConfig,
     PluginManager,
+    RolloutConfig,
     resolve_engine_config,
     resolve_rollout_config,
 )
 from engine_core.errors import ConfigError
-from engine_core.executors.base import threads_per_process
+from engine_core.executors.base import WorkerGroup, threads_per_process
 from engine_core.models import build_hf_config
 from engine_core.remote_rollout import ProcessRollout
 from engine_core.rollout import BaseRollout
@@ -39,52 +43,195 @@ from engine_core_roles.distributed.workers import (
 )
 from engine_core_roles.episodes.rollout import EpisodeRollout, EpisodeWorker
 from engine_core_roles.jobs.rl.config import RLJobConfig
-from engine_core_roles.jobs.rl.text import _episode_settings, _Text
+from engine_core_roles.jobs.rl.text import TextParts, episode_settings
 from engine_core_roles.roles.actor import Actor
 from engine_core_roles.roles.critic import Critic
 from engine_core_roles.roles.reference import Reference
 from engine_core_roles.roles.reward_model import RewardModel
-from engine_core_roles.trainer.protocols import (
-    PolicyRole,
-    ReferenceRole,
-    RewardRole,
-    ValueRole,
-)
 
 
 @dataclass
-class _Roles:
-    """The job's roles as the trainer calls them, and what holds their engines."""
+class Resolved:
+    """Every engine and rollout config of a job, resolved (and refused, naming the field)
+    before anything is built."""
 
-    actor: PolicyRole
-    rollout: BaseRollout | ProcessRollout
-    reference: ReferenceRole | None
-    critic: ValueRole | None
-    parts: dict[str, Any]  # checkpoint parts: engines, or role groups
-    reward_model: RewardRole | None = None
-    groups: dict[str, RoleGroup] = field(default_factory=dict)  # by placement role name
-    owns_ray: bool = False
-    weights: WeightLink | None = None  # the one path from the actor to the rollout
+    engine: tuple[BackendSpec, EngineConfig]
+    rollout: tuple[BackendSpec, RolloutConfig]
+    critic: tuple[BackendSpec, EngineConfig] | None
+    reward_model: tuple[BackendSpec, EngineConfig] | None
+
+
+def resolve(job: RLJobConfig, manager: PluginManager) -> Resolved:
+    engine = resolve_engine_config(job.engine, manager, path=("engine",))
+    rollout_raw = {"model": job.engine["model"], **job.rollout}
+    rollout_spec, rollout_cfg = resolve_rollout_config(rollout_raw, manager, path=("rollout",))
+    if not isinstance(rollout_cfg, RolloutConfig):
+        raise ConfigError(
+            f"rollout.backend={rollout_spec.name!r} declares the config class "
+            f"{type(rollout_cfg).__name__}, which does not subclass engine_core.RolloutConfig; "
+            f"a rollout's config must, so that the job can hand it to the rollout's processes. "
+            f"Fix the plugin's config class."
+        )
+    critic = None
+    if job.trainer.algorithm == "ppo":
+        critic = resolve_engine_config(job.critic_engine_config(), manager, path=("critic_engine",))
+    reward_model = None
+    if job.reward_model is not None:
+        reward_model = resolve_engine_config(
+            job.reward_model.engine_config(), manager, path=("reward_model", "engine")
+        )
+        _check_vocabulary(engine[1], reward_model[1])
+    return Resolved(engine, (rollout_spec, rollout_cfg), critic, reward_model)
+
+
+@dataclass
+class Roles:
+    """The job's roles as the trainer calls them: in this process, or worker groups.
+    ``parts`` are what a checkpoint saves (the engines, or the groups), by name."""
+
+    actor: Actor | ActorGroup
+    parts: dict[str, BaseEngine | RoleGroup]
+    reference: Reference | ReferenceGroup | None = None
+    critic: Critic | CriticGroup | None = None
+    reward_model: RewardModel | RewardModelGroup | None = None
 
     @property
-    def actor_part(self) -> Any:
+    def actor_part(self) -> BaseEngine | RoleGroup:
         return self.parts["actor"]
 
-    def close(self) -> None:
-        if self.weights is not None:
-            self.weights.close()
-        if isinstance(self.rollout, ProcessRollout):
-            self.rollout.shutdown()
-        for group in self.groups.values():
-            group.shutdown()
-        if self.owns_ray:
-            import ray
 
-            ray.shutdown()
+@dataclass
+class Built:
+    """A job's roles, its rollout and the one weight path between them."""
+
+    roles: Roles
+    rollout: BaseRollout | ProcessRollout
+    weights: WeightLink
+
+
+def build(
+    job: RLJobConfig,
+    resolved: Resolved,
+    stack: contextlib.ExitStack,
+    threads: Threads,
+    text: TextParts | None = None,
+) -> Built:
+    """The job's roles, rollout and weight link; ``stack`` closes each (in reverse order)."""
+    if job.placement.grouped:
+        roles = _grouped_roles(job, resolved, stack)
+    else:
+        roles = _local_roles(job, resolved)
+    rollout = _rollout(job, resolved, threads, text, stack)
+    weights = WeightLink(roles.actor, rollout)
+    stack.callback(weights.close)
+    return Built(roles, rollout, weights)
+
+
+def _local_roles(job: RLJobConfig, resolved: Resolved) -> Roles:
+    """The roles on engines in this process (the reference: a second copy of the initial
+    policy, built with the same seed)."""
+
+    def engine(spec: BackendSpec, cfg: EngineConfig) -> BaseEngine:
+        built: BaseEngine = spec.load_class()(cfg)
+        built.init_model()
+        return built
+
+    actor_engine = engine(*resolved.engine)
+    roles = Roles(Actor(job.actor_config(), actor_engine), {"actor": actor_engine})
+    if job.actor.use_kl_loss:
+        roles.reference = Reference(engine(*resolved.engine))
+    if resolved.critic is not None:
+        critic_engine = engine(*resolved.critic)
+        roles.critic, roles.parts["critic"] = Critic(job.critic, critic_engine), critic_engine
+    if resolved.reward_model is not None:
+        roles.reward_model = RewardModel(engine(*resolved.reward_model))
+    return roles
+
+
+def _grouped_roles(job: RLJobConfig, resolved: Resolved, stack: contextlib.ExitStack) -> Roles:
+    """The roles as worker groups on ``job.placement.executor`` (local processes or Ray)."""
+    placement = job.placement
+    if placement.executor == "ray":
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=job.ray.address, num_cpus=job.ray.num_cpus, log_to_driver=False)
+            stack.callback(ray.shutdown)
+
+    def started(role: str, worker: type[Any], cfg: EngineConfig, *args: Any) -> WorkerGroup:
+        dp = getattr(placement, role).dp
+        group = start_group(placement, worker, num_workers(dp, cfg), (cfg.model_dump(), *args))
+        stack.callback(group.shutdown)
+        return group
+
+    engine_cfg, actor_cfg = resolved.engine[1], job.actor_config()
+    actor = ActorGroup(started("actor", ActorWorker, engine_cfg, actor_cfg.model_dump()), actor_cfg)
+    roles = Roles(actor, {"actor": actor})
+    groups: dict[str, RoleGroup] = {"actor": actor}
+    if job.actor.use_kl_loss:
+        roles.reference = groups["reference"] = ReferenceGroup(
+            started("reference", ReferenceWorker, engine_cfg)
+        )
+    if resolved.critic is not None:
+        critic = CriticGroup(
+            started("critic", CriticWorker, resolved.critic[1], job.critic.model_dump())
+        )
+        roles.critic = roles.parts["critic"] = groups["critic"] = critic
+    if resolved.reward_model is not None:
+        roles.reward_model = groups["reward_model"] = RewardModelGroup(
+            started("reward_model", RewardModelWorker, resolved.reward_model[1])
+        )
+    for role, group in groups.items():
+        want = getattr(placement, role).dp
+        if group.dp_size != want:
+            raise ConfigError(
+                f"placement.{role}.dp={want}, but its engine formed dp={group.dp_size} from "
+                f"{group.group.num_workers} workers; the engine's tensor_parallel_size × "
+                f"pipeline_parallel_size must divide them. Check the role's engine config."
+            )
+    return roles
+
+
+def _rollout(
+    job: RLJobConfig,
+    resolved: Resolved,
+    threads: Threads,
+    text: TextParts | None,
+    stack: contextlib.ExitStack,
+) -> BaseRollout | ProcessRollout:
+    """The rollout in this process, or as replicas in processes of their own (Ray actors
+    with the roles on Ray); with an environment, whole episodes run where it generates."""
+    spec, rollout_cfg = resolved.rollout
+    episodes = episode_settings(job, text)
+    if job.rollout_placement == "process":
+        hosting: dict[str, Any] = {}  # the replicas' worker: the plain one unless episodes
+        if episodes:
+            hosting = {"worker_cls": EpisodeWorker, "worker_args": (episodes,)}
+        remote = ProcessRollout(
+            rollout_cfg,
+            replicas=job.rollout_replicas,
+            executor="ray" if job.placement.executor == "ray" else "local",
+            threads_per_replica=threads.per_replica,
+            **hosting,
+        )
+        stack.callback(remote.shutdown)
+        return remote
+    backend: BaseRollout = spec.load_class()(rollout_cfg)
+    if episodes and text is not None and text.environment is not None:
+        assert job.env is not None
+        return EpisodeRollout(
+            backend,
+            text.environment,
+            text.tokenizer,
+            max_turns=job.env.max_turns,
+            max_episode_tokens=episodes["max_episode_tokens"],
+            step_timeout_s=job.env.step_timeout_s,
+        )
+    return backend
 
 
 @dataclass(frozen=True)
-class _Threads:
+class Threads:
     """The job's CPU threads, decided here and nowhere else: this process's count while the
     job runs (None: left as it is) and each rollout replica's."""
 
@@ -92,90 +239,16 @@ class _Threads:
     per_replica: int
 
 
-def _threads(job: RLJobConfig) -> _Threads:
+def thread_plan(job: RLJobConfig) -> Threads:
     if job.rollout_placement != "process":
-        return _Threads(None, 1)
+        return Threads(None, 1)
     driver = None
     if job.trainer.max_staleness:
         # generation and training run at once: the cores are split between this process and
         # the rollout's, not every process on every core
         driver = threads_per_process(2)
     cores = driver or torch.get_num_threads()
-    return _Threads(driver, threads_per_process(job.rollout_replicas, cores))
-
-
-def _build(
-    job: RLJobConfig,
-    manager: PluginManager,
-    stack: contextlib.ExitStack,
-    threads: _Threads,
-    text: _Text | None = None,
-) -> _Roles:
-    # every config is resolved (and refused, naming the field) before anything is built
-    spec, engine_cfg = resolve_engine_config(job.engine, manager, path=("engine",))
-    rollout_raw = {"model": job.engine["model"], **job.rollout}
-    rspec, rollout_cfg = resolve_rollout_config(rollout_raw, manager, path=("rollout",))
-    critic_spec = critic_cfg = None
-    if job.trainer.algorithm == "ppo":
-        path = ("critic_engine",)
-        critic_spec, critic_cfg = resolve_engine_config(
-            job.critic_engine_config(), manager, path=path
-        )
-    rm_spec = rm_cfg = None
-    if job.reward_model is not None:
-        rm_spec, rm_cfg = resolve_engine_config(
-            job.reward_model.engine_config(), manager, path=("reward_model", "engine")
-        )
-        _check_vocabulary(engine_cfg, rm_cfg)
-    roles = _Roles(actor=None, rollout=None, reference=None, critic=None, parts={})  # type: ignore[arg-type]
-    stack.callback(roles.close)
-    if job.placement.grouped:
-        _build_groups(job, roles, engine_cfg, critic_cfg, rm_cfg)
-    else:
-        engine: BaseEngine = spec.load_class()(engine_cfg)
-        engine.init_model()
-        roles.actor, roles.parts["actor"] = Actor(job.actor_config(), engine), engine
-        if job.actor.use_kl_loss:
-            ref_engine = spec.load_class()(engine_cfg)
-            ref_engine.init_model()  # same seed: the initial policy
-            roles.reference = Reference(ref_engine)
-        if critic_spec is not None:
-            critic_engine = critic_spec.load_class()(critic_cfg)
-            critic_engine.init_model()
-            roles.critic, roles.parts["critic"] = Critic(job.critic, critic_engine), critic_engine
-        if rm_spec is not None:
-            rm_engine = rm_spec.load_class()(rm_cfg)
-            rm_engine.init_model()
-            roles.reward_model = RewardModel(rm_engine)
-    episodes = _episode_settings(job, text)
-    if job.rollout_placement == "process":
-        # with the roles on Ray, the replicas are Ray actors too (placed by Ray, like the roles);
-        # with an environment, each replica runs its episodes whole
-        hosting: dict[str, Any] = {}  # the replicas' worker: the plain one unless episodes
-        if episodes:
-            hosting = {"worker_cls": EpisodeWorker, "worker_args": (episodes,)}
-        roles.rollout = ProcessRollout(
-            rollout_cfg,  # type: ignore[arg-type]
-            replicas=job.rollout_replicas,
-            executor="ray" if job.placement.executor == "ray" else "local",
-            threads_per_replica=threads.per_replica,
-            **hosting,
-        )
-    else:
-        backend: BaseRollout = rspec.load_class()(rollout_cfg)
-        roles.rollout = backend
-        if episodes and text is not None and text.environment is not None:
-            assert job.env is not None
-            roles.rollout = EpisodeRollout(
-                backend,
-                text.environment,
-                text.tokenizer,
-                max_turns=job.env.max_turns,
-                max_episode_tokens=episodes["max_episode_tokens"],
-                step_timeout_s=job.env.step_timeout_s,
-            )
-    roles.weights = WeightLink(roles.actor, roles.rollout)  # type: ignore[arg-type]
-    return roles
+    return Threads(driver, threads_per_process(job.rollout_replicas, cores))
 
 
 def _check_vocabulary(policy_cfg: Any, rm_cfg: Any) -> None:
@@ -188,50 +261,3 @@ def _check_vocabulary(policy_cfg: Any, rm_cfg: Any) -> None:
             f"reward model scores the actor's token ids, so it must use the same tokenizer. "
             f"Train or pick a reward model on the actor's vocabulary."
         )
-
-
-def _build_groups(
-    job: RLJobConfig, roles: _Roles, engine_cfg: Any, critic_cfg: Any, rm_cfg: Any
-) -> None:
-    """The roles as worker groups on ``job.placement.executor`` (local processes or Ray)."""
-
-    placement = job.placement
-    if placement.executor == "ray":
-        import ray
-
-        if not ray.is_initialized():
-            ray.init(address=job.ray.address, num_cpus=job.ray.num_cpus, log_to_driver=False)
-            roles.owns_ray = True
-    policy_raw, actor_cfg = engine_cfg.model_dump(), job.actor_config()
-    actor = start_group(
-        placement,
-        ActorWorker,
-        num_workers(placement.actor.dp, engine_cfg),
-        (policy_raw, actor_cfg.model_dump()),
-    )
-    roles.groups["actor"] = ActorGroup(actor, actor_cfg)
-    roles.actor = roles.parts["actor"] = roles.groups["actor"]  # type: ignore[assignment]
-    if job.actor.use_kl_loss:
-        workers = num_workers(placement.reference.dp, engine_cfg)
-        ref = start_group(placement, ReferenceWorker, workers, (policy_raw,))
-        roles.groups["reference"] = ReferenceGroup(ref)
-        roles.reference = roles.groups["reference"]  # type: ignore[assignment]
-    if critic_cfg is not None:
-        workers = num_workers(placement.critic.dp, critic_cfg)
-        critic_args = (critic_cfg.model_dump(), job.critic.model_dump())
-        critic = start_group(placement, CriticWorker, workers, critic_args)
-        roles.groups["critic"] = CriticGroup(critic)
-        roles.critic = roles.parts["critic"] = roles.groups["critic"]  # type: ignore[assignment]
-    if rm_cfg is not None:
-        workers = num_workers(placement.reward_model.dp, rm_cfg)
-        rm = start_group(placement, RewardModelWorker, workers, (rm_cfg.model_dump(),))
-        roles.groups["reward_model"] = RewardModelGroup(rm)
-        roles.reward_model = roles.groups["reward_model"]  # type: ignore[assignment]
-    for role, group in roles.groups.items():
-        want = getattr(placement, role).dp
-        if group.dp_size != want:
-            raise ConfigError(
-                f"placement.{role}.dp={want}, but its engine formed dp={group.dp_size} from "
-                f"{group.group.num_workers} workers; the engine's tensor_parallel_size × "
-                f"pipeline_parallel_size must divide them. Check the role's engine config."
-            )

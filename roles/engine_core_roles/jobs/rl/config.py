@@ -98,7 +98,7 @@ class RLJobConfig(FrozenModel):
     warmup_sft_steps: int = Field(0, ge=0, description="Supervised steps before RL (0: none).")
     warmup_batch_size: PositiveInt = 32
     log_every: PositiveInt = 10
-    output_dir: str = "outputs/grpo"
+    output_dir: str = "outputs/rl"
     task: TaskConfig = TaskConfig()
     data: DataConfig | None = Field(
         None,

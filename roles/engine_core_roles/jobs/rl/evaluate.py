@@ -9,7 +9,7 @@ from engine_core import (
 )
 from engine_core_roles.data.rewards import RewardConfig
 from engine_core_roles.jobs.rl.config import RLJobConfig
-from engine_core_roles.jobs.rl.text import _Text
+from engine_core_roles.jobs.rl.text import TextParts
 from engine_core_roles.trainer.config import SEED_STRIDE
 from engine_core_roles.trainer.loop import RLTrainer
 
@@ -18,7 +18,7 @@ __all__ = ["EVAL_SEED_OFFSET"]
 EVAL_SEED_OFFSET = 7919  # sampled evaluation: seeds of its own, apart from the training steps
 
 
-def _evaluate(trainer: RLTrainer, text: _Text, job: RLJobConfig, step: int) -> dict[str, float]:
+def evaluate(trainer: RLTrainer, text: TextParts, job: RLJobConfig, step: int) -> dict[str, float]:
     """Mean reward and pass@k on the validation prompts, with the rollout's current weights
     (the latest update's). A sample counts as solved at reward >= reward.success_threshold;
     pass@k is the share of prompts with a solved sample among k, pass@1 the share of samples

@@ -22,25 +22,17 @@ from rich.panel import Panel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from engine_core import (
-    PluginManager,
-    prefix_validation_error,
-)
+from engine_core import PluginManager, prefix_validation_error
 from engine_core.checkpoint import JobCheckpoints, latest_checkpoint
 from engine_core.errors import CheckpointError
-from engine_core_roles.data.rewards import RewardFn, SampleReward
-from engine_core_roles.data.tasks import PAD, DigitTask
-from engine_core_roles.jobs.rl.build import _build, _Roles, _threads
+from engine_core_roles.jobs.rl.build import Built, build, resolve, thread_plan
 from engine_core_roles.jobs.rl.config import RLJobConfig
-from engine_core_roles.jobs.rl.evaluate import _evaluate
-from engine_core_roles.jobs.rl.text import _Text, _text
-from engine_core_roles.jobs.rl.warmup import _warmup, _warmup_demos
+from engine_core_roles.jobs.rl.evaluate import evaluate
+from engine_core_roles.jobs.rl.sources import Source, source_for
+from engine_core_roles.jobs.rl.text import TextParts, text_parts
 from engine_core_roles.jobs.tracking import RunTracker, claim_output_dir, failures_logged
 from engine_core_roles.trainer.loop import RLTrainer
 from engine_core_roles.trainer.metrics import plot_keys
-from engine_core_roles.trainer.protocols import (
-    PromptSource,
-)
 
 __all__ = ["run_rl_job"]
 
@@ -71,8 +63,8 @@ def run_rl_job(
     resume_from = None
     if resume:
         resume_from = _resume_point(job, console)
-    text = _text(job, console)
-    threads = _threads(job)
+    text = text_parts(job, console)
+    threads = thread_plan(job)
     before = torch.get_num_threads()
     safe = f"checkpoints already saved under {ckpt_root} are kept, and --resume continues"
     try:
@@ -82,8 +74,8 @@ def run_rl_job(
         ):
             if threads.driver is not None and threads.driver != before:
                 torch.set_num_threads(threads.driver)
-            roles = _build(job, manager, stack, threads, text)
-            return _run(job, roles, resume_from, console, text)
+            built = build(job, resolve(job, manager), stack, threads, text)
+            return _run(job, built, resume_from, console, text)
     finally:
         # only when changed: setting it at all, even to the same count, slows this process's
         # later CPU kernels (measured: 15% on the recipe's model)
@@ -93,88 +85,98 @@ def run_rl_job(
 
 def _run(
     job: RLJobConfig,
-    roles: _Roles,
+    built: Built,
     resume_from: str | None,
     console: Console,
-    text: _Text | None = None,
+    text: TextParts | None = None,
 ) -> dict[str, Any]:
-    out_dir = Path(job.output_dir)
-    task = DigitTask(job.task)
-    reward_fn: RewardFn | SampleReward
-    if text is None:
-        trainer_cfg = job.trainer_config(task)
-        reward_fn = lambda prompt, response, mask: task.score(  # noqa: E731
-            prompt, response.masked_fill(mask == 0, PAD)
-        )
-        prompts: PromptSource = lambda step: task.prompt_ids(  # noqa: E731
-            task.sample_digits(job.prompts_per_step)
-        )
-    else:
-        trainer_cfg = job.text_trainer_config(text.stops)
-        reward_fn, train = text.reward, text.train
-        prompts = lambda step: train.next_batch(job.prompts_per_step)  # noqa: E731
-
-    def position() -> dict[str, Any]:
-        """Where the prompts continue: the digit task's sampler, or the dataset position."""
-        return {"task_rng": task.rng_state()} if text is None else {"data": text.train.state_dict()}
-
+    """Warm up or resume, train ``job.steps`` steps (logging, evaluating and saving as they go),
+    then export and summarize."""
+    source = source_for(job, text)
+    roles = built.roles
     trainer = RLTrainer(
-        trainer_cfg,
+        source.trainer_config,
         actor=roles.actor,
-        rollout=roles.rollout,
-        reward_fn=reward_fn,
-        prompts=prompts,
+        rollout=built.rollout,
+        reward_fn=source.reward,
+        prompts=source.prompts,
         reference=roles.reference,
         critic=roles.critic,
         reward_model=roles.reward_model,
-        weights=roles.weights,
-        responses=None if text is None else text.stop_strings,
+        weights=built.weights,
+        responses=source.responses,
     )
-    checkpoints = JobCheckpoints(out_dir / "checkpoints", max_ckpt_to_keep=job.max_ckpt_to_keep)
-    parts = roles.parts
+    checkpoints = JobCheckpoints(
+        Path(job.output_dir) / "checkpoints", max_ckpt_to_keep=job.max_ckpt_to_keep
+    )
     if resume_from is not None:
-        job_state = checkpoints.load(resume_from, parts, verified=True)  # _resume_point did
-        where = "task_rng" if text is None else "data"
-        if not isinstance(job_state.get("trainer"), dict) or where not in job_state:
-            raise CheckpointError(
-                f"{resume_from} holds no job position (trainer, {where}); it was not saved by "
-                f"engine-core run with this job's {'task' if text is None else 'data'}. Resume "
-                f"from another checkpoint, or with the settings that saved it."
-            )
-        trainer.load_state_dict(job_state["trainer"])
-        if text is None:
-            task.set_rng_state(job_state["task_rng"])
-        else:
-            text.train.load_state_dict(job_state["data"])
+        job_state = checkpoints.load(resume_from, roles.parts, verified=True)  # _resume_point did
+        trainer.load_state_dict(source.resume(job_state, resume_from))
         console.print(f"resumed from {resume_from} (next step {trainer.global_step + 1})")
-    elif job.warmup_sft_steps and text is not None:
-        _warmup_demos(roles.actor_part, text, job)
     elif job.warmup_sft_steps:
-        _warmup(roles.actor_part, task, job)
-    tracker = RunTracker(out_dir, resume_after_step=trainer.global_step)
-    ckpt: str | None = str(resume_from) if resume_from is not None else None
-    progress = Progress(
-        TextColumn("[bold blue]grpo"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn(
-            "reward {task.fields[reward]:.3f}  loss {task.fields[loss]:+.4f}  {task.fields[tps]:.0f} tok/s"
-        ),
-        TimeRemainingColumn(),
-        console=console,
-        transient=True,
-    )
+        source.warm_up(roles.actor_part)
+    tracker = RunTracker(Path(job.output_dir), resume_after_step=trainer.global_step)
+    save = _Save(job, checkpoints, built, source, resume_from)
+    with _StepLog(job, tracker, console, text, trainer.global_step) as log:
+        try:
+            trainer.fit(job.steps, callbacks=[log, save])
+        finally:
+            trainer.close()
+    return _finish(job, built, text, tracker, save.last, console)
 
-    def log(trainer: RLTrainer, row: dict[str, Any]) -> None:
-        step = row["step"]
+
+class _StepLog:
+    """After each step: validation where due, the row to the tracker, the progress bar, and a
+    console line every ``log_every`` steps (with the decoded samples to samples.jsonl)."""
+
+    def __init__(
+        self,
+        job: RLJobConfig,
+        tracker: RunTracker,
+        console: Console,
+        text: TextParts | None,
+        done: int,
+    ) -> None:
+        self.job, self.tracker, self.console, self.text = job, tracker, console, text
+        self.progress = Progress(
+            TextColumn(f"[bold blue]{job.trainer.algorithm}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn(
+                "reward {task.fields[reward]:.3f}  loss {task.fields[loss]:+.4f}  "
+                "{task.fields[tps]:.0f} tok/s"
+            ),
+            TimeRemainingColumn(),
+            console=console,
+            transient=True,
+        )
+        self._done = done
+
+    def __enter__(self) -> _StepLog:
+        self.progress.__enter__()
+        self.bar = self.progress.add_task(
+            self.job.trainer.algorithm,
+            total=self.job.steps,
+            completed=self._done,
+            reward=0.0,
+            loss=0.0,
+            tps=0.0,
+        )
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.progress.__exit__(*exc)
+
+    def __call__(self, trainer: RLTrainer, row: dict[str, Any]) -> None:
+        job, step = self.job, row["step"]
         shown = row.pop("samples", None)
         every = job.eval.every
-        if text is not None and every and (step % every == 0 or step == job.steps):
-            row.update(_evaluate(trainer, text, job, step))
-        tracker.log(row)
+        if self.text is not None and every and (step % every == 0 or step == job.steps):
+            row.update(evaluate(trainer, self.text, job, step))
+        self.tracker.log(row)
         nan = float("nan")
-        progress.update(
-            bar,
+        self.progress.update(
+            self.bar,
             advance=1,
             reward=row["reward"],
             loss=row.get("actor/loss", nan),
@@ -182,33 +184,55 @@ def _run(
         )
         if step % job.log_every == 0 or step == job.steps:
             if shown:
-                tracker.log_samples(step, shown)
+                self.tracker.log_samples(step, shown)
             val = "".join(f" {k} {v:.3f}" for k, v in row.items() if k.startswith("val/"))
-            console.print(
+            self.console.print(
                 f"step {step:>4}/{job.steps} reward {row['reward']:.3f} "
                 f"pg {row.get('actor/pg_loss', nan):+.4f} ent {row.get('actor/entropy', nan):.3f} "
                 f"kl {row.get('actor/kl_loss', 0.0):.4f} "
                 f"lp_diff {row.get('rollout/logprob_diff_max', nan):.0e} {row['time_s']:.2f}s" + val
             )
 
-    def save(trainer: RLTrainer, row: dict[str, Any]) -> None:
-        nonlocal ckpt
-        step = row["step"]
-        if step == job.steps or (job.save_every and step % job.save_every == 0):
-            # actor, critic and the task position: one folder, committed by one rename
-            # (and, asynchronous, the generation in flight: a resume trains on the same samples)
-            state = {**position(), "trainer": trainer.state_dict()}
-            ckpt = checkpoints.save(step, parts, state)
 
-    with progress:
-        bar = progress.add_task(
-            "grpo", total=job.steps, completed=trainer.global_step, reward=0.0, loss=0.0, tps=0.0
+class _Save:
+    """Every ``save_every`` steps and at the last: the actor (the critic under ppo), the
+    prompts' position and the trainer's state (asynchronous: the generation in flight, so a
+    resume trains on the same samples) in one folder, committed by one rename."""
+
+    def __init__(
+        self,
+        job: RLJobConfig,
+        checkpoints: JobCheckpoints,
+        built: Built,
+        source: Source,
+        resumed_from: str | None,
+    ) -> None:
+        self.job, self.checkpoints, self.parts, self.source = (
+            job,
+            checkpoints,
+            built.roles.parts,
+            source,
         )
-        try:
-            trainer.fit(job.steps, callbacks=[log, save])
-        finally:
-            trainer.close()
-    hf_export = roles.actor_part.export_hf(str(out_dir / "hf_export"))
+        self.last = resumed_from  # the newest checkpoint of the run
+
+    def __call__(self, trainer: RLTrainer, row: dict[str, Any]) -> None:
+        step, job = row["step"], self.job
+        if step == job.steps or (job.save_every and step % job.save_every == 0):
+            state = {self.source.key: self.source.position(), "trainer": trainer.state_dict()}
+            self.last = self.checkpoints.save(step, self.parts, state)
+
+
+def _finish(
+    job: RLJobConfig,
+    built: Built,
+    text: TextParts | None,
+    tracker: RunTracker,
+    checkpoint: str | None,
+    console: Console,
+) -> dict[str, Any]:
+    """The Hugging Face export, the plot and the summary the console shows."""
+    out_dir = Path(job.output_dir)
+    hf_export = built.roles.actor_part.export_hf(str(out_dir / "hf_export"))
     if text is not None:  # a folder that from_pretrained and the tokenizer both load
         text.tokenizer.save_pretrained(hf_export)
     rows = tracker.rows
@@ -227,7 +251,7 @@ def _run(
         "metrics": str(tracker.metrics_path),
         "tensorboard": str(tracker.tensorboard_dir),
         "plot": str(plot),
-        "checkpoint": ckpt,
+        "checkpoint": checkpoint,
         "hf_export": hf_export,
     }
     val_keys = [k for r in rows for k in r if k.startswith("val/pass@")]

@@ -34,7 +34,7 @@ from engine_core_roles.jobs.rl.config import RLJobConfig
 
 
 @dataclass
-class _Text:
+class TextParts:
     """The text job's pieces, built (and checked) before any engine is."""
 
     tokenizer: Any
@@ -49,7 +49,7 @@ class _Text:
     val_reward: TextReward | None = None
 
 
-def _text(job: RLJobConfig, console: Console) -> _Text | None:
+def text_parts(job: RLJobConfig, console: Console) -> TextParts | None:
     """Tokenizer, datasets and reward of a job with ``data``; None for the digit task. Every
     input problem is refused here, before anything is built or trained."""
     if job.data is None:
@@ -93,7 +93,7 @@ def _text(job: RLJobConfig, console: Console) -> _Text | None:
             "place (trainer.stop_token_ids replaces the tokenizer's own)."
         )
     reward = TextReward(reward_cfg, tokenizer, train, show=job.log_samples)
-    text = _Text(tokenizer, train, reward, stops, environment=environment, tools=tools)
+    text = TextParts(tokenizer, train, reward, stops, environment=environment, tools=tools)
     text.stop_strings = StopStrings(tokenizer, longer) if longer else None
     text.context = None if context is None else int(context)
     sets = [("data.train_files", train)]
@@ -136,7 +136,7 @@ def _check_environment(env: Environment, data: PromptData) -> None:
     check_template(data.tokenizer, env.tools)
 
 
-def _episode_settings(job: RLJobConfig, text: _Text | None) -> dict[str, Any] | None:
+def episode_settings(job: RLJobConfig, text: TextParts | None) -> dict[str, Any] | None:
     """What an episode rollout needs beside the rollout's config (None: no environment)."""
     if job.env is None or text is None or job.data is None:
         return None

@@ -20,10 +20,10 @@ from engine_core_roles.algorithms.supervised import supervised_step
 from engine_core_roles.data.tasks import DigitTask
 from engine_core_roles.episodes.demos import demo_batch
 from engine_core_roles.jobs.rl.config import RLJobConfig
-from engine_core_roles.jobs.rl.text import _Text
+from engine_core_roles.jobs.rl.text import TextParts
 
 
-def _supervised(actor_part: Any) -> Callable[[TensorDict], float]:
+def supervised_step_of(actor_part: Any) -> Callable[[TensorDict], float]:
     """One supervised step of the actor, wherever it is: its engine in this process, or its
     worker group (each DP rank on its share of the batch)."""
 
@@ -33,7 +33,7 @@ def _supervised(actor_part: Any) -> Callable[[TensorDict], float]:
     return step
 
 
-def _warmup_demos(actor_part: Any, text: _Text, job: RLJobConfig) -> None:
+def warm_up_on_demos(actor_part: Any, text: TextParts, job: RLJobConfig) -> None:
     """Supervised steps on the demonstrations of data.demos and env.demos (the assistant's
     tokens only, tokenized as the rollout samples them), ``warmup_batch_size`` of them a
     step, drawn in a seeded order."""
@@ -58,13 +58,13 @@ def _warmup_demos(actor_part: Any, text: _Text, job: RLJobConfig) -> None:
             f"warmup_sft_steps=0."
         )
     gen = torch.Generator().manual_seed(job.trainer.seed or 0)
-    step = _supervised(actor_part)
+    step = supervised_step_of(actor_part)
     for _ in range(job.warmup_sft_steps):
         pick = torch.randint(len(episodes), (job.warmup_batch_size,), generator=gen).tolist()
         step(demo_batch(text.tokenizer, text.tools, [episodes[i] for i in pick]))
 
 
-def _warmup(actor_part: Any, task: DigitTask, job: RLJobConfig) -> None:
-    step = _supervised(actor_part)
+def warm_up_on_task(actor_part: Any, task: DigitTask, job: RLJobConfig) -> None:
+    step = supervised_step_of(actor_part)
     for _ in range(job.warmup_sft_steps):
         step(task.supervised_batch(job.warmup_batch_size))
