@@ -154,8 +154,9 @@ class RLTrainer:
                 "weights= must be the WeightLink of this trainer's actor and rollout; build it "
                 "as WeightLink(actor, rollout), or leave weights= out and the trainer builds it."
             )
-        self._weights = weights  # built on the first sync when not given (and then owned)
+        # the one weight path from the actor to the rollout: given, or built (and owned) here
         self._owns_weights = weights is None
+        self._weights: WeightLink | None = weights or WeightLink(actor, rollout)
         self._last_sync: dict[str, float] = {}
         # the step's parts, each picked once here
         params = config.sampling_params
@@ -325,7 +326,7 @@ class RLTrainer:
         """
         self._generation.settle()  # never swap weights under a generation in flight
         if self._weights is None:
-            self._weights = WeightLink(self.actor, self.rollout)  # type: ignore[arg-type]
+            raise EngineCoreError("this trainer was closed; build a new one to sync weights.")
         self._last_sync = self._weights.sync()
         self._rollout_version = self.global_step
 

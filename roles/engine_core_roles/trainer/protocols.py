@@ -1,5 +1,5 @@
-"""What the trainer calls on its parts: the roles (in-process or worker groups), the prompt source and
-the step callbacks.
+"""What the trainer calls on its parts: the roles (in-process or worker groups) and the prompt
+source.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from typing import Protocol
 import torch
 from tensordict import TensorDict
 
-from engine_core_roles.roles.actor import ActorConfig, ActorUpdate
+from engine_core_roles.distributed.placement import ActorGroup
+from engine_core_roles.roles.actor import Actor
 
 __all__ = ["PromptBatch", "PromptSource", "PolicyRole", "ValueRole", "ReferenceRole", "RewardRole"]
 
@@ -22,20 +23,11 @@ PromptSource = Iterable[PromptBatch] | Callable[[int], PromptBatch]
 ``[B, P]`` tensor of token ids, or the :func:`engine_core_roles.prompt_batch` of left-padded ones."""
 
 
-class PolicyRole(Protocol):
-    """What the trainer calls on the policy: an :class:`Actor`, or an
-    :class:`engine_core_roles.distributed.placement.ActorGroup` (the same calls on a data-parallel worker group).
-
-    Its weights reach the rollout through a :class:`engine_core_roles.distributed.weights.WeightLink`."""
-
-    config: ActorConfig
-
-    def compute_log_prob(self, batch: TensorDict) -> TensorDict: ...
-
-    def update_actor(self, batch: TensorDict) -> ActorUpdate: ...
-
-    @property
-    def max_position_embeddings(self) -> int | None: ...
+PolicyRole = Actor | ActorGroup
+"""The policy the trainer updates and whose weights reach the rollout through its
+:class:`~engine_core_roles.distributed.weights.WeightLink`: an :class:`Actor` in this process, or
+an :class:`~engine_core_roles.distributed.placement.ActorGroup` (the same calls on a
+data-parallel worker group). Exactly the ends the link connects."""
 
 
 class ValueRole(Protocol):
