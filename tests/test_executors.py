@@ -158,6 +158,7 @@ def test_a_failed_worker_is_named_at_once_not_when_its_waiting_peer_times_out() 
             group.call_all("raise_or_wait", 0)
         waited = time.monotonic() - start
         message = str(failed.value)
+        assert isinstance(failed.value, ValueError)  # worker 0's error, as its own type
         assert message.startswith("worker 0 raised in 'raise_or_wait'"), message
         assert "fails before the collective" in message, message
         assert "worker 1: no answer to 'raise_or_wait' within 10 s of the failure above" in message

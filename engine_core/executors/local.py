@@ -9,12 +9,14 @@ Two timeouts bound a call: ``call_timeout_s``, after which a worker that has not
 named in a :class:`DispatchError`, and ``collective_timeout_s``, handed to the worker processes
 for their process group (:func:`join_process_group`), after which a collective that waits for a
 rank fails in the ranks that wait; in-process workers have neither.
+
+A worker process sends its errors as plain data, and the error is raised here again as its own
+class where that is an engine-core or builtin one (:mod:`engine_core.executors.worker_errors`).
 """
 
 from __future__ import annotations
 
 import time
-import traceback
 from collections.abc import Mapping
 from multiprocessing.connection import wait
 from typing import Any
@@ -32,6 +34,7 @@ from engine_core.executors.base import (
     host_rendezvous,
     worker_env,
 )
+from engine_core.executors.worker_errors import WorkerErrorInfo, error_payload, worker_failure
 
 __all__ = ["LocalWorkerGroup"]
 
@@ -43,8 +46,8 @@ def _serve(conn: Any, cls: type, init_args: tuple, init_kwargs: dict, env: dict[
     try:
         worker = cls(*init_args, **init_kwargs)
         conn.send(("ok", None))
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
+    except BaseException as e:
+        conn.send(("error", error_payload(e)))  # plain data, never the exception object
         return
     while True:
         try:
@@ -56,8 +59,8 @@ def _serve(conn: Any, cls: type, init_args: tuple, init_kwargs: dict, env: dict[
             return
         try:
             conn.send(("ok", getattr(worker, method)(*args, **kwargs)))
-        except BaseException:
-            conn.send(("error", traceback.format_exc()))
+        except BaseException as e:
+            conn.send(("error", error_payload(e)))
 
 
 class LocalWorkerGroup(WorkerGroup):
@@ -132,6 +135,7 @@ class LocalWorkerGroup(WorkerGroup):
             deadline = time.monotonic() + self.call_timeout_s
         results: dict[int, Any] = {}
         failures: dict[int, str] = {}
+        raised: dict[int, object] = {}  # each worker's error payload, first to arrive first
         died: dict[int, str] = {}
         pending = dict(enumerate(self._conns))
         while pending:
@@ -157,7 +161,9 @@ class LocalWorkerGroup(WorkerGroup):
                 if status == "ok":
                     results[i] = payload
                 else:
-                    failures[i] = f"worker {i} raised in {method!r}:\n{payload}"
+                    raised[i] = payload
+                    described = WorkerErrorInfo.parse(payload).describe()
+                    failures[i] = f"worker {i} raised in {method!r}: {described}"
         if pending:  # an answer that comes later would be taken for the next call's
             self._unanswered = method
         for i in pending:  # no answer in time
@@ -174,7 +180,9 @@ class LocalWorkerGroup(WorkerGroup):
             head = (
                 [f"{'; '.join(died.values())}; the other failures follow from it:"] if died else []
             )
-            raise DispatchError("\n".join(head + [failures[i] for i in sorted(failures)]))
+            summary = "\n".join(head + [failures[i] for i in sorted(failures)])
+            # the first error raised keeps its type (when allowed), the tracebacks its cause
+            raise worker_failure(summary, raised, method=method, typed=not died)
         return [results[i] for i in range(len(self._conns))]
 
     def _submit(self, method: str, calls: Calls) -> WorkerFuture:

@@ -5,7 +5,8 @@ Needs the optional extra: ``pip install 'engine-core[ray]'``. Ray is imported on
 ``RAY_AUTH_MODE=disabled`` is set before ``ray.init``; set it where that matters (tests do).
 Actors ask for ``num_cpus`` each (default 0.01) so small hosts can place several. The timeouts
 are the local executor's: ``call_timeout_s`` per call (and for the actors to start),
-``collective_timeout_s`` for the workers' process group.
+``collective_timeout_s`` for the workers' process group. A worker's errors are raised as the
+local executor raises them (:mod:`engine_core.executors.worker_errors`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from engine_core.executors.base import (
     host_rendezvous,
     worker_env,
 )
+from engine_core.executors.worker_errors import WorkerErrorInfo, error_payload, worker_failure
 
 __all__ = ["RayWorkerGroup"]
 
@@ -41,17 +43,30 @@ def _import_ray() -> Any:
 
 
 class _Host:
-    """Holds one worker inside a Ray actor; the environment is set before it is built."""
+    """Holds one worker inside a Ray actor; the environment is set before it is built.
+
+    The worker's errors come back as plain data (:func:`error_payload`), as from the local
+    executor's processes, so both raise the same types; what Ray itself raises (an actor
+    that died, an interrupt) stays Ray's.
+    """
 
     def __init__(self, cls: type, init_args: tuple, init_kwargs: dict, env: dict[str, str]) -> None:
-        enter_worker_env(env)
-        self.worker = cls(*init_args, **init_kwargs)
+        self.failed: dict[str, Any] | None = None
+        try:
+            enter_worker_env(env)
+            self.worker = cls(*init_args, **init_kwargs)
+        except Exception as e:
+            self.failed = error_payload(e)
 
-    def ready(self) -> bool:
-        return True
+    def ready(self) -> dict[str, Any] | None:
+        """None once the worker is built; else the error its construction raised."""
+        return self.failed
 
-    def call(self, method: str, args: tuple, kwargs: dict) -> Any:
-        return getattr(self.worker, method)(*args, **kwargs)
+    def call(self, method: str, args: tuple, kwargs: dict) -> tuple[str, Any]:
+        try:
+            return ("ok", getattr(self.worker, method)(*args, **kwargs))
+        except Exception as e:
+            return ("error", error_payload(e))
 
 
 class RayWorkerGroup(WorkerGroup):
@@ -105,9 +120,13 @@ class RayWorkerGroup(WorkerGroup):
         try:  # surfaces a constructor failure here, with the worker index
             for i, actor in enumerate(self._actors):
                 try:
-                    ray.get(actor.ready.remote(), timeout=self.call_timeout_s)
+                    failed = ray.get(actor.ready.remote(), timeout=self.call_timeout_s)
                 except ray.exceptions.RayError as e:
                     raise DispatchError(f"worker {i} failed to start:\n{e}") from None
+                if failed is not None:
+                    described = WorkerErrorInfo.parse(failed).describe()
+                    summary = f"worker {i} failed to start: {described}"
+                    raise worker_failure(summary, {i: failed}, method="__init__")
         except BaseException:
             self.shutdown()
             raise
@@ -126,21 +145,28 @@ class RayWorkerGroup(WorkerGroup):
         ray = self._ray
         index = {ref: i for i, ref in enumerate(refs)}
         results: dict[int, Any] = {}
-        errors: dict[int, BaseException] = {}
+        errors: dict[int, BaseException] = {}  # what Ray raised
+        raised: dict[int, object] = {}  # what the worker raised: its payload, first first
         pending = list(refs)
         while pending:
             # after a first failure, give the other workers a moment to report theirs: a dead
             # worker's peers fail (or hang) in collectives, and the dead one must be named
-            wait = max(deadline - time.monotonic(), 0.0) if not errors else FAILURE_GRACE_S
+            failed = errors or raised
+            wait = max(deadline - time.monotonic(), 0.0) if not failed else FAILURE_GRACE_S
             ready, pending = ray.wait(pending, num_returns=1, timeout=wait)
             if not ready:
                 break
             for ref in ready:
                 try:
-                    results[index[ref]] = ray.get(ref)
+                    status, payload = ray.get(ref)
                 except ray.exceptions.RayError as e:
                     errors[index[ref]] = e
-        if not errors and pending:
+                    continue
+                if status == "ok":
+                    results[index[ref]] = payload
+                else:
+                    raised[index[ref]] = payload
+        if not (errors or raised) and pending:
             raise DispatchError(
                 "\n".join(
                     f"worker {i}: no answer to {method!r} within call_timeout_s="
@@ -148,18 +174,20 @@ class RayWorkerGroup(WorkerGroup):
                     for i in sorted(index[r] for r in pending)
                 )
             )
-        if errors:
+        if errors or raised:
             died = sorted(
                 i for i, e in errors.items() if isinstance(e, ray.exceptions.ActorDiedError)
             )
             lines = [f"worker {i} died during {method!r}" for i in died]
             head = [f"{'; '.join(lines)}; the other failures follow from it:"] if died else []
-            rest = [
-                f"worker {i} raised in {method!r}:\n{e}"
-                for i, e in sorted(errors.items())
-                if i not in died
-            ]
-            raise DispatchError("\n".join(head + rest)) from None
+            failures = {i: f"worker {i} raised in {method!r}:\n{e}" for i, e in errors.items()}
+            for i, payload in raised.items():
+                described = WorkerErrorInfo.parse(payload).describe()
+                failures[i] = f"worker {i} raised in {method!r}: {described}"
+            rest = [failures[i] for i in sorted(failures) if i not in died]
+            summary = "\n".join(head + rest)
+            # as the local executor: the first error raised keeps its type (when allowed)
+            raise worker_failure(summary, raised, method=method, typed=not died)
         return [results[i] for i in range(len(refs))]
 
     def shutdown(self) -> None:
