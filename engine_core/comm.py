@@ -15,12 +15,18 @@ import torch.distributed as dist
 from tensordict import TensorDict, is_leaf_nontensor
 
 __all__ = [
+    "default_backend",
     "all_gather_bytes",
     "all_gather_tensordict",
     "all_reduce_cpu",
     "broadcast_text",
     "collective_device",
 ]
+
+
+def default_backend() -> str:
+    """The process-group backend for this host: NCCL where CUDA is available, else gloo."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:

@@ -46,6 +46,7 @@ import torch
 from tensordict import NonTensorStack, TensorDict
 
 from engine_core.capabilities import Capability
+from engine_core.comm import default_backend
 from engine_core.dispatch import Worker
 from engine_core.errors import BatchError, DispatchError
 from engine_core.executors.base import (
@@ -259,7 +260,7 @@ class ProcessRollout:
         if threads_per_replica is None:
             threads_per_replica = threads_per_process(self.replicas)
         self.config = config
-        self.weight_sync_backend = "nccl" if torch.cuda.is_available() else "gloo"
+        self.weight_sync_backend = default_backend()
         self.timeout_s, self.executor = timeout_s, executor
         self._group: WorkerGroup | None = _start_replicas(
             worker_cls,
@@ -366,14 +367,16 @@ def _start_replicas(
 ) -> WorkerGroup:
     """One worker group of ``replicas`` workers (processes, or Ray actors), started at once; a
     replica that fails to start is named and the group is shut down."""
-    from engine_core.executors import LocalWorkerGroup, RayWorkerGroup
+    from engine_core.executors import start_worker_group
 
-    group_cls: type[LocalWorkerGroup] | type[RayWorkerGroup] = (
-        RayWorkerGroup if executor == "ray" else LocalWorkerGroup
-    )
     try:
-        return group_cls(
-            worker_cls, replicas, init_args=init_args, env=env, call_timeout_s=timeout_s
+        return start_worker_group(
+            "ray" if executor == "ray" else "local",
+            worker_cls,
+            replicas,
+            init_args=init_args,
+            env=env,
+            call_timeout_s=timeout_s,
         )
     except DispatchError as e:
         raise DispatchError(

@@ -2,8 +2,9 @@
 
 A rollout turns a batch of prompts into responses with per-token log-probs of the sampled
 tokens, accepts fresh weights from a trainer as (HF name, tensor) pairs, and can release and
-resume its memory. Weight updates are verified by the caller-facing :meth:`BaseRollout.sync_weights`
-(names, shapes and a checksum per bucket) — never silent.
+resume its memory. Every weight update goes through :meth:`BaseRollout.load_weights`, verified
+(names, shapes and a checksum per bucket) — never silent; a job's weights reach it through one
+link (``engine_core_roles.WeightLink``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ __all__ = [
     "check_bucket_shapes",
     "check_complete",
     "verified_buckets",
+    "CountedParams",
     "sent_buckets",
     "checked_buckets",
     "SentBucket",
@@ -242,6 +244,20 @@ SentBucket = tuple[list[tuple[str, torch.Tensor]], str]
 """One bucket of (HF name, tensor) pairs and the checksum its sender computed of it."""
 
 
+class CountedParams:
+    """``named`` passed through once, counting in :attr:`bytes` the bytes of the tensors that
+    went by (what a weight sync reports as sent)."""
+
+    def __init__(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._named = named
+        self.bytes = 0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self._named:
+            self.bytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+
 def sent_buckets(
     named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = BUCKET_BYTES
 ) -> Iterator[SentBucket]:
@@ -404,7 +420,8 @@ class BaseRollout(abc.ABC):
 
     def load_weights(self, buckets: Iterable[SentBucket]) -> list[WeightBucket]:
         """Load a weight stream: ``(bucket, the sender's checksum of it)`` pairs, from this
-        process (:meth:`sync_weights`) or from another one (a weight-sync group).
+        process (``load_weights(sent_buckets(named))``) or from another one (a weight-sync
+        group).
 
         Every bucket's names and shapes are checked before it is loaded, a stream that leaves a
         parameter out is refused, and each bucket's checksum of what was loaded must equal the
@@ -420,9 +437,3 @@ class BaseRollout(abc.ABC):
 
     def resume(self) -> None:
         """Re-allocate what :meth:`release` freed."""
-
-    def sync_weights(
-        self, named: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int = BUCKET_BYTES
-    ) -> list[WeightBucket]:
-        """Load ``named`` from this process: :meth:`load_weights` of its :func:`sent_buckets`."""
-        return self.load_weights(sent_buckets(named, bucket_bytes))

@@ -26,6 +26,7 @@ from engine_core.rollout import (
     RESPONSE_LOSS_MASK,
     RESPONSE_MASK,
     ROLLOUT_LOG_PROBS,
+    sent_buckets,
 )
 from engine_core_roles import Actor, ActorConfig, training_batch
 from engine_core_roles.batch.keys import EPISODE, ROW
@@ -305,7 +306,7 @@ def test_three_turn_episodes_keep_exact_tokens_and_log_probs(
     backend: str, tokenizer: Any, actor: Actor
 ) -> None:
     inner = _rollout(backend)
-    inner.sync_weights(actor.engine.named_full_params())
+    inner.load_weights(sent_buckets(actor.engine.named_full_params()))
     recorder = Recorder(inner)
     episodes = EpisodeRollout(recorder, Chatter, tokenizer, max_turns=3, max_episode_tokens=256)
     # half the vocabulary stops a turn: turns of a few tokens, nearly all ending with a stop
@@ -408,7 +409,7 @@ def test_the_gradient_on_environment_tokens_is_exactly_zero(tokenizer: Any) -> N
 
 def test_episode_limits_and_environment_failures(tokenizer: Any, actor: Actor) -> None:
     inner = _rollout("hf")
-    inner.sync_weights(actor.engine.named_full_params())
+    inner.load_weights(sent_buckets(actor.engine.named_full_params()))
 
     class Broken(Chatter):
         def step(self, message: dict[str, Any]) -> Any:

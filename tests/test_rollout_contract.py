@@ -16,6 +16,7 @@ from engine_core.rollout import (
     RolloutConfig,
     SamplingParams,
     iter_buckets,
+    sent_buckets,
     tensor_checksum,
 )
 from tests._models import TINY_QWEN2, engine_config
@@ -60,7 +61,7 @@ def test_abstract_methods_are_enforced() -> None:
 
 def test_sync_moves_the_weights_and_reports_buckets() -> None:
     engine, rollout = trainer(), ModelHoldingRollout()
-    buckets = rollout.sync_weights(engine.named_full_params(), bucket_bytes=64 << 10)
+    buckets = rollout.load_weights(sent_buckets(engine.named_full_params(), 64 << 10))
     assert len(buckets) > 1
     assert sum(len(b.names) for b in buckets) == len(rollout.expected_weights())
     for name, tensor in engine.module.state_dict().items():
@@ -71,16 +72,16 @@ def test_wrong_shape_is_refused_with_the_name() -> None:
     engine, rollout = trainer(), ModelHoldingRollout()
     named = [(n, t[:1] if n == "lm_head.weight" else t) for n, t in engine.named_full_params()]
     with pytest.raises(WeightSyncError, match="lm_head.weight: got"):
-        rollout.sync_weights(named)
+        rollout.load_weights(sent_buckets(named))
 
 
 def test_unknown_and_missing_parameters_are_caught() -> None:
     engine, rollout = trainer(), ModelHoldingRollout()
     named = list(engine.named_full_params())
     with pytest.raises(WeightSyncError, match="no such parameter"):
-        rollout.sync_weights([*named, ("extra.weight", torch.zeros(2))])
+        rollout.load_weights(sent_buckets([*named, ("extra.weight", torch.zeros(2))]))
     with pytest.raises(WeightSyncError, match="never sent"):
-        rollout.sync_weights(named[1:])
+        rollout.load_weights(sent_buckets(named[1:]))
 
 
 def test_a_parameter_not_loaded_is_a_checksum_mismatch() -> None:
@@ -88,7 +89,7 @@ def test_a_parameter_not_loaded_is_a_checksum_mismatch() -> None:
     with torch.no_grad():
         engine.module.model.norm.weight.add_(1.0)  # so the skipped load is a real difference
     with pytest.raises(WeightSyncError, match="checksum mismatch.*model.norm.weight"):
-        rollout.sync_weights(engine.named_full_params(), bucket_bytes=1 << 30)
+        rollout.load_weights(sent_buckets(engine.named_full_params(), 1 << 30))
 
 
 def test_buckets_respect_the_bound() -> None:

@@ -7,15 +7,55 @@ no extra dependency; ``RayWorkerGroup`` needs the ``ray`` extra and is imported 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal
 
-from engine_core.executors.base import WorkerGroup, join_process_group, worker_env
+from engine_core.executors.base import (
+    DEFAULT_CALL_TIMEOUT_S,
+    WorkerGroup,
+    join_process_group,
+    threads_per_process,
+    worker_env,
+)
 from engine_core.executors.local import LocalWorkerGroup
 
 if TYPE_CHECKING:
     from engine_core.executors.ray import RayWorkerGroup
 
-__all__ = ["WorkerGroup", "LocalWorkerGroup", "RayWorkerGroup", "join_process_group", "worker_env"]
+__all__ = [
+    "WorkerGroup",
+    "LocalWorkerGroup",
+    "RayWorkerGroup",
+    "join_process_group",
+    "start_worker_group",
+    "worker_env",
+]
+
+
+def start_worker_group(
+    executor: Literal["local", "ray"],
+    worker_cls: type,
+    workers: int,
+    *,
+    init_args: tuple[Any, ...] = (),
+    env: Mapping[str, str] | None = None,
+    call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+    collective_timeout_s: float | None = None,
+) -> WorkerGroup:
+    """``workers`` instances of ``worker_cls`` as processes (``local``) or Ray actors (``ray``),
+    each given its share of this machine's cores (``OMP_NUM_THREADS``, unless ``env`` sets it;
+    the driver keeps its own)."""
+    kwargs: dict[str, Any] = {
+        "init_args": init_args,
+        "env": {"OMP_NUM_THREADS": str(threads_per_process(workers)), **(env or {})},
+        "call_timeout_s": call_timeout_s,
+        "collective_timeout_s": collective_timeout_s,
+    }
+    if executor == "ray":
+        from engine_core.executors.ray import RayWorkerGroup
+
+        return RayWorkerGroup(worker_cls, workers, **kwargs)
+    return LocalWorkerGroup(worker_cls, workers, **kwargs)
 
 
 def __getattr__(name: str) -> Any:

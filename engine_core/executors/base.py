@@ -211,7 +211,9 @@ def join_process_group(backend: str | None = None) -> bool:
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return False
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        from engine_core.comm import default_backend
+
+        backend = default_backend()
     if backend == "nccl":  # one GPU per rank of this host (never executed here)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     dist.init_process_group(backend, timeout=Settings.from_env().collective_timeout)

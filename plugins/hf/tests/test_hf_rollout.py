@@ -12,7 +12,7 @@ from engine_core.config import ModelConfig
 from engine_core.plugins import load_plugins
 from engine_core.reference_engine import ReferenceEngine, ReferenceEngineConfig
 from engine_core.resolve import resolve_rollout_config
-from engine_core.rollout import SamplingParams
+from engine_core.rollout import SamplingParams, sent_buckets
 from tests._models import TINY_QWEN2, engine_config
 
 STOP = 7
@@ -68,7 +68,7 @@ def test_sampled_log_probs_equal_a_trainer_forward(temperature: float) -> None:
     r = rollout(seed=0)
     engine = ReferenceEngine(ReferenceEngineConfig(**engine_config()))
     engine.init_model()
-    r.sync_weights(engine.named_full_params())
+    r.load_weights(sent_buckets(engine.named_full_params()))
     out = r.generate(
         prompts(4), SamplingParams(temperature=temperature, max_new_tokens=6, n=2, seed=1)
     )
@@ -120,7 +120,7 @@ def test_sync_changes_what_is_generated() -> None:
     r = rollout(seed=99)  # different init from the trainer
     p, params = prompts(), SamplingParams(temperature=0, max_new_tokens=6)
     before = r.generate(p, params)["response_ids"]
-    r.sync_weights(engine.named_full_params())
+    r.load_weights(sent_buckets(engine.named_full_params()))
     after = r.generate(p, params)
     want = engine.module.generate(
         input_ids=p["prompt_ids"],

@@ -341,7 +341,9 @@ class SGLangRollout(BaseRollout):
     # -- generation -------------------------------------------------------------------------
     def generate(self, prompts: TensorDict, params: SamplingParams) -> TensorDict:
         if self._stale is not None:
-            raise WeightSyncError(f"{self._stale} run sync_weights() again before generating.")
+            raise WeightSyncError(
+                f"{self._stale} load the full weights again (load_weights) before generating."
+            )
         if self._released:
             raise WeightSyncError("the SGLang rollout's memory is released; resume() first.")
         requests = build_requests(prompts, params, deterministic=self.cfg.deterministic_inference)
@@ -384,7 +386,7 @@ class SGLangRollout(BaseRollout):
         """Free GPU weights, KV cache and CUDA graphs (no-op with ``memory_saver`` off).
 
         Without ``weights_cpu_backup`` the weights are discarded: generate() refuses until the
-        next sync_weights(), which must come after resume().
+        next full load_weights(), which must come after resume().
         """
         if not self.cfg.memory_saver:
             return

@@ -46,6 +46,7 @@ from engine_core.rollout import (
     confirm_bucket,
     model_weight_shapes,
     prompt_seeds,
+    sent_buckets,
     tensor_checksum,
     verified_buckets,
 )
@@ -445,7 +446,7 @@ def test_gpu_sync_after_a_training_step_is_verified_and_followed(rollout: Any, f
     stale = rollout.generate(prompts(), params)
     skipped = (stale[ROLLOUT_LOG_PROBS] - trainer_log_probs(engine, stale, 1.0)).abs().max()
     assert skipped > 1e-2
-    buckets = rollout.sync_weights(engine.named_full_params(), bucket_bytes=64 << 10)
+    buckets = rollout.load_weights(sent_buckets(engine.named_full_params(), 64 << 10))
     assert len(buckets) > 1 and not rollout.stale
     fresh = rollout.generate(prompts(), params)
     synced = (fresh[ROLLOUT_LOG_PROBS] - trainer_log_probs(engine, fresh, 1.0)).abs().max()
@@ -453,10 +454,10 @@ def test_gpu_sync_after_a_training_step_is_verified_and_followed(rollout: Any, f
     full = dict(engine.named_full_params())
     partial = [(n, t) for n, t in full.items() if n != "model.norm.weight"]
     with pytest.raises(WeightSyncError, match="never sent"):
-        rollout.sync_weights(partial)
-    with pytest.raises(WeightSyncError, match="run sync_weights\\(\\) again"):
+        rollout.load_weights(sent_buckets(partial))
+    with pytest.raises(WeightSyncError, match="load the full weights again"):
         rollout.generate(prompts(), params)
-    rollout.sync_weights(full.items())
+    rollout.load_weights(sent_buckets(full.items()))
     assert rollout.generate(prompts(), params).batch_size[0] == 3
 
 
@@ -469,5 +470,5 @@ def test_gpu_release_discards_weights_until_the_next_sync(rollout: Any, folder: 
     with pytest.raises(WeightSyncError, match="release\\(\\) discarded"):
         rollout.generate(prompts(), SamplingParams(max_new_tokens=2))
     rollout.resume()
-    rollout.sync_weights(trainer(folder).named_full_params())
+    rollout.load_weights(sent_buckets(trainer(folder).named_full_params()))
     assert rollout.generate(prompts(), SamplingParams(max_new_tokens=2)).batch_size[0] == 3

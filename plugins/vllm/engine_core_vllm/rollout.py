@@ -8,7 +8,7 @@
 - The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so weights are
   reloaded in place through ``collective_rpc("reload_weights")`` without touching the disk.
   vLLM reloads a model in one pass (a layer reloaded on its own from a partial set of weights is
-  left inconsistent), so :meth:`VLLMRollout.sync_weights` streams every bucket through one
+  left inconsistent), so :meth:`VLLMRollout.load_weights` streams every bucket through one
   reload, verifying names and shapes of each bucket before it is handed over and the checksum of
   what vLLM's loader consumed against what the trainer sent. A failed sync marks the rollout
   stale: it refuses to generate until a sync succeeds.
@@ -137,7 +137,7 @@ class VLLMRollout(BaseRollout):
         if self.stale:
             raise WeightSyncError(
                 "the last weight sync into the vLLM rollout failed, so its weights are "
-                "inconsistent; run sync_weights() again before generating."
+                "inconsistent; load the full weights again (load_weights) before generating."
             )
         ids, mask = prompt_tensors(prompts, "VLLMRollout.generate")
         from vllm.inputs import TokensPrompt

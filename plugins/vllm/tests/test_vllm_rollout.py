@@ -8,6 +8,8 @@ from typing import Any
 import pytest
 import torch
 
+from engine_core.rollout import sent_buckets
+
 pytest.importorskip("vllm", reason="the vllm plugin's tests need vLLM (make setup installs it)")
 
 from engine_core.batch import BatchMeta, make_batch, set_meta  # noqa: E402
@@ -137,7 +139,7 @@ def test_sync_after_a_training_step_is_verified_and_followed(rollout: Any, folde
     stale = rollout.generate(prompts(), params)
     skipped = (stale[ROLLOUT_LOG_PROBS] - trainer_log_probs(trainer, stale, 1.0)).abs().max()
     assert skipped > 1e-2
-    buckets = rollout.sync_weights(trainer.named_full_params(), bucket_bytes=64 << 10)
+    buckets = rollout.load_weights(sent_buckets(trainer.named_full_params(), 64 << 10))
     assert len(buckets) > 1
     assert {n for b in buckets for n in b.names} == set(rollout.expected_weights())
     fresh = rollout.generate(prompts(), params)
@@ -151,13 +153,13 @@ def test_broken_syncs_name_the_parameters_and_block_generation(rollout: Any, fol
     dropped = "model.layers.1.mlp.down_proj.weight"
     partial = [(n, t) for n, t in full.items() if n != dropped]
     with pytest.raises(WeightSyncError, match=f"never sent: \\['{dropped}'\\]"):
-        rollout.sync_weights(partial)
-    with pytest.raises(WeightSyncError, match="run sync_weights\\(\\) again"):
+        rollout.load_weights(sent_buckets(partial))
+    with pytest.raises(WeightSyncError, match="load the full weights again"):
         rollout.generate(prompts(), SamplingParams(max_new_tokens=2))
     wrong = [(n, t.T if n == dropped else t) for n, t in full.items()]
     with pytest.raises(WeightSyncError, match=f"{dropped}: got \\(256, 128\\), expected \\(128"):
-        rollout.sync_weights(wrong)
-    rollout.sync_weights(full.items())  # a complete sync clears the stale state
+        rollout.load_weights(sent_buckets(wrong))
+    rollout.load_weights(sent_buckets(full.items()))  # a complete sync clears the stale state
     assert rollout.generate(prompts(), SamplingParams(max_new_tokens=2)).batch_size[0] == 3
 
 

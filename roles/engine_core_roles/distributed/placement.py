@@ -24,8 +24,8 @@ from pydantic import Field, PositiveInt, model_validator
 from tensordict import TensorDict
 
 from engine_core import FrozenModel
-from engine_core.executors import LocalWorkerGroup, RayWorkerGroup
-from engine_core.executors.base import DEFAULT_CALL_TIMEOUT_S, WorkerGroup, threads_per_process
+from engine_core.executors import start_worker_group
+from engine_core.executors.base import DEFAULT_CALL_TIMEOUT_S, WorkerGroup
 from engine_core_roles.roles.actor import ActorConfig, ActorUpdate
 
 __all__ = [
@@ -136,16 +136,15 @@ def start_group(
     workers: int,
     init_args: tuple[Any, ...],
 ) -> WorkerGroup:
-    """``workers`` instances of a role worker class on ``placement.executor``."""
-    # each worker takes its share of this machine's cores (the driver keeps its own)
-    threads = {"OMP_NUM_THREADS": str(threads_per_process(workers))}
-
-    group_cls = RayWorkerGroup if placement.executor == "ray" else LocalWorkerGroup
-    return group_cls(
+    """``workers`` instances of a role worker class on ``placement.executor``, each with its
+    share of this machine's cores."""
+    if placement.executor == "in_process":  # grouped placements only
+        raise ValueError("start_group runs roles on 'local' processes or 'ray', not in_process.")
+    return start_worker_group(
+        placement.executor,
         worker_cls,
         workers,
         init_args=init_args,
-        env=threads,
         call_timeout_s=placement.call_timeout_s,
         collective_timeout_s=placement.collective_timeout_s,
     )

@@ -19,10 +19,15 @@ then moves the policy's full weights into the rollout the same way:
   sender's, bucket by bucket; a failure names the receiver and the bucket's parameters, and
   every receiver drains the stream, so the next sync starts in step.
 
+Each end knows its own transport: the policy is a :class:`_DriverSender` (an :class:`Actor` here)
+or a :class:`_GroupSender` (an actor group's writing rank), the rollout a :class:`_DriverReceiver`
+(a :class:`BaseRollout` here) or a :class:`_ReplicaReceiver` (every replica of a
+:class:`ProcessRollout`). An end in this process does its part of an exchange when asked; an end
+in worker processes starts its part at once (a non-blocking call) and is waited for after, so
+one process takes part without threads.
+
 The driver never holds more than one bucket: with an actor group and an in-process rollout it
-receives the stream bucket by bucket (``benchmarks/weight_sync_memory.py`` measures it). The
-calls to worker groups are non-blocking (:class:`engine_core.executors.base.WorkerFuture`), so
-this process takes its own part of the exchange without threads.
+receives the stream bucket by bucket (``benchmarks/weight_sync_memory.py`` measures it).
 
 Executed here on CPU with gloo for all four pairings; the NCCL groups (CUDA hosts) are written
 against the same public API and have never run.
@@ -32,31 +37,241 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-import torch
-
+from engine_core.comm import default_backend
 from engine_core.config import BUCKET_BYTES
 from engine_core.executors.base import free_port, meeting_host
 from engine_core.remote_rollout import ProcessRollout
-from engine_core.rollout import BaseRollout, sent_buckets
+from engine_core.rollout import BaseRollout, CountedParams, sent_buckets
 from engine_core.weight_sync import WeightSyncGroup, receive_weights, send_weights
 from engine_core_roles.distributed.placement import ActorGroup
 from engine_core_roles.roles.actor import Actor
 
-__all__ = ["WeightLink"]
+__all__ = ["DRIVER_ROLLOUT", "WeightLink"]
 
 DRIVER_ROLLOUT = "the rollout in the driver"
+
+
+class _Part:
+    """One end's part of an exchange: ``here`` runs in this process when waited for (blocking);
+    otherwise it is already running in worker processes, and waiting collects it."""
+
+    def __init__(self, wait: Callable[[], Any], *, here: bool) -> None:
+        self.wait, self.here = wait, here
+
+
+def _together(*parts: _Part) -> list[Any]:
+    """Every part done, this process's first (the others are already under way and wait for
+    it), then the others in order; when one fails, the others are still waited for (their
+    errors follow from it) and the first failure is raised."""
+    order = sorted(range(len(parts)), key=lambda i: not parts[i].here)
+    results: list[Any] = [None] * len(parts)
+    for n, i in enumerate(order):
+        try:
+            results[i] = parts[i].wait()
+        except BaseException:
+            for j in order[n + 1 :]:
+                with contextlib.suppress(Exception):  # they fail or drain on their own
+                    parts[j].wait()
+            raise
+    return results
+
+
+class _Sender:
+    """The end that holds the policy's full weights: rank 0 of the link's group."""
+
+    here: bool
+    spans_nodes: bool
+
+    def address(self, any_node: bool) -> tuple[str, int]:
+        raise NotImplementedError
+
+    def join(self, host: str, port: int, world: int, backend: str, timeout_s: float) -> _Part:
+        raise NotImplementedError
+
+    def send(self, bucket_bytes: int, receivers: list[str]) -> _Part:
+        """Stream the weights to ``receivers`` (one name per receiving rank); the part's
+        result is the bytes of weights sent."""
+        raise NotImplementedError
+
+    def leave(self) -> None:
+        raise NotImplementedError
+
+
+class _DriverSender(_Sender):
+    """An :class:`Actor` in this process."""
+
+    here, spans_nodes = True, False
+
+    def __init__(self, actor: Actor) -> None:
+        self.actor = actor
+        self.group: WeightSyncGroup | None = None
+
+    def address(self, any_node: bool) -> tuple[str, int]:
+        return meeting_host(any_node), free_port()
+
+    def join(self, host: str, port: int, world: int, backend: str, timeout_s: float) -> _Part:
+        def joined() -> None:
+            self.group = WeightSyncGroup(
+                host=host, port=port, rank=0, world_size=world, backend=backend, timeout_s=timeout_s
+            )
+
+        return _Part(joined, here=True)
+
+    def send(self, bucket_bytes: int, receivers: list[str]) -> _Part:
+        def sent() -> int:
+            assert self.group is not None  # joined when the link was made
+            named = CountedParams(self.actor.named_full_params(bucket_bytes))
+            send_weights(self.group, named, bucket_bytes=bucket_bytes, receiver_names=receivers)
+            return named.bytes
+
+        return _Part(sent, here=True)
+
+    def direct(self, rollout: BaseRollout, bucket_bytes: int) -> int:
+        """The weights straight into a rollout in this process (no group)."""
+        named = CountedParams(self.actor.named_full_params(bucket_bytes))
+        rollout.load_weights(sent_buckets(named, bucket_bytes))
+        return named.bytes
+
+    def leave(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
+class _GroupSender(_Sender):
+    """An :class:`ActorGroup`: every rank takes part in the gathers, the writing rank sends."""
+
+    here = False
+
+    def __init__(self, actor: ActorGroup) -> None:
+        self.actor = actor
+        self.spans_nodes = actor.group.may_span_nodes
+        self._joined = False
+
+    def address(self, any_node: bool) -> tuple[str, int]:
+        [(host, port)] = [
+            a for a in self.actor.group.call_all("weight_sync_address", any_node) if a is not None
+        ]
+        return host, port
+
+    def join(self, host: str, port: int, world: int, backend: str, timeout_s: float) -> _Part:
+        joining = self.actor.group.call_all_async(
+            "join_weight_sync", host, port, world, backend, timeout_s
+        )
+        self._joined = True
+        return _Part(joining.result, here=False)
+
+    def send(self, bucket_bytes: int, receivers: list[str]) -> _Part:
+        sending = self.actor.group.call_all_async("send_weights", bucket_bytes, receivers)
+        return _Part(lambda: int(sum(sending.result())), here=False)
+
+    def leave(self) -> None:
+        if self._joined:
+            self.actor.group.call_all("leave_weight_sync")
+
+
+class _Receiver:
+    """The end that loads the weights: ranks 1..N of the link's group, one per name."""
+
+    here: bool
+    spans_nodes: bool
+    names: list[str]
+
+    def join(self, host: str, port: int, world: int, backend: str, timeout_s: float) -> _Part:
+        raise NotImplementedError
+
+    def receive(self) -> _Part:
+        raise NotImplementedError
+
+    def leave(self) -> None:
+        raise NotImplementedError
+
+
+class _DriverReceiver(_Receiver):
+    """A :class:`BaseRollout` in this process."""
+
+    here, spans_nodes = True, False
+    names = [DRIVER_ROLLOUT]
+
+    def __init__(self, rollout: BaseRollout) -> None:
+        self.rollout = rollout
+        self.group: WeightSyncGroup | None = None
+
+    def join(self, host: str, port: int, world: int, backend: str, timeout_s: float) -> _Part:
+        def joined() -> None:
+            self.group = WeightSyncGroup(
+                host=host, port=port, rank=1, world_size=world, backend=backend, timeout_s=timeout_s
+            )
+
+        return _Part(joined, here=True)
+
+    def receive(self) -> _Part:
+        def received() -> None:
+            assert self.group is not None  # joined when the link was made
+            receive_weights(self.group, self.rollout)
+
+        return _Part(received, here=True)
+
+    def leave(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
+class _ReplicaReceiver(_Receiver):
+    """Every replica of a :class:`ProcessRollout`, replica ``i`` as rank ``1 + i``."""
+
+    here = False
+
+    def __init__(self, rollout: ProcessRollout) -> None:
+        self.rollout = rollout
+        self.spans_nodes = rollout.worker_group.may_span_nodes
+        self.names = rollout.receiver_names
+
+    def join(self, host: str, port: int, world: int, backend: str, timeout_s: float) -> _Part:
+        del backend, timeout_s  # the replicas use their rollout's own
+        return _Part(self.rollout.join_weight_sync(host, port, 1, world).result, here=False)
+
+    def receive(self) -> _Part:
+        return _Part(self.rollout.receive_weights().result, here=False)
+
+    def leave(self) -> None:
+        self.rollout.leave_weight_sync()
+
+
+def _sender(policy: Actor | ActorGroup) -> _Sender:
+    if isinstance(policy, ActorGroup):
+        return _GroupSender(policy)
+    if isinstance(policy, Actor):
+        return _DriverSender(policy)
+    raise TypeError(
+        f"WeightLink connects an Actor or an ActorGroup to a rollout; got a policy of "
+        f"type {type(policy).__name__}."
+    )
+
+
+def _receiver(rollout: BaseRollout | ProcessRollout) -> _Receiver:
+    if isinstance(rollout, ProcessRollout):
+        return _ReplicaReceiver(rollout)
+    if isinstance(rollout, BaseRollout):
+        return _DriverReceiver(rollout)
+    raise TypeError(
+        f"WeightLink connects a policy to a BaseRollout or a ProcessRollout; got a "
+        f"rollout of type {type(rollout).__name__}."
+    )
 
 
 class WeightLink:
     """Connects ``policy`` to ``rollout``; :meth:`sync` streams the weights, verified.
 
-    ``policy`` is an :class:`engine_core_roles.Actor` or an :class:`engine_core_roles.distributed.placement.ActorGroup`;
-    ``rollout`` a :class:`BaseRollout` in this process or a :class:`ProcessRollout`. The
-    connection is made here (a weight-sync group joined by both ends when they are in different
-    processes) and kept until :meth:`close`.
+    ``policy`` is an :class:`engine_core_roles.Actor` or an
+    :class:`engine_core_roles.distributed.placement.ActorGroup`; ``rollout`` a
+    :class:`BaseRollout` in this process or a :class:`ProcessRollout`. The connection is made
+    here (a weight-sync group joined by both ends when they are in different processes) and
+    kept until :meth:`close`.
     """
 
     def __init__(
@@ -67,16 +282,7 @@ class WeightLink:
         bucket_bytes: int = BUCKET_BYTES,
         timeout_s: float = 600.0,
     ) -> None:
-        if not isinstance(policy, Actor | ActorGroup):
-            raise TypeError(
-                f"WeightLink connects an Actor or an ActorGroup to a rollout; got a policy of "
-                f"type {type(policy).__name__}."
-            )
-        if not isinstance(rollout, BaseRollout | ProcessRollout):
-            raise TypeError(
-                f"WeightLink connects a policy to a BaseRollout or a ProcessRollout; got a "
-                f"rollout of type {type(rollout).__name__}."
-            )
+        sender, receiver = _sender(policy), _receiver(rollout)
         if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 1:
             raise ValueError(
                 f"bucket_bytes must be a positive number of bytes, got {bucket_bytes!r}; the "
@@ -84,73 +290,23 @@ class WeightLink:
             )
         self.policy, self.rollout = policy, rollout
         self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
-        self.backend = "nccl" if torch.cuda.is_available() else "gloo"
-        self._group: WeightSyncGroup | None = None  # this process's end, when it has one
-        self._policy_joined = False
+        self.backend = default_backend()
+        self._sender, self._receiver = sender, receiver
         self._closed = False
-        if isinstance(policy, ActorGroup):
-            self._connect_group_policy(policy, rollout)
-        elif isinstance(rollout, ProcessRollout):
-            self._connect_replicas_to_here(rollout)
+        # both ends in this process: the buckets go straight to the rollout, no group
+        self._direct = sender.here and receiver.here
+        if not self._direct:
+            host, port = sender.address(sender.spans_nodes or receiver.spans_nodes)
+            world = len(receiver.names) + 1
+            args = (host, port, world, self.backend, timeout_s)
+            _together(sender.join(*args), receiver.join(*args))
 
     @property
     def arrangement(self) -> str:
         """Where the sender and the receivers run, e.g. 'actor group -> rollout replicas'."""
-        sender = "actor group" if isinstance(self.policy, ActorGroup) else "actor in the driver"
-        receiver = (
-            "rollout replicas" if isinstance(self.rollout, ProcessRollout) else "driver rollout"
-        )
+        sender = "actor in the driver" if self._sender.here else "actor group"
+        receiver = "driver rollout" if self._receiver.here else "rollout replicas"
         return f"{sender} -> {receiver}"
-
-    # -- connecting --------------------------------------------------------------------------
-
-    def _join(self, host: str, port: int, rank: int, world: int) -> WeightSyncGroup:
-        """This process's end of the link's group, as ``rank`` of ``world``."""
-        return WeightSyncGroup(
-            host=host,
-            port=port,
-            rank=rank,
-            world_size=world,
-            backend=self.backend,
-            timeout_s=self.timeout_s,
-        )
-
-    def _connect_replicas_to_here(self, rollout: ProcessRollout) -> None:
-        """This process sends (rank 0, hosting the group's store); the replicas receive."""
-        host, port = meeting_host(rollout.worker_group.may_span_nodes), free_port()
-        world = rollout.replicas + 1
-        joining = rollout.join_weight_sync(host, port, 1, world)
-        try:
-            self._group = self._join(host, port, 0, world)
-        finally:
-            joining.result()
-
-    def _connect_group_policy(
-        self, actor: ActorGroup, rollout: BaseRollout | ProcessRollout
-    ) -> None:
-        """The actor group's writing rank sends (rank 0, hosting the store); the replicas, or
-        this process for an in-process rollout, receive."""
-        any_node = actor.group.may_span_nodes or (
-            isinstance(rollout, ProcessRollout) and rollout.worker_group.may_span_nodes
-        )
-        [(host, port)] = [
-            a for a in actor.group.call_all("weight_sync_address", any_node) if a is not None
-        ]
-        receivers = rollout.replicas if isinstance(rollout, ProcessRollout) else 1
-        world = receivers + 1
-        sender = actor.group.call_all_async(
-            "join_weight_sync", host, port, world, self.backend, self.timeout_s
-        )
-        try:
-            if isinstance(rollout, ProcessRollout):
-                rollout.join_weight_sync(host, port, 1, world).result()
-            else:
-                self._group = self._join(host, port, 1, world)
-        finally:
-            sender.result()
-        self._policy_joined = True
-
-    # -- syncing -----------------------------------------------------------------------------
 
     def sync(self) -> dict[str, float]:
         """Stream the policy's full weights into the rollout, verified by every receiver; the
@@ -160,68 +316,14 @@ class WeightLink:
                 "this WeightLink is closed; connect the policy to the rollout again."
             )
         t0 = time.perf_counter()
-        if isinstance(self.policy, ActorGroup):
-            sent = self._sync_from_group(self.policy)
+        if self._direct:
+            assert isinstance(self._sender, _DriverSender)
+            assert isinstance(self._receiver, _DriverReceiver)
+            sent = self._sender.direct(self._receiver.rollout, self.bucket_bytes)
         else:
-            sent = self._sync_from_here(self.policy)
+            sending = self._sender.send(self.bucket_bytes, self._receiver.names)
+            sent, _ = _together(sending, self._receiver.receive())
         return {"weight_sync/time_s": time.perf_counter() - t0, "weight_sync/bytes": float(sent)}
-
-    def _sync_from_here(self, actor: Actor) -> int:
-        moved = 0
-
-        def counted(
-            named: Iterable[tuple[str, torch.Tensor]],
-        ) -> Iterator[tuple[str, torch.Tensor]]:
-            nonlocal moved
-            for name, t in named:
-                moved += t.numel() * t.element_size()
-                yield name, t
-
-        named = counted(actor.named_full_params(self.bucket_bytes))
-        if isinstance(self.rollout, BaseRollout):
-            self.rollout.load_weights(sent_buckets(named, self.bucket_bytes))
-            return moved
-        assert self._group is not None
-        receiving = self.rollout.receive_weights()
-        try:
-            send_weights(
-                self._group,
-                named,
-                bucket_bytes=self.bucket_bytes,
-                receiver_names=self.rollout.receiver_names,
-            )
-        except BaseException:
-            with contextlib.suppress(Exception):  # the replicas fail or drain on their own
-                receiving.result()
-            raise
-        receiving.result()
-        return moved
-
-    def _sync_from_group(self, actor: ActorGroup) -> int:
-        names = (
-            self.rollout.receiver_names
-            if isinstance(self.rollout, ProcessRollout)
-            else [DRIVER_ROLLOUT]
-        )
-        sending = actor.group.call_all_async("send_weights", self.bucket_bytes, names)
-        if isinstance(self.rollout, ProcessRollout):
-            receiving = self.rollout.receive_weights()
-            try:
-                sent = sending.result()
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    receiving.result()
-                raise
-            receiving.result()
-            return int(sum(sent))
-        assert self._group is not None
-        try:
-            receive_weights(self._group, self.rollout)
-        except BaseException:
-            with contextlib.suppress(Exception):  # the sender reports this receiver's verdict
-                sending.result()
-            raise
-        return int(sum(sending.result()))
 
     def close(self) -> None:
         """Leave the weight-sync group on every end; safe to call twice."""
@@ -229,14 +331,9 @@ class WeightLink:
             return
         self._closed = True
         with contextlib.suppress(Exception):  # an end that already stopped has nothing to leave
-            if isinstance(self.rollout, ProcessRollout):
-                self.rollout.leave_weight_sync()
+            self._receiver.leave()
         with contextlib.suppress(Exception):
-            if self._policy_joined and isinstance(self.policy, ActorGroup):
-                self.policy.group.call_all("leave_weight_sync")
-        if self._group is not None:
-            self._group.close()
-            self._group = None
+            self._sender.leave()
 
     def __enter__(self) -> WeightLink:
         return self

@@ -8,16 +8,15 @@ data-parallel, and the user script does not change.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
-import torch
 from tensordict import TensorDict
 
 from engine_core import BaseEngine, load_plugins, resolve_engine_config
 from engine_core.dispatch import DispatchMode, Worker, register
 from engine_core.executors import join_process_group
 from engine_core.executors.base import free_port, meeting_host
+from engine_core.rollout import CountedParams
 from engine_core.weight_sync import WeightSyncGroup, send_weights
 from engine_core_roles.algorithms.supervised import supervised_step
 from engine_core_roles.roles.actor import Actor, ActorConfig, ActorUpdate
@@ -120,21 +119,14 @@ class ActorWorker(_RoleWorker):
                 return 0
             if self._weight_sync is None:
                 raise RuntimeError("join_weight_sync() first: no rollout is connected.")
-            moved = 0
-
-            def counted() -> Iterator[tuple[str, torch.Tensor]]:
-                nonlocal moved
-                for name, t in named:
-                    moved += t.numel() * t.element_size()
-                    yield name, t
-
+            counted = CountedParams(named)
             send_weights(
                 self._weight_sync,
-                counted(),
+                counted,
                 bucket_bytes=bucket_bytes,
                 receiver_names=receiver_names,
             )
-            return moved
+            return counted.bytes
         finally:
             for _ in named:  # whatever happened, this rank finishes its part of the gathers
                 pass
