@@ -168,6 +168,34 @@ class EngineConfig(FrozenModel):
     )
     seed: int = 0
 
+    @model_validator(mode="before")
+    @classmethod
+    def _derived(cls, data: Any) -> Any:
+        """Values derived from others, computed on the input so the frozen config is built
+        once with them (never rewritten after): packing and context parallelism attend through
+        ``sdpa_varlen`` when the model names no attention; ``compute_dtype`` equal to the
+        model's dtype is no mixed precision (None)."""
+        if not isinstance(data, dict):
+            return data
+        model_cls = cls.model_fields["model"].annotation
+        if not (isinstance(model_cls, type) and issubclass(model_cls, ModelConfig)):
+            return data
+        try:
+            model = model_cls.model_validate(data.get("model"))
+        except ValidationError:
+            return data  # the field's own validation names what is wrong
+        packing = data.get("use_packing", cls.model_fields["use_packing"].default)
+        cp = data.get("context_parallel_size", 1)
+        split = isinstance(cp, int) and cp > 1
+        if (packing is True or split) and model.attn_implementation is None:
+            # transformers attends over a packed row with one dense [T, T] mask: quadratic in
+            # the whole row, several times the cost of the padded batch for many short samples
+            varlen = model.model_copy(update={"attn_implementation": "sdpa_varlen"})
+            data = {**data, "model": varlen}
+        if data.get("compute_dtype") is not None and data["compute_dtype"] == model.dtype:
+            data = {**data, "compute_dtype": None}  # computing in the weights' own dtype
+        return data
+
     @model_validator(mode="after")
     def _one_batching_mode(self) -> EngineConfig:
         if self.micro_batch_size is not None and self.max_tokens_per_micro_batch is not None:
@@ -184,21 +212,12 @@ class EngineConfig(FrozenModel):
                     f"model.attn_implementation sdpa_varlen (or unset), got {attn!r}: the "
                     f"context-parallel attention runs each whole sequence through it."
                 )
-        if (
-            self.use_packing or self.context_parallel_size > 1
-        ) and self.model.attn_implementation is None:
-            # transformers attends over a packed row with one dense [T, T] mask: quadratic in
-            # the whole row, several times the cost of the padded batch for many short samples
-            varlen = self.model.model_copy(update={"attn_implementation": "sdpa_varlen"})
-            object.__setattr__(self, "model", varlen)
         return self
 
     @model_validator(mode="after")
     def _narrower_compute_dtype(self) -> EngineConfig:
         compute, held = self.compute_dtype, self.model.dtype
-        if compute == held:  # computing in the weights' own dtype is no mixed precision
-            object.__setattr__(self, "compute_dtype", None)
-        elif compute is not None and _DTYPE_BYTES[compute] >= _DTYPE_BYTES[held]:
+        if compute is not None and _DTYPE_BYTES[compute] >= _DTYPE_BYTES[held]:
             wider = "wider than" if _DTYPE_BYTES[compute] > _DTYPE_BYTES[held] else "as wide as"
             raise ValueError(
                 f"compute_dtype={compute!r} is {wider} model.dtype={held!r}: the "

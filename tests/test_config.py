@@ -297,3 +297,25 @@ def test_rollout_resolution(manager: PluginManager) -> None:
         resolve_rollout_config({"backend": "echo", "sleep_between_steps": True}, manager)
     with pytest.raises(UnknownBackendError, match=r"Available rollouts: echo"):
         resolve_rollout_config({"backend": "vllm"}, manager)
+
+
+def test_derived_engine_values_are_computed_before_the_frozen_config_exists() -> None:
+    """Packing attends through sdpa_varlen when the model names no attention, and a compute
+    dtype equal to the model's is no mixed precision: both derived on the input, so the
+    validated config is never written to after it is built."""
+    import inspect
+
+    import engine_core.config
+
+    qwen = {"config": {"model_type": "qwen2"}}
+    packed = EngineConfig(backend="x", model=qwen, compute_dtype="float32")
+    assert packed.model.attn_implementation == "sdpa_varlen" and packed.compute_dtype is None
+    padded = EngineConfig(backend="x", model=qwen, use_packing=False)
+    assert padded.model.attn_implementation is None
+    split = EngineConfig(backend="x", model=qwen, use_packing=False, context_parallel_size=2)
+    assert split.model.attn_implementation == "sdpa_varlen"
+    named = EngineConfig(backend="x", model={**qwen, "attn_implementation": "eager"})
+    assert named.model.attn_implementation == "eager"
+    mixed = EngineConfig(backend="x", model=qwen, compute_dtype="bfloat16")
+    assert mixed.compute_dtype == "bfloat16"
+    assert "object.__setattr__" not in inspect.getsource(engine_core.config)
