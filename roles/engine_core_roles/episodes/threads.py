@@ -14,7 +14,6 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-
 _log = logging.getLogger(__name__)
 
 
