@@ -35,3 +35,24 @@ def test_bad_override_names_the_field(tmp_path: Path) -> None:
     )
     with pytest.raises(ValidationError, match=r"engine\.micro_batch_size"):
         run_sft(raw, load_plugins())
+
+
+def test_the_rl_warm_up_steps_the_lr_schedule_as_the_sft_job_does() -> None:
+    """Both take :func:`supervised_step`, one step of the LR schedule with each update: after
+    the RL job's warm-up of 3 steps under a 6-step LR warm-up, the next update (RL's first)
+    runs at 4/6 of the rate, as the SFT job's step 4 does (not at 1/6, the first step's)."""
+    from engine_core.resolve import resolve_engine_config
+    from engine_core_roles.data.tasks import DigitTask
+    from engine_core_roles.jobs.rl.config import RLJobConfig
+    from engine_core_roles.jobs.rl.warmup import _warmup
+
+    optim = ["engine.optim.lr=1e-2", "engine.optim.warmup_steps=6"]
+    raw = apply_overrides(
+        load_yaml(RECIPES / "grpo_tiny.yaml"), ["warmup_sft_steps=3", "warmup_batch_size=4", *optim]
+    )
+    job = RLJobConfig.model_validate(raw)
+    spec, cfg = resolve_engine_config(job.engine, load_plugins(), path=("engine",))
+    engine = spec.load_class()(cfg)
+    engine.init_model()
+    _warmup(engine, DigitTask(job.task), job)
+    assert engine.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 * 4 / 6)
