@@ -1,6 +1,7 @@
 """``JobConfig``: what every job of the ``engine-core`` script sets, declared once — how long it
 runs, how often it logs and saves, where its outputs go, the engine it trains, and the built-in
-digit task it trains on when it reads no files. ``RLJobConfig`` adds its own sections to it.
+digit task it trains on when it reads no files. ``RLJobConfig`` and ``SFTJobConfig`` add their
+own sections to it.
 """
 
 from __future__ import annotations
