@@ -20,7 +20,7 @@ SHIPPED = RECIPES / "tiny_text"
 
 def test_the_shipped_files_are_what_the_builder_writes(tmp_path: Path) -> None:
     write_files(tmp_path)
-    for name in ("train.jsonl", "val.jsonl", "demos.jsonl"):
+    for name in ("train.jsonl", "val.jsonl", "demos.jsonl", "chats_train.jsonl", "chats_val.jsonl"):
         assert (tmp_path / name).read_text() == (SHIPPED / name).read_text(), name
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         ours, shipped = (tmp_path / "tokenizer" / name), (SHIPPED / "tokenizer" / name)

@@ -3,30 +3,58 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
 from engine_core.checkpoint import list_checkpoints
+from engine_core.config import OptimConfig
 from engine_core.configio import apply_overrides, load_yaml
+from engine_core.optim import lr_lambda
 from engine_core.plugins import load_plugins
-from engine_core_roles.jobs.cli import RECIPES
+from engine_core_roles.jobs.cli import RECIPES, main
 from engine_core_roles.jobs.sft import run_sft
+from engine_core_roles.trainer.metrics import TIMING_KEYS
 
 RECIPE = RECIPES / "sft_tiny.yaml"
 
 
-def test_short_run_learns_and_writes_outputs(tmp_path: Path) -> None:
-    raw = apply_overrides(
-        load_yaml(RECIPE),
-        [f"output_dir={tmp_path}", "steps=30", "log_every=10", "engine.optim.total_steps=30"],
-    )
+def _rows(out: Path) -> list[dict[str, Any]]:
+    return [
+        {k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS}
+        for line in (out / "metrics.jsonl").read_text().splitlines()
+    ]
+
+
+def test_short_run_learns_writes_outputs_and_resumes_exactly(tmp_path: Path) -> None:
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    overrides = ["steps=30", "log_every=10", "save_every=20", "engine.optim.total_steps=30"]
+    raw = apply_overrides(load_yaml(RECIPE), [f"output_dir={straight}", *overrides])
     summary = run_sft(raw, load_plugins())
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = _rows(straight)
     assert [r["step"] for r in rows] == list(range(1, 31))
     assert summary["final_loss"] < 0.6 * summary["first_loss"]
-    assert [s for s, _ in list_checkpoints(tmp_path / "checkpoints")] == [30]
+    assert [s for s, _ in list_checkpoints(straight / "checkpoints")] == [20, 30]
+    # one step of the LR schedule a step: "lr" is the rate of the next one
+    optim = OptimConfig.model_validate(raw["engine"]["optim"])
+    assert [r["lr"] for r in rows] == pytest.approx(
+        [3e-3 * lr_lambda(optim, s) for s in range(1, 31)]
+    )
+    assert {"config.json", "model.safetensors"} <= {
+        p.name for p in Path(summary["hf_export"]).iterdir()
+    }
+
+    # stopped after step 20's checkpoint, resumed: the digit task's sampler goes on where it was
+    shutil.copytree(
+        straight / "checkpoints" / "global_step_20", resumed / "checkpoints" / "global_step_20"
+    )
+    head = (straight / "metrics.jsonl").read_text().splitlines()[:20]
+    (resumed / "metrics.jsonl").write_text("".join(line + "\n" for line in head))
+    assert main(["train", str(RECIPE), f"output_dir={resumed}", *overrides, "--resume"]) == 0
+    assert _rows(resumed) == rows
 
 
 def test_bad_override_names_the_field(tmp_path: Path) -> None:
@@ -35,3 +63,24 @@ def test_bad_override_names_the_field(tmp_path: Path) -> None:
     )
     with pytest.raises(ValidationError, match=r"engine\.micro_batch_size"):
         run_sft(raw, load_plugins())
+
+
+def test_the_rl_warm_up_steps_the_lr_schedule_as_the_sft_job_does() -> None:
+    """Both take :func:`supervised_step`, one step of the LR schedule with each update: after
+    the RL job's warm-up of 3 steps under a 6-step LR warm-up, the next update (RL's first)
+    runs at 4/6 of the rate, as the SFT job's step 4 does (not at 1/6, the first step's)."""
+    from engine_core.resolve import resolve_engine_config
+    from engine_core_roles.data.tasks import DigitTask
+    from engine_core_roles.jobs.rl.config import RLJobConfig
+    from engine_core_roles.jobs.rl.warmup import _warmup
+
+    optim = ["engine.optim.lr=1e-2", "engine.optim.warmup_steps=6"]
+    raw = apply_overrides(
+        load_yaml(RECIPES / "grpo_tiny.yaml"), ["warmup_sft_steps=3", "warmup_batch_size=4", *optim]
+    )
+    job = RLJobConfig.model_validate(raw)
+    spec, cfg = resolve_engine_config(job.engine, load_plugins(), path=("engine",))
+    engine = spec.load_class()(cfg)
+    engine.init_model()
+    _warmup(engine, DigitTask(job.task), job)
+    assert engine.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 * 4 / 6)

@@ -1,10 +1,11 @@
-"""Batch keys and schemas: the fields this layer adds to a batch, and the prompt and training
-batches passed between a rollout and the roles. Imports only :mod:`engine_core`.
+"""Batch keys and schemas: the fields this layer adds to a batch, the prompt and training
+batches passed between a rollout and the roles, and supervised batches of whole sequences.
+Imports only :mod:`engine_core`.
 """
 
 from __future__ import annotations
 
-from engine_core_roles.batch.build import prompt_batch, training_batch
+from engine_core_roles.batch.build import prompt_batch, sequence_batch, training_batch
 from engine_core_roles.batch.keys import (
     ADVANTAGES,
     EPISODE,
@@ -21,6 +22,7 @@ from engine_core_roles.batch.keys import (
 __all__ = [
     "prompt_batch",
     "training_batch",
+    "sequence_batch",
     "ADVANTAGES",
     "EPISODE",
     "OLD_LOG_PROBS",

@@ -1,8 +1,10 @@
-"""The batches an RL step passes around: prompts into a rollout, rollout output into the roles.
+"""The batches an RL step passes around: prompts into a rollout, rollout output into the roles;
+and the batches of supervised steps.
 
 :func:`prompt_batch` builds the ``generate`` input of :class:`engine_core.BaseRollout` from
 token ids; :func:`training_batch` turns a ``generate`` result (prompt + response) into the batch
-the roles take, with ``loss_mask`` on the response tokens. The roles then add their fields to it
+the roles take, with ``loss_mask`` on the response tokens; :func:`sequence_batch` makes whole
+token sequences with their loss masks (tokenized conversations) one batch. The roles then add their fields to it
 under the names exported from :mod:`engine_core_roles` (``OLD_LOG_PROBS``, ``ADVANTAGES``, ...).
 """
 
@@ -23,7 +25,7 @@ from engine_core.rollout import (
     ROLLOUT_LOG_PROBS,
 )
 
-__all__ = ["prompt_batch", "training_batch"]
+__all__ = ["prompt_batch", "training_batch", "sequence_batch"]
 
 
 def prompt_batch(
@@ -130,3 +132,24 @@ def training_batch(rollout_output: TensorDict, params: SamplingParams) -> Tensor
         prompt_zeros = torch.zeros(pmask.shape, dtype=lp.dtype, device=lp.device)
         batch[ROLLOUT_LOG_PROBS] = torch.cat([prompt_zeros, lp], 1)
     return batch
+
+
+def sequence_batch(
+    rows: Sequence[tuple[Sequence[int], Sequence[int]]], *, pad_token_id: int = 0
+) -> TensorDict:
+    """Token sequences and their loss masks, ``(ids, loss_mask)`` per row, as one right-padded
+    batch: ``input_ids``, ``attention_mask``, ``position_ids`` (from 0 in each row) and
+    ``loss_mask`` ``[B, L]``, ``L`` the longest row."""
+    if not rows or any(not ids for ids, _ in rows):
+        raise BatchError("every sequence needs at least one token, and there must be one.")
+    if any(len(ids) != len(mask) for ids, mask in rows):
+        raise BatchError("each sequence's loss mask must have one entry per token.")
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    attn = torch.zeros_like(input_ids)
+    loss = torch.zeros_like(input_ids)
+    for i, (ids, mask) in enumerate(rows):
+        input_ids[i, : len(ids)] = torch.tensor(list(ids), dtype=torch.long)
+        attn[i, : len(ids)] = 1
+        loss[i, : len(ids)] = torch.tensor(list(mask), dtype=torch.long)
+    return make_batch(input_ids, attn, loss_mask=loss)

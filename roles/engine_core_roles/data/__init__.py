@@ -1,5 +1,6 @@
-"""What a job reads: the tokenizer and its chat template, prompt datasets, stop strings, reward
-functions and their contract, and the tasks shipped with the SDK.
+"""What a job reads: the tokenizer and its chat template, prompt and chat datasets (read from
+files, drawn in a seeded order), stop strings, reward functions and their contract, and the
+tasks shipped with the SDK.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from engine_core_roles.data.answers import (
     math_answer,
     normalize_answer,
 )
+from engine_core_roles.data.chats import ChatData, ChatDataConfig, ChatRenderer, check_conversation
+from engine_core_roles.data.files import SeededOrder, read_rows
 from engine_core_roles.data.prompts import DataConfig, PromptData
 from engine_core_roles.data.rewards import (
     RewardConfig,
@@ -42,6 +45,12 @@ __all__ = [
     "BUILTINS",
     "DataConfig",
     "PromptData",
+    "ChatDataConfig",
+    "ChatData",
+    "ChatRenderer",
+    "check_conversation",
+    "read_rows",
+    "SeededOrder",
     "RewardError",
     "RewardConfig",
     "load_function",

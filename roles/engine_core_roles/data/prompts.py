@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,6 +20,7 @@ from engine_core.config import FrozenModel
 from engine_core.errors import ConfigError
 from engine_core_roles.batch.build import prompt_batch
 from engine_core_roles.batch.keys import ROW, ROW_INDEX
+from engine_core_roles.data.files import SeededOrder, read_rows
 
 __all__ = ["DataConfig", "PromptData"]
 
@@ -79,46 +79,6 @@ class DataConfig(FrozenModel):
         return v
 
 
-def _read(files: Sequence[str], what: str) -> Any:
-    """One ``datasets.Dataset`` of every file/folder in ``files`` (concatenated)."""
-    import datasets
-
-    datasets.disable_progress_bars()
-    parts = []
-    for name in files:
-        path = Path(name).expanduser()
-        if not path.exists():
-            raise ConfigError(f"{what}: {path} does not exist; give existing files or folders.")
-        if path.is_file() and path.stat().st_size == 0:
-            raise ConfigError(
-                f"{what}: {path} is empty: it holds no rows; give a file with prompts."
-            )
-        try:
-            if path.is_dir():
-                loaded = datasets.load_from_disk(str(path))
-                if isinstance(loaded, datasets.DatasetDict):
-                    split = "train" if "train" in loaded else next(iter(loaded))
-                    loaded = loaded[split]
-            elif path.suffix in (".jsonl", ".json"):
-                loaded = datasets.load_dataset("json", data_files=str(path), split="train")
-            elif path.suffix == ".parquet":
-                loaded = datasets.load_dataset("parquet", data_files=str(path), split="train")
-            else:
-                raise ConfigError(
-                    f"{what}: {path} is neither .jsonl/.json, .parquet nor a saved datasets "
-                    f"folder; convert it to one of those."
-                )
-        except ConfigError:
-            raise
-        except Exception as e:
-            raise ConfigError(f"{what}: {path} could not be read: {type(e).__name__}: {e}") from e
-        parts.append(loaded)
-    data = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
-    if len(data) == 0:
-        raise ConfigError(f"{what}: {', '.join(files)} holds no rows; give a file with prompts.")
-    return data
-
-
 class PromptData:
     """Rendered, length-filtered prompts of one dataset, drawn in a seeded order.
 
@@ -140,7 +100,7 @@ class PromptData:
     ) -> None:
         self.cfg, self.tokenizer, self.what, self.tools = cfg, tokenizer, what, tools
         self.with_rows = rows
-        data = _read(files, what)
+        data = read_rows(files, what)
         if cfg.prompt_key not in data.column_names:
             raise ConfigError(
                 f"{what}: no {cfg.prompt_key!r} column; the columns are "
@@ -181,8 +141,9 @@ class PromptData:
         self._ids = self.data.select_columns([_IDS_COLUMN])
         self._other = self.data.select_columns(self.columns) if self.columns else None
         self._whole = self.data.select_columns(list(data.column_names))
-        self._epoch, self._index = 0, 0
-        self._order = self._permutation(0)
+        self.order = SeededOrder(
+            len(self.data), shuffle=cfg.shuffle, seed=cfg.seed, what=what, rows="prompts"
+        )
 
     def __len__(self) -> int:
         return len(self.data)
@@ -220,27 +181,13 @@ class PromptData:
     def _render_batch(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
         return {_IDS_COLUMN: [self.render(p) for p in batch[self.cfg.prompt_key]]}
 
-    def _permutation(self, epoch: int) -> list[int]:
-        if not self.cfg.shuffle:
-            return list(range(len(self.data)))
-        gen = torch.Generator().manual_seed(self.cfg.seed + epoch)
-        return torch.randperm(len(self.data), generator=gen).tolist()
-
     def next_indices(self, n: int) -> list[int]:
         """The next ``n`` rows in draw order (into the next epoch when this one runs out)."""
-        out: list[int] = []
-        while len(out) < n:
-            if self._index >= len(self._order):
-                self._epoch, self._index = self._epoch + 1, 0
-                self._order = self._permutation(self._epoch)
-            take = self._order[self._index : self._index + n - len(out)]
-            out += take
-            self._index += len(take)
-        return out
+        return self.order.next_indices(n)
 
     @property
     def epoch(self) -> int:
-        return self._epoch
+        return self.order.epoch
 
     def batch(self, indices: Sequence[int]) -> TensorDict:
         """The prompt batch of these rows: left-padded ids, mask and ``row_index``; built with
@@ -271,14 +218,7 @@ class PromptData:
         return self._other[list(indices)]  # type: ignore[no-any-return]
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self._epoch, "index": self._index, "rows": len(self.data)}
+        return self.order.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if int(state.get("rows", len(self.data))) != len(self.data):
-            raise ConfigError(
-                f"the checkpoint's dataset position is for {state['rows']} prompts, but "
-                f"{self.what} now holds {len(self.data)}; resume with the same files and "
-                f"data settings, or start a new run."
-            )
-        self._epoch, self._index = int(state["epoch"]), int(state["index"])
-        self._order = self._permutation(self._epoch)
+        self.order.load_state_dict(state)

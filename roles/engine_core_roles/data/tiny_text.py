@@ -23,6 +23,7 @@ from typing import Any
 __all__ = [
     "CHAT_TEMPLATE",
     "build_tokenizer",
+    "chats",
     "digits_reward",
     "reverse_rows",
     "write_files",
@@ -33,6 +34,8 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 ROLE_WORDS = ("system", "user", "assistant", "tool")
+SYSTEM = "reverse the digits."
+"""The system message of the shipped conversations (``chats_train.jsonl``, ``chats_val.jsonl``)."""
 ALPHABET = "0123456789 \n+-*/=<>()[]{}.,:;?!'\"_abcdefghijklmnopqrstuvwxyz"
 """The shipped tokenizer's characters: enough for small arithmetic and word tasks, few enough
 that a randomly initialised model finds the digits by sampling (any other character is dropped:
@@ -101,10 +104,29 @@ def reverse_rows(num_digits: int = 3) -> list[dict[str, Any]]:
     return rows
 
 
-def write_files(folder: str | Path, *, val_size: int = 100, demos: int = 64, seed: int = 0) -> None:
+def chats(rows: Sequence[dict[str, Any]], system: str = SYSTEM) -> list[dict[str, Any]]:
+    """Conversations of one to three turns (in turn) made of consecutive ``rows`` (a user's
+    digits, the assistant's answer), every other one opening with the ``system`` message."""
+    out: list[dict[str, Any]] = []
+    start = 0
+    while start < len(rows):
+        turns = rows[start : start + 1 + len(out) % 3]
+        start += len(turns)
+        messages = [{"role": "system", "content": system}] if len(out) % 2 == 0 else []
+        for r in turns:
+            messages += [*r["prompt"], {"role": "assistant", "content": r["answer"]}]
+        out.append({"messages": messages})
+    return out
+
+
+def write_files(
+    folder: str | Path, *, val_size: int = 100, demos: int = 64, val_chats: int = 16, seed: int = 0
+) -> None:
     """The tokenizer (``folder/tokenizer``), the prompts split into ``train.jsonl`` and a
-    held-out ``val.jsonl`` of ``val_size`` rows, and ``demos.jsonl``: the first ``demos``
-    training prompts answered, as conversations for the job's supervised warm-up."""
+    held-out ``val.jsonl`` of ``val_size`` rows, ``demos.jsonl``: the first ``demos``
+    training prompts answered, as conversations for the job's supervised warm-up, and the same
+    answers as multi-turn conversations for supervised training (``chats_train.jsonl``; the
+    first ``val_chats`` held-out prompts in ``chats_val.jsonl``)."""
     folder = Path(folder)
     build_tokenizer(folder / "tokenizer")
     rows = reverse_rows()
@@ -114,9 +136,14 @@ def write_files(folder: str | Path, *, val_size: int = 100, demos: int = 64, see
         {"messages": [*r["prompt"], {"role": "assistant", "content": r["answer"]}]}
         for r in train[:demos]
     ]
-    for name, part in (("val.jsonl", rows[:val_size]), ("train.jsonl", train)):
+    for name, part in (
+        ("val.jsonl", rows[:val_size]),
+        ("train.jsonl", train),
+        ("demos.jsonl", answered),
+        ("chats_train.jsonl", chats(train[:demos])),
+        ("chats_val.jsonl", chats(rows[:val_chats])),
+    ):
         (folder / name).write_text("".join(json.dumps(r) + "\n" for r in part))
-    (folder / "demos.jsonl").write_text("".join(json.dumps(r) + "\n" for r in answered))
 
 
 def digits_reward(prompt: str, response: str, answer: str, **_: Any) -> float:

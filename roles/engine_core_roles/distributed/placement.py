@@ -206,11 +206,11 @@ class ActorGroup(RoleGroup):
         # the DP chunks in order, without the rows that padded the batch to the DP size
         return ActorUpdate(metrics, torch.cat(old)[: int(batch.batch_size[0])])
 
-    def supervised_step(self, batch: TensorDict) -> float:
-        """One supervised step of the whole group on ``batch``, split over its DP ranks (the
-        loss is the global one, the same on each)."""
-        losses: list[float] = self.group.execute("supervised_step", batch)
-        return float(losses[0])
+    def supervised_step(self, batch: TensorDict) -> dict[str, float]:
+        """One supervised step of the whole group on ``batch``, split over its DP ranks (its
+        metrics are the global ones, the same on each)."""
+        per_dp_rank: list[dict[str, float]] = self.group.execute("supervised_step", batch)
+        return per_dp_rank[0]
 
     @property
     def max_position_embeddings(self) -> int | None:

@@ -140,7 +140,7 @@ class ActorWorker(_RoleWorker):
         return self.actor.update_actor(batch)
 
     @register(DispatchMode.ND_COMPUTE, mesh="actor")
-    def supervised_step(self, batch: TensorDict) -> float:
+    def supervised_step(self, batch: TensorDict) -> dict[str, float]:
         """One supervised step on this rank's share of ``batch`` (the job's warm-up)."""
 
         return supervised_step(self.engine, batch)

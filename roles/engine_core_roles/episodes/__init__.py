@@ -6,7 +6,7 @@ demonstrations and per-step episode metrics.
 from __future__ import annotations
 
 from engine_core_roles.episodes.config import EnvConfig, load_environment
-from engine_core_roles.episodes.demos import demo_batch
+from engine_core_roles.episodes.demos import DemoRenderer, demo_batch
 from engine_core_roles.episodes.metrics import episode_metrics
 from engine_core_roles.episodes.protocol import (
     END_REASONS,
@@ -29,6 +29,7 @@ from engine_core_roles.episodes.tools import (
 __all__ = [
     "EnvConfig",
     "load_environment",
+    "DemoRenderer",
     "demo_batch",
     "episode_metrics",
     "Message",

@@ -1,42 +1,57 @@
-"""Demonstration episodes for a supervised warm-up: each conversation tokenized as the episode
-rollout samples it, trained on the assistant's tokens only.
+"""Demonstrations for supervised training (the RL job's warm-up, the SFT job): each conversation
+tokenized as the episode rollout samples it, trained on the assistant's tokens only.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from tensordict import TensorDict
 
 from engine_core.errors import ConfigError
+from engine_core_roles.batch.build import sequence_batch
 from engine_core_roles.episodes.protocol import Message
 from engine_core_roles.episodes.template import _Template, check_messages
 
-__all__ = ["demo_batch"]
+__all__ = ["DemoRenderer", "demo_batch"]
 
 
-def demo_batch(
-    tokenizer: Any, tools: list[dict[str, Any]] | None, episodes: Sequence[Sequence[Message]]
-) -> TensorDict:
-    """A supervised batch of demonstration episodes, tokenized the way :class:`EpisodeRollout`
-    tokenizes episodes (the first messages rendered with the generation prompt, then each
-    assistant turn's content and end of turn, then the template's rendering of what follows):
-    ``input_ids``, ``attention_mask``, ``position_ids`` and ``loss_mask`` (1 on the
-    assistant's tokens only)."""
-    from engine_core import make_batch
+class DemoRenderer:
+    """Conversations tokenized the way :class:`EpisodeRollout` tokenizes episodes: the messages
+    before the first assistant turn rendered with the generation prompt, then each assistant
+    turn's content and end of turn (what the model writes, and trains on), then the template's
+    rendering of the messages that follow it, up to the next assistant turn's start.
 
-    template = _Template(tokenizer, tools)
-    eos = template.end_of_turn()
-    rows: list[tuple[list[int], list[int]]] = []
-    for i, messages in enumerate(episodes):
+    Calling it on one conversation returns its token ids and loss mask (1 on the assistant's
+    tokens only).
+    """
+
+    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None) -> None:
+        self.tokenizer, self.tools = tokenizer, tools
+        self.template = _Template(tokenizer, tools)
+        self.end_of_turn = self.template.end_of_turn()
+
+    def fingerprint(self) -> str:
+        """What the rendering depends on (the tokenizer, its template, the tools), as text: a
+        dataset's cached rendering is reused only under the same one."""
+        tok = self.tokenizer
+        backend = getattr(tok, "backend_tokenizer", None)  # a fast tokenizer's whole definition
+        defined = hashlib.sha256(backend.to_str().encode()).hexdigest() if backend else None
+        parts = ["demo-rendering-1", len(tok), tok.name_or_path, defined, tok.chat_template]
+        return json.dumps([*parts, self.tools], default=str)
+
+    def __call__(
+        self, messages: Sequence[Message], who: str = "a demonstration"
+    ) -> tuple[list[int], list[int]]:
+        template, eos = self.template, self.end_of_turn
         msgs = [dict(m) for m in messages]
-        check_messages(msgs, f"demonstration {i}")
+        check_messages(msgs, who)
         first = next((j for j, m in enumerate(msgs) if m["role"] == "assistant"), None)
         if first is None:
-            raise ConfigError(f"demonstration {i} has no assistant message to learn from.")
+            raise ConfigError(f"{who} has no assistant message to learn from.")
         ids = template.prompt(msgs[:first])
         trained = [0] * len(ids)
         j = first
@@ -53,17 +68,18 @@ def demo_batch(
                 ids += obs
                 trained += [0] * len(obs)
             j = k
-        rows.append((ids, trained))
-    width = max(len(ids) for ids, _ in rows)
-    pad = int(tokenizer.pad_token_id or 0)
-    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    attn = torch.zeros_like(input_ids)
-    loss = torch.zeros_like(input_ids)
-    for i, (ids, trained) in enumerate(rows):
-        input_ids[i, : len(ids)] = torch.tensor(ids)
-        attn[i, : len(ids)] = 1
-        loss[i, : len(ids)] = torch.tensor(trained)
-    return make_batch(input_ids, attn, loss_mask=loss)
+        return ids, trained
+
+
+def demo_batch(
+    tokenizer: Any, tools: list[dict[str, Any]] | None, episodes: Sequence[Sequence[Message]]
+) -> TensorDict:
+    """A supervised batch of demonstration episodes, each tokenized by :class:`DemoRenderer`:
+    ``input_ids``, ``attention_mask``, ``position_ids`` and ``loss_mask`` (1 on the
+    assistant's tokens only)."""
+    render = DemoRenderer(tokenizer, tools)
+    rows = [render(messages, f"demonstration {i}") for i, messages in enumerate(episodes)]
+    return sequence_batch(rows, pad_token_id=int(tokenizer.pad_token_id or 0))
 
 
 def _assistant_text(message: Message) -> str:

@@ -56,10 +56,17 @@ def _recipe(args: argparse.Namespace, default: str) -> dict[str, Any]:
 
 # A setting of a recipe that belongs to another: when a run gives the second a value of its own,
 # the recipe's first goes with it (a model folder brings its config and tokenizer; new training
-# prompts leave the shipped task's validation files, demonstrations, warm-up and evaluation)
+# files leave the shipped task's validation files, demonstrations, warm-up and evaluation)
 REPLACES: dict[str, tuple[str, ...]] = {
     "engine.model.path": ("engine.model.config", "engine.model.tokenizer"),
-    "data.train_files": ("task", "data.val_files", "data.demos", "warmup_sft_steps", "eval"),
+    "data.train_files": (
+        "task",
+        "data.val_files",
+        "data.demos",
+        "warmup_sft_steps",
+        "eval",
+        "eval_every",
+    ),
 }
 
 
@@ -155,12 +162,15 @@ def run_rl(args: argparse.Namespace, settings: Settings) -> int:
 
 def _train_arguments(parser: argparse.ArgumentParser) -> None:
     _recipe_arguments(parser, DEFAULT_TRAIN_RECIPE)
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from the latest checkpoint in output_dir"
+    )
 
 
 def run_train(args: argparse.Namespace, settings: Settings) -> int:
     """Supervised training through the recipe's engine (see :mod:`engine_core_roles.jobs.sft`)."""
 
-    run_sft(_recipe(args, DEFAULT_TRAIN_RECIPE), load_plugins(settings))
+    run_sft(_recipe(args, DEFAULT_TRAIN_RECIPE), load_plugins(settings), resume=args.resume)
     return 0
 
 

@@ -1,75 +1,201 @@
-"""``engine-core train``: supervised training of a model through any registered engine.
+"""``engine-core train``: supervised training of a model through any registered engine, on a
+user's conversations (``data``: chat rows read from files) or on the built-in digit task
+(``task``).
 
 The job is configured by a YAML recipe plus dotted overrides, resolved against the chosen
-engine's config class and capabilities before anything is built. It prints a progress bar and a
-log line every ``log_every`` steps, writes ``metrics.jsonl`` and saves a final checkpoint.
+engine's config class before anything is built; the tokenizer and the datasets are read and
+every row checked before the engine is. A conversation is tokenized as the RL job's warm-up and
+episode rollout tokenize it (:class:`~engine_core_roles.episodes.demos.DemoRenderer`: the loss
+on the assistant's tokens only), and each step is the supervised step every job shares
+(:func:`~engine_core_roles.algorithms.supervised.supervised_step`). Around it: validation loss
+every ``eval_every`` steps, checkpoints (the engine, the data position and the step, committed
+together) every ``save_every`` steps and at the end, exact ``--resume``, a progress bar,
+``metrics.jsonl`` (and TensorBoard, a plot), and a Hugging Face export with the tokenizer.
 """
 
 from __future__ import annotations
 
-import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, PositiveInt, ValidationError
+from pydantic import Field, PositiveInt, ValidationError, model_validator
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from tensordict import TensorDict
 
-from engine_core.config import FrozenModel
+from engine_core.checkpoint import ROOT_PART, JobCheckpoints, latest_checkpoint
+from engine_core.config import EngineConfig, ModelConfig
 from engine_core.configio import prefix_validation_error
-from engine_core.engine import BaseEngine
-from engine_core.plugins import PluginManager
+from engine_core.engine import BaseEngine, loss_mask_of
+from engine_core.errors import CheckpointError
+from engine_core.models import build_hf_config
+from engine_core.plugins import BackendSpec, PluginManager
 from engine_core.resolve import resolve_engine_config
-from engine_core_roles.algorithms.supervised import sft_loss
-from engine_core_roles.data.tasks import DigitTask, TaskConfig
-from engine_core_roles.jobs.tracking import claim_output_dir, failures_logged
+from engine_core_roles.algorithms.supervised import supervised_loss, supervised_step
+from engine_core_roles.data.chats import ChatData, ChatDataConfig
+from engine_core_roles.data.tasks import DigitTask
+from engine_core_roles.data.tokenizer import load_tokenizer
+from engine_core_roles.episodes.demos import DemoRenderer
+from engine_core_roles.jobs.config import JobConfig
+from engine_core_roles.jobs.tracking import RunTracker, claim_output_dir, failures_logged
 
-__all__ = ["SFTJobConfig", "run_sft"]
+__all__ = ["SFTJobConfig", "run_sft", "chat_datasets", "Chats"]
+
+# the panels of the run's plot, where logged
+PLOT_KEYS = ("loss", "val/loss", "target_prob", "grad_norm", "lr", "tokens_per_s")
 
 
-class SFTJobConfig(FrozenModel):
-    """A supervised run: which task, how many steps, where outputs go, and the engine."""
+class SFTJobConfig(JobConfig):
+    """A supervised run: conversations from files (``data``) or the built-in digit task
+    (``task``), how many rows a step, validation, checkpoints, and the engine."""
 
-    steps: PositiveInt = 100
-    batch_size: PositiveInt = 32
-    log_every: PositiveInt = 10
     output_dir: str = "outputs/sft"
-    task: TaskConfig = TaskConfig()
-    save_checkpoint: bool = True
-    max_ckpt_to_keep: PositiveInt | None = 2
-    engine: dict[str, Any] = Field(..., description="Engine config; validated by the backend.")
+    batch_size: PositiveInt = Field(
+        32, description="Rows a step (conversations, or digit-task samples): one optimizer step."
+    )
+    data: ChatDataConfig | None = Field(
+        None,
+        description="Conversations from files, tokenized with the model's tokenizer "
+        "(engine.model.tokenizer or engine.model.path) through its chat template; trained on "
+        "the assistant's tokens. None: the built-in digit task (`task`).",
+    )
+    eval_every: int = Field(
+        0,
+        ge=0,
+        description="The loss on data.val_files (val/loss: token-mean over every assistant "
+        "token, no update) every N steps and at the end (0: never).",
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> SFTJobConfig:
+        if self.data is not None and "task" in self.model_fields_set:
+            raise ValueError(
+                "both task (the built-in digit task) and data (conversations from files) are "
+                "set; a run trains on one: drop one of them."
+            )
+        if self.eval_every and (self.data is None or not self.data.val_files):
+            raise ValueError(
+                f"eval_every={self.eval_every} measures the loss on data.val_files, which is not "
+                f"set; add data.val_files, or set eval_every=0."
+            )
+        return self
+
+
+@dataclass
+class Chats:
+    """The SFT job's text pieces, read and checked before any engine is built."""
+
+    tokenizer: Any
+    train: ChatData
+    val: ChatData | None = None
+
+
+def chat_datasets(
+    data: ChatDataConfig, model_cfg: ModelConfig, console: Console | None = None
+) -> Chats:
+    """The tokenizer and the datasets of ``data``: every row checked and tokenized (the
+    assistant's tokens trained on), conversations longer than the model's context (or
+    ``data.max_length``) dropped and counted (and said on ``console``)."""
+    hf_config = build_hf_config(model_cfg)
+    tokenizer = load_tokenizer(model_cfg, getattr(hf_config, "vocab_size", None))
+    context = getattr(hf_config, "max_position_embeddings", None)
+    limits = [v for v in (data.max_length, context) if v is not None]
+    limit = int(min(limits)) if limits else 1 << 30
+    render = DemoRenderer(tokenizer)
+    pad = int(tokenizer.pad_token_id or 0)
+
+    def read(files: list[str], what: str) -> ChatData:
+        chats = ChatData(files, render, data, max_length=limit, pad_token_id=pad, what=what)
+        if console is not None:
+            dropped = (
+                f"; {chats.dropped} longer than {limit} tokens dropped" if chats.dropped else ""
+            )
+            console.print(f"{what}: {len(chats)} conversations{dropped}")
+        return chats
+
+    chats = Chats(tokenizer, read(data.train_files, "data.train_files"))
+    if data.val_files:
+        chats.val = read(data.val_files, "data.val_files")
+    return chats
 
 
 def run_sft(
-    raw: dict[str, Any], manager: PluginManager, *, console: Console | None = None
+    raw: dict[str, Any],
+    manager: PluginManager,
+    *,
+    resume: bool = False,
+    console: Console | None = None,
 ) -> dict[str, Any]:
-    """Run the job described by ``raw``; return a summary (final loss, files written)."""
+    """Run the job described by ``raw``; with ``resume``, continue from the latest checkpoint
+    in its output_dir. Returns a summary (losses, files written)."""
     console = console or Console()
     try:
         job = SFTJobConfig.model_validate(raw)
     except ValidationError as e:
         raise prefix_validation_error(e, (), "SFTJobConfig") from None
-    out_dir = claim_output_dir(job.output_dir, command="engine-core train")
-    safe = f"the metrics of the steps before it are in {out_dir / 'metrics.jsonl'}"
+    out_dir = Path(job.output_dir)
+    ckpt_root = out_dir / "checkpoints"
+    if resume and latest_checkpoint(ckpt_root) is None:
+        raise CheckpointError(
+            f"--resume: no checkpoint under {ckpt_root}; run without --resume to start fresh."
+        )
+    # refused before anything is built or overwritten: a folder holding another run, or one
+    # that cannot be written; then the engine's config, the tokenizer and every row
+    claim_output_dir(out_dir, command="engine-core train", resume=resume)
+    spec, engine_cfg = resolve_engine_config(job.engine, manager, path=("engine",))
+    chats = None if job.data is None else chat_datasets(job.data, engine_cfg.model, console)
+    resume_from = _resume_point(ckpt_root, console) if resume else None
+    safe = f"checkpoints already saved under {ckpt_root} are kept, and --resume continues"
     with failures_logged(out_dir, command="engine-core train", safe=safe):
-        return _train(job, manager, out_dir, console)
+        return _train(job, spec, engine_cfg, chats, resume_from, console)
 
 
 def _train(
-    job: SFTJobConfig, manager: PluginManager, out_dir: Path, console: Console
+    job: SFTJobConfig,
+    spec: BackendSpec,
+    engine_cfg: EngineConfig,
+    chats: Chats | None,
+    resume_from: str | None,
+    console: Console,
 ) -> dict[str, Any]:
-    spec, engine_cfg = resolve_engine_config(job.engine, manager, path=("engine",))
+    out_dir = Path(job.output_dir)
     engine: BaseEngine = spec.load_class()(engine_cfg)
     engine.init_model()
-    engine.set_loss_fn(sft_loss)
-    task = DigitTask(job.task)
-    metrics_path = out_dir / "metrics.jsonl"
-    console.print(
-        f"[bold]engine-core train[/]: engine={spec.name} task={job.task.name} "
-        f"steps={job.steps} batch={job.batch_size} -> {out_dir}"
+    task = DigitTask(job.task) if chats is None else None
+
+    def next_batch() -> TensorDict:
+        if chats is not None:
+            return chats.train.next_batch(job.batch_size)
+        assert task is not None
+        return task.supervised_batch(job.batch_size)  # type: ignore[no-any-return]
+
+    def position() -> dict[str, Any]:
+        """Where the rows continue: the dataset's position, or the digit task's sampler."""
+        if chats is not None:
+            return {"data": chats.train.state_dict()}
+        assert task is not None
+        return {"task_rng": task.rng_state()}
+
+    checkpoints = JobCheckpoints(out_dir / "checkpoints", max_ckpt_to_keep=job.max_ckpt_to_keep)
+    parts = {ROOT_PART: engine}  # the engine's files at the folder's root, as save_checkpoint's
+    done, ckpt = 0, resume_from
+    if resume_from is not None:
+        done = _restore(
+            checkpoints.load(resume_from, parts, verified=True), resume_from, chats, task
+        )
+        console.print(f"resumed from {resume_from} (next step {done + 1})")
+    what = (
+        "digit task " + job.task.name
+        if chats is None
+        else ", ".join(Path(f).name for f in chats.train.cfg.train_files)
     )
-    history: list[dict[str, float]] = []
+    console.print(
+        f"[bold]engine-core train[/]: engine={spec.name} on {what}, steps={job.steps} "
+        f"batch={job.batch_size} -> {out_dir}"
+    )
+    tracker = RunTracker(out_dir, resume_after_step=done)
     progress = Progress(
         TextColumn("[bold blue]train"),
         BarColumn(),
@@ -79,48 +205,91 @@ def _train(
         console=console,
         transient=True,
     )
-    with metrics_path.open("w") as log, progress:
-        bar = progress.add_task("train", total=job.steps, loss=float("nan"), tps=0.0)
-        for step in range(1, job.steps + 1):
-            batch = task.supervised_batch(job.batch_size)
+    with progress:
+        bar = progress.add_task(
+            "train", total=job.steps, completed=done, loss=float("nan"), tps=0.0
+        )
+        for step in range(done + 1, job.steps + 1):
+            batch = next_batch()
             t0 = time.perf_counter()
-            with engine.train_mode():
-                result = engine.forward_backward_step(batch)
-                grad_norm = engine.optimizer_step()
-                lr = engine.lr_scheduler_step()
-                engine.optimizer_zero_grad()
+            result = supervised_step(engine, batch)
             dt = time.perf_counter() - t0
-            tokens = int(batch["attention_mask"].sum())
-            row = {
+            row: dict[str, Any] = {
                 "step": step,
-                "loss": float(result.loss or 0.0),
-                "grad_norm": grad_norm,
-                "lr": lr,
-                "tokens_per_s": tokens / dt,
-                **result.metrics,
+                **result,
+                "loss_tokens": int(loss_mask_of(batch).sum()),
+                "tokens_per_s": int(batch["attention_mask"].sum()) / dt,
+                "time_s": dt,
             }
-            history.append(row)
-            log.write(json.dumps(row) + "\n")
+            every = job.eval_every
+            if chats is not None and chats.val is not None and every:
+                if step % every == 0 or step == job.steps:
+                    val = supervised_loss(engine, chats.val.batches(job.batch_size))
+                    row.update({f"val/{k}": v for k, v in val.items()})
+            tracker.log(row)
             progress.update(bar, advance=1, loss=row["loss"], tps=row["tokens_per_s"])
             if step % job.log_every == 0 or step == job.steps:
+                val_text = f" val {row['val/loss']:.4f}" if "val/loss" in row else ""
                 console.print(
-                    f"step {step:>4}/{job.steps} loss {row['loss']:.4f} "
+                    f"step {step:>4}/{job.steps} loss {row['loss']:.4f}{val_text} "
                     f"p_target {row.get('target_prob', float('nan')):.3f} "
-                    f"gnorm {grad_norm:.3f} lr {lr:.1e} {row['tokens_per_s']:.0f} tok/s"
+                    f"gnorm {row['grad_norm']:.3f} lr {row['lr']:.1e} "
+                    f"{row['tokens_per_s']:.0f} tok/s"
                 )
-    ckpt = None
-    if job.save_checkpoint:
-        ckpt = engine.save_checkpoint(
-            str(out_dir / "checkpoints"), step=job.steps, max_ckpt_to_keep=job.max_ckpt_to_keep
-        )
+            if step == job.steps or (job.save_every and step % job.save_every == 0):
+                ckpt = checkpoints.save(step, parts, {"step": step, **position()})
+    hf_export = engine.export_hf(str(out_dir / "hf_export"))
+    if chats is not None:  # a folder that from_pretrained and the tokenizer both load
+        chats.tokenizer.save_pretrained(hf_export)
+    rows = tracker.rows
+    plot = tracker.plot(PLOT_KEYS, title=f"SFT on {what} ({job.steps} steps)")
+    tracker.close()
+    vals = [r["val/loss"] for r in rows if "val/loss" in r]
     summary = {
         "engine": spec.name,
         "steps": job.steps,
-        "first_loss": history[0]["loss"],
-        "final_loss": history[-1]["loss"],
-        "final_target_prob": history[-1].get("target_prob"),
-        "metrics": str(metrics_path),
+        "first_loss": rows[0]["loss"] if rows else None,
+        "final_loss": rows[-1]["loss"] if rows else None,
+        "final_target_prob": rows[-1].get("target_prob") if rows else None,
+        "final_val_loss": vals[-1] if vals else None,
+        "metrics": str(tracker.metrics_path),
+        "plot": str(plot),
         "checkpoint": ckpt,
+        "hf_export": hf_export,
     }
-    console.print_json(json.dumps(summary))
+    console.print_json(data=summary)
     return summary
+
+
+def _restore(
+    state: dict[str, Any], folder: str, chats: Chats | None, task: DigitTask | None
+) -> int:
+    """Put the job's position back from a checkpoint's job state; return its step."""
+    where = "data" if chats is not None else "task_rng"
+    if not isinstance(state.get("step"), int) or where not in state:
+        raise CheckpointError(
+            f"{folder} holds no SFT job position (step, {where}); it was not saved by "
+            f"engine-core train with this job's {'data' if chats is not None else 'task'}. "
+            f"Resume from another checkpoint, or with the settings that saved it."
+        )
+    if chats is not None:
+        chats.train.load_state_dict(state["data"])
+    else:
+        assert task is not None
+        task.set_rng_state(state["task_rng"])
+    return int(state["step"])
+
+
+def _resume_point(root: Path, console: Console) -> str:
+    """The newest step whose checkpoint verifies; newer ones are set aside (renamed
+    ``*.rejected``, kept) and the console says which and why."""
+    try:
+        folder, skipped = JobCheckpoints(root).newest_verified([ROOT_PART])
+    except CheckpointError as e:
+        raise CheckpointError(f"--resume: {e}") from None
+    for step, reason, moved in skipped:
+        console.print(
+            f"[yellow]--resume: skipped step {step}: {reason} Set aside as {moved}.[/yellow]",
+            soft_wrap=True,
+        )
+    return folder

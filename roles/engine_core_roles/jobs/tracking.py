@@ -79,10 +79,10 @@ def claim_output_dir(out_dir: str | Path, *, command: str, resume: bool = False)
     path = Path(out_dir)
     held = [m for m in _RUN_MARKERS if (path / m).exists()]
     if held and not resume:
-        way_out = "Pass --resume to continue it, or c" if command == "engine-core run" else "C"
         raise CheckpointError(
             f"{command}: output_dir {path} already holds a run ({', '.join(held)}); refusing to "
-            f"overwrite it. {way_out}hoose another folder (output_dir=...) or delete it."
+            f"overwrite it. Pass --resume to continue it, or choose another folder "
+            f"(output_dir=...) or delete it."
         )
     try:
         path.mkdir(parents=True, exist_ok=True)

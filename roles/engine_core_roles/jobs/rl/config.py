@@ -12,12 +12,13 @@ from engine_core import (
 from engine_core_roles.algorithms.losses import MismatchCorrection
 from engine_core_roles.data.prompts import DataConfig
 from engine_core_roles.data.rewards import RewardConfig
-from engine_core_roles.data.tasks import EOS, DigitTask, TaskConfig
+from engine_core_roles.data.tasks import EOS, DigitTask
 from engine_core_roles.distributed.placement import (
     PlacementConfig,
     RayConfig,
 )
 from engine_core_roles.episodes.config import EnvConfig
+from engine_core_roles.jobs.config import JobConfig
 from engine_core_roles.roles.actor import ActorConfig
 from engine_core_roles.roles.critic import CriticConfig
 from engine_core_roles.trainer.config import TrainerConfig
@@ -75,7 +76,7 @@ _TRAINER_KEYS = (
 )
 
 
-class RLJobConfig(FrozenModel):
+class RLJobConfig(JobConfig):
     """An RL run: the loop's settings, the task, the actor's (and critic's) engine, the rollout.
 
     Every setting lives in one place: the loop's (algorithm, sampling, advantages, staleness,
@@ -86,7 +87,6 @@ class RLJobConfig(FrozenModel):
     itself is never changed after validation.
     """
 
-    steps: PositiveInt = 100
     prompts_per_step: PositiveInt = 16
     trainer: TrainerConfig = Field(
         default_factory=TrainerConfig,
@@ -97,9 +97,7 @@ class RLJobConfig(FrozenModel):
     )
     warmup_sft_steps: int = Field(0, ge=0, description="Supervised steps before RL (0: none).")
     warmup_batch_size: PositiveInt = 32
-    log_every: PositiveInt = 10
     output_dir: str = "outputs/rl"
-    task: TaskConfig = TaskConfig()
     data: DataConfig | None = Field(
         None,
         description="Prompts from files (the text job): tokenized with the actor's tokenizer "
@@ -126,9 +124,6 @@ class RLJobConfig(FrozenModel):
         description="The actor's update. Asynchronous runs (trainer.max_staleness >= 1) correct "
         "for their one-version-old samples with mismatch_correction=tis unless it is set.",
     )
-    save_every: int = Field(50, ge=0, description="Checkpoint every N steps (0: only at the end).")
-    max_ckpt_to_keep: PositiveInt | None = 2
-    engine: dict[str, Any] = Field(..., description="The actor's engine config.")
     rollout: dict[str, Any] = Field(default_factory=lambda: {"backend": "hf"})
     rollout_placement: Literal["colocated", "process"] = Field(
         "colocated",

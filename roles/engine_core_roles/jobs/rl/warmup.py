@@ -23,13 +23,15 @@ from engine_core_roles.jobs.rl.config import RLJobConfig
 from engine_core_roles.jobs.rl.text import TextParts
 
 
-def supervised_step_of(actor_part: Any) -> Callable[[TensorDict], float]:
+def supervised_step_of(actor_part: Any) -> Callable[[TensorDict], dict[str, float]]:
     """One supervised step of the actor, wherever it is: its engine in this process, or its
-    worker group (each DP rank on its share of the batch)."""
+    worker group (each DP rank on its share of the batch). The same step as the SFT job's,
+    LR schedule included (see :func:`~engine_core_roles.algorithms.supervised.supervised_step`):
+    the warm-up's steps count in the actor's schedule like its RL updates."""
 
     if isinstance(actor_part, BaseEngine):
         return functools.partial(supervised_step, actor_part)
-    step: Callable[[TensorDict], float] = actor_part.supervised_step
+    step: Callable[[TensorDict], dict[str, float]] = actor_part.supervised_step
     return step
 
 

@@ -1,0 +1,208 @@
+"""Chat datasets for supervised training: :class:`ChatData` reads conversations (a column of
+``{"role", "content"}`` messages) from JSONL, Parquet or saved ``datasets`` folders, checks every
+row before anything trains, tokenizes each conversation once through the renderer a job hands it
+(token ids and a loss mask), drops conversations too long for the model (counted), and hands out
+batches in a seeded order, epoch after epoch; its position is a small dict the job's checkpoint
+keeps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Protocol
+
+from pydantic import Field, PositiveInt, field_validator
+from tensordict import TensorDict
+
+from engine_core.config import FrozenModel
+from engine_core.errors import ConfigError
+from engine_core_roles.batch.build import sequence_batch
+from engine_core_roles.data.files import SeededOrder, concatenate, read_parts
+
+__all__ = ["ChatDataConfig", "ChatData", "ChatRenderer", "check_conversation"]
+
+_IDS, _MASK, _LENGTH = "_engine_core_ids", "_engine_core_loss_mask", "_engine_core_length"
+
+
+class ChatDataConfig(FrozenModel):
+    """Where the conversations come from and how they are drawn."""
+
+    train_files: list[str] = Field(
+        ...,
+        description="JSONL/JSON, Parquet files, or folders saved with datasets' save_to_disk; "
+        "one conversation a row.",
+    )
+    val_files: list[str] = Field(
+        default_factory=list, description="Validation conversations (their loss: eval_every)."
+    )
+    messages_key: str = Field(
+        "messages",
+        description="The column of conversations: a list of {role, content} messages with at "
+        "least one assistant message; the assistant's tokens are trained on.",
+    )
+    max_length: PositiveInt | None = Field(
+        None,
+        description="Longer conversations (in tokens) are dropped (counted); default: the "
+        "model's context.",
+    )
+    shuffle: bool = True
+    seed: int = Field(0, description="Seed of the shuffled order (epoch e uses seed + e).")
+
+    @field_validator("train_files", "val_files", mode="before")
+    @classmethod
+    def _one_or_many(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("train_files")
+    @classmethod
+    def _some(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("data.train_files is empty; give at least one file or folder.")
+        return v
+
+
+class ChatRenderer(Protocol):
+    """Tokenizes one conversation: its token ids and a loss mask of as many entries (1 on the
+    tokens trained on). ``who`` names the conversation in errors; :meth:`fingerprint` changes
+    whenever the output would (the tokenizer, its template), so a cached rendering is reused
+    only for the same one."""
+
+    def __call__(
+        self, messages: Sequence[dict[str, Any]], who: str
+    ) -> tuple[list[int], list[int]]: ...
+
+    def fingerprint(self) -> str: ...
+
+
+def check_conversation(messages: Any, who: str) -> None:
+    """Refuse a conversation that is not a list of ``{role, content}`` messages, or that has no
+    assistant message to learn from."""
+    if not isinstance(messages, list) or not all(
+        isinstance(m, Mapping) and isinstance(m.get("role"), str) and "content" in m
+        for m in messages
+    ):
+        raise ConfigError(
+            f"{who} is {str(messages)[:80]!r}; a conversation is a list of messages, each a "
+            f"dict with 'role' and 'content'. Fix the row, or drop it."
+        )
+    if not any(m["role"] == "assistant" for m in messages):
+        roles = ", ".join(m["role"] for m in messages) or "no messages"
+        raise ConfigError(
+            f"{who} has no assistant message to learn from (its roles: {roles}); every "
+            f"conversation needs at least one assistant turn. Add the answer, or drop the row."
+        )
+
+
+class ChatData:
+    """Tokenized, length-filtered conversations of one dataset, drawn in a seeded order.
+
+    Each row is rendered once by ``render`` (cached by ``datasets`` under the renderer's
+    fingerprint); :meth:`batch` pads rows into a supervised batch (``input_ids``,
+    ``attention_mask``, ``position_ids``, ``loss_mask``). :meth:`state_dict` /
+    :meth:`load_state_dict` are the draw position (epoch, index).
+    """
+
+    def __init__(
+        self,
+        files: Sequence[str],
+        render: ChatRenderer,
+        cfg: ChatDataConfig,
+        *,
+        max_length: int,
+        pad_token_id: int,
+        what: str = "data.train_files",
+    ) -> None:
+        self.cfg, self.render, self.what, self.pad_token_id = cfg, render, what, pad_token_id
+        parts = read_parts(files, what, rows="conversations")
+        data = concatenate(parts, files, what, rows="conversations")
+        key = cfg.messages_key
+        if key not in data.column_names:
+            raise ConfigError(
+                f"{what}: no {key!r} column; the columns are {', '.join(data.column_names)}. "
+                f"Set data.messages_key to the column of conversations (lists of "
+                f"{{'role', 'content'}} messages)."
+            )
+        self._origins = [(name, len(part)) for name, part in parts]
+        fingerprint = hashlib.sha256(
+            json.dumps([data._fingerprint, key, render.fingerprint()]).encode()
+        ).hexdigest()[:16]
+        rendered = data.select_columns([key]).map(
+            self._render_batch,
+            batched=True,
+            with_indices=True,
+            remove_columns=[key],
+            new_fingerprint=fingerprint,
+            desc="tokenizing conversations",
+        )
+        keep = [i for i, n in enumerate(rendered[_LENGTH]) if n <= max_length]
+        self.total, self.dropped = len(rendered), len(rendered) - len(keep)
+        self.max_length = max_length
+        if not keep:
+            raise ConfigError(
+                f"{what}: all {self.total} conversations are longer than {max_length} tokens "
+                f"(the model's context, or data.max_length); shorten them, or use a model with "
+                f"a longer context."
+            )
+        self.data = rendered if not self.dropped else rendered.select(keep)
+        self.order = SeededOrder(
+            len(self.data), shuffle=cfg.shuffle, seed=cfg.seed, what=what, rows="conversations"
+        )
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def where(self, index: int) -> str:
+        """Row ``index`` of the dataset as the user knows it: ``row N of FILE`` (from 1)."""
+        for name, size in self._origins:
+            if index < size:
+                return f"row {index + 1} of {name}"
+            index -= size
+        raise IndexError(index)
+
+    def _render_batch(self, batch: dict[str, list[Any]], indices: list[int]) -> dict[str, Any]:
+        ids, masks = [], []
+        for messages, i in zip(batch[self.cfg.messages_key], indices, strict=True):
+            who = f"{self.what}: {self.where(i)}"
+            check_conversation(messages, who)
+            row_ids, mask = self.render([_present(m) for m in messages], who)
+            ids.append(row_ids)
+            masks.append(mask)
+        return {_IDS: ids, _MASK: masks, _LENGTH: [len(x) for x in ids]}
+
+    def batch(self, indices: Sequence[int]) -> TensorDict:
+        """The supervised batch of these rows (of the kept conversations), right-padded."""
+        rows = self.data[list(indices)]
+        return sequence_batch(
+            list(zip(rows[_IDS], rows[_MASK], strict=True)), pad_token_id=self.pad_token_id
+        )
+
+    def next_indices(self, n: int) -> list[int]:
+        """The next ``n`` rows in draw order (into the next epoch when this one runs out)."""
+        return self.order.next_indices(n)
+
+    def next_batch(self, n: int) -> TensorDict:
+        return self.batch(self.next_indices(n))
+
+    def batches(self, n: int) -> Iterator[TensorDict]:
+        """Every row once, in file order, ``n`` at a time (the last batch may be short)."""
+        for start in range(0, len(self.data), n):
+            yield self.batch(range(start, min(start + n, len(self.data))))
+
+    @property
+    def epoch(self) -> int:
+        return self.order.epoch
+
+    def state_dict(self) -> dict[str, int]:
+        return self.order.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.order.load_state_dict(state)
+
+
+def _present(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A message without the keys it does not have: Arrow gives every message of a column every
+    key any of them has (None where absent), and a template testing ``is defined`` would see
+    them."""
+    return {k: v for k, v in message.items() if v is not None or k == "content"}
