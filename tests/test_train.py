@@ -72,7 +72,7 @@ def test_the_rl_warm_up_steps_the_lr_schedule_as_the_sft_job_does() -> None:
     from engine_core.resolve import resolve_engine_config
     from engine_core_roles.data.tasks import DigitTask
     from engine_core_roles.jobs.rl.config import RLJobConfig
-    from engine_core_roles.jobs.rl.warmup import _warmup
+    from engine_core_roles.jobs.rl.warmup import warm_up_on_task
 
     optim = ["engine.optim.lr=1e-2", "engine.optim.warmup_steps=6"]
     raw = apply_overrides(
@@ -82,5 +82,5 @@ def test_the_rl_warm_up_steps_the_lr_schedule_as_the_sft_job_does() -> None:
     spec, cfg = resolve_engine_config(job.engine, load_plugins(), path=("engine",))
     engine = spec.load_class()(cfg)
     engine.init_model()
-    _warmup(engine, DigitTask(job.task), job)
+    warm_up_on_task(engine, DigitTask(job.task), job)
     assert engine.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 * 4 / 6)
