@@ -77,11 +77,12 @@ def test_values_and_gradients_equal_the_full_logits_path(
     truth = run("full", torch.float64)
     full, chunked = run("full", torch.float32), run("chunked", torch.float32)
     # as close to the float64 result as the full-logits path is in float32 (float rounding of
-    # another order of operations), and within 1e-6 of each quantity's scale
+    # another order of operations), or within 4e-6 of each quantity's scale: float32 sums of a
+    # few hundred terms, whose rounding follows the thread count of the matrix products
     for i, (want, old, new) in enumerate(zip(truth, full, chunked, strict=True)):
         scale = want.abs().max().item()
         err, old_err = (new - want).abs().max().item(), (old - want).abs().max().item()
-        assert err <= max(2 * old_err, 1e-6 * scale), (i, err, old_err, scale)
+        assert err <= max(2 * old_err, 4e-6 * scale), (i, err, old_err, scale)
 
 
 def test_bfloat16_layer_gives_float32_results_close_to_the_full_path() -> None:

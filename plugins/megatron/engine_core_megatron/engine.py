@@ -115,6 +115,15 @@ def _ensure_process_group() -> None:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
+def _groups_registered(parallel_state: Any) -> bool:
+    """Whether megatron-core's model-parallel groups belong to the current process group."""
+    try:
+        dist.get_rank(group=parallel_state.get_model_parallel_group())
+    except (ValueError, RuntimeError, AssertionError):
+        return False
+    return True
+
+
 class MegatronEngine(BaseEngine):
     capabilities: ClassVar[frozenset[Capability]] = MEGATRON_CAPABILITIES
     config_class: ClassVar[type[EngineConfig]] = MegatronEngineConfig
@@ -244,7 +253,10 @@ class MegatronEngine(BaseEngine):
                 parallel_state.get_pipeline_model_parallel_world_size(),
                 parallel_state.get_virtual_pipeline_model_parallel_world_size(),
             )
-            if now != want:
+            # megatron-core keeps its groups in module globals: a process group destroyed and
+            # made anew since (a second job in one process, a library's own clean-up) leaves
+            # them pointing at the old one
+            if now != want or not _groups_registered(parallel_state):
                 parallel_state.destroy_model_parallel()
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(

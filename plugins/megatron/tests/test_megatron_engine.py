@@ -149,6 +149,28 @@ def runs(baseline: Baseline, tmp_path_factory: pytest.TempPathFactory) -> dict[s
     return {"root": root, "fsdp2": fsdp2, "grid": grid, "two": two, "resharded": resharded}
 
 
+def _rebuilt_after_a_new_process_group(rank: int, world: int, policy: str) -> list[float]:
+    """Two engines in one plain process, the process group destroyed and made anew between
+    them (two jobs in one process, or a library cleaning up its own): both train."""
+    import torch.distributed as dist
+
+    first = train_steps(_engine("megatron", policy), range(1))
+    dist.destroy_process_group()
+    second = train_steps(_engine("megatron", policy), range(1))
+    return [first[0][0], second[0][0]]
+
+
+def test_an_engine_builds_again_after_the_process_group_is_made_anew(baseline: Baseline) -> None:
+    (losses,) = run_distributed(
+        _rebuilt_after_a_new_process_group,
+        1,
+        baseline.policy_dir,
+        pg_backend=None,
+        preload=PRELOAD,
+    )
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+
+
 def _close(a: float, b: float) -> bool:
     return abs(a - b) <= RTOL * abs(b)
 
