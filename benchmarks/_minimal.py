@@ -131,9 +131,12 @@ def _warm_up(raw: dict[str, Any], model: Any, opt: torch.optim.Optimizer) -> Non
         opt.step()
 
 
-def minimal_grpo(raw: dict[str, Any], steps: int) -> list[tuple[float, float]]:
+def minimal_grpo(
+    raw: dict[str, Any], steps: int, parts: dict[str, list[float]] | None = None
+) -> list[tuple[float, float]]:
     """(seconds, mean reward) of each of ``steps`` steps of the minimal loop on recipe ``raw``
-    (overrides applied; paths resolved)."""
+    (overrides applied; paths resolved). ``parts``, when given, gets each step's seconds of
+    generation (drawing the prompts included), scoring and the update appended."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     engine = raw["engine"]
@@ -177,6 +180,7 @@ def minimal_grpo(raw: dict[str, Any], steps: int) -> list[tuple[float, float]]:
                 eos_token_id=stops,
                 pad_token_id=0,
             )
+        t1 = time.perf_counter()
         p = prompt.shape[1]
         response = seqs[:, p:]
         stop = torch.isin(response, torch.tensor(stops))
@@ -185,6 +189,7 @@ def minimal_grpo(raw: dict[str, Any], steps: int) -> list[tuple[float, float]]:
         scores = score(seqs[:, :p], response, mask, rows)
         grouped = scores.view(-1, n)
         adv = (grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)
+        t2 = time.perf_counter()
         model.train()
         attn = torch.cat([pmask.repeat_interleave(n, 0), mask.long()], 1)
         logits = model(seqs, attention_mask=attn).logits[:, p - 1 : -1]
@@ -199,5 +204,10 @@ def minimal_grpo(raw: dict[str, Any], steps: int) -> list[tuple[float, float]]:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
-        out.append((time.perf_counter() - t0, float(scores.mean())))
+        t3 = time.perf_counter()
+        if parts is not None:
+            parts["generation"].append(t1 - t0)
+            parts["scoring"].append(t2 - t1)
+            parts["update"].append(t3 - t2)
+        out.append((t3 - t0, float(scores.mean())))
     return out

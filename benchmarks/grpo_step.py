@@ -18,9 +18,9 @@ same overrides, for ``--steps`` steps in this process, one after the other:
 The two alternate over ``--rounds`` runs each (A B B A ...), so a machine that speeds up or
 slows down during the benchmark weighs on both alike. Reports the median wall time per step
 after ``--warmup`` steps of every run for each, their ratio, each run's median, the mean reward
-of the last 10 steps of each loop's first run, and where ``engine_core``'s step goes (median
-seconds of generation, old log-probs, update, weight sync and the rest) by timing the roles'
-calls; on a text recipe also the text path's own work (drawing the prompts' token ids, inside
+of the last 10 steps of each loop's first run, where the minimal loop's step goes (median
+seconds of generation, scoring and the update) and where ``engine_core``'s goes (generation,
+old log-probs, update, weight sync and the rest) by timing the roles' calls; on a text recipe also the text path's own work (drawing the prompts' token ids, inside
 generation; decoding and the reward function) and its share of the step.
 Prints one JSON object.
 """
@@ -121,12 +121,16 @@ def main() -> None:
     minimal_runs: list[list[tuple[float, float]]] = []
     ours_runs: list[list[tuple[float, float]]] = []
     parts: dict[str, list[float]] = collections.defaultdict(list)
+    minimal_parts: dict[str, list[float]] = collections.defaultdict(list)
     for r in range(args.rounds):
         for which in ("minimal", "ours") if r % 2 == 0 else ("ours", "minimal"):
             if which == "minimal":
+                run_parts: dict[str, list[float]] = collections.defaultdict(list)
                 minimal_runs.append(
-                    minimal_grpo(load_recipe(args.recipe, args.overrides), args.steps)
+                    minimal_grpo(load_recipe(args.recipe, args.overrides), args.steps, run_parts)
                 )
+                for k, v in run_parts.items():
+                    minimal_parts[k] += v[args.warmup :]
             else:
                 rows, times = _engine_core(args.steps, args.recipe, args.overrides)
                 ours_runs.append(rows)
@@ -164,6 +168,9 @@ def main() -> None:
                 "ratio_engine_core_to_minimal": round(step / median(minimal), 3),
                 "minimal_reward_last10": last10(minimal),
                 "engine_core_reward_last10": last10(ours),
+                "minimal_step_breakdown_s": {
+                    k: round(statistics.median(v), 4) for k, v in minimal_parts.items()
+                },
                 "engine_core_step_breakdown_s": {k: round(v, 4) for k, v in breakdown.items()},
                 "text_path_share_of_step": round(text / step, 4),
             },
