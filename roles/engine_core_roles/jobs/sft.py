@@ -39,7 +39,12 @@ from engine_core_roles.data.tasks import DigitTask
 from engine_core_roles.data.tokenizer import load_tokenizer
 from engine_core_roles.episodes.demos import DemoRenderer
 from engine_core_roles.jobs.config import JobConfig
-from engine_core_roles.jobs.tracking import RunTracker, claim_output_dir, failures_logged
+from engine_core_roles.jobs.tracking import (
+    RunTracker,
+    claim_output_dir,
+    failures_logged,
+    resume_point,
+)
 
 __all__ = ["SFTJobConfig", "run_sft", "chat_datasets", "Chats"]
 
@@ -146,7 +151,7 @@ def run_sft(
     claim_output_dir(out_dir, command="engine-core train", resume=resume)
     spec, engine_cfg = resolve_engine_config(job.engine, manager, path=("engine",))
     chats = None if job.data is None else chat_datasets(job.data, engine_cfg.model, console)
-    resume_from = _resume_point(ckpt_root, console) if resume else None
+    resume_from = resume_point(ckpt_root, [ROOT_PART], console) if resume else None
     safe = f"checkpoints already saved under {ckpt_root} are kept, and --resume continues"
     with failures_logged(out_dir, command="engine-core train", safe=safe):
         return _train(job, spec, engine_cfg, chats, resume_from, console)
@@ -278,18 +283,3 @@ def _restore(
         assert task is not None
         task.set_rng_state(state["task_rng"])
     return int(state["step"])
-
-
-def _resume_point(root: Path, console: Console) -> str:
-    """The newest step whose checkpoint verifies; newer ones are set aside (renamed
-    ``*.rejected``, kept) and the console says which and why."""
-    try:
-        folder, skipped = JobCheckpoints(root).newest_verified([ROOT_PART])
-    except CheckpointError as e:
-        raise CheckpointError(f"--resume: {e}") from None
-    for step, reason, moved in skipped:
-        console.print(
-            f"[yellow]--resume: skipped step {step}: {reason} Set aside as {moved}.[/yellow]",
-            soft_wrap=True,
-        )
-    return folder

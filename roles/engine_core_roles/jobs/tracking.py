@@ -17,10 +17,19 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
+from rich.console import Console
 
+from engine_core.checkpoint import JobCheckpoints
 from engine_core.errors import CheckpointError, ConfigError, PluginError, RunFailed
 
-__all__ = ["RunTracker", "RunFailed", "claim_output_dir", "failures_logged", "RUN_LOG"]
+__all__ = [
+    "RunTracker",
+    "RunFailed",
+    "claim_output_dir",
+    "failures_logged",
+    "resume_point",
+    "RUN_LOG",
+]
 
 RUN_LOG = "run.log"  # in a run's output_dir: the traceback of each failure, appended
 
@@ -187,3 +196,19 @@ def _shown(sample: dict[str, Any]) -> str:
     if episode:
         return "\n".join(f"{m.get('role')}: {m.get('content')}" for m in episode)
     return f"{sample.get('prompt', '')}{sample.get('response', '')}"
+
+
+def resume_point(root: Path, parts: list[str], console: Console) -> str:
+    """``--resume``: the newest step under ``root`` whose checkpoint (``parts`` and the job
+    state) verifies; newer ones are set aside (renamed ``*.rejected``, kept) and the console
+    says which and why."""
+    try:
+        folder, skipped = JobCheckpoints(root).newest_verified(parts)
+    except CheckpointError as e:
+        raise CheckpointError(f"--resume: {e}") from None
+    for step, reason, moved in skipped:
+        console.print(
+            f"[yellow]--resume: skipped step {step}: {reason} Set aside as {moved}.[/yellow]",
+            soft_wrap=True,
+        )
+    return folder

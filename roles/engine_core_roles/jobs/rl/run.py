@@ -30,7 +30,12 @@ from engine_core_roles.jobs.rl.config import RLJobConfig
 from engine_core_roles.jobs.rl.evaluate import evaluate
 from engine_core_roles.jobs.rl.sources import Source, source_for
 from engine_core_roles.jobs.rl.text import TextParts, text_parts
-from engine_core_roles.jobs.tracking import RunTracker, claim_output_dir, failures_logged
+from engine_core_roles.jobs.tracking import (
+    RunTracker,
+    claim_output_dir,
+    failures_logged,
+    resume_point,
+)
 from engine_core_roles.trainer.loop import RLTrainer
 from engine_core_roles.trainer.metrics import plot_keys
 
@@ -62,7 +67,7 @@ def run_rl_job(
     claim_output_dir(out_dir, command="engine-core run", resume=resume)
     resume_from = None
     if resume:
-        resume_from = _resume_point(job, console)
+        resume_from = resume_point(Path(job.output_dir) / "checkpoints", _parts(job), console)
     text = text_parts(job, console)
     threads = thread_plan(job)
     before = torch.get_num_threads()
@@ -110,7 +115,7 @@ def _run(
         Path(job.output_dir) / "checkpoints", max_ckpt_to_keep=job.max_ckpt_to_keep
     )
     if resume_from is not None:
-        job_state = checkpoints.load(resume_from, roles.parts, verified=True)  # _resume_point did
+        job_state = checkpoints.load(resume_from, roles.parts, verified=True)  # resume_point did
         trainer.load_state_dict(source.resume(job_state, resume_from))
         console.print(f"resumed from {resume_from} (next step {trainer.global_step + 1})")
     elif job.warmup_sft_steps:
@@ -265,21 +270,9 @@ def _finish(
     return summary
 
 
-def _resume_point(job: RLJobConfig, console: Console) -> str:
-    """The newest step whose checkpoint (actor, critic under ppo, job state) verifies; newer
-    ones are set aside (renamed ``*.rejected``, kept) and the console says which and why."""
-    names = ["actor", "critic"] if job.trainer.algorithm == "ppo" else ["actor"]
-    root = Path(job.output_dir) / "checkpoints"
-    try:
-        folder, skipped = JobCheckpoints(root).newest_verified(names)
-    except CheckpointError as e:
-        raise CheckpointError(f"--resume: {e}") from None
-    for step, reason, moved in skipped:
-        console.print(
-            f"[yellow]--resume: skipped step {step}: {reason} Set aside as {moved}.[/yellow]",
-            soft_wrap=True,
-        )
-    return folder
+def _parts(job: RLJobConfig) -> list[str]:
+    """The engines a checkpoint of ``job`` holds: the actor, and the critic under ppo."""
+    return ["actor", "critic"] if job.trainer.algorithm == "ppo" else ["actor"]
 
 
 def _print_summary(console: Console, summary: dict[str, Any]) -> None:
