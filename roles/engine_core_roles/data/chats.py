@@ -13,30 +13,21 @@ import json
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
-from pydantic import Field, PositiveInt, field_validator
+from pydantic import Field, PositiveInt
 from tensordict import TensorDict
 
-from engine_core.config import FrozenModel
 from engine_core.errors import ConfigError
 from engine_core_roles.batch.build import sequence_batch
-from engine_core_roles.data.files import SeededOrder, concatenate, read_parts
+from engine_core_roles.data.files import FilesConfig, SeededOrder, concatenate, read_parts
 
 __all__ = ["ChatDataConfig", "ChatData", "ChatRenderer", "check_conversation"]
 
 _IDS, _MASK, _LENGTH = "_engine_core_ids", "_engine_core_loss_mask", "_engine_core_length"
 
 
-class ChatDataConfig(FrozenModel):
-    """Where the conversations come from and how they are drawn."""
+class ChatDataConfig(FilesConfig):
+    """Where the conversations come from (one a row) and how they are drawn."""
 
-    train_files: list[str] = Field(
-        ...,
-        description="JSONL/JSON, Parquet files, or folders saved with datasets' save_to_disk; "
-        "one conversation a row.",
-    )
-    val_files: list[str] = Field(
-        default_factory=list, description="Validation conversations (their loss: eval_every)."
-    )
     messages_key: str = Field(
         "messages",
         description="The column of conversations: a list of {role, content} messages with at "
@@ -47,20 +38,6 @@ class ChatDataConfig(FrozenModel):
         description="Longer conversations (in tokens) are dropped (counted); default: the "
         "model's context.",
     )
-    shuffle: bool = True
-    seed: int = Field(0, description="Seed of the shuffled order (epoch e uses seed + e).")
-
-    @field_validator("train_files", "val_files", mode="before")
-    @classmethod
-    def _one_or_many(cls, v: Any) -> Any:
-        return [v] if isinstance(v, str) else v
-
-    @field_validator("train_files")
-    @classmethod
-    def _some(cls, v: list[str]) -> list[str]:
-        if not v:
-            raise ValueError("data.train_files is empty; give at least one file or folder.")
-        return v
 
 
 class ChatRenderer(Protocol):

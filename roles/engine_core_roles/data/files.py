@@ -13,10 +13,42 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import Field, field_validator
 
+from engine_core.config import FrozenModel
 from engine_core.errors import ConfigError
 
-__all__ = ["read_parts", "read_rows", "concatenate", "SeededOrder"]
+__all__ = ["FilesConfig", "one_or_many", "read_parts", "read_rows", "concatenate", "SeededOrder"]
+
+
+def one_or_many(v: Any) -> Any:
+    """A list setting given one string (``data.train_files=a.jsonl``) as a list of it."""
+    return [v] if isinstance(v, str) else v
+
+
+class FilesConfig(FrozenModel):
+    """The files of a dataset and the order their rows are drawn in: the settings prompt and
+    chat datasets share."""
+
+    train_files: list[str] = Field(
+        ...,
+        description="JSONL/JSON, Parquet files, or folders saved with datasets' save_to_disk; "
+        "one example a row.",
+    )
+    val_files: list[str] = Field(
+        default_factory=list, description="Validation rows, read as train_files are."
+    )
+    shuffle: bool = True
+    seed: int = Field(0, description="Seed of the shuffled order (epoch e uses seed + e).")
+
+    _one_or_many = field_validator("train_files", "val_files", mode="before")(one_or_many)
+
+    @field_validator("train_files")
+    @classmethod
+    def _some(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("data.train_files is empty; give at least one file or folder.")
+        return v
 
 
 def read_parts(files: Sequence[str], what: str, *, rows: str = "prompts") -> list[tuple[str, Any]]:

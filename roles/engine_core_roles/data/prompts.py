@@ -16,24 +16,19 @@ import torch
 from pydantic import Field, PositiveInt, field_validator
 from tensordict import NonTensorStack, TensorDict
 
-from engine_core.config import FrozenModel
 from engine_core.errors import ConfigError
 from engine_core_roles.batch.build import prompt_batch
 from engine_core_roles.batch.keys import ROW, ROW_INDEX
-from engine_core_roles.data.files import SeededOrder, read_rows
+from engine_core_roles.data.files import FilesConfig, SeededOrder, one_or_many, read_rows
 
 __all__ = ["DataConfig", "PromptData"]
 
 _IDS_COLUMN = "_engine_core_prompt_ids"
 
 
-class DataConfig(FrozenModel):
-    """Where the prompts come from and how they are drawn."""
+class DataConfig(FilesConfig):
+    """Where the prompts come from (one a row) and how they are drawn."""
 
-    train_files: list[str] = Field(
-        ..., description="JSONL/JSON, Parquet files, or folders saved with datasets' save_to_disk."
-    )
-    val_files: list[str] = Field(default_factory=list, description="Validation prompts (eval).")
     prompt_key: str = Field(
         "prompt",
         description="The prompt column: a list of {role, content} messages (rendered with the "
@@ -49,8 +44,6 @@ class DataConfig(FrozenModel):
         description="Longer prompts are dropped (counted); default: the model's context minus "
         "the response length.",
     )
-    shuffle: bool = True
-    seed: int = Field(0, description="Seed of the shuffled order (epoch e uses seed + e).")
     stop_strings: list[str] = Field(
         default_factory=list,
         description="Responses also end at these strings: one that is one token of the "
@@ -66,17 +59,7 @@ class DataConfig(FrozenModel):
         "of turn), trained on the answer's tokens only.",
     )
 
-    @field_validator("train_files", "val_files", "demos", mode="before")
-    @classmethod
-    def _one_or_many(cls, v: Any) -> Any:
-        return [v] if isinstance(v, str) else v
-
-    @field_validator("train_files")
-    @classmethod
-    def _some(cls, v: list[str]) -> list[str]:
-        if not v:
-            raise ValueError("data.train_files is empty; give at least one file or folder.")
-        return v
+    _demos_one_or_many = field_validator("demos", mode="before")(one_or_many)
 
 
 class PromptData:
