@@ -187,16 +187,20 @@ def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
     return (x >> k).bitwise_and_((1 << (64 - k)) - 1)
 
 
-def _mix64_(x: torch.Tensor) -> torch.Tensor:
-    """``engine_core.rollout._mix64`` on an int64 tensor, in place: torch's int64 arithmetic
+def _finalize_(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's output function on an int64 tensor, in place: torch's int64 arithmetic
     wraps modulo 2**64 as the masked Python version does."""
-    x += _GAMMA
     x ^= _shr(x, 30)
     x *= _MUL1
     x ^= _shr(x, 27)
     x *= _MUL2
     x ^= _shr(x, 31)
     return x
+
+
+def _mix64_(x: torch.Tensor) -> torch.Tensor:
+    """``engine_core.rollout._mix64`` on an int64 tensor, in place."""
+    return _finalize_(x.add_(_GAMMA))
 
 
 def _derive_seeds(seeds: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -215,6 +219,11 @@ def _sample_seeds(prompts: TensorDict, params: SamplingParams) -> torch.Tensor |
     return _derive_seeds(column.unsqueeze(1), torch.arange(params.n)).flatten()
 
 
+_NOISE_BLOCK = 1 << 20
+"""Noise values drawn at once: several positions' for small batches (fewer tensor ops per token),
+one position's at a time once a position alone is this large."""
+
+
 class _RowSampler(LogitsProcessor):
     """Samples each row's next token by its seed alone: temperature, top-k and top-p as
     transformers' warpers apply them, then the Gumbel-max draw; the scores handed back keep
@@ -224,24 +233,43 @@ class _RowSampler(LogitsProcessor):
     ``t`` of the response (the ``t``-th call of this processor; not ``input_ids``' width, which
     depends on the batch's left padding) the uniform of vocabulary entry ``v`` in the row with
     seed ``s`` is the ``v + 1``-th output of splitmix64 started at ``derive_seed(s, t)``, its
-    top 52 bits ``m`` as ``(m + 0.5) / 2**52`` in float64: never 0 or 1."""
+    top 52 bits ``m`` as ``(m + 0.5) / 2**52`` in float64: never 0 or 1. The Gumbel noise
+    ``-log(-log(u))`` of several positions is drawn in one go while it stays under
+    ``_NOISE_BLOCK`` values."""
 
     def __init__(self, row_seeds: torch.Tensor, params: SamplingParams) -> None:
         # every position's start, derive_seed(s, t), at once: [max_new_tokens, rows]
         positions = torch.arange(params.max_new_tokens).unsqueeze(1)
         self.starts = _derive_seeds(row_seeds.unsqueeze(0), positions)
-        self.position = 0
-        self.offsets = torch.empty(0, dtype=torch.int64)  # v * gamma, made at the first call
+        self.offsets = torch.empty(0, dtype=torch.int64)  # (v + 1) * gamma, made when first used
+        self.position = 0  # of the next call
+        self.noise = torch.empty(0)  # Gumbel noise of positions [noise_from, noise_from + len)
+        self.noise_from = 0
         self.temperature, self.top_k, self.top_p = params.temperature, params.top_k, params.top_p
 
-    def uniforms(self, vocab: int, device: torch.device) -> torch.Tensor:
-        """The next position's uniforms ``[rows, vocab]`` (float64 in (0, 1)); advances it."""
+    def uniforms(self, first: int, count: int, vocab: int, device: torch.device) -> torch.Tensor:
+        """The uniforms ``[count, rows, vocab]`` (float64 in (0, 1)) of positions ``first`` to
+        ``first + count - 1``."""
         if self.offsets.shape[0] != vocab or self.offsets.device != device:
             self.starts = self.starts.to(device)
-            self.offsets = torch.arange(vocab, dtype=torch.int64, device=device) * _GAMMA
-        bits = _mix64_(self.starts[self.position].unsqueeze(1) + self.offsets)
-        self.position += 1
+            self.offsets = torch.arange(1, vocab + 1, dtype=torch.int64, device=device) * _GAMMA
+        # splitmix64's state after v + 1 steps from start, then its output function
+        bits = _finalize_(self.starts[first : first + count].unsqueeze(-1) + self.offsets)
         return _shr(bits, 12).double().add_(0.5).mul_(2.0**-52)
+
+    def gumbel(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """The next position's Gumbel noise ``[rows, vocab]`` (float32); advances it."""
+        at = self.position - self.noise_from
+        if at >= self.noise.shape[0] or self.noise.shape[-1] != vocab:
+            rows = self.starts.shape[1]
+            left = self.starts.shape[0] - self.position
+            count = max(1, min(left, _NOISE_BLOCK // max(1, rows * vocab)))
+            u = self.uniforms(self.position, count, vocab, device)
+            # -log(E) with E = -log(u) exponential, taken in float64 where u is near 1
+            self.noise = u.log_().neg_().float().log_().neg_()
+            self.noise_from, at = self.position, 0
+        self.position += 1
+        return self.noise[at]
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         logits = scores.float() / self.temperature
@@ -255,9 +283,7 @@ class _RowSampler(LogitsProcessor):
             beyond = probs.cumsum(-1) - probs >= self.top_p  # the mass ahead already reaches p
             drop = torch.zeros_like(beyond).scatter(-1, order, beyond)
             logits = logits.masked_fill(drop, float("-inf"))
-        # Gumbel-max: argmax of logits - log(E), E = -log(u) exponential (float64 near u = 1)
-        exponential = self.uniforms(vocab, logits.device).log_().neg_().float()
-        choice = (logits - exponential.log_()).argmax(-1, keepdim=True)
+        choice = (logits + self.gumbel(vocab, logits.device)).argmax(-1, keepdim=True)
         picked = torch.full_like(scores, float("-inf"))
         return cast(torch.FloatTensor, picked.scatter(-1, choice, 0.0))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import cast
 
+import engine_core_hf.rollout as rollout_module
 import pytest
 import torch
 from engine_core_hf.rollout import HFRollout, HFRolloutConfig, _RowSampler, _sample_seeds
@@ -211,7 +212,8 @@ def test_row_sampler_uniforms_are_splitmix64_from_derive_seed() -> None:
     seeds = [0, 1, 2**62 + 12345, 2**63 - 1, derive_seed(3, 4)]
     s = _sampler(seeds)
     vocab = 50
-    got = [s.uniforms(vocab, torch.device("cpu")) for _ in range(3)]
+    got = s.uniforms(0, 3, vocab, torch.device("cpu"))
+    assert torch.equal(got[1:], s.uniforms(1, 2, vocab, torch.device("cpu")))
     mask = (1 << 64) - 1
     for t in range(3):
         for r, seed in enumerate(seeds):
@@ -232,10 +234,27 @@ def test_row_sampler_draws_by_position_and_seed_not_by_input_width() -> None:
     assert torch.equal(fresh, _draw(_sampler(seeds), scores, 2)[2:3])
 
 
+def test_row_sampler_noise_blocks_do_not_change_the_draws(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Noise drawn several positions at a time (small batches) or one at a time (large ones):
+    the same tokens."""
+    seeds = [derive_seed(4, j) for j in range(8)]
+    scores = torch.randn(8, 30, generator=torch.Generator().manual_seed(0))
+    together = _sampler(seeds)
+    drawn = [_draw(together, scores) for _ in range(12)]
+    assert together.noise.shape[0] == 16  # all 16 positions in one block
+    monkeypatch.setattr(rollout_module, "_NOISE_BLOCK", 8 * 30 * 5)  # 5 positions a block
+    in_fives = _sampler(seeds)
+    assert all(torch.equal(_draw(in_fives, scores), d) for d in drawn)
+    monkeypatch.setattr(rollout_module, "_NOISE_BLOCK", 1)  # one position a block
+    alone = _sampler(seeds)
+    assert all(torch.equal(_draw(alone, scores), d) for d in drawn)
+    assert alone.noise.shape[0] == 1
+
+
 def _uniform_table(rows: int = 512, steps: int = 8, vocab: int = 256) -> torch.Tensor:
     """[steps, rows, vocab]: rows are adjacent samples' seeds, as sample_seeds makes them."""
     s = _sampler([derive_seed(derive_seed(5, i // 16), i % 16) for i in range(rows)])
-    return torch.stack([s.uniforms(vocab, torch.device("cpu")) for _ in range(steps)])
+    return s.uniforms(0, steps, vocab, torch.device("cpu"))
 
 
 def test_row_sampler_uniforms_look_uniform_and_independent() -> None:
