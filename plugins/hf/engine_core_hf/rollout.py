@@ -8,18 +8,20 @@ token by token. Top-k / top-p change which tokens can be sampled, not these log-
 The config's seed (for building the model) applies to a fork of the process's RNG, restored
 afterwards: seeding a rollout never changes the random stream of the trainer or anything else
 sharing the process. A seeded request (``SamplingParams.seed``, or the prompts' ``prompt_seed``
-column) samples each row from a generator of its own, seeded with
-``derive_seed(prompt_seeds[i], j)`` for sample ``j`` of prompt ``i``: temperature, top-k and
-top-p are applied here and the token drawn with Gumbel noise from that generator, so a row's
-sample does not depend on the other rows of the batch (transformers' own sampling draws the
-whole batch from one global generator). Unseeded requests sample as transformers does.
+column) samples each row from a stream of its own, keyed by ``derive_seed(prompt_seeds[i], j)``
+for sample ``j`` of prompt ``i``: temperature, top-k and top-p are applied here and the token
+drawn with Gumbel noise that is a hash of the row's seed, the position in the response and the
+vocabulary index (splitmix64, computed for all rows at once on the logits' device; no
+``torch.Generator``), so a row's sample does not depend on the other rows of the batch, their
+order or padding (transformers' own sampling draws the whole batch from one global generator).
+Unseeded requests sample as transformers does.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from pydantic import Field, PositiveInt
@@ -38,8 +40,8 @@ from engine_core.backend import (
     RolloutConfig,
     SamplingParams,
     build_model,
+    prompt_seeds,
     prompt_tensors,
-    sample_seeds,
     tensor_checksum,
 )
 from engine_core_hf.capabilities import HF_CAPABILITIES
@@ -77,7 +79,7 @@ class HFRollout(BaseRollout):
     @torch.no_grad()
     def generate(self, prompts: TensorDict, params: SamplingParams) -> TensorDict:
         ids, mask = prompt_tensors(prompts, "HFRollout.generate")
-        row_seeds = None if params.greedy else sample_seeds(prompts, params)
+        row_seeds = None if params.greedy else _sample_seeds(prompts, params)
         ids, mask = ids.repeat_interleave(params.n, dim=0), mask.repeat_interleave(params.n, dim=0)
         rows = self.cfg.generation_batch_size * params.n  # every sample of a prompt in one call
         parts = [
@@ -112,7 +114,7 @@ class HFRollout(BaseRollout):
         ids: torch.Tensor,
         mask: torch.Tensor,
         params: SamplingParams,
-        row_seeds: list[int] | None,
+        row_seeds: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str]]:
         stop = list(params.stop_token_ids)
         kwargs: dict[str, Any] = {
@@ -170,14 +172,104 @@ class HFRollout(BaseRollout):
         self.model.to(self.device)
 
 
-class _RowSampler(LogitsProcessor):
-    """Samples each row's next token from that row's own generator: temperature, top-k and
-    top-p as transformers' warpers apply them, then the Gumbel-max draw; the scores handed back
-    keep only the drawn token, which generate's greedy choice then takes."""
+def _signed(c: int) -> int:
+    """A 64-bit constant as the int64 torch holds it (two's complement)."""
+    return c - (1 << 64) if c >= 1 << 63 else c
 
-    def __init__(self, row_seeds: list[int], params: SamplingParams) -> None:
-        self.generators = [torch.Generator().manual_seed(s) for s in row_seeds]
+
+_GAMMA = _signed(0x9E3779B97F4A7C15)
+_MUL1 = _signed(0xBF58476D1CE4E5B9)
+_MUL2 = _signed(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 ``x`` (torch's ``>>`` keeps the sign bit), a new tensor."""
+    return (x >> k).bitwise_and_((1 << (64 - k)) - 1)
+
+
+def _finalize_(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's output function on an int64 tensor, in place: torch's int64 arithmetic
+    wraps modulo 2**64 as the masked Python version does."""
+    x ^= _shr(x, 30)
+    x *= _MUL1
+    x ^= _shr(x, 27)
+    x *= _MUL2
+    x ^= _shr(x, 31)
+    return x
+
+
+def _mix64_(x: torch.Tensor) -> torch.Tensor:
+    """``engine_core.rollout._mix64`` on an int64 tensor, in place."""
+    return _finalize_(x.add_(_GAMMA))
+
+
+def _derive_seeds(seeds: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``engine_core.rollout.derive_seed`` on int64 tensors (broadcast), bit for bit."""
+    return _shr(_mix64_(_mix64_(seeds.clone()) ^ index), 1)
+
+
+def _sample_seeds(prompts: TensorDict, params: SamplingParams) -> torch.Tensor | None:
+    """``engine_core.rollout.sample_seeds`` as an int64 tensor ``[B * n]``, the ``n`` seeds of
+    a prompt derived at once; None when unseeded."""
+    seeds = prompt_seeds(prompts, params)
+    if seeds is None:
+        return None
+    # a Python int of [2**63, 2**64) is kept as its int64 bit pattern, as derive_seed masks it
+    column = torch.tensor([_signed(s & ((1 << 64) - 1)) for s in seeds], dtype=torch.int64)
+    return _derive_seeds(column.unsqueeze(1), torch.arange(params.n)).flatten()
+
+
+_NOISE_BLOCK = 1 << 20
+"""Noise values drawn at once: several positions' for small batches (fewer tensor ops per token),
+one position's at a time once a position alone is this large."""
+
+
+class _RowSampler(LogitsProcessor):
+    """Samples each row's next token by its seed alone: temperature, top-k and top-p as
+    transformers' warpers apply them, then the Gumbel-max draw; the scores handed back keep
+    only the drawn token, which generate's greedy choice then takes.
+
+    The noise is counter-based, drawn for all rows at once on the logits' device: at position
+    ``t`` of the response (the ``t``-th call of this processor; not ``input_ids``' width, which
+    depends on the batch's left padding) the uniform of vocabulary entry ``v`` in the row with
+    seed ``s`` is the ``v + 1``-th output of splitmix64 started at ``derive_seed(s, t)``, its
+    top 52 bits ``m`` as ``(m + 0.5) / 2**52`` in float64: never 0 or 1. The Gumbel noise
+    ``-log(-log(u))`` of several positions is drawn in one go while it stays under
+    ``_NOISE_BLOCK`` values."""
+
+    def __init__(self, row_seeds: torch.Tensor, params: SamplingParams) -> None:
+        # every position's start, derive_seed(s, t), at once: [max_new_tokens, rows]
+        positions = torch.arange(params.max_new_tokens).unsqueeze(1)
+        self.starts = _derive_seeds(row_seeds.unsqueeze(0), positions)
+        self.offsets = torch.empty(0, dtype=torch.int64)  # (v + 1) * gamma, made when first used
+        self.position = 0  # of the next call
+        self.noise = torch.empty(0)  # Gumbel noise of positions [noise_from, noise_from + len)
+        self.noise_from = 0
         self.temperature, self.top_k, self.top_p = params.temperature, params.top_k, params.top_p
+
+    def uniforms(self, first: int, count: int, vocab: int, device: torch.device) -> torch.Tensor:
+        """The uniforms ``[count, rows, vocab]`` (float64 in (0, 1)) of positions ``first`` to
+        ``first + count - 1``."""
+        if self.offsets.shape[0] != vocab or self.offsets.device != device:
+            self.starts = self.starts.to(device)
+            self.offsets = torch.arange(1, vocab + 1, dtype=torch.int64, device=device) * _GAMMA
+        # splitmix64's state after v + 1 steps from start, then its output function
+        bits = _finalize_(self.starts[first : first + count].unsqueeze(-1) + self.offsets)
+        return _shr(bits, 12).double().add_(0.5).mul_(2.0**-52)
+
+    def gumbel(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """The next position's Gumbel noise ``[rows, vocab]`` (float32); advances it."""
+        at = self.position - self.noise_from
+        if at >= self.noise.shape[0] or self.noise.shape[-1] != vocab:
+            rows = self.starts.shape[1]
+            left = self.starts.shape[0] - self.position
+            count = max(1, min(left, _NOISE_BLOCK // max(1, rows * vocab)))
+            u = self.uniforms(self.position, count, vocab, device)
+            # -log(E) with E = -log(u) exponential, taken in float64 where u is near 1
+            self.noise = u.log_().neg_().float().log_().neg_()
+            self.noise_from, at = self.position, 0
+        self.position += 1
+        return self.noise[at]
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         logits = scores.float() / self.temperature
@@ -191,11 +283,9 @@ class _RowSampler(LogitsProcessor):
             beyond = probs.cumsum(-1) - probs >= self.top_p  # the mass ahead already reaches p
             drop = torch.zeros_like(beyond).scatter(-1, order, beyond)
             logits = logits.masked_fill(drop, float("-inf"))
-        noise = torch.stack([torch.rand(vocab, generator=g) for g in self.generators])
-        gumbel = -torch.log(-torch.log(noise.clamp_min(torch.finfo(noise.dtype).tiny)))
-        choice = (logits + gumbel.to(logits.device)).argmax(-1, keepdim=True)
+        choice = (logits + self.gumbel(vocab, logits.device)).argmax(-1, keepdim=True)
         picked = torch.full_like(scores, float("-inf"))
-        return picked.scatter(-1, choice, 0.0)
+        return cast(torch.FloatTensor, picked.scatter(-1, choice, 0.0))
 
 
 @contextmanager
