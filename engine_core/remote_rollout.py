@@ -99,12 +99,8 @@ class RolloutWorker(Worker):
         return frozenset(self.rollout.capabilities), self.rollout.expected_weights(), self.pad_id()
 
     def pad_id(self) -> int:
-        """The id the backend right-pads ``response_ids`` with (its own, else its config's)."""
-        for owner in (self.rollout, self.rollout.config):
-            pad = getattr(owner, "pad_token_id", None)
-            if isinstance(pad, int) and not isinstance(pad, bool):
-                return pad
-        return 0
+        """The id the backend right-pads ``response_ids`` with."""
+        return self.rollout.pad_token_id
 
     def generate(self, prompts: TensorDict | None, params: SamplingParams) -> TensorDict | None:
         """This replica's share of a batch (``None``: no prompt for this replica)."""

@@ -111,6 +111,12 @@ class RolloutConfig(FrozenModel):
     backend: str = Field(..., description="Registered rollout name, e.g. 'hf' or 'vllm'.")
     model: ModelConfig
     seed: int = 0
+    pad_token_id: int = Field(
+        0,
+        ge=0,
+        description="The id response_ids are right-padded with, where the backend reads none "
+        "from the model's config.",
+    )
 
 
 @dataclass(frozen=True)
@@ -379,6 +385,9 @@ class BaseRollout(abc.ABC):
 
     def __init__(self, config: RolloutConfig) -> None:
         self.config = config
+        # what response_ids are right-padded with: the config's, unless the backend reads its
+        # own from the model (set after this); wrappers and replicas take the one they wrap
+        self.pad_token_id: int = config.pad_token_id
 
     @abc.abstractmethod
     def generate(self, prompts: TensorDict, params: SamplingParams) -> TensorDict:

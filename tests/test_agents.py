@@ -262,7 +262,7 @@ class Recorder(BaseRollout):
     def __init__(self, inner: BaseRollout) -> None:
         super().__init__(inner.config)
         self.inner, self.calls = inner, []
-        self.pad_token_id = getattr(inner, "pad_token_id", 0)
+        self.pad_token_id = inner.pad_token_id
 
     def generate(self, prompts: Any, params: SamplingParams) -> Any:
         out = self.inner.generate(prompts, params)
@@ -634,3 +634,21 @@ def _untyped(key):  # type: ignore[no-untyped-def]
 class NotMessages(Chatter):
     def reset(self, row: Any) -> Any:
         return "hello"
+
+
+def test_episodes_pad_as_the_rollout_they_wrap(tokenizer: Any) -> None:
+    """One pad id from the rollout outwards: the rollout config's where the model's config names
+    none, and the episode loop pads as the rollout it wraps (in this process or a replica's)
+    whatever the tokenizer's own pad is."""
+    from engine_core.remote_rollout import RolloutWorker
+
+    raw: dict[str, Any] = {"backend": "hf", "model": MODEL, "pad_token_id": 7}
+    spec, cfg = resolve_rollout_config(raw, load_plugins())
+    inner: BaseRollout = spec.load_class()(cfg)
+    own = getattr(inner.model.config, "pad_token_id", None)  # type: ignore[attr-defined]
+    assert inner.pad_token_id == (7 if own is None else own)
+    episodes = EpisodeRollout(inner, Chatter, tokenizer, max_turns=2, max_episode_tokens=64)
+    assert episodes.pad_token_id == inner.pad_token_id
+    worker = RolloutWorker.__new__(RolloutWorker)  # the replica's probe, on the same rollout
+    worker.rollout = inner
+    assert worker.pad_id() == inner.pad_token_id

@@ -55,7 +55,6 @@ class HFRolloutConfig(RolloutConfig):
     generation_batch_size: PositiveInt = Field(
         64, description="Prompts per generate() call (each with its n samples)."
     )
-    pad_token_id: int = Field(0, ge=0, description="Used when the model config names none.")
 
 
 class HFRollout(BaseRollout):
@@ -71,7 +70,8 @@ class HFRollout(BaseRollout):
         with _seeded(config.seed, self.device):
             self.model: Any = build_model(config.model).eval()
         pad = getattr(self.model.config, "pad_token_id", None)
-        self.pad_token_id = int(pad) if pad is not None else config.pad_token_id
+        if pad is not None:  # the model's own, else the config's (set by BaseRollout)
+            self.pad_token_id = int(pad)
         # names and shapes are fixed once built: asked at every sync, read once
         self._shapes = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
 

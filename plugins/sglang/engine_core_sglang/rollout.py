@@ -109,7 +109,6 @@ class SGLangRolloutConfig(RolloutConfig):
         False,
         description="Batch-invariant kernels and per-sample seeds; needed for SamplingParams.seed.",
     )
-    pad_token_id: int = Field(0, ge=0, description="Right padding of response_ids.")
 
 
 # -- requests -------------------------------------------------------------------------------
@@ -352,7 +351,7 @@ class SGLangRollout(BaseRollout):
             sampling_params=requests.sampling_params,
             return_logprob=True,
         )
-        return parse_outputs(outputs, prompts, params.n, pad_token_id=self.cfg.pad_token_id)
+        return parse_outputs(outputs, prompts, params.n, pad_token_id=self.pad_token_id)
 
     # -- weights ----------------------------------------------------------------------------
     def expected_weights(self) -> dict[str, tuple[int, ...]]:

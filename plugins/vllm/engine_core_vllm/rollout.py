@@ -68,7 +68,6 @@ class VLLMRolloutConfig(RolloutConfig):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto: model.dtype."
     )
-    pad_token_id: int = Field(0, ge=0)
 
 
 def to_vllm_sampling_params(params: SamplingParams, seed: int | None = None) -> Any:
@@ -155,7 +154,7 @@ class VLLMRollout(BaseRollout):
                 toks = list(c.token_ids)
                 lps = [lp[t].logprob for lp, t in zip(c.logprobs, toks, strict=True)]
                 samples.append((toks, lps, "stop" if c.finish_reason == "stop" else "length"))
-        return response_batch(ids, mask, params.n, samples, self.cfg.pad_token_id)
+        return response_batch(ids, mask, params.n, samples, self.pad_token_id)
 
     # -- weights --------------------------------------------------------------------------
     def expected_weights(self) -> dict[str, tuple[int, ...]]:

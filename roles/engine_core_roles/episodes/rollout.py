@@ -97,7 +97,7 @@ class EpisodeRollout(BaseRollout):
         self.capabilities = inner.capabilities  # type: ignore[misc]
         self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
         self.step_timeout_s = step_timeout_s
-        self.pad_token_id = int(getattr(inner, "pad_token_id", None) or tokenizer.pad_token_id or 0)
+        self.pad_token_id = inner.pad_token_id  # responses padded as the inner rollout pads
         self._templates: dict[str, _Template] = {}
 
     # weights and memory: the inner rollout's
