@@ -6,8 +6,9 @@ advantages, one forward/backward of the token-level policy gradient (on-policy: 
 is 1) with the recipe's entropy bonus, one AdamW step with the recipe's optimizer settings. No engine, no checks, no weight
 copy. It runs any recipe the job runs on one process — the digit task (``task``) or a text
 task (``data`` + ``reward``: the same files, tokenizer, chat template and reward function) —
-with the recipe's seeds: ``engine.seed`` for the initial weights (and this loop's sampling),
-``task.seed`` / ``data.seed`` for the prompts.
+with the recipe's seeds as the job reads them (the run's ``seed``, or a section's own):
+``engine.seed`` for the initial weights (and this loop's sampling), ``task.seed`` /
+``data.seed`` for the prompts.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from engine_core_roles.jobs.config import seeded
+from engine_core_roles.jobs.rl.config import RLJobConfig
 
 __all__ = ["minimal_grpo"]
 
@@ -139,6 +143,7 @@ def minimal_grpo(
     generation (drawing the prompts included), scoring and the update appended."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    raw = seeded(raw, RLJobConfig)  # each section's seed, as the job reads them
     engine = raw["engine"]
     torch.manual_seed(int(engine.get("seed", 0)))
     model_cfg = engine["model"]

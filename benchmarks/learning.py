@@ -2,9 +2,9 @@
 minimal loop (``benchmarks/_minimal.py``) on the same seeds.
 
 For each seed ``s`` both loops run the recipe (``--recipe``, default the shipped default) with
-``engine.seed=s`` (initial weights), ``trainer.seed=s`` (the job's sampling; the minimal loop
-samples from ``engine.seed``'s stream) and ``data.seed=s`` (or ``task.seed=s``: the prompts),
-plus any overrides given, for the recipe's steps (or ``--steps``). Reports per seed and loop
+``seed=s``, the run's seed and so each section's (``engine.seed``: initial weights,
+``trainer.seed``: the job's sampling, the minimal loop sampling from ``engine.seed``'s stream;
+``data.seed`` or ``task.seed``: the prompts), plus any overrides given, for the recipe's steps (or ``--steps``). Reports per seed and loop
 the mean reward of the last 10 steps, the first step whose 10-step mean reaches ``--target``
 (null: never), the spread between the best and the worst seed, and each loop's wall time.
 Prints one JSON object.
@@ -26,11 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _minimal import minimal_grpo  # noqa: E402  (benchmarks/ is on sys.path as a script)
 
 from engine_core_roles.jobs.cli import DEFAULT_RL_RECIPE, RECIPES, load_recipe
-
-
-def _seeded(raw: dict[str, Any], seed: int) -> list[str]:
-    where = "data.seed" if "data" in raw else "task.seed"
-    return [f"engine.seed={seed}", f"trainer.seed={seed}", f"{where}={seed}"]
 
 
 def _job(raw: dict[str, Any]) -> tuple[list[float], float | None]:
@@ -81,8 +76,8 @@ def main() -> None:
     extra = [*args.overrides, *([f"steps={args.steps}"] if args.steps else [])]
     results: dict[str, dict[int, dict[str, Any]]] = {loop: {} for loop in args.loops}
     for seed in args.seeds:
-        base = load_recipe(args.recipe, extra)
-        raw = load_recipe(args.recipe, [*extra, *_seeded(base, seed)])
+        # the run's seed: each section's own (engine, rollout, trainer, data or task) follows it
+        raw = load_recipe(args.recipe, [*extra, f"seed={seed}"])
         for loop in args.loops:
             t0 = time.perf_counter()
             val = None

@@ -84,3 +84,27 @@ def test_the_rl_warm_up_steps_the_lr_schedule_as_the_sft_job_does() -> None:
     engine.init_model()
     warm_up_on_task(engine, DigitTask(job.task), job)
     assert engine.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 * 4 / 6)
+
+
+@pytest.mark.parametrize("recipe", ["text_tiny.yaml", "ppo_tiny.yaml", "sft_text_tiny.yaml"])
+def test_the_run_seed_is_every_section_seed_unless_a_section_sets_its_own(recipe: str) -> None:
+    from engine_core_roles.jobs.cli import load_recipe
+    from engine_core_roles.jobs.rl.config import RLJobConfig
+    from engine_core_roles.jobs.sft import SFTJobConfig
+
+    job_class = SFTJobConfig if recipe.startswith("sft") else RLJobConfig
+
+    def seeds(*overrides: str) -> dict[str, Any]:
+        job = job_class.model_validate(load_recipe(RECIPES / recipe, list(overrides)))
+        out = {"engine": job.engine["seed"]}
+        out["data"] = job.data.seed if job.data is not None else job.task.seed
+        if isinstance(job, RLJobConfig):
+            out |= {"rollout": job.rollout["seed"], "trainer": job.trainer.seed}
+            if job.critic_engine is not None:
+                out["critic"] = job.critic_engine["seed"]
+        return out
+
+    assert set(seeds().values()) == {0}
+    assert set(seeds("seed=7").values()) == {7}
+    mixed = seeds("seed=7", "engine.seed=2")
+    assert mixed.pop("engine") == 2 and set(mixed.values()) == {7}

@@ -8,17 +8,29 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, PositiveInt
+from pydantic import BaseModel, Field, PositiveInt, model_validator
 
 from engine_core.config import FrozenModel
 from engine_core_roles.data.tasks import TaskConfig
 
-__all__ = ["JobConfig"]
+__all__ = ["JobConfig", "SEEDED_SECTIONS", "seeded"]
+
+
+# the sections whose own ``seed`` the job's seed is the default of, where a job has them
+SEEDED_SECTIONS = ("engine", "critic_engine", "rollout", "trainer", "data", "task")
 
 
 class JobConfig(FrozenModel):
     """The settings every job shares; a job's config subclasses it (and may give
     ``output_dir`` its own default)."""
+
+    seed: int = Field(
+        0,
+        description="The run's seed, and the default of each section's own: engine.seed (the "
+        "model's initialisation), rollout.seed, trainer.seed (each step's sampling), data.seed "
+        "and task.seed (the order rows are drawn in). A section's seed set in the recipe or on "
+        "the command line wins for that section alone.",
+    )
 
     steps: PositiveInt = Field(
         100, description="Steps of the run: an RL job's RL steps, an SFT job's optimizer steps."
@@ -41,3 +53,29 @@ class JobConfig(FrozenModel):
         description="The engine config of the model trained (an RL job's actor); validated by "
         "the config class of the backend it names.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _seed_sections(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not isinstance(data.get("seed", 0), int):
+            return data  # field validation names what is wrong
+        return seeded(data, cls)
+
+
+def seeded(raw: dict[str, Any], job: type[JobConfig]) -> dict[str, Any]:
+    """``raw`` (a ``job`` config as a mapping) with the job's ``seed`` given to each section of
+    :data:`SEEDED_SECTIONS` that ``job`` declares and that sets none: one given as a mapping, or
+    left to its default (a section that defaults to none stays none; the digit task only when
+    no data is set). ``raw`` is not changed."""
+    seed = raw.get("seed", 0)
+    out = dict(raw)
+    for name in SEEDED_SECTIONS:
+        field = job.model_fields.get(name)
+        if field is None or (name == "task" and raw.get("data") is not None):
+            continue
+        section = raw[name] if name in raw else field.get_default(call_default_factory=True)
+        if isinstance(section, BaseModel) and name not in raw:
+            out[name] = {"seed": seed}  # the section's defaults, but the job's seed
+        elif isinstance(section, dict) and "seed" not in section:
+            out[name] = {**section, "seed": seed}
+    return out
