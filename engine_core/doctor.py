@@ -7,14 +7,16 @@ Cheap by design: optional libraries are looked up with ``importlib`` metadata, n
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.resources
 import importlib.util
 import platform
+import re
 import sys
 
 from engine_core.hookspecs import BackendKind, DoctorCheck
 from engine_core.plugins import PluginManager
 
-__all__ = ["environment_checks"]
+__all__ = ["environment_checks", "tested_versions", "untested_versions"]
 
 # (import name, distributions that provide it, what needs it, how to install it)
 OPTIONAL_LIBRARIES = (
@@ -52,6 +54,38 @@ def _version(module: str, dists: tuple[str, ...]) -> str | None:
     return "version unknown"
 
 
+def tested_versions() -> dict[str, str]:
+    """The versions engine-core is tested with (``engine_core/constraints.txt``, which
+    ``make setup`` installs through): distribution name (normalized) → version."""
+    text = importlib.resources.files("engine_core").joinpath("constraints.txt").read_text()
+    out = {}
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, _, version = line.partition("==")
+            out[_normalized(name)] = version.strip()
+    return out
+
+
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower().strip()
+
+
+def untested_versions(tested: dict[str, str] | None = None) -> list[tuple[str, str, str]]:
+    """(distribution, installed version, tested version) of each installed library whose
+    version is not the one tested (``tested``, default :func:`tested_versions`; a local label
+    such as ``+cpu`` aside)."""
+    out = []
+    for name, want in (tested or tested_versions()).items():
+        try:
+            installed = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        if installed.split("+", 1)[0] != want:
+            out.append((name, installed, want))
+    return out
+
+
 def environment_checks(manager: PluginManager) -> list[DoctorCheck]:
     import torch
     import torch.distributed as dist
@@ -71,6 +105,20 @@ def environment_checks(manager: PluginManager) -> list[DoctorCheck]:
             "torch",
             True,
             f"{torch.__version__} ({'CUDA ' + cuda if cuda else 'CPU-only'} build)",
+        )
+    )
+    untested = untested_versions()
+    checks.append(
+        DoctorCheck(
+            "tested versions",
+            not untested,
+            "every installed library at the version tested"
+            if not untested
+            else "; ".join(f"{n} {have} (tested: {want})" for n, have, want in untested),
+            "engine-core supports these ranges but was tested with the versions of "
+            "engine_core/constraints.txt; outside them it may work, untested (install with "
+            "pip install -c <that file> to get them).",
+            optional=True,
         )
     )
     if torch.cuda.is_available():

@@ -137,7 +137,7 @@ def test_doctor_reports_the_environment(
     assert main(["doctor"]) == 0  # what is missing here (CUDA, sglang) is optional
     out = capsys.readouterr().out
     assert torch.__version__ in out and "distributed: gloo" in out
-    for line in ("engines", "rollouts", "library peft", "library vllm"):
+    for line in ("engines", "rollouts", "library peft", "library vllm", "tested versions"):
         assert line in out
     if not torch.cuda.is_available():  # an optional check says missing and what to install
         assert "missing" in out and "pip install 'engine-core-sglang[gpu]'" in out
