@@ -63,28 +63,35 @@ def _timed(times: dict[str, list[float]], owner: Any, name: str, label: str) -> 
     return lambda: setattr(owner, name, original)
 
 
+def timed_calls() -> list[tuple[Any, str, str]]:
+    """(class, method, label) of each call ``engine_core``'s breakdown times."""
+    from engine_core_roles.data.prompts import PromptData
+    from engine_core_roles.data.text_reward import TextReward
+    from engine_core_roles.roles.actor import Actor
+    from engine_core_roles.trainer.generation import Synchronous
+    from engine_core_roles.trainer.loop import RLTrainer
+
+    return [
+        (Synchronous, "draw", "generation"),  # the step's prompts and their samples
+        (Actor, "compute_log_prob", "old_log_probs"),
+        (Actor, "update_actor", "update"),
+        (RLTrainer, "sync_weights", "weight_sync"),
+        # the text path's own work: drawing and padding token ids, decoding and the reward fn
+        (PromptData, "next_batch", "text_prompts"),
+        (TextReward, "__call__", "text_decode_and_reward"),
+    ]
+
+
 def _engine_core(
     steps: int, recipe: Path, extra: list[str]
 ) -> tuple[list[tuple[float, float]], dict[str, list[float]]]:
     from rich.console import Console
 
     from engine_core.plugins import load_plugins
-    from engine_core_roles.data.prompts import PromptData
-    from engine_core_roles.data.text_reward import TextReward
     from engine_core_roles.jobs.rl.run import run_rl_job
-    from engine_core_roles.roles.actor import Actor
-    from engine_core_roles.trainer.loop import RLTrainer
 
     times: dict[str, list[float]] = collections.defaultdict(list)
-    restore = [
-        _timed(times, RLTrainer, "_generate", "generation"),
-        _timed(times, Actor, "compute_log_prob", "old_log_probs"),
-        _timed(times, Actor, "update_actor", "update"),
-        _timed(times, RLTrainer, "sync_weights", "weight_sync"),
-        # the text path's own work: drawing and padding token ids, decoding and the reward fn
-        _timed(times, PromptData, "next_batch", "text_prompts"),
-        _timed(times, TextReward, "__call__", "text_decode_and_reward"),
-    ]
+    restore = [_timed(times, owner, name, label) for owner, name, label in timed_calls()]
     try:
         with tempfile.TemporaryDirectory() as tmp:
             overrides = [f"output_dir={tmp}/run", f"steps={steps}", f"save_every={steps}", *extra]
