@@ -122,7 +122,9 @@ def test_job_reward_is_the_task_score_plus_the_weighted_model_score(
                 for ids, mask in zip(batch["input_ids"], batch["attention_mask"], strict=True)
             ]
         assert row["reward/model"] == pytest.approx(float(torch.stack(want).mean()), abs=1e-5)
-        assert row["reward"] == pytest.approx(row["reward/fn"] + 0.5 * row["reward/model"])
+        assert row["reward"] == pytest.approx(
+            row["reward/fn"] + 0.5 * row["reward/model"], abs=1e-6
+        )
 
 
 def test_job_refuses_a_reward_model_on_another_vocabulary(rm_folder: Path, tmp_path: Path) -> None:
