@@ -67,7 +67,7 @@ def run_rl_job(
     claim_output_dir(out_dir, command="engine-core run", resume=resume)
     resume_from = None
     if resume:
-        resume_from = resume_point(Path(job.output_dir) / "checkpoints", _parts(job), console)
+        resume_from = resume_point(ckpt_root, _parts(job), console)
     text = text_parts(job, console)
     threads = thread_plan(job)
     before = torch.get_num_threads()
