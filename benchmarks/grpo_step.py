@@ -20,8 +20,9 @@ slows down during the benchmark weighs on both alike. Reports the median wall ti
 after ``--warmup`` steps of every run for each, their ratio, each run's median, the mean reward
 of the last 10 steps of each loop's first run, where the minimal loop's step goes (median
 seconds of generation, scoring and the update) and where ``engine_core``'s goes (generation,
-old log-probs, update, weight sync and the rest) by timing the roles' calls; on a text recipe also the text path's own work (drawing the prompts' token ids, inside
-generation; decoding and the reward function) and its share of the step.
+old log-probs, update, weight sync and the rest) by timing the roles' calls; on a text recipe
+also the text path's own work (drawing the prompts' token ids, inside generation; decoding and
+the reward function) and its share of the step.
 Prints one JSON object.
 """
 

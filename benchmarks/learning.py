@@ -4,9 +4,10 @@ minimal loop (``benchmarks/_minimal.py``) on the same seeds.
 For each seed ``s`` both loops run the recipe (``--recipe``, default the shipped default) with
 ``seed=s``, the run's seed and so each section's (``engine.seed``: initial weights,
 ``trainer.seed``: the job's sampling, the minimal loop sampling from ``engine.seed``'s stream;
-``data.seed`` or ``task.seed``: the prompts), plus any overrides given, for the recipe's steps (or ``--steps``). Reports per seed and loop
-the mean reward of the last 10 steps, the first step whose 10-step mean reaches ``--target``
-(null: never), the spread between the best and the worst seed, and each loop's wall time.
+``data.seed`` or ``task.seed``: the prompts), plus any overrides given, for the recipe's steps
+(or ``--steps``). Reports per seed and loop the mean reward of the last 10 steps, the first
+step whose 10-step mean reaches ``--target`` (null: never), the spread between the best and the
+worst seed, and each loop's wall time.
 Prints one JSON object.
 """
 
