@@ -243,11 +243,13 @@ class BaseEngine(abc.ABC):
         if self.config.offload:
             self.to(self.device)
         was_training = module.training
-        module.train(train)
+        if was_training != train:  # train() walks every submodule: only when it changes
+            module.train(train)
         try:
             yield
         finally:
-            module.train(was_training)
+            if module.training != was_training:
+                module.train(was_training)
             if self.config.offload:
                 self.to("cpu")
 

@@ -9,6 +9,7 @@ Outputs go back to the input order with :meth:`MicroBatchPlan.restore`.
 
 from __future__ import annotations
 
+import copy
 import heapq
 import math
 from bisect import bisect_right
@@ -52,8 +53,21 @@ class MicroBatchPlan:
         """Sample indices in micro-batch order (the groups concatenated)."""
         return np.concatenate(self.groups) if self.groups else np.zeros(0, dtype=np.int64)
 
+    def is_whole(self, num_samples: int) -> bool:
+        """Whether the plan is one micro-batch holding all ``num_samples`` samples in order."""
+        return (
+            len(self.groups) == 1
+            and self.groups[0].size == num_samples
+            and bool((self.groups[0] == np.arange(num_samples)).all())
+        )
+
     def split(self, batch: TensorDict) -> list[TensorDict]:
-        """The micro-batches, each with its own deep copy of the batch metadata."""
+        """The micro-batches, each with its own deep copy of the batch metadata. A plan of one
+        micro-batch in input order gives a shallow copy of ``batch`` (its tensors, not copies)."""
+        if self.is_whole(int(batch.batch_size[0])):
+            whole = batch.copy()
+            set_meta(whole, copy.deepcopy(get_meta(batch)))
+            return [whole]
         return split_with_meta(batch, (torch.from_numpy(g) for g in self.groups))
 
     def _inverse(self, sizes: Sequence[int]) -> torch.Tensor:
@@ -81,6 +95,8 @@ class MicroBatchPlan:
         it, is taken from the first output (the copies may have been changed independently).
         """
         inverse = self._inverse([int(o.batch_size[0]) for o in outputs])
+        if self.is_whole(inverse.numel()):  # one micro-batch in input order: nothing to undo
+            return outputs[0]
         restored: TensorDict = TensorDict.cat([o.exclude(META_KEY) for o in outputs])[inverse]
         if META_KEY in outputs[0].keys():
             set_meta(restored, get_meta(outputs[0]))

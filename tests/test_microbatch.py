@@ -180,6 +180,24 @@ def test_prepare_micro_batches_modes() -> None:
         prepare_micro_batches(batch, micro_batch_size=2, max_tokens_per_micro_batch=8)
 
 
+def test_one_micro_batch_in_order_is_the_batch_with_its_own_metadata() -> None:
+    batch = _batch([3, 1, 2], seq_len=4)
+    [part], plan = prepare_micro_batches(batch)
+    assert plan.is_whole(3) and not plan_fixed(3, 2).is_whole(3)
+    assert not MicroBatchPlan((np.array([1, 0, 2]),)).is_whole(3)
+    assert part["input_ids"] is batch["input_ids"]  # no copy of the tensors
+    assert list(part["tag"]) == list(batch["tag"])
+    get_meta(part).temperature = 2.0  # its metadata is its own
+    assert get_meta(batch).temperature == 0.7
+    out = TensorDict({"score": part["rewards"] * 2}, batch_size=part.batch_size)
+    assert plan.restore([out]) is out
+    # a reordered single group is still gathered and put back in input order
+    shuffled = MicroBatchPlan((np.array([2, 0, 1]),))
+    [moved] = shuffled.split(batch)
+    assert moved["rewards"].tolist() == batch["rewards"][[2, 0, 1]].tolist()
+    assert torch.equal(shuffled.restore([moved])["rewards"], batch["rewards"])
+
+
 def _ranks_agree(rank: int, world_size: int, budget: int) -> dict:
     rng = np.random.default_rng(rank)
     # rank 0 holds many short sequences, rank 1 fewer long ones: alone they need different counts
