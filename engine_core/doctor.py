@@ -10,8 +10,11 @@ import importlib.metadata
 import importlib.resources
 import importlib.util
 import platform
-import re
 import sys
+
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
 
 from engine_core.hookspecs import BackendKind, DoctorCheck
 from engine_core.plugins import PluginManager
@@ -68,7 +71,21 @@ def tested_versions() -> dict[str, str]:
 
 
 def _normalized(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower().strip()
+    return str(canonicalize_name(name.strip()))
+
+
+def supported_range(requirement: str, distribution: str = "engine-core") -> SpecifierSet | None:
+    """The versions of ``requirement`` (e.g. ``torch``) that ``distribution`` declares it
+    supports, from its installed metadata; None when it declares none (or is not installed)."""
+    try:
+        declared = importlib.metadata.requires(distribution) or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for line in declared:
+        req = Requirement(line)
+        if req.marker is None and _normalized(req.name) == _normalized(requirement):
+            return req.specifier
+    return None
 
 
 def untested_versions(tested: dict[str, str] | None = None) -> list[tuple[str, str, str]]:

@@ -39,7 +39,11 @@ its own (every process uses its current CUDA device).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
 
 import torch
@@ -48,7 +52,7 @@ from tensordict import NonTensorStack, TensorDict
 from engine_core.capabilities import Capability
 from engine_core.comm import default_backend
 from engine_core.dispatch import Worker
-from engine_core.errors import BatchError, DispatchError
+from engine_core.errors import BatchError, ConfigError, DispatchError, WeightSyncError
 from engine_core.executors.base import (
     WorkerFuture,
     WorkerGroup,
@@ -64,6 +68,7 @@ from engine_core.rollout import (
     BaseRollout,
     RolloutConfig,
     SamplingParams,
+    SentBucket,
     WeightBucket,
     prompt_seeds,
 )
@@ -93,6 +98,7 @@ class RolloutWorker(Worker):
         spec, cfg = resolve_rollout_config(config, load_plugins())
         self.rollout: BaseRollout = spec.load_class()(cfg)
         self.group: WeightSyncGroup | None = None
+        self._stream: _CallStream | None = None
 
     def describe(self) -> tuple[frozenset[Any], dict[str, tuple[int, ...]], int]:
         """The backend's capabilities, the weights it takes and its pad id, in one call."""
@@ -130,11 +136,90 @@ class RolloutWorker(Worker):
             self.group.close()
             self.group = None
 
+    # a weight stream whose buckets arrive one call each (a replica in another interpreter)
+    def begin_weights(self) -> None:
+        """Start loading a weight stream that :meth:`weight_bucket` feeds, bucket by bucket."""
+        self.end_weights(abort=True)
+        self._stream = _CallStream(self.rollout)
+
+    def weight_bucket(self, bucket: list[tuple[str, torch.Tensor]], sent: str) -> None:
+        """The stream's next bucket and the sender's checksum of it; raises at once when the
+        loading has already failed (the stream is then over: begin again)."""
+        if self._stream is None:
+            raise WeightSyncError("weight_bucket() outside a stream: call begin_weights() first.")
+        self._stream.put((list(bucket), sent))
+
+    def end_weights(self, abort: bool = False) -> list[WeightBucket]:
+        """End the stream: every bucket loaded and verified (names, shapes, checksums, none
+        missing), or its error raised; ``abort``: drop it quietly."""
+        stream, self._stream = self._stream, None
+        if stream is None:
+            if abort:
+                return []
+            raise WeightSyncError("end_weights() outside a stream: call begin_weights() first.")
+        return stream.finish(abort=abort)
+
     def release(self) -> None:
         self.rollout.release()
 
     def resume(self) -> None:
         self.rollout.resume()
+
+
+_END = object()
+
+
+class _CallStream:
+    """A backend's ``load_weights`` fed from calls: it runs in a thread of its own that pulls
+    buckets from a one-slot queue, so the replica holds at most the bucket being loaded and the
+    next one."""
+
+    def __init__(self, rollout: BaseRollout) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=1)
+        self._result: list[WeightBucket] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._load, args=(rollout,), daemon=True)
+        self._thread.start()
+
+    def _buckets(self) -> Iterator[SentBucket]:
+        while (item := self._queue.get()) is not _END:
+            yield item
+
+    def _load(self, rollout: BaseRollout) -> None:
+        try:
+            self._result = rollout.load_weights(self._buckets())
+        except BaseException as e:
+            self._error = e
+            with contextlib.suppress(queue.Empty):  # unblock a put waiting for the slot
+                self._queue.get_nowait()
+
+    def put(self, item: SentBucket) -> None:
+        while self._thread.is_alive():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+        self._raise()
+        raise WeightSyncError("the replica stopped loading before the stream ended.")
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def finish(self, *, abort: bool) -> list[WeightBucket]:
+        while self._thread.is_alive():
+            try:
+                self._queue.put(_END, timeout=0.1)
+                break
+            except queue.Full:
+                continue
+        self._thread.join(5.0 if abort else None)
+        if abort:
+            return []
+        self._raise()
+        assert self._result is not None  # the thread ended without an error
+        return self._result
 
 
 def _check_replicas(replicas: object) -> int:
@@ -245,10 +330,17 @@ class ProcessRollout:
         executor: Literal["local", "ray"] = "local",
         threads_per_replica: int | None = None,
         worker_args: tuple[Any, ...] = (),
+        python: str | None = None,
     ) -> None:
         self.replicas = _check_replicas(replicas)
         if executor not in ("local", "ray"):
             raise ValueError(f"executor must be 'local' or 'ray', got {executor!r}.")
+        if python is not None and executor != "local":
+            raise ConfigError(
+                f"rollout replicas in another interpreter (python={python!r}) run as local "
+                f"processes; got executor={executor!r}. Use the local executor, or leave python "
+                "unset."
+            )
         if not (isinstance(worker_cls, type) and issubclass(worker_cls, RolloutWorker)):
             raise TypeError(
                 f"worker_cls must be RolloutWorker or a subclass of it, got {worker_cls!r}."
@@ -258,14 +350,35 @@ class ProcessRollout:
         self.config = config
         self.weight_sync_backend = default_backend()
         self.timeout_s, self.executor = timeout_s, executor
-        self._group: WorkerGroup | None = _start_replicas(
-            worker_cls,
-            (config.model_dump(), *worker_args),
-            self.replicas,
-            env={"OMP_NUM_THREADS": str(threads_per_replica)},
-            timeout_s=timeout_s,
-            executor=executor,
-        )
+        #: the interpreter the replicas run in (None: this one); see :attr:`streams_weights`
+        self.python = python
+        #: what that interpreter runs (python, torch, engine_core, rollouts), when it is another
+        self.interpreter: dict[str, Any] | None = None
+        env = {"OMP_NUM_THREADS": str(threads_per_replica)}
+        if python is not None:
+            from engine_core.executors.interpreter import InterpreterWorkerGroup, check_interpreter
+
+            self.interpreter = check_interpreter(python, config.backend)
+            self._group: WorkerGroup | None = _named_start_failure(
+                self.replicas,
+                lambda: InterpreterWorkerGroup(
+                    worker_cls,
+                    self.replicas,
+                    python=python,
+                    init_args=(config.model_dump(mode="json"), *worker_args),
+                    env=env,
+                    call_timeout_s=timeout_s,
+                ),
+            )
+        else:
+            self._group = _start_replicas(
+                worker_cls,
+                (config.model_dump(), *worker_args),
+                self.replicas,
+                env=env,
+                timeout_s=timeout_s,
+                executor=executor,
+            )
         try:
             caps, expected, pad = self._group.call_all("describe")[0]
         except BaseException:
@@ -311,11 +424,46 @@ class ProcessRollout:
         return dict(self._expected)
 
     @property
+    def streams_weights(self) -> bool:
+        """Whether weights reach the replicas through this process, bucket by bucket over their
+        pipes (:meth:`load_weights`): replicas in another interpreter, which share no torch
+        process group with the trainer. Otherwise they join a weight-sync group."""
+        return self.python is not None
+
+    def load_weights(self, buckets: Iterable[SentBucket]) -> list[WeightBucket]:
+        """Every replica loads the stream ``buckets`` (each bucket sent to all of them as raw
+        tensor bytes with the sender's checksum) and verifies it as a rollout in this process
+        would: names, shapes, none missing, and its checksum of what it loaded against the
+        sender's. Replica 0's verified buckets are returned; any replica's failure is raised,
+        naming it, after every replica has dropped the stream."""
+        group = self.worker_group
+        group.call_all("begin_weights")
+        try:
+            for bucket, sent in buckets:
+                group.call_all("weight_bucket", bucket, sent)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the failure above is the one to report
+                group.call_all("end_weights", abort=True)
+            raise
+        done: list[WeightBucket] = group.call_all("end_weights")[0]
+        return done
+
+    @property
     def receiver_names(self) -> list[str]:
         """How a weight sync names each replica in its errors."""
         return [f"rollout replica {i}" for i in range(self.replicas)]
 
     def join_weight_sync(
+        self, host: str, port: int, first_rank: int, world_size: int
+    ) -> WorkerFuture:
+        if self.streams_weights:
+            raise WeightSyncError(
+                "replicas in another interpreter join no weight-sync group: their weights "
+                "arrive through load_weights()."
+            )
+        return self._join_weight_sync(host, port, first_rank, world_size)
+
+    def _join_weight_sync(
         self, host: str, port: int, first_rank: int, world_size: int
     ) -> WorkerFuture:
         """Every replica joins the weight-sync group at ``host:port``, replica ``i`` as rank
@@ -352,6 +500,18 @@ class ProcessRollout:
             group.shutdown()
 
 
+def _named_start_failure(replicas: int, start: Callable[[], WorkerGroup]) -> WorkerGroup:
+    """``start()``, its failure to start named as the rollout replicas'."""
+    try:
+        group: WorkerGroup = start()
+    except DispatchError as e:
+        raise DispatchError(
+            f"the rollout replicas failed to start ({replicas} of them; every replica was shut "
+            f"down): {e}"
+        ) from e
+    return group
+
+
 def _start_replicas(
     worker_cls: type[RolloutWorker],
     init_args: tuple[Any, ...],
@@ -365,17 +525,14 @@ def _start_replicas(
     replica that fails to start is named and the group is shut down."""
     from engine_core.executors import start_worker_group
 
-    try:
-        return start_worker_group(
+    return _named_start_failure(
+        replicas,
+        lambda: start_worker_group(
             "ray" if executor == "ray" else "local",
             worker_cls,
             replicas,
             init_args=init_args,
             env=env,
             call_timeout_s=timeout_s,
-        )
-    except DispatchError as e:
-        raise DispatchError(
-            f"the rollout replicas failed to start ({replicas} of them; every replica was shut "
-            f"down): {e}"
-        ) from e
+        ),
+    )

@@ -13,7 +13,7 @@ import abc
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 import xxhash
@@ -248,6 +248,14 @@ def response_batch(
 
 SentBucket = tuple[list[tuple[str, torch.Tensor]], str]
 """One bucket of (HF name, tensor) pairs and the checksum its sender computed of it."""
+
+
+class WeightLoader(Protocol):
+    """What a weight stream is loaded into: a :class:`BaseRollout`, or replicas that this
+    process relays the stream to (:class:`engine_core.remote_rollout.ProcessRollout` in another
+    interpreter)."""
+
+    def load_weights(self, buckets: Iterable[SentBucket]) -> list[WeightBucket]: ...
 
 
 class CountedParams:

@@ -45,9 +45,9 @@ import torch.distributed as dist
 from engine_core.errors import WeightSyncError
 from engine_core.rollout import (
     BUCKET_BYTES,
-    BaseRollout,
     SentBucket,
     WeightBucket,
+    WeightLoader,
     sent_buckets,
 )
 
@@ -483,7 +483,7 @@ class _ReceivedStream:
                 continue
 
 
-def receive_weights(group: WeightSyncGroup, rollout: BaseRollout) -> list[WeightBucket]:
+def receive_weights(group: WeightSyncGroup, rollout: WeightLoader) -> list[WeightBucket]:
     """Load the weights rank 0 streams into ``rollout``, verified; report the verdict back.
 
     A malformed message from the sender is raised at once: the stream cannot be followed past it,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -166,19 +167,25 @@ def test_ppo_with_a_critic_writes_its_outputs_and_resumes_exactly(tmp_path: Path
 
 
 def test_a_rollout_in_its_own_process_gets_verified_weights(tmp_path: Path) -> None:
-    """``rollout_placement=process``: weights stream over a gloo group every step."""
+    """``rollout_placement=process``: weights stream over a gloo group every step; with
+    ``rollout_python`` the replica runs in an interpreter started by path (here this one), and
+    requests, results and weights cross its pipes as plain data, relayed by the trainer."""
     runs = {}
-    for placement in ("colocated", "process"):
-        out = tmp_path / placement
-        raw = apply_overrides(
-            load_yaml(RECIPE), [f"output_dir={out}", "steps=3", f"rollout_placement={placement}"]
-        )
+    variants = {
+        "colocated": ["rollout_placement=colocated"],
+        "process": ["rollout_placement=process"],
+        "interpreter": ["rollout_placement=process", f"rollout_python={sys.executable}"],
+    }
+    for name, extra in variants.items():
+        out = tmp_path / name
+        raw = apply_overrides(load_yaml(RECIPE), [f"output_dir={out}", "steps=3", *extra])
         run_rl_job(raw, load_plugins())
-        runs[placement] = _rows(out)
-    assert max(r["rollout/logprob_diff_max"] for r in runs["process"]) < 1e-5
-    for a, b in zip(runs["colocated"], runs["process"], strict=True):
-        for k in a:
-            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k
+        runs[name] = _rows(out)
+    for name in ("process", "interpreter"):
+        assert max(r["rollout/logprob_diff_max"] for r in runs[name]) < 1e-5
+        for a, b in zip(runs["colocated"], runs[name], strict=True):
+            for k in a:
+                assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), (name, k)
 
 
 def test_asynchronous_training_resumes_exactly_and_never_trains_on_stale_samples(

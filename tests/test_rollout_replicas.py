@@ -8,6 +8,7 @@ come through the job's one path, a WeightLink from an actor (in this process, or
 from __future__ import annotations
 
 import multiprocessing
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -21,6 +22,7 @@ from tensordict import NonTensorStack, TensorDict
 from engine_core.config import ModelConfig
 from engine_core.errors import BatchError, DispatchError, WeightSyncError
 from engine_core.executors import LocalWorkerGroup, RayWorkerGroup
+from engine_core.executors.interpreter import InterpreterWorkerGroup
 from engine_core.models import build_model
 from engine_core.remote_rollout import (
     ROLLOUT_MESH,
@@ -90,18 +92,32 @@ def _actor(seed: int) -> Actor:
     return actor
 
 
-@pytest.fixture(scope="module", params=["local", pytest.param("ray", marks=pytest.mark.ray)])
+@pytest.fixture(
+    scope="module",
+    params=["local", "interpreter", pytest.param("ray", marks=pytest.mark.ray)],
+)
 def two(request: pytest.FixtureRequest) -> Iterator[ProcessRollout]:
-    """Two replicas: spawned processes, or Ray actors."""
+    """Two replicas: spawned processes, processes of an interpreter started by path (plain
+    data over pipes, weights relayed by this process), or Ray actors."""
     if request.param == "ray":
         request.getfixturevalue("ray_session")
-    rollout = ProcessRollout(_hf_config(), replicas=2, timeout_s=300, executor=request.param)
-    kind = RayWorkerGroup if request.param == "ray" else LocalWorkerGroup
+    other = request.param == "interpreter"
+    rollout = ProcessRollout(
+        _hf_config(),
+        replicas=2,
+        timeout_s=300,
+        executor="ray" if request.param == "ray" else "local",
+        python=sys.executable if other else None,
+    )
+    kind = {"ray": RayWorkerGroup, "interpreter": InterpreterWorkerGroup}.get(
+        request.param, LocalWorkerGroup
+    )
     assert type(rollout.worker_group) is kind and rollout.worker_group.num_workers == 2
     assert [r.dp_rank for r in rollout.worker_group.mesh_ranks(ROLLOUT_MESH)] == [0, 1]
     try:
         with WeightLink(_actor(SENT), rollout, bucket_bytes=64 << 10) as link:
-            assert link.arrangement == "actor in the driver -> rollout replicas"
+            through = "driver rollout" if other else "rollout replicas"
+            assert link.arrangement == f"actor in the driver -> {through}"
             assert link.sync()["weight_sync/bytes"] > 0
         yield rollout
     finally:

@@ -96,6 +96,22 @@ class LocalWorkerGroup(WorkerGroup):
                 worker_cls(*init_args, **dict(init_kwargs or {})) for _ in range(num_workers)
             ]
             return
+        self._start(worker_cls, init_args, dict(init_kwargs or {}), env)
+        try:
+            self._gather("__init__")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start(
+        self,
+        worker_cls: type,
+        init_args: tuple[Any, ...],
+        init_kwargs: dict,
+        env: Mapping[str, str] | None,
+    ) -> None:
+        """One spawned process per worker, each with a pipe (``self._conns``) it answers on."""
+        num_workers = self.num_workers
         ctx = mp.get_context("spawn")
         self._store, port = host_rendezvous(num_workers)
         for rank in range(num_workers):
@@ -106,7 +122,7 @@ class LocalWorkerGroup(WorkerGroup):
                     child,
                     worker_cls,
                     init_args,
-                    dict(init_kwargs or {}),
+                    init_kwargs,
                     worker_env(
                         rank,
                         num_workers,
@@ -124,11 +140,6 @@ class LocalWorkerGroup(WorkerGroup):
             proc.start()
             self._procs.append(proc)
             self._conns.append(parent)
-        try:
-            self._gather("__init__")
-        except BaseException:
-            self.shutdown()
-            raise
 
     def _gather(self, method: str, deadline: float | None = None) -> list[Any]:
         if deadline is None:  # for the whole call, not per worker

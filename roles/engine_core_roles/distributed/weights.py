@@ -19,6 +19,12 @@ then moves the policy's full weights into the rollout the same way:
   sender's, bucket by bucket; a failure names the receiver and the bucket's parameters, and
   every receiver drains the stream, so the next sync starts in step.
 
+Replicas in another interpreter (``ProcessRollout(python=...)``) share no torch process group
+with the trainer: this process is their receiving end, as for a rollout of its own, and relays
+each bucket to every replica over its pipe as raw tensor bytes with the sender's checksum
+(:meth:`engine_core.remote_rollout.ProcessRollout.load_weights`); each replica verifies what it
+loaded against that checksum.
+
 Each end knows its own transport: the policy is a :class:`_DriverSender` (an :class:`Actor` here)
 or a :class:`_GroupSender` (an actor group's writing rank), the rollout a :class:`_DriverReceiver`
 (a :class:`BaseRollout` here) or a :class:`_ReplicaReceiver` (every replica of a
@@ -52,6 +58,7 @@ from engine_core_roles.roles.actor import Actor
 __all__ = ["DRIVER_ROLLOUT", "WeightLink"]
 
 DRIVER_ROLLOUT = "the rollout in the driver"
+RELAYED_REPLICAS = "the rollout replicas in another interpreter (through the driver)"
 
 
 class _Part:
@@ -129,7 +136,7 @@ class _DriverSender(_Sender):
 
         return _Part(sent, here=True)
 
-    def direct(self, rollout: BaseRollout, bucket_bytes: int) -> int:
+    def direct(self, rollout: BaseRollout | ProcessRollout, bucket_bytes: int) -> int:
         """The weights straight into a rollout in this process (no group)."""
         named = CountedParams(self.actor.named_full_params(bucket_bytes))
         rollout.load_weights(sent_buckets(named, bucket_bytes))
@@ -191,13 +198,14 @@ class _Receiver:
 
 
 class _DriverReceiver(_Receiver):
-    """A :class:`BaseRollout` in this process."""
+    """A :class:`BaseRollout` in this process, or the replicas of a :class:`ProcessRollout` in
+    another interpreter, which this process relays every bucket to (over their pipes)."""
 
     here, spans_nodes = True, False
-    names = [DRIVER_ROLLOUT]
 
-    def __init__(self, rollout: BaseRollout) -> None:
+    def __init__(self, rollout: BaseRollout | ProcessRollout) -> None:
         self.rollout = rollout
+        self.names = [DRIVER_ROLLOUT if isinstance(rollout, BaseRollout) else RELAYED_REPLICAS]
         self.group: WeightSyncGroup | None = None
 
     def join(self, host: str, port: int, world: int, backend: str, timeout_s: float) -> _Part:
@@ -255,7 +263,7 @@ def _sender(policy: Actor | ActorGroup) -> _Sender:
 
 def _receiver(rollout: BaseRollout | ProcessRollout) -> _Receiver:
     if isinstance(rollout, ProcessRollout):
-        return _ReplicaReceiver(rollout)
+        return _DriverReceiver(rollout) if rollout.streams_weights else _ReplicaReceiver(rollout)
     if isinstance(rollout, BaseRollout):
         return _DriverReceiver(rollout)
     raise TypeError(

@@ -212,6 +212,7 @@ def _rollout(
             replicas=job.rollout_replicas,
             executor="ray" if job.placement.executor == "ray" else "local",
             threads_per_replica=threads.per_replica,
+            python=job.rollout_python,
             **hosting,
         )
         stack.callback(remote.shutdown)

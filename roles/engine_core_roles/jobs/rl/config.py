@@ -137,6 +137,14 @@ class RLJobConfig(JobConfig):
         "split across them (a prompt's samples stay in one) and the samples gathered back in "
         "prompt order.",
     )
+    rollout_python: str | None = Field(
+        None,
+        description="rollout_placement=process: the Python interpreter the replicas run in (e.g. "
+        ".venv-sglang/bin/python: an environment of their own, with its own torch), which "
+        "needs engine-core and the rollout's plugin installed. Requests, results and weights "
+        "then cross as plain data and raw tensor bytes over pipes, weights relayed by this "
+        "process and verified by every replica. null: this interpreter.",
+    )
     placement: PlacementConfig = Field(
         default_factory=PlacementConfig,
         description="Where the actor, critic and reference run: in this process, or as "
@@ -223,6 +231,17 @@ class RLJobConfig(JobConfig):
             raise ValueError(
                 f"rollout_replicas={self.rollout_replicas} runs each replica in a process of its "
                 f"own; set rollout_placement=process, or rollout_replicas=1."
+            )
+        if self.rollout_python is not None and self.rollout_placement != "process":
+            raise ValueError(
+                f"rollout_python={self.rollout_python!r} starts the rollout replicas in that "
+                f"interpreter; set rollout_placement=process, or drop rollout_python."
+            )
+        if self.rollout_python is not None and self.placement.executor == "ray":
+            raise ValueError(
+                f"rollout_python={self.rollout_python!r} runs the replicas as local processes, "
+                f"but placement.executor=ray places them on Ray; use placement.executor=local "
+                f"(or in_process), or drop rollout_python."
             )
         if self.ray.model_fields_set and self.placement.executor != "ray":
             raise ValueError(
