@@ -10,8 +10,9 @@ from engine_core.backend import (
 
 __all__ = ["engine_core_register", "SGLANG_CAPABILITIES"]
 
-# No CPU: SGLang runs on CUDA GPUs only. SLEEP: release()/resume() free and re-allocate GPU
-# memory through SGLang's memory saver.
+# No CPU capability: on a CPU host SGLang needs an environment of its own (`make sglang-env`,
+# rollout.device=cpu, reached through rollout_python). SLEEP: release()/resume() free and
+# re-allocate GPU memory through SGLang's memory saver (CUDA only).
 SGLANG_CAPABILITIES = frozenset({Capability.LOGPROBS, Capability.SLEEP})
 
 
@@ -22,5 +23,6 @@ def engine_core_register(registry: BackendRegistry) -> None:
         "engine_core_sglang.rollout:SGLangRollout",
         config="engine_core_sglang.rollout:SGLangRolloutConfig",
         capabilities=SGLANG_CAPABILITIES,
-        description="SGLang offline engine (CUDA GPUs only), verified bucketed weight updates.",
+        description="SGLang offline engine (CUDA GPUs, or its CPU engine in its own environment), "
+        "verified bucketed weight updates.",
     )

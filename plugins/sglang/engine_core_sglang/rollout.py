@@ -1,4 +1,4 @@
-"""``SGLangRollout``: generation with SGLang's offline ``Engine`` (CUDA GPUs only).
+"""``SGLangRollout``: generation with SGLang's offline ``Engine`` (CUDA GPUs, or SGLang's CPU engine).
 
 What has run and what has not:
 
@@ -8,8 +8,10 @@ What has run and what has not:
   :func:`parse_outputs` (SGLang's output dicts to the batch the rollout contract requires),
   and :func:`check_result` (SGLang's success reports). The checks around each weight bucket are
   the core's :func:`engine_core.rollout.checked_buckets` / :func:`~engine_core.rollout.confirm_bucket`.
-- :class:`SGLangRollout` hands these to a live ``sglang.Engine``. SGLang has no CPU build, so
-  the class itself — generation, weight updates, release / resume — has never been executed.
+- :class:`SGLangRollout` hands these to a live ``sglang.Engine``. With ``device: cpu`` it has run
+  on this machine's CPU in SGLang's own environment (``make sglang-env``), reached through
+  ``rollout_python``: generation, seeds, log-probs against a trainer, verified weight updates.
+  On a GPU it has never been executed.
 
 Semantics of SGLang 0.5.23 that the code relies on:
 
@@ -294,7 +296,7 @@ def check_result(op: str, result: Any) -> None:
 class SGLangRollout(BaseRollout):
     """An in-process ``sglang.Engine`` (it starts its own scheduler subprocesses).
 
-    Never executed here: SGLang cannot be installed on CPU-only hosts.
+    Executed on CPU (``device: cpu``, in ``make sglang-env``'s environment); never on a GPU.
     """
 
     capabilities: ClassVar[frozenset[Capability]] = SGLANG_CAPABILITIES
