@@ -342,16 +342,47 @@ def test_without_sglang_the_constructor_says_how_to_install_it() -> None:
     assert "make sglang-env" in str(err.value)
 
 
-# -- the real engine (GPU hosts with SGLang; never run) -------------------------------------
-gpu_only = pytest.mark.skipif(
-    not (SGLANG_AVAILABLE and torch.cuda.is_available()), reason="needs SGLang and a CUDA device"
-)
+# -- the real engine: on a GPU (never run), or on CPU in SGLang's own environment ----------
+# On CPU the rollout is a replica started in that environment's interpreter (`make sglang-env`,
+# or ENGINE_CORE_SGLANG_PYTHON), reached as the trainer reaches it: through rollout_python, with
+# everything crossing as plain data (engine_core.wire). This process keeps its own torch.
+def _sglang_python() -> str | None:
+    import os
+    from pathlib import Path
+
+    default = Path(__file__).resolve().parents[3] / ".venv-sglang" / "bin" / "python"
+    return os.environ.get("ENGINE_CORE_SGLANG_PYTHON") or (
+        str(default) if default.is_file() else None
+    )
+
+
+SGLANG_PYTHON = _sglang_python()
+LIVE = [
+    pytest.param(
+        "gpu",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(
+                not (SGLANG_AVAILABLE and torch.cuda.is_available()),
+                reason="needs SGLang and a CUDA device",
+            ),
+        ],
+    ),
+    pytest.param(
+        "cpu",
+        marks=pytest.mark.skipif(
+            SGLANG_PYTHON is None,
+            reason="needs SGLang's CPU environment: make sglang-env (or ENGINE_CORE_SGLANG_PYTHON)",
+        ),
+    ),
+]
 # head size 64 (128 hidden / 2 heads): supported by SGLang's attention kernels
 GPU_QWEN2: dict[str, Any] = {**TINY_QWEN2, "hidden_size": 128, "intermediate_size": 256,
                              "num_attention_heads": 2, "num_key_value_heads": 1,
                              "max_position_embeddings": 256}  # fmt: skip
 TEMPERATURE = 0.8
-GPU_ATOL = 2e-3  # fp32 on both sides; GPU kernels reduce in a different order
+# fp32 on both sides: GPU kernels reduce in another order; on CPU SGLang's torch_native path
+ATOL = {"gpu": 2e-3, "cpu": 1e-4}
 
 
 @pytest.fixture(scope="module")
@@ -365,20 +396,38 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def rollout(folder: str) -> Iterator[Any]:
-    r = SGLangRollout(
-        SGLangRolloutConfig(
-            backend="sglang",
-            model={"path": folder},
-            dtype="float32",
-            attention_backend="triton",
-            disable_cuda_graph=True,
-            mem_fraction_static=0.3,
+def _live(where: str, folder: str, **settings: Any) -> Any:
+    """A live SGLang rollout: in this process on a GPU, or a replica in SGLang's environment."""
+    from engine_core.remote_rollout import ProcessRollout
+
+    common: dict[str, Any] = {"backend": "sglang", "model": {"path": folder}, "dtype": "float32"}
+    if where == "gpu":
+        return SGLangRollout(
+            SGLangRolloutConfig(
+                **common,
+                attention_backend="triton",
+                disable_cuda_graph=True,
+                mem_fraction_static=0.3,
+                **settings,
+            )
         )
+    config = SGLangRolloutConfig(
+        **common,
+        device="cpu",
+        mem_fraction_static=0.05,
+        max_total_tokens=4096,
+        context_length=256,
+        **settings,
     )
-    yield r
-    r.shutdown()
+    assert SGLANG_PYTHON is not None
+    return ProcessRollout(config, replicas=1, timeout_s=600, python=SGLANG_PYTHON)
+
+
+@pytest.fixture(scope="module", params=LIVE)
+def live(request: pytest.FixtureRequest, folder: str) -> Iterator[tuple[str, Any]]:
+    rollout = _live(request.param, folder)
+    yield request.param, rollout
+    rollout.shutdown()
 
 
 def trainer(folder: str) -> Any:
@@ -400,12 +449,10 @@ def trainer_log_probs(engine: Any, out: TensorDict, temperature: float) -> torch
     return lp[:, out[PROMPT_IDS].shape[1] :] * out[RESPONSE_MASK]
 
 
-@pytest.mark.gpu
-@gpu_only
-def test_gpu_greedy_equals_transformers_generate(rollout: Any, folder: str) -> None:
-    """Never run here (no SGLang, no GPU): greedy SGLang output equals transformers generate."""
+def test_greedy_equals_transformers_generate(live: tuple[str, Any], folder: str) -> None:
     from transformers import AutoModelForCausalLM
 
+    _, rollout = live
     out = rollout.generate(prompts(), SamplingParams(temperature=0, max_new_tokens=6))
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     p = prompts()
@@ -417,26 +464,29 @@ def test_gpu_greedy_equals_transformers_generate(rollout: Any, folder: str) -> N
         assert out[RESPONSE_IDS][i, :n].tolist() == seq[0, real.shape[1] :].tolist()
 
 
-@pytest.mark.gpu
-@gpu_only
-def test_gpu_sampled_log_probs_match_a_trainer_forward(rollout: Any, folder: str) -> None:
-    """Never run here: SGLang's log-probs equal log_softmax(logits / T) from a trainer."""
-    params = SamplingParams(temperature=TEMPERATURE, max_new_tokens=8, n=2)
+def test_sampled_log_probs_match_a_trainer_forward(live: tuple[str, Any], folder: str) -> None:
+    where, rollout = live
+    params = SamplingParams(temperature=TEMPERATURE, max_new_tokens=8, n=2, stop_token_ids=[3])
     out = rollout.generate(prompts(), params)
     assert out.batch_size[0] == 6
     got = out[ROLLOUT_LOG_PROBS]
     want = trainer_log_probs(trainer(folder), out, TEMPERATURE)
     assert (got[out[RESPONSE_MASK].bool()] < 0).all()
-    assert torch.allclose(got, want, atol=GPU_ATOL), (got - want).abs().max()
+    gap = float((got - want).abs().max())
+    print(f"sglang {where} fp32 log-prob gap to the trainer: {gap:.3g}")
+    assert gap <= ATOL[where]
+    for row, mask in zip(out[RESPONSE_IDS], out[RESPONSE_MASK], strict=True):  # stops kept
+        assert 3 not in row[mask.bool()].tolist()[:-1]
 
 
-@pytest.mark.gpu
-@gpu_only
-def test_gpu_sync_after_a_training_step_is_verified_and_followed(rollout: Any, folder: str) -> None:
-    """Never run here: after one optimizer step a skipped sync shows in the log-probs, a
-    verified sync removes the difference, and a broken sync blocks generation."""
+def test_sync_after_a_training_step_is_verified_and_followed(
+    live: tuple[str, Any], folder: str
+) -> None:
+    """After one optimizer step a skipped sync shows in the log-probs, a verified sync removes
+    the difference, and a broken sync blocks generation until a full one."""
     from engine_core.batch import make_batch
 
+    where, rollout = live
     engine = trainer(folder)
     with engine.train_mode():
         engine.forward_backward_step(make_batch(torch.randint(1, 64, (4, 12))))
@@ -447,10 +497,10 @@ def test_gpu_sync_after_a_training_step_is_verified_and_followed(rollout: Any, f
     skipped = (stale[ROLLOUT_LOG_PROBS] - trainer_log_probs(engine, stale, 1.0)).abs().max()
     assert skipped > 1e-2
     buckets = rollout.load_weights(sent_buckets(engine.named_full_params(), 64 << 10))
-    assert len(buckets) > 1 and not rollout.stale
+    assert len(buckets) > 1
     fresh = rollout.generate(prompts(), params)
     synced = (fresh[ROLLOUT_LOG_PROBS] - trainer_log_probs(engine, fresh, 1.0)).abs().max()
-    assert synced <= GPU_ATOL
+    assert synced <= ATOL[where]
     full = dict(engine.named_full_params())
     partial = [(n, t) for n, t in full.items() if n != "model.norm.weight"]
     with pytest.raises(WeightSyncError, match="never sent"):
@@ -461,142 +511,35 @@ def test_gpu_sync_after_a_training_step_is_verified_and_followed(rollout: Any, f
     assert rollout.generate(prompts(), params).batch_size[0] == 3
 
 
-@pytest.mark.gpu
-@gpu_only
-def test_gpu_release_discards_weights_until_the_next_sync(rollout: Any, folder: str) -> None:
-    """Never run here: release() frees GPU memory and, without a CPU backup, blocks generation
-    until resume() and a full sync."""
+def test_release_and_resume(live: tuple[str, Any], folder: str) -> None:
+    """On a GPU release() frees memory and, without a CPU backup, blocks generation until
+    resume() and a full sync; on CPU (no memory saver) both leave the weights in place."""
+    where, rollout = live
     rollout.release()
-    with pytest.raises(WeightSyncError, match="release\\(\\) discarded"):
-        rollout.generate(prompts(), SamplingParams(max_new_tokens=2))
+    if where == "gpu":
+        with pytest.raises(WeightSyncError, match="release\\(\\) discarded"):
+            rollout.generate(prompts(), SamplingParams(max_new_tokens=2))
     rollout.resume()
-    rollout.load_weights(sent_buckets(trainer(folder).named_full_params()))
+    if where == "gpu":
+        rollout.load_weights(sent_buckets(trainer(folder).named_full_params()))
     assert rollout.generate(prompts(), SamplingParams(max_new_tokens=2)).batch_size[0] == 3
 
 
-# -- the real engine on CPU, in its own environment (`make sglang-env`) ---------------------
-# The replica runs in SGLang's environment, started by path; this process is the trainer's,
-# with its own torch. Everything crosses as plain data (engine_core.wire).
-def _sglang_python() -> str | None:
-    import os
-    from pathlib import Path
-
-    given = os.environ.get("ENGINE_CORE_SGLANG_PYTHON")
-    default = Path(__file__).resolve().parents[3] / ".venv-sglang" / "bin" / "python"
-    path = given or (str(default) if default.is_file() else None)
-    return path
-
-
-SGLANG_PYTHON = _sglang_python()
-cpu_env = pytest.mark.skipif(
-    SGLANG_PYTHON is None,
-    reason="needs SGLang's CPU environment: make sglang-env (or ENGINE_CORE_SGLANG_PYTHON)",
-)
-CPU_ATOL = 1e-4  # fp32 on both sides: the trainer's forward against SGLang's torch_native path
-
-
-def _cpu_rollout(folder: str, **settings: Any) -> Any:
-    from engine_core.remote_rollout import ProcessRollout
-
-    config = SGLangRolloutConfig(
-        backend="sglang",
-        model={"path": folder},
-        device="cpu",
-        dtype="float32",
-        mem_fraction_static=0.05,
-        max_total_tokens=4096,
-        context_length=256,
-        **settings,
-    )
-    assert SGLANG_PYTHON is not None
-    return ProcessRollout(config, replicas=1, timeout_s=600, python=SGLANG_PYTHON)
-
-
-@pytest.fixture(scope="module")
-def cpu_rollout(folder: str) -> Iterator[Any]:
-    r = _cpu_rollout(folder)
-    yield r
-    r.shutdown()
-
-
-@cpu_env
-def test_cpu_greedy_equals_transformers_generate(cpu_rollout: Any, folder: str) -> None:
-    from transformers import AutoModelForCausalLM
-
-    assert cpu_rollout.interpreter["rollouts"] and "sglang" in cpu_rollout.interpreter["rollouts"]
-    out = cpu_rollout.generate(prompts(), SamplingParams(temperature=0, max_new_tokens=6))
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    p = prompts()
-    for i in range(3):
-        real = p[PROMPT_IDS][i][p[PROMPT_MASK][i].bool()].unsqueeze(0)
-        with torch.no_grad():
-            seq = model.generate(real, max_new_tokens=6, do_sample=False, pad_token_id=0)
-        n = int(out[RESPONSE_MASK][i].sum())
-        assert out[RESPONSE_IDS][i, :n].tolist() == seq[0, real.shape[1] :].tolist()
-
-
-@cpu_env
-def test_cpu_sampled_log_probs_match_a_trainer_forward(cpu_rollout: Any, folder: str) -> None:
-    params = SamplingParams(temperature=TEMPERATURE, max_new_tokens=8, n=2, stop_token_ids=[3])
-    out = cpu_rollout.generate(prompts(), params)
-    assert out.batch_size[0] == 6
-    got = out[ROLLOUT_LOG_PROBS]
-    want = trainer_log_probs(trainer(folder), out, TEMPERATURE)
-    assert (got[out[RESPONSE_MASK].bool()] < 0).all()
-    gap = float((got - want).abs().max())
-    print(f"sglang cpu fp32 log-prob gap to the trainer: {gap:.3g}")
-    assert gap <= CPU_ATOL
-    for row, mask in zip(out[RESPONSE_IDS], out[RESPONSE_MASK], strict=True):  # stops kept
-        real = row[mask.bool()].tolist()
-        assert 3 not in real[:-1]
-
-
-@cpu_env
-def test_cpu_sync_after_a_training_step_is_verified_and_followed(
-    cpu_rollout: Any, folder: str
-) -> None:
-    from engine_core.batch import make_batch
-
-    engine = trainer(folder)
-    with engine.train_mode():
-        engine.forward_backward_step(make_batch(torch.randint(1, 64, (4, 12))))
-        engine.optimizer_step()
-        engine.optimizer_zero_grad()
-    params = SamplingParams(temperature=1.0, max_new_tokens=8)
-    stale = cpu_rollout.generate(prompts(), params)
-    assert (stale[ROLLOUT_LOG_PROBS] - trainer_log_probs(engine, stale, 1.0)).abs().max() > 1e-2
-    buckets = cpu_rollout.load_weights(sent_buckets(engine.named_full_params(), 64 << 10))
-    assert len(buckets) > 1
-    fresh = cpu_rollout.generate(prompts(), params)
-    assert (
-        fresh[ROLLOUT_LOG_PROBS] - trainer_log_probs(engine, fresh, 1.0)
-    ).abs().max() <= CPU_ATOL
-    full = dict(engine.named_full_params())
-    partial = [(n, t) for n, t in full.items() if n != "model.norm.weight"]
-    with pytest.raises(WeightSyncError, match="never sent"):
-        cpu_rollout.load_weights(sent_buckets(partial))
-    with pytest.raises(WeightSyncError, match="load the full weights again"):
-        cpu_rollout.generate(prompts(), params)
-    cpu_rollout.load_weights(sent_buckets(full.items()))
-    cpu_rollout.release()  # no memory saver on CPU: both are no-ops, the weights stay
-    cpu_rollout.resume()
-    assert cpu_rollout.generate(prompts(), params).batch_size[0] == 3
-
-
-@cpu_env
-def test_cpu_seeded_samples_repeat_per_prompt(folder: str) -> None:
-    r = _cpu_rollout(folder, deterministic_inference=True)
+@pytest.mark.parametrize("where", LIVE)
+def test_seeded_samples_repeat_per_prompt(where: str, folder: str) -> None:
+    rollout = _live(where, folder, deterministic_inference=True)
     try:
         params = SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=11)
-        a, b = r.generate(prompts(), params), r.generate(prompts(), params)
+        a, b = rollout.generate(prompts(), params), rollout.generate(prompts(), params)
         assert torch.equal(a[RESPONSE_IDS], b[RESPONSE_IDS])
-        other = r.generate(prompts(), params.model_copy(update={"seed": 12}))
+        other = rollout.generate(prompts(), params.model_copy(update={"seed": 12}))
         assert not torch.equal(a[RESPONSE_IDS], other[RESPONSE_IDS])
         # a prompt's samples follow its seed, not the batch: the last prompt alone, seeded as
         # it was in the batch, draws the same
         p = prompts()
         p["prompt_seed"] = torch.tensor(prompt_seeds(p, params), dtype=torch.int64)
-        alone = r.generate(p[2:], params)
-        assert torch.equal(alone[RESPONSE_IDS], a[RESPONSE_IDS][4:, : alone[RESPONSE_IDS].shape[1]])
+        alone = rollout.generate(p[2:], params)
+        width = alone[RESPONSE_IDS].shape[1]
+        assert torch.equal(alone[RESPONSE_IDS], a[RESPONSE_IDS][4:, :width])
     finally:
-        r.shutdown()
+        rollout.shutdown()
