@@ -131,10 +131,16 @@ class FSDP2Engine(FSDPEngineBase):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self.dp_mesh: DeviceMesh | None = None
+        self._dp_group: dist.ProcessGroup | None = None
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
-        return self.dp_mesh.get_group() if self.dp_mesh is not None else None
+        # the group object, resolved once when the mesh is made: a mesh resolves its groups by
+        # name, and a name can be taken back when an older group of that name is collected
+        # (a process group destroyed and made anew earlier in the same process)
+        if self._dp_group is None and self.dp_mesh is not None:
+            self._dp_group = self.dp_mesh.get_group()
+        return self._dp_group
 
     @property
     def sharded(self) -> bool:
@@ -166,6 +172,7 @@ class FSDP2Engine(FSDPEngineBase):
         cfg = self.config
         assert isinstance(cfg, FSDP2EngineConfig)
         self.mesh, self.dp_mesh = build_mesh(cfg, self.device.type)
+        self._dp_group = self.dp_mesh.get_group()
         torch.manual_seed(cfg.seed)  # identical initialisation on every rank before sharding
         precision = cfg.precision_policy
         if self.mesh.size() == 1 and precision is None:
