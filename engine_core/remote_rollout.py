@@ -193,27 +193,27 @@ class _CallStream:
             with contextlib.suppress(queue.Empty):  # unblock a put waiting for the slot
                 self._queue.get_nowait()
 
-    def put(self, item: SentBucket) -> None:
+    def _offer(self, item: Any) -> bool:
+        """Hand ``item`` to the loading thread; False when it has stopped (done or failed)."""
         while self._thread.is_alive():
             try:
                 self._queue.put(item, timeout=0.1)
-                return
+                return True
             except queue.Full:
                 continue
-        self._raise()
-        raise WeightSyncError("the replica stopped loading before the stream ended.")
+        return False
+
+    def put(self, item: SentBucket) -> None:
+        if not self._offer(item):
+            self._raise()
+            raise WeightSyncError("the replica stopped loading before the stream ended.")
 
     def _raise(self) -> None:
         if self._error is not None:
             raise self._error
 
     def finish(self, *, abort: bool) -> list[WeightBucket]:
-        while self._thread.is_alive():
-            try:
-                self._queue.put(_END, timeout=0.1)
-                break
-            except queue.Full:
-                continue
+        self._offer(_END)
         self._thread.join(5.0 if abort else None)
         if abort:
             return []
@@ -456,18 +456,15 @@ class ProcessRollout:
     def join_weight_sync(
         self, host: str, port: int, first_rank: int, world_size: int
     ) -> WorkerFuture:
+        """Every replica joins the weight-sync group at ``host:port``, replica ``i`` as rank
+        ``first_rank + i``; a future of their joining (the group's rank 0 joins meanwhile).
+        Replicas in another interpreter join none (their weights come through
+        :meth:`load_weights`)."""
         if self.streams_weights:
             raise WeightSyncError(
                 "replicas in another interpreter join no weight-sync group: their weights "
                 "arrive through load_weights()."
             )
-        return self._join_weight_sync(host, port, first_rank, world_size)
-
-    def _join_weight_sync(
-        self, host: str, port: int, first_rank: int, world_size: int
-    ) -> WorkerFuture:
-        """Every replica joins the weight-sync group at ``host:port``, replica ``i`` as rank
-        ``first_rank + i``; a future of their joining (the group's rank 0 joins meanwhile)."""
         return self.worker_group.call_all_async(
             "join_weight_sync",
             host,

@@ -180,8 +180,8 @@ class InterpreterWorkerGroup(LocalWorkerGroup):
     """``num_workers`` instances of ``worker_cls``, each in a process of the interpreter
     ``python``. ``worker_cls`` must be importable there by the same module path; its
     constructor's arguments and every call's arguments and results must be what
-    :mod:`engine_core.wire` encodes. :attr:`started` holds each worker's start-up answer
-    (its versions)."""
+    :mod:`engine_core.wire` encodes. What the interpreter runs is :func:`probe`'s to ask,
+    before the group starts."""
 
     def __init__(
         self,
@@ -251,20 +251,6 @@ def _worker_class(name: str) -> type:
     return obj
 
 
-def _versions() -> dict[str, str]:
-    import platform
-
-    import torch
-
-    from engine_core import __version__
-
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "engine_core": __version__,
-    }
-
-
 def serve(read_fd: int, write_fd: int) -> None:
     """A worker's loop, in the other interpreter: build the worker the first frame names, then
     answer each call until told to stop or the driver's end closes."""
@@ -276,7 +262,7 @@ def serve(read_fd: int, write_fd: int) -> None:
     except BaseException as e:
         write(write_fd, ("error", error_payload(e)))
         return
-    write(write_fd, ("ok", _versions()))
+    write(write_fd, ("ok", None))
     while True:
         try:
             method, args, kwargs = read(read_fd)
