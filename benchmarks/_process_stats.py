@@ -11,8 +11,12 @@ import ctypes
 import ctypes.util
 import gc
 import math
+import os
+import threading
+import time
 import tracemalloc
 from collections import Counter
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,6 +29,7 @@ __all__ = [
     "RSS_SLOPE_MIB",
     "growth",
     "live_objects",
+    "peak_rss_above_start",
     "read_process",
     "summarize",
     "traced_growth",
@@ -47,6 +52,38 @@ def read_process(pid: int) -> dict[str, float]:
             "threads": proc.num_threads(),
             "children": len(proc.children(recursive=True)),
         }
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * _PAGE
+
+
+def peak_rss_above_start(run: Callable[[], Any], pids: Sequence[int]) -> list[int]:
+    """For each of ``pids``: its peak resident bytes during ``run()`` above its level just
+    before, sampled every millisecond from ``/proc/<pid>/statm`` (Linux). A freed tensor
+    lowers RSS only if the allocator returns it (start processes with ``MALLOC_MMAP_THRESHOLD_``
+    set, so big buffers are mapped and unmapped, not kept in the heap)."""
+    start = [_rss(pid) for pid in pids]
+    peak, done = list(start), threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            for i, pid in enumerate(pids):
+                peak[i] = max(peak[i], _rss(pid))
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        run()
+    finally:
+        done.set()
+        sampler.join()
+    return [max(p, _rss(pid)) - s for p, pid, s in zip(peak, pids, start, strict=True)]
 
 
 def live_objects() -> int:

@@ -17,8 +17,6 @@ import argparse
 import json
 import os
 import sys
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +24,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _process_stats import peak_rss_above_start  # noqa: E402  (benchmarks/ is on sys.path)
 
 MODEL = {
     "model_type": "qwen2",
@@ -38,31 +37,11 @@ MODEL = {
     "max_position_embeddings": 256,
     "tie_word_embeddings": False,
 }
-_PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * _PAGE
 
 
 def _peak_above_start(run: Callable[[], Any]) -> int:
-    """Peak resident bytes above the level just before ``run()``, sampled every millisecond."""
-    start, peak, done = _rss(), [0], threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], _rss())
-            time.sleep(0.001)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    try:
-        run()
-    finally:
-        done.set()
-        sampler.join()
-    return max(peak[0], _rss()) - start
+    """This process's peak resident bytes during ``run()`` above the level just before it."""
+    return peak_rss_above_start(run, [os.getpid()])[0]
 
 
 def main() -> None:

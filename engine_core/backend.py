@@ -54,6 +54,7 @@ _EXPORTS: dict[str, str] = {
     "DTYPES": "engine_core.models",
     "build_hf_config": "engine_core.models",
     "build_model": "engine_core.models",
+    "is_adapter_name": "engine_core.models",
     "merged_lora_tensors": "engine_core.models",
     # optimizer, schedule, RNG
     "SingleOptimizerMixin": "engine_core.optim",
@@ -181,7 +182,13 @@ if TYPE_CHECKING:
         token_log_probs,
     )
     from engine_core.loss import GlobalBatchContext, Metric, MetricAccumulator
-    from engine_core.models import DTYPES, build_hf_config, build_model, merged_lora_tensors
+    from engine_core.models import (
+        DTYPES,
+        build_hf_config,
+        build_model,
+        is_adapter_name,
+        merged_lora_tensors,
+    )
     from engine_core.optim import (
         SingleOptimizerMixin,
         build_lr_scheduler,

@@ -24,6 +24,8 @@ class Capability(StrEnum):
     """A feature a backend supports. Engines list theirs in ``BaseEngine.capabilities``."""
 
     VALUE_HEAD = "value_head"
+    # engines: trains LoRA adapters (model.lora); rollouts: serves them unmerged, so a sync
+    # sends the base once and the adapters alone after that
     LORA = "lora"
     TENSOR_PARALLEL = "tensor_parallel"
     PIPELINE_PARALLEL = "pipeline_parallel"

@@ -17,7 +17,7 @@ import contextlib
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,11 @@ from engine_core.packing import PackedSequences, pack, sequence_start_mask, unpa
 VARLEN_KERNELS = frozenset({"sdpa_varlen", "flash_attention_2"})
 # each rank's core state in a checkpoint folder: step, world size, RNG streams, extra state
 CHECKPOINT_STATE_FILE = "engine_state_rank{rank}.pt"
+# what a weight sync sends (BaseEngine.named_weights): the model under its HF names, LoRA
+# adapters merged ("model"); a LoRA model's own tensors unmerged, base included ("peft"); or
+# its adapter tensors alone ("adapters")
+WeightPart = Literal["model", "peft", "adapters"]
+WEIGHT_PARTS: tuple[WeightPart, ...] = ("model", "peft", "adapters")
 
 __all__ = [
     "CHECKPOINT_STATE_FILE",
@@ -61,6 +66,8 @@ __all__ = [
     "HeadRequest",
     "MicroBatchResults",
     "ModelInputs",
+    "WEIGHT_PARTS",
+    "WeightPart",
     "loss_mask_of",
     "predicted_mask",
     "token_log_probs",
@@ -800,6 +807,41 @@ class BaseEngine(abc.ABC):
         self, bucket_bytes: int = BUCKET_BYTES
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF parameter name, full tensor), materialising at most ``bucket_bytes`` at a time."""
+
+    def named_lora_params(
+        self, bucket_bytes: int = BUCKET_BYTES, *, adapters_only: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """A LoRA model's tensors as its peft model names them, unmerged: every tensor (the
+        frozen base layers included), or with ``adapters_only`` the adapter tensors alone (what
+        trains). Gathered a bucket at a time and collective, as :meth:`named_full_params`.
+
+        For a rollout that serves the adapters itself (its model built with the same
+        ``model.lora``): it takes the base once, then the adapters alone at every sync. Engines
+        that declare ``lora`` override it; the default refuses.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} does not stream a LoRA model's adapters; a rollout that "
+            f"serves LoRA adapters needs an engine that implements named_lora_params() (the "
+            f"fsdp and fsdp2 engines do), or build the rollout without model.lora so it takes "
+            f"the merged weights."
+        )
+
+    def named_weights(
+        self, part: WeightPart = "model", bucket_bytes: int = BUCKET_BYTES
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """What a weight sync sends, by ``part`` (see :data:`WeightPart`): the model under its HF
+        names (:meth:`named_full_params`), or a LoRA model's tensors unmerged ("peft") or its
+        adapters alone ("adapters") (:meth:`named_lora_params`)."""
+        if part not in WEIGHT_PARTS:
+            raise ValueError(f"part must be one of {', '.join(WEIGHT_PARTS)}; got {part!r}.")
+        if part == "model":
+            return self.named_full_params(bucket_bytes)
+        if self.config.model.lora is None:
+            raise ValueError(
+                f"part={part!r} sends a LoRA model's own tensors, but this engine's model has no "
+                f"model.lora; send part='model'."
+            )
+        return self.named_lora_params(bucket_bytes, adapters_only=part == "adapters")
 
     def export_hf(self, path: str) -> str:
         """Write a Hugging Face folder (``model.safetensors`` + config) at ``path`` (a local

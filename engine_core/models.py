@@ -17,7 +17,14 @@ from engine_core.attention import SDPA_VARLEN, register_sdpa_varlen
 from engine_core.config import LoraConfig, ModelConfig
 from engine_core.errors import ConfigError
 
-__all__ = ["DTYPES", "build_hf_config", "build_model", "apply_lora", "merged_lora_tensors"]
+__all__ = [
+    "DTYPES",
+    "build_hf_config",
+    "build_model",
+    "apply_lora",
+    "is_adapter_name",
+    "merged_lora_tensors",
+]
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -133,6 +140,16 @@ def apply_lora(model: nn.Module, cfg: ModelConfig) -> nn.Module:
 
 
 _PEFT_PREFIX = "base_model.model."
+_ADAPTER_PART = re.compile(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)\.")
+
+
+def is_adapter_name(name: str) -> bool:
+    """Whether ``name`` (a peft model's state-dict name) is a LoRA adapter tensor: the part of a
+    LoRA model that trains, and all a sync to a rollout that serves the adapters has to send
+    once it holds the base weights."""
+    return _ADAPTER_PART.search(name) is not None
+
+
 _LORA_PART = re.compile(
     r"^(?P<layer>.+)\.(?P<part>base_layer|lora_A\.default|lora_B\.default)\.(?P<kind>weight|bias)$"
 )

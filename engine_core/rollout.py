@@ -23,6 +23,7 @@ from tensordict import NonTensorStack, TensorDict
 from engine_core.capabilities import Capability
 from engine_core.config import BUCKET_BYTES, FrozenModel, ModelConfig
 from engine_core.errors import BatchError, WeightSyncError
+from engine_core.models import is_adapter_name
 
 __all__ = [
     "SamplingParams",
@@ -33,6 +34,8 @@ __all__ = [
     "BUCKET_BYTES",
     "tensor_checksum",
     "check_bucket_shapes",
+    "base_model",
+    "gather_bytes",
     "check_complete",
     "verified_buckets",
     "CountedParams",
@@ -142,8 +145,17 @@ def check_bucket_shapes(
 
 
 def check_complete(expected: dict[str, tuple[int, ...]], seen: set[str]) -> None:
-    """Refuse a sync that never sent some of the rollout's parameters, naming them."""
-    missing = sorted(set(expected) - seen)
+    """Refuse a sync that never sent some of the rollout's parameters, naming them.
+
+    A rollout that serves LoRA adapters (its weights include adapter tensors) takes a stream of
+    adapter tensors alone as complete when it holds every adapter: the frozen base it was sent
+    once stays as loaded.
+    """
+    wanted = set(expected)
+    adapters = {name for name in wanted if is_adapter_name(name)}
+    if adapters and seen and seen <= adapters:
+        wanted = adapters
+    missing = sorted(wanted - seen)
     if missing:
         raise WeightSyncError(
             f"weight sync incomplete: {len(missing)} parameter(s) never sent: {missing[:10]}"
@@ -272,6 +284,14 @@ class CountedParams:
             yield name, tensor
 
 
+def gather_bytes(bucket_bytes: int) -> int:
+    """What a sender asks its engine to gather at a time for buckets of ``bucket_bytes``: a
+    quarter bucket. A bucket is cut when the next tensor does not fit, so the next gather is
+    already held while a bucket is sent; gathering a quarter at a time keeps that extra to a
+    quarter bucket (or one tensor, when a tensor is bigger), not a whole one."""
+    return max(1, bucket_bytes // 4)
+
+
 def sent_buckets(
     named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = BUCKET_BYTES
 ) -> Iterator[SentBucket]:
@@ -279,7 +299,10 @@ def sent_buckets(
     once, here). The tensors are detached and contiguous, on the device they came on."""
     for bucket in iter_buckets(named, bucket_bytes):
         handed = [(name, t.detach().contiguous()) for name, t in bucket]
+        del bucket
         yield handed, tensor_checksum(handed)
+        # let go of this bucket before the next one is gathered: one bucket held, not two
+        del handed
 
 
 def checked_buckets(
@@ -291,8 +314,9 @@ def checked_buckets(
     seen: set[str] = set()
     for bucket, sent in buckets:
         check_bucket_shapes(bucket, expected)
-        yield bucket, sent
         seen.update(name for name, _ in bucket)
+        yield bucket, sent
+        del bucket  # not held while the next bucket arrives
     check_complete(expected, seen)
 
 
@@ -325,8 +349,14 @@ def model_weight_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
     from engine_core.models import build_model
 
     with torch.device("meta"):
-        module = build_model(model, load_weights=False)
+        module = build_model(base_model(model), load_weights=False)
     return {name: tuple(t.shape) for name, t in module.state_dict().items()}
+
+
+def base_model(model: ModelConfig) -> ModelConfig:
+    """``model`` without ``lora``: what a rollout that takes merged weights builds (the merged
+    model has the base architecture; only a rollout that serves the adapters builds them)."""
+    return model if model.lora is None else model.model_copy(update={"lora": None})
 
 
 def saved_model_folder(
@@ -341,7 +371,7 @@ def saved_model_folder(
     folder = tempfile.TemporaryDirectory(prefix=prefix)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        module: Any = build_model(model)  # a transformers PreTrainedModel
+        module: Any = build_model(base_model(model))  # a transformers PreTrainedModel
     module.save_pretrained(folder.name)
     return folder
 
@@ -444,13 +474,20 @@ class BaseRollout(abc.ABC):
         parameter out is refused, and each bucket's checksum of what was loaded must equal the
         sender's: one comparison, end to end.
         """
-        return [
-            confirm_bucket(bucket, sent, self.load_weight_bucket(bucket))
-            for bucket, sent in checked_buckets(buckets, self.expected_weights())
-        ]
+        done = []
+        for bucket, sent in checked_buckets(buckets, self.expected_weights()):
+            done.append(confirm_bucket(bucket, sent, self.load_weight_bucket(bucket)))
+            del bucket  # not held while the next bucket arrives
+        return done
 
     def release(self) -> None:
         """Free weights and KV cache (no-op where the backend cannot)."""
 
     def resume(self) -> None:
         """Re-allocate what :meth:`release` freed."""
+
+    def shutdown(self) -> None:
+        """Stop what the backend runs beside this object (engine processes, its distributed
+        state), now rather than whenever it is garbage-collected: a backend whose teardown
+        resets process-wide state must not run it after a newer instance started. The default
+        does nothing; a job calls it when it ends."""

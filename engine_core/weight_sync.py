@@ -8,7 +8,9 @@ process can both join it.
 
 - :func:`send_weights` (rank 0) groups (HF name, tensor) pairs into bounded buckets and, per
   bucket, broadcasts a header (names, shapes, dtypes, the bucket's :func:`tensor_checksum`) and
-  then the bucket's bytes as one flat buffer.
+  then the bucket's bytes, which the receiver takes into one flat buffer: a tensor of at least
+  :data:`STAGE_BYTES` straight from its own memory, runs of smaller ones through one staging
+  copy of at most that size (:func:`pieces`). The sender holds no copy of a bucket.
 - Headers, end/abort markers and verdicts are fixed-format messages: versioned UTF-8 JSON after
   an int64 length, validated field by field on receipt (known dtype names only, byte count
   consistent with shapes). Nothing that crosses the wire is unpickled.
@@ -32,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import ipaddress
+import itertools
 import json
 import math
 import socket
@@ -337,9 +340,51 @@ class WeightSyncGroup:
         self._store = None  # type: ignore[assignment]
 
 
-def _flat_bytes(bucket: list[tuple[str, torch.Tensor]], device: torch.device) -> torch.Tensor:
-    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket]
-    return torch.cat(parts).to(device)
+# a tensor of at least this many bytes is broadcast from its own memory; smaller ones travel
+# together through a staging buffer of at most this size (one broadcast for many small tensors)
+STAGE_BYTES = 1 << 20
+
+
+def pieces(nbytes: Sequence[int]) -> list[range]:
+    """How a bucket of tensors of ``nbytes`` each is broadcast: ranges of tensor indices, one
+    broadcast each, in order. A tensor of at least :data:`STAGE_BYTES` alone; consecutive
+    smaller ones together while they fit in :data:`STAGE_BYTES`. Both ends compute it from the
+    header, so the receiver takes each piece into its slice of the bucket's flat buffer."""
+    out: list[range] = []
+    start, size = 0, 0
+    for i, n in enumerate(nbytes):
+        if n >= STAGE_BYTES or size + n > STAGE_BYTES:
+            if i > start:
+                out.append(range(start, i))
+            start, size = i, 0
+        size += n
+        if n >= STAGE_BYTES:
+            out.append(range(i, i + 1))
+            start, size = i + 1, 0
+    if len(nbytes) > start:
+        out.append(range(start, len(nbytes)))
+    return out
+
+
+def _raw(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).to(device)
+
+
+def _broadcast_bucket(group: WeightSyncGroup, bucket: list[tuple[str, torch.Tensor]]) -> None:
+    """The sending side of a bucket's bytes, piece by piece (:func:`pieces`)."""
+    sizes = [t.numel() * t.element_size() for _, t in bucket]
+    for piece in pieces(sizes):
+        parts = [_raw(bucket[i][1], group.device) for i in piece]
+        group.broadcast(parts[0] if len(parts) == 1 else torch.cat(parts), 0)
+
+
+def _receive_bucket(group: WeightSyncGroup, sizes: Sequence[int]) -> torch.Tensor:
+    """The receiving side: the bucket's bytes in one flat buffer, piece by piece."""
+    flat = torch.empty(sum(sizes), dtype=torch.uint8, device=group.device)
+    offsets = [0, *itertools.accumulate(sizes)]
+    for piece in pieces(sizes):
+        group.broadcast(flat[offsets[piece.start] : offsets[piece.stop]], 0)
+    return flat
 
 
 def _header(bucket: list[tuple[str, torch.Tensor]], checksum: str) -> _Header:
@@ -387,8 +432,9 @@ def send_weights(
         for bucket, checksum in sent_buckets(named, bucket_bytes):
             header = _header(bucket, checksum)
             group.broadcast_message(header, 0)
-            group.broadcast(_flat_bytes(bucket, group.device), 0)
+            _broadcast_bucket(group, bucket)
             done.append(WeightBucket(header.names, header.shapes, header.checksum))
+            del bucket  # not held while the next bucket is gathered
     except BaseException as e:
         # the receivers are waiting for a header: tell them the stream ended badly
         group.broadcast_message(_Abort(f"{type(e).__name__}: {e}"), 0)
@@ -456,13 +502,17 @@ class _ReceivedStream:
             if isinstance(msg, _Abort):
                 self.abort = msg.reason
             return None
-        flat = torch.empty(msg.nbytes, dtype=torch.uint8, device=self.group.device)
-        self.group.broadcast(flat, 0)
-        flat = flat.cpu()
+        sizes = [
+            int(torch.Size(shape).numel()) * _element_size(dtype)
+            for shape, dtype in zip(msg.shapes, msg.dtypes, strict=True)
+        ]
+        flat = _receive_bucket(self.group, sizes).cpu()
         bucket, offset = [], 0
-        for name, shape, dtype in zip(msg.names, msg.shapes, msg.dtypes, strict=True):
-            n = int(torch.Size(shape).numel()) * _element_size(dtype)
-            bucket.append((name, flat[offset : offset + n].view(_DTYPES[dtype]).reshape(shape)))
+        for name, shape, dtype, n in zip(msg.names, msg.shapes, msg.dtypes, sizes, strict=True):
+            raw = flat[offset : offset + n]
+            if offset % _element_size(dtype):  # after a tensor of a narrower dtype: realign
+                raw = raw.clone()
+            bucket.append((name, raw.view(_DTYPES[dtype]).reshape(shape)))
             offset += n
         return bucket, msg.checksum  # compared with what the rollout loads, once
 
@@ -472,6 +522,7 @@ class _ReceivedStream:
             if sent is None:
                 break
             yield sent
+            del sent  # not held while the next bucket arrives
         if self.abort is not None:
             raise WeightSyncError(f"the trainer aborted the weight sync: {self.abort}")
 

@@ -26,8 +26,14 @@ from engine_core.executors.base import free_port
 from engine_core.executors.local import LocalWorkerGroup
 from engine_core.models import build_model
 from engine_core.remote_rollout import ProcessRollout, RolloutWorker
-from engine_core.rollout import SamplingParams
-from engine_core.weight_sync import WeightSyncGroup, receive_weights, send_weights
+from engine_core.rollout import SamplingParams, confirm_bucket
+from engine_core.weight_sync import (
+    STAGE_BYTES,
+    WeightSyncGroup,
+    pieces,
+    receive_weights,
+    send_weights,
+)
 from engine_core_roles.distributed.weights import WeightLink
 from engine_core_roles.roles.actor import Actor, ActorConfig
 from tests._dist import run_distributed
@@ -182,16 +188,70 @@ def test_the_rollout_holds_exactly_what_was_sent(pair: Any, hf_rollout: HFRollou
         assert torch.equal(held[name], t), name
 
 
+def test_pieces_cover_the_bucket_in_order_big_tensors_alone() -> None:
+    big, small = STAGE_BYTES, 1000
+    sizes = [small, small, big, small, STAGE_BYTES - 1, 3, 2 * big, small]
+    got = pieces(sizes)
+    assert [i for piece in got for i in piece] == list(range(len(sizes)))
+    for piece in got:
+        if any(sizes[i] >= STAGE_BYTES for i in piece):
+            assert len(piece) == 1
+        else:
+            assert sum(sizes[i] for i in piece) <= STAGE_BYTES
+    expected = [range(0, 2), range(2, 3), range(3, 4), range(4, 5), range(5, 6), range(6, 7)]
+    assert got == [*expected, range(7, 8)]
+    assert pieces([]) == []
+
+
+class _Keeper:
+    """A receiving end that keeps copies of what arrives (verified against the checksums)."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, torch.Tensor] = {}
+
+    def load_weights(self, buckets: Any) -> list[Any]:
+        done = []
+        for bucket, sent in buckets:
+            self.held.update((name, t.clone()) for name, t in bucket)
+            done.append(confirm_bucket(bucket, sent))
+        return done
+
+
+def test_big_and_small_tensors_arrive_whole(pair: Any) -> None:
+    """Tensors of a megabyte and more go from their own memory, smaller ones staged together:
+    what arrives is every tensor, bit for bit, in buckets of any mix."""
+    sender, receiver = pair
+    g = torch.Generator().manual_seed(5)
+    named = [
+        ("a", torch.randn(7, generator=g)),
+        ("big", torch.randn(600, 1000, generator=g)),  # 2.4 MB: alone
+        ("b", torch.randint(0, 9, (5, 3), generator=g)),
+        ("half", torch.randn(300, 1000, generator=g).to(torch.bfloat16)),
+        ("flag", torch.tensor([True, False])),
+        ("strided", torch.randn(400, 900, generator=g).t()),  # 1.4 MB, not contiguous
+    ]
+    keeper = _Keeper()
+    box: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: box.update(got=receive_weights(receiver, keeper)))
+    thread.start()
+    send_weights(sender, named, bucket_bytes=3 << 20)
+    thread.join()
+    assert len(box["got"]) > 1
+    assert set(keeper.held) == {n for n, _ in named}
+    for name, t in named:
+        assert keeper.held[name].dtype == t.dtype and torch.equal(keeper.held[name], t), name
+
+
 def test_a_corrupted_transfer_is_caught_by_the_checksum(pair: Any, hf_rollout: HFRollout) -> None:
     """The sender's header carries a checksum the received bytes do not have."""
     sender, receiver = pair
     params = _model_params(12)[:2]
     box = _receive_on_thread(receiver, hf_rollout)
-    from engine_core.weight_sync import _End, _flat_bytes, _header, _Verdict
+    from engine_core.weight_sync import _broadcast_bucket, _End, _header, _Verdict
 
     header = _header(params, "0" * 32)  # not the checksum of these bytes
     sender.broadcast_message(header, 0)
-    sender.broadcast(_flat_bytes(params, sender.device), 0)
+    _broadcast_bucket(sender, params)
     sender.broadcast_message(_End(), 0)
     reply = sender.broadcast_message(None, 1)
     assert isinstance(reply, _Verdict)

@@ -234,6 +234,12 @@ class LocalWorkerGroup(WorkerGroup):
                 raise
         return out
 
+    @property
+    def pids(self) -> list[int]:
+        """The worker processes' ids, worker ``i`` at ``i`` (empty for workers in this
+        process): for monitoring them from outside (memory, open files)."""
+        return [proc.pid for proc in self._procs]
+
     def shutdown(self) -> None:
         for conn in self._conns:
             try:

@@ -29,6 +29,7 @@ from engine_core.backend import (
     EngineConfig,
     FrozenModel,
     SingleOptimizerMixin,
+    is_adapter_name,
     is_dir,
     join,
     merged_lora_tensors,
@@ -234,6 +235,18 @@ class FSDPEngineBase(SingleOptimizerMixin, BaseEngine):
         if self.config.model.lora is not None:
             tensors = merged_lora_tensors(tensors, self.config.model.lora)
         yield from tensors
+
+    def named_lora_params(
+        self, bucket_bytes: int = BUCKET_BYTES, *, adapters_only: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        # the peft model's own names, unmerged; with adapters_only the frozen base is not even
+        # gathered. Collective like named_full_params (every rank filters the same names).
+        if self.config.model.lora is None:
+            raise ValueError("named_lora_params() needs a model with model.lora.")
+        state = self.sharded_state_dict()
+        if adapters_only:
+            state = {name: t for name, t in state.items() if is_adapter_name(name)}
+        yield from full_tensors(state, bucket_bytes)
 
     def save_shards(self, folder: str) -> None:
         assert self.optimizer is not None, "call init_model() first"

@@ -8,4 +8,8 @@ from engine_core.backend import (
 
 __all__ = ["HF_CAPABILITIES"]
 
-HF_CAPABILITIES = frozenset({Capability.CPU, Capability.LOGPROBS, Capability.SLEEP})
+# lora: with model.lora the rollout holds the same peft model as the actor and takes the
+# adapters alone at each sync (the base once)
+HF_CAPABILITIES = frozenset(
+    {Capability.CPU, Capability.LOGPROBS, Capability.SLEEP, Capability.LORA}
+)

@@ -180,6 +180,15 @@ class VLLMRollout(BaseRollout):
         self.stale = False
         return done
 
+    def shutdown(self) -> None:
+        """Tear vLLM's engine down now. Left to the garbage collector, the teardown (which resets
+        vLLM's process-wide parallel state) can run after another rollout in this process
+        started, and take that one's state with it."""
+        self.llm.llm_engine.engine_core.shutdown()  # safe twice: it detaches its finalizer
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
     def release(self) -> None:
         """Offload weights and free the KV cache on GPU hosts (vLLM sleep mode; never run
         here). A no-op on CPU hosts, where vLLM has no sleep mode."""

@@ -19,6 +19,11 @@ then moves the policy's full weights into the rollout the same way:
   sender's, bucket by bucket; a failure names the receiver and the bucket's parameters, and
   every receiver drains the stream, so the next sync starts in step.
 
+**LoRA.** A rollout that serves LoRA adapters (the HF rollout, built with the policy's
+``model.lora``: its weights name the adapter tensors) is sent the policy's peft tensors unmerged:
+all of them at the first sync, then the adapters alone (:attr:`WeightLink.next_part`), since the
+base does not train. Every other rollout takes the merged weights under the base model's names.
+
 Replicas in another interpreter (``ProcessRollout(python=...)``) share no torch process group
 with the trainer: this process is their receiving end, as for a rollout of its own, and relays
 each bucket to every replica over its pipe as raw tensor bytes with the sender's checksum
@@ -48,9 +53,11 @@ from typing import Any
 
 from engine_core.comm import default_backend
 from engine_core.config import BUCKET_BYTES
+from engine_core.engine import WeightPart
 from engine_core.executors.base import free_port, meeting_host
+from engine_core.models import is_adapter_name
 from engine_core.remote_rollout import ProcessRollout
-from engine_core.rollout import BaseRollout, CountedParams, sent_buckets
+from engine_core.rollout import BaseRollout, CountedParams, gather_bytes, sent_buckets
 from engine_core.weight_sync import WeightSyncGroup, receive_weights, send_weights
 from engine_core_roles.distributed.placement import ActorGroup
 from engine_core_roles.roles.actor import Actor
@@ -98,9 +105,9 @@ class _Sender:
     def join(self, host: str, port: int, world: int, backend: str, timeout_s: float) -> _Part:
         raise NotImplementedError
 
-    def send(self, bucket_bytes: int, receivers: list[str]) -> _Part:
-        """Stream the weights to ``receivers`` (one name per receiving rank); the part's
-        result is the bytes of weights sent."""
+    def send(self, bucket_bytes: int, receivers: list[str], part: WeightPart) -> _Part:
+        """Stream ``part`` of the weights to ``receivers`` (one name per receiving rank); the
+        part's result is the bytes of weights sent."""
         raise NotImplementedError
 
     def leave(self) -> None:
@@ -127,18 +134,20 @@ class _DriverSender(_Sender):
 
         return _Part(joined, here=True)
 
-    def send(self, bucket_bytes: int, receivers: list[str]) -> _Part:
+    def send(self, bucket_bytes: int, receivers: list[str], part: WeightPart) -> _Part:
         def sent() -> int:
             assert self.group is not None  # joined when the link was made
-            named = CountedParams(self.actor.named_full_params(bucket_bytes))
+            named = CountedParams(self.actor.named_weights(part, gather_bytes(bucket_bytes)))
             send_weights(self.group, named, bucket_bytes=bucket_bytes, receiver_names=receivers)
             return named.bytes
 
         return _Part(sent, here=True)
 
-    def direct(self, rollout: BaseRollout | ProcessRollout, bucket_bytes: int) -> int:
+    def direct(
+        self, rollout: BaseRollout | ProcessRollout, bucket_bytes: int, part: WeightPart
+    ) -> int:
         """The weights straight into a rollout in this process (no group)."""
-        named = CountedParams(self.actor.named_full_params(bucket_bytes))
+        named = CountedParams(self.actor.named_weights(part, gather_bytes(bucket_bytes)))
         rollout.load_weights(sent_buckets(named, bucket_bytes))
         return named.bytes
 
@@ -171,8 +180,8 @@ class _GroupSender(_Sender):
         self._joined = True
         return _Part(joining.result, here=False)
 
-    def send(self, bucket_bytes: int, receivers: list[str]) -> _Part:
-        sending = self.actor.group.call_all_async("send_weights", bucket_bytes, receivers)
+    def send(self, bucket_bytes: int, receivers: list[str], part: WeightPart) -> _Part:
+        sending = self.actor.group.call_all_async("send_weights", bucket_bytes, receivers, part)
         return _Part(lambda: int(sum(sending.result())), here=False)
 
     def leave(self) -> None:
@@ -301,6 +310,10 @@ class WeightLink:
         self.backend = default_backend()
         self._sender, self._receiver = sender, receiver
         self._closed = False
+        # a rollout that serves LoRA adapters (its weights name them) takes the policy's peft
+        # tensors unmerged: all of them once, then the adapters alone (the base is frozen)
+        self.serves_adapters = any(is_adapter_name(n) for n in rollout.expected_weights())
+        self._base_sent = False
         # both ends in this process: the buckets go straight to the rollout, no group
         self._direct = sender.here and receiver.here
         if not self._direct:
@@ -317,21 +330,33 @@ class WeightLink:
         return f"{sender} -> {receiver}"
 
     def sync(self) -> dict[str, float]:
-        """Stream the policy's full weights into the rollout, verified by every receiver; the
-        metrics ``weight_sync/time_s`` and ``weight_sync/bytes`` (bytes of weights sent)."""
+        """Stream the policy's weights (:attr:`next_part` of them) into the rollout, verified by
+        every receiver; the metrics ``weight_sync/time_s`` and ``weight_sync/bytes`` (bytes of
+        weights sent)."""
         if self._closed:
             raise RuntimeError(
                 "this WeightLink is closed; connect the policy to the rollout again."
             )
         t0 = time.perf_counter()
+        part = self.next_part
         if self._direct:
             assert isinstance(self._sender, _DriverSender)
             assert isinstance(self._receiver, _DriverReceiver)
-            sent = self._sender.direct(self._receiver.rollout, self.bucket_bytes)
+            sent = self._sender.direct(self._receiver.rollout, self.bucket_bytes, part)
         else:
-            sending = self._sender.send(self.bucket_bytes, self._receiver.names)
+            sending = self._sender.send(self.bucket_bytes, self._receiver.names, part)
             sent, _ = _together(sending, self._receiver.receive())
+        self._base_sent = self.serves_adapters  # only once every receiver verified it all
         return {"weight_sync/time_s": time.perf_counter() - t0, "weight_sync/bytes": float(sent)}
+
+    @property
+    def next_part(self) -> WeightPart:
+        """What the next :meth:`sync` sends: the full weights ("model"); for a rollout that
+        serves LoRA adapters, the policy's peft tensors until one sync of them all succeeded
+        ("peft"), then the adapters alone ("adapters")."""
+        if not self.serves_adapters:
+            return "model"
+        return "adapters" if self._base_sent else "peft"
 
     def close(self) -> None:
         """Leave the weight-sync group on every end; safe to call twice."""

@@ -14,9 +14,10 @@ from tensordict import TensorDict
 
 from engine_core import BaseEngine, load_plugins, resolve_engine_config
 from engine_core.dispatch import DispatchMode, Worker, register
+from engine_core.engine import WeightPart
 from engine_core.executors import join_process_group
 from engine_core.executors.base import free_port, meeting_host
-from engine_core.rollout import CountedParams
+from engine_core.rollout import CountedParams, gather_bytes
 from engine_core.weight_sync import WeightSyncGroup, send_weights
 from engine_core_roles.algorithms.supervised import supervised_step
 from engine_core_roles.roles.actor import Actor, ActorConfig, ActorUpdate
@@ -109,11 +110,13 @@ class ActorWorker(_RoleWorker):
             self._weight_sync.close()
             self._weight_sync = None
 
-    def send_weights(self, bucket_bytes: int, receiver_names: list[str]) -> int:
-        """Every rank gathers the full weights ``bucket_bytes`` at a time; the writing rank
-        streams them to the receivers (verified by each) and returns the bytes it sent, the
-        others 0."""
-        named = self.engine.named_full_params(bucket_bytes)
+    def send_weights(
+        self, bucket_bytes: int, receiver_names: list[str], part: WeightPart = "model"
+    ) -> int:
+        """Every rank gathers ``part`` of the weights (see :data:`WeightPart`) ``bucket_bytes``
+        at a time; the writing rank streams them to the receivers (verified by each) and
+        returns the bytes it sent, the others 0."""
+        named = self.engine.named_weights(part, gather_bytes(bucket_bytes))
         try:
             if not self.engine.writes_full_params:
                 return 0

@@ -218,6 +218,7 @@ def _rollout(
         stack.callback(remote.shutdown)
         return remote
     backend: BaseRollout = spec.load_class()(rollout_cfg)
+    stack.callback(backend.shutdown)
     if episodes and text is not None and text.environment is not None:
         assert job.env is not None
         return EpisodeRollout(
