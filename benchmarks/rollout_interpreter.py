@@ -4,7 +4,7 @@ replica, on the same experiment.
 Both run ``engine-core run`` on one recipe (``--recipe``, default ``grpo_tiny.yaml``; the model
 grown with ``--hidden``/``--layers`` so a sync moves enough bytes to time) with
 ``rollout_placement=process`` and one replica, for ``--steps`` steps, alternating over
-``--rounds`` runs each:
+``--rounds`` runs each, with the rollout backend ``--rollout`` (``hf`` by default, or ``vllm``):
 
 - ``same_env``: the replica is a spawned process of this interpreter; weights go over a gloo
   weight-sync group, prompts and samples through torch's pickling pipes;
@@ -55,8 +55,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--rollout", default="hf", help="the rollout backend: hf or vllm")
     args = parser.parse_args()
     common = [
+        f"rollout.backend={args.rollout}",
         f"steps={args.steps}",
         f"save_every={args.steps}",
         "rollout_placement=process",
@@ -86,6 +88,7 @@ def main() -> None:
             {
                 "benchmark": "rollout_interpreter",
                 "recipe": args.recipe.name,
+                "rollout": args.rollout,
                 "python": args.python,
                 "steps": args.steps,
                 "rounds": args.rounds,

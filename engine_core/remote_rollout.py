@@ -358,7 +358,9 @@ class ProcessRollout:
         if python is not None:
             from engine_core.executors.interpreter import InterpreterWorkerGroup, check_interpreter
 
-            self.interpreter = check_interpreter(python, config.backend)
+            self.interpreter = check_interpreter(
+                python, config.backend, worker_module=worker_cls.__module__
+            )
             self._group: WorkerGroup | None = _named_start_failure(
                 self.replicas,
                 lambda: InterpreterWorkerGroup(

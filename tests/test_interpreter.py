@@ -153,6 +153,12 @@ def test_interpreters_that_cannot_host_the_rollout_are_refused_in_one_sentence(
         with pytest.raises(ConfigError, match=match):
             check_interpreter(path, "hf")
     assert check_interpreter(_fake_python(tmp_path / "d", ok), "hf")["torch"] == "2.13.0"
+    # a real interpreter (this one) asked for the module the replicas' workers come from
+    with pytest.raises(ConfigError, match=r"cannot import no_such_roles\.episodes.*install"):
+        check_interpreter(sys.executable, "hf", worker_module="no_such_roles.episodes")
+    assert "missing" not in check_interpreter(
+        sys.executable, "hf", worker_module="engine_core_roles.episodes.rollout"
+    )
     # a real Python without engine-core (nor torch): a bare virtual environment
     subprocess.run(
         [sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True

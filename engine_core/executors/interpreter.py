@@ -24,7 +24,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +40,7 @@ _STOP = "__stop__"
 _START = "__start__"
 
 _PROBE = """
-import json, platform, sys
-from importlib import metadata
+import importlib, json, platform, sys
 out = {"python": platform.python_version(), "executable": sys.executable}
 try:
     import torch
@@ -53,15 +52,21 @@ try:
     out["rollouts"] = sorted(
         b.name for p in manager.plugins() for b in p.backends if str(b.kind) == "rollout"
     )
+    for module in sys.argv[1:]:  # the modules the workers are built from
+        try:
+            importlib.import_module(module)
+        except Exception as e:
+            out.setdefault("missing", {})[module] = f"{type(e).__name__}: {e}"
 except Exception as e:
     out["error"] = f"{type(e).__name__}: {e}"
 print("ENGINE_CORE_PROBE " + json.dumps(out))
 """
 
 
-def probe(python: str, timeout_s: float = 120.0) -> dict[str, Any]:
+def probe(python: str, timeout_s: float = 120.0, modules: Sequence[str] = ()) -> dict[str, Any]:
     """What the interpreter ``python`` runs: ``python``, ``torch`` and ``engine_core`` versions
-    and the ``rollouts`` its plugins provide, or ``error`` (what failed to import)."""
+    and the ``rollouts`` its plugins provide, or ``error`` (what failed to import); with
+    ``missing`` naming each of ``modules`` it cannot import, and why."""
     path = Path(python)
     if not path.is_file() or not os.access(path, os.X_OK):
         raise ConfigError(
@@ -71,7 +76,7 @@ def probe(python: str, timeout_s: float = 120.0) -> dict[str, Any]:
         )
     try:
         done = subprocess.run(
-            [str(path), "-c", _PROBE],
+            [str(path), "-c", _PROBE, *modules],
             capture_output=True,
             text=True,
             timeout=timeout_s,
@@ -90,14 +95,17 @@ def probe(python: str, timeout_s: float = 120.0) -> dict[str, Any]:
     )
 
 
-def check_interpreter(python: str, backend: str) -> dict[str, Any]:
+def check_interpreter(
+    python: str, backend: str, worker_module: str | None = None
+) -> dict[str, Any]:
     """:func:`probe` ``python`` and refuse, in one sentence, an interpreter without
     engine-core, with another engine-core version than this one, with a torch outside the
-    range engine-core supports, or without a plugin for rollout ``backend``."""
+    range engine-core supports, without a plugin for rollout ``backend``, or that cannot import
+    ``worker_module`` (where the replicas' worker class is defined)."""
     from engine_core import __version__
     from engine_core.doctor import supported_range
 
-    info = probe(python)
+    info = probe(python, modules=[worker_module] if worker_module else [])
     where = f"rollout_python={python!r}"
     if "error" in info and "engine_core" not in info:
         raise ConfigError(
@@ -123,6 +131,12 @@ def check_interpreter(python: str, backend: str) -> dict[str, Any]:
         raise ConfigError(
             f"{where} has no plugin for rollout backend {backend!r} (it has "
             f"{info.get('rollouts') or 'none'}); install engine-core-{backend} there."
+        )
+    for module, error in info.get("missing", {}).items():
+        package = module.split(".")[0].replace("_", "-")
+        raise ConfigError(
+            f"{where} cannot import {module}, which the replicas run ({error}); install "
+            f"{package} there (the same version as here)."
         )
     return info
 

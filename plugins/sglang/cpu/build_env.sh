@@ -31,10 +31,12 @@ TV="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["pure
 sed -i -E 's/^@torch\.library\.register_fake\("torchvision::(q?nms)"\)$/@(torch.library.register_fake("torchvision::\1") if torchvision.extension._has_ops() else (lambda f: f))/' "$TV"
 grep -q 'torchvision::nms") if torchvision.extension._has_ops()' "$TV"
 step "${PIP[@]}" --no-deps "$HERE/sgl_kernel_shim"
-# engine-core and the plugin, with the libraries of theirs SGLang does not already bring
-step "${PIP[@]}" -c "$ROOT/engine_core/constraints.txt" tensordict pluggy matplotlib tensorboardX
-step "${PIP[@]}" --no-deps -e "$ROOT" -e "$ROOT/plugins/sglang"
+# engine-core, the roles (the episode loop of tool tasks runs in the replicas) and the plugin,
+# with the libraries of theirs SGLang does not already bring
+step "${PIP[@]}" -c "$ROOT/engine_core/constraints.txt" tensordict pluggy matplotlib tensorboardX \
+    jsonschema
+step "${PIP[@]}" --no-deps -e "$ROOT" -e "$ROOT/roles" -e "$ROOT/plugins/sglang"
 SGLANG_USE_CPU_ENGINE=1 "$VENV/bin/python" -c '
-import torch, sglang, sgl_kernel, engine_core, engine_core_sglang
+import torch, sglang, sgl_kernel, engine_core, engine_core_roles.episodes, engine_core_sglang
 print("[sglang-env] torch", torch.__version__, "sglang", sglang.__version__, "engine-core", engine_core.__version__)'
 echo "[sglang-env] built $VENV in ${SECONDS} s" >&2
