@@ -400,7 +400,8 @@ def _live(where: str, folder: str, **settings: Any) -> Any:
     """A live SGLang rollout: in this process on a GPU, or a replica in SGLang's environment."""
     from engine_core.remote_rollout import ProcessRollout
 
-    common: dict[str, Any] = {"backend": "sglang", "model": {"path": folder}, "dtype": "float32"}
+    dtype = settings.pop("dtype", "float32")
+    common: dict[str, Any] = {"backend": "sglang", "model": {"path": folder}, "dtype": dtype}
     if where == "gpu":
         return SGLangRollout(
             SGLangRolloutConfig(
@@ -477,6 +478,33 @@ def test_sampled_log_probs_match_a_trainer_forward(live: tuple[str, Any], folder
     assert gap <= ATOL[where]
     for row, mask in zip(out[RESPONSE_IDS], out[RESPONSE_MASK], strict=True):  # stops kept
         assert 3 not in row[mask.bool()].tolist()[:-1]
+
+
+# the largest |SGLang - fsdp2 actor| log-prob of a sampled token, same weights, both sides in
+# the dtype: fp32 is rounding; bf16 is two different bf16 computations (measured on CPU:
+# 7.2e-7 and 2.8e-3 on this model)
+DTYPE_ATOL = {"float32": 1e-4, "bfloat16": 0.05}
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPE_ATOL))
+@pytest.mark.parametrize("where", LIVE)
+def test_log_probs_against_an_fsdp2_actor(where: str, dtype: str, folder: str) -> None:
+    """Per-sample seeded samples from SGLang, scored by an fsdp2 actor holding the same weights
+    in the same dtype: the gap stated in fp32 and bf16."""
+    from engine_core.testing.models import registered_engine
+
+    rollout = _live(where, folder, dtype=dtype, deterministic_inference=True)
+    try:
+        params = SamplingParams(temperature=TEMPERATURE, max_new_tokens=8, n=2, seed=5)
+        out = rollout.generate(prompts(), params)
+    finally:
+        rollout.shutdown()
+    actor = registered_engine("fsdp2", model={"path": folder, "dtype": dtype})
+    want = trainer_log_probs(actor, out, TEMPERATURE).float()
+    mask = out[RESPONSE_MASK].bool()
+    gap = float((out[ROLLOUT_LOG_PROBS].float() - want).abs()[mask].max())
+    print(f"sglang {where} {dtype} log-prob gap to an fsdp2 actor: {gap:.3g}")
+    assert gap <= DTYPE_ATOL[dtype]
 
 
 def test_sync_after_a_training_step_is_verified_and_followed(
