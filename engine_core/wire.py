@@ -204,12 +204,18 @@ class _Decoder:
         raise WireError(f"a frame holds an unknown tag {tag!r}; it is corrupted or not ours.")
 
 
-def encode(obj: Any) -> bytes:
-    """One frame holding ``obj``."""
+def _encoded(obj: Any) -> tuple[bytes, bytes]:
+    """A frame's two parts: the prefix with the JSON header, and the tensor blob."""
     enc = _Encoder()
     header = json.dumps(enc.value(obj), allow_nan=True).encode()
     blob = save_tensors(enc.tensors) if enc.tensors else b""
-    return _PREFIX.pack(MAGIC, len(header), len(blob)) + header + blob
+    return _PREFIX.pack(MAGIC, len(header), len(blob)) + header, blob
+
+
+def encode(obj: Any) -> bytes:
+    """One frame holding ``obj``."""
+    head, blob = _encoded(obj)
+    return head + blob
 
 
 def decode(frame: bytes) -> Any:
@@ -224,13 +230,14 @@ def decode(frame: bytes) -> Any:
             f"a frame of {len(frame)} bytes announces {header_len} + {blob_len} bytes after its "
             "prefix: it is truncated or corrupted."
         )
-    return _payload(frame[_PREFIX.size :], header_len, blob_len)
+    start = _PREFIX.size + header_len
+    return _payload(frame[_PREFIX.size : start], frame[start:] if blob_len else b"")
 
 
-def _payload(body: bytes, header_len: int, blob_len: int) -> Any:
+def _payload(header: bytes, blob: bytes) -> Any:
     try:
-        tree = json.loads(body[:header_len].decode())
-        tensors = load_tensors(bytes(body[header_len:])) if blob_len else {}
+        tree = json.loads(header.decode())
+        tensors = load_tensors(blob) if blob else {}
     except (UnicodeDecodeError, ValueError, RuntimeError, SafetensorError) as e:
         raise WireError(
             f"a frame's header or tensors cannot be read ({e}): it is corrupted."
@@ -239,10 +246,12 @@ def _payload(body: bytes, header_len: int, blob_len: int) -> Any:
 
 
 def write(fd: int, obj: Any) -> None:
-    """Send ``obj`` as one frame on file descriptor ``fd`` (blocking until it is all written)."""
-    view = memoryview(encode(obj))
-    while view:
-        view = view[os.write(fd, view) :]
+    """Send ``obj`` as one frame on file descriptor ``fd`` (blocking until it is all written).
+    The tensor blob is written from where safetensors put it, not copied into one frame."""
+    for part in _encoded(obj):
+        view = memoryview(part)
+        while view:
+            view = view[os.write(fd, view) :]
 
 
 def _read_exactly(fd: int, n: int) -> bytes:
@@ -267,4 +276,5 @@ def read(fd: int) -> Any:
         raise WireError(
             f"a frame announces a {header_len}-byte header (at most {MAX_HEADER_BYTES}): corrupted."
         )
-    return _payload(_read_exactly(fd, header_len + blob_len), header_len, blob_len)
+    header = _read_exactly(fd, header_len)
+    return _payload(header, _read_exactly(fd, blob_len) if blob_len else b"")
