@@ -842,6 +842,10 @@ def test_lora_trains_adapters_only(single: dict, caps: frozenset, kit_baseline: 
     assert_outputs(
         lora["base_log_probs"], kit_baseline.log_probs, "disable_adapter log_probs", "lora"
     )
+    assert not lora["stream"], (
+        "[lora] a rollout that serves the adapters (the HF rollout) is sent the peft model's "
+        "tensors unmerged, then its adapters alone: " + "; ".join(lora["stream"])
+    )
 
 
 def test_gradient_checkpointing_recomputes_the_blocks(single: dict, caps: frozenset) -> None:

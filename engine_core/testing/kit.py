@@ -702,7 +702,32 @@ def _lora(backend: str, policy_dir: str) -> dict[str, Any]:
     changed = sorted(k for k in before if not torch.equal(before[k], after[k]))
     with module.disable_adapter():  # type: ignore[operator]
         base = forward(engine, eval_batch())[LOG_PROBS]
-    return {"changed": changed, "base_log_probs": base}
+    return {"changed": changed, "base_log_probs": base, "stream": _lora_stream(engine, after)}
+
+
+def _lora_stream(engine: BaseEngine, held: dict[str, torch.Tensor]) -> list[str]:
+    """What is wrong with ``named_lora_params`` against the peft model's own tensors ``held``:
+    every tensor, then the adapters alone (what a rollout serving the adapters is sent)."""
+    from engine_core.models import is_adapter_name
+
+    problems: list[str] = []
+    for adapters_only in (False, True):
+        want = {n for n in held if is_adapter_name(n) or not adapters_only}
+        try:
+            got = {
+                n: t.detach().clone()
+                for n, t in engine.named_lora_params(1 << 16, adapters_only=adapters_only)
+            }
+        except NotImplementedError as e:
+            return [f"named_lora_params() is not implemented: {e}"]
+        call = f"named_lora_params(adapters_only={adapters_only})"
+        if set(got) != want:
+            missing, extra = sorted(want - set(got)), sorted(set(got) - want)
+            problems.append(f"{call} misses {missing[:3]} and adds {extra[:3]}")
+        wrong = sorted(n for n in want & set(got) if not torch.equal(got[n], held[n]))
+        if wrong:
+            problems.append(f"{call} gives other values than the model holds for {wrong[:3]}")
+    return problems
 
 
 def _params_unmerged(engine: BaseEngine) -> dict[str, torch.Tensor]:
