@@ -55,6 +55,8 @@ _EXPORTS: dict[str, str] = {
     "build_hf_config": "engine_core.models",
     "build_model": "engine_core.models",
     "is_adapter_name": "engine_core.models",
+    "CutBuckets": "engine_core.rollout",
+    "WeightPart": "engine_core.engine",
     "merged_lora_tensors": "engine_core.models",
     # optimizer, schedule, RNG
     "SingleOptimizerMixin": "engine_core.optim",
@@ -161,6 +163,7 @@ if TYPE_CHECKING:
         HeadRequest,
         MicroBatchResults,
         ModelInputs,
+        WeightPart,
         loss_mask_of,
         predicted_mask,
     )
@@ -211,6 +214,7 @@ if TYPE_CHECKING:
         RESPONSE_MASK,
         ROLLOUT_LOG_PROBS,
         BaseRollout,
+        CutBuckets,
         RolloutConfig,
         SamplingParams,
         SentBucket,

@@ -47,6 +47,7 @@ from engine_core.log_probs import chunked_head, head_of, token_log_probs
 from engine_core.loss import GlobalBatchContext, LossFn, MetricAccumulator
 from engine_core.microbatch import prepare_micro_batches
 from engine_core.packing import PackedSequences, pack, sequence_start_mask, unpack
+from engine_core.rollout import CutBuckets, gather_bytes, iter_buckets
 
 # attention kernels that take the packed row's sequence boundaries as cu_seq_lens_* kwargs
 VARLEN_KERNELS = frozenset({"sdpa_varlen", "flash_attention_2"})
@@ -832,16 +833,33 @@ class BaseEngine(abc.ABC):
         """What a weight sync sends, by ``part`` (see :data:`WeightPart`): the model under its HF
         names (:meth:`named_full_params`), or a LoRA model's tensors unmerged ("peft") or its
         adapters alone ("adapters") (:meth:`named_lora_params`)."""
-        if part not in WEIGHT_PARTS:
-            raise ValueError(f"part must be one of {', '.join(WEIGHT_PARTS)}; got {part!r}.")
+        self._check_weight_part(part)
         if part == "model":
             return self.named_full_params(bucket_bytes)
-        if self.config.model.lora is None:
+        return self.named_lora_params(bucket_bytes, adapters_only=part == "adapters")
+
+    def _check_weight_part(self, part: str) -> None:
+        if part not in WEIGHT_PARTS:
+            raise ValueError(f"part must be one of {', '.join(WEIGHT_PARTS)}; got {part!r}.")
+        if part != "model" and self.config.model.lora is None:
             raise ValueError(
                 f"part={part!r} sends a LoRA model's own tensors, but this engine's model has no "
                 f"model.lora; send part='model'."
             )
-        return self.named_lora_params(bucket_bytes, adapters_only=part == "adapters")
+
+    def weight_buckets(
+        self, part: WeightPart = "model", bucket_bytes: int = BUCKET_BYTES
+    ) -> CutBuckets:
+        """:meth:`named_weights` of ``part``, cut into buckets of at most ``bucket_bytes`` (a
+        bigger tensor alone): what a weight sync sends. Collective, as the gathers are.
+
+        The default gathers a quarter bucket at a time and cuts: a bucket is cut when the next
+        tensor does not fit, so that tensor is already held while the bucket is handed on. An
+        engine that gathers in buckets itself overrides it to yield each bucket as gathered,
+        holding no more than one.
+        """
+        named = self.named_weights(part, gather_bytes(bucket_bytes))
+        return CutBuckets(iter_buckets(named, bucket_bytes))
 
     def export_hf(self, path: str) -> str:
         """Write a Hugging Face folder (``model.safetensors`` + config) at ``path`` (a local

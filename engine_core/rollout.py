@@ -38,7 +38,8 @@ __all__ = [
     "gather_bytes",
     "check_complete",
     "verified_buckets",
-    "CountedParams",
+    "CutBuckets",
+    "run_through",
     "sent_buckets",
     "checked_buckets",
     "SentBucket",
@@ -270,18 +271,29 @@ class WeightLoader(Protocol):
     def load_weights(self, buckets: Iterable[SentBucket]) -> list[WeightBucket]: ...
 
 
-class CountedParams:
-    """``named`` passed through once, counting in :attr:`bytes` the bytes of the tensors that
-    went by (what a weight sync reports as sent)."""
+class CutBuckets:
+    """Buckets of (name, tensor) pairs already cut by whoever gathered them (an engine's
+    :meth:`~engine_core.engine.BaseEngine.weight_buckets`): :func:`sent_buckets` passes them
+    on as they are. Counts in :attr:`bytes` the bytes of the tensors that went by."""
 
-    def __init__(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self._named = named
+    def __init__(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
+        self._buckets = buckets
         self.bytes = 0
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in self._named:
-            self.bytes += tensor.numel() * tensor.element_size()
-            yield name, tensor
+    def __iter__(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        for bucket in self._buckets:
+            self.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            yield bucket
+            del bucket  # not held while the next bucket is gathered
+
+
+def run_through(items: Iterable[Any]) -> None:
+    """Consume ``items`` (a rank's part of an engine's gathers, which every rank must take),
+    holding no item past its turn: a ``for`` loop's variable would keep the previous bucket
+    alive while the next one is gathered."""
+    it = iter(items)
+    while next(it, None) is not None:
+        pass
 
 
 def gather_bytes(bucket_bytes: int) -> int:
@@ -293,11 +305,13 @@ def gather_bytes(bucket_bytes: int) -> int:
 
 
 def sent_buckets(
-    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = BUCKET_BYTES
+    named: Iterable[tuple[str, torch.Tensor]] | CutBuckets, bucket_bytes: int = BUCKET_BYTES
 ) -> Iterator[SentBucket]:
     """The sending side of a weight stream: bounded buckets, each with its checksum (computed
-    once, here). The tensors are detached and contiguous, on the device they came on."""
-    for bucket in iter_buckets(named, bucket_bytes):
+    once, here). The tensors are detached and contiguous, on the device they came on.
+    ``named`` is cut into buckets of ``bucket_bytes``, unless it is :class:`CutBuckets`."""
+    cut = named if isinstance(named, CutBuckets) else iter_buckets(named, bucket_bytes)
+    for bucket in cut:
         handed = [(name, t.detach().contiguous()) for name, t in bucket]
         del bucket
         yield handed, tensor_checksum(handed)

@@ -48,9 +48,11 @@ import torch.distributed as dist
 from engine_core.errors import WeightSyncError
 from engine_core.rollout import (
     BUCKET_BYTES,
+    CutBuckets,
     SentBucket,
     WeightBucket,
     WeightLoader,
+    run_through,
     sent_buckets,
 )
 
@@ -406,12 +408,14 @@ def _header(bucket: list[tuple[str, torch.Tensor]], checksum: str) -> _Header:
 
 def send_weights(
     group: WeightSyncGroup | None,
-    named: Iterable[tuple[str, torch.Tensor]],
+    named: Iterable[tuple[str, torch.Tensor]] | CutBuckets,
     *,
     bucket_bytes: int = BUCKET_BYTES,
     receiver_names: Sequence[str] | None = None,
 ) -> list[WeightBucket]:
-    """Stream ``named`` to every rollout process of ``group`` and wait for their verdicts.
+    """Stream ``named`` to every rollout process of ``group`` and wait for their verdicts:
+    (name, tensor) pairs cut into buckets of ``bucket_bytes``, or an engine's
+    :class:`~engine_core.rollout.CutBuckets` as they come.
 
     Call it on every trainer rank: sharded engines gather full parameters collectively, so each
     rank iterates ``named``; ranks that are not the sender pass ``group=None`` and send nothing.
@@ -420,8 +424,7 @@ def send_weights(
     "rollout rank r".
     """
     if group is None:
-        for _ in named:  # take part in the engine's collectives
-            pass
+        run_through(named)  # take part in the engine's collectives
         return []
     if group.rank != 0:
         raise ValueError(f"send_weights runs on rank 0 of the sync group, not rank {group.rank}.")

@@ -26,9 +26,11 @@ from engine_core.backend import (
     DTYPES,
     BaseEngine,
     CheckpointError,
+    CutBuckets,
     EngineConfig,
     FrozenModel,
     SingleOptimizerMixin,
+    WeightPart,
     is_adapter_name,
     is_dir,
     join,
@@ -137,13 +139,12 @@ def decoder_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in module.modules() if type(m).__name__ in names]
 
 
-def full_tensors(
+def full_tensor_buckets(
     state_dict: dict[str, Any], bucket_bytes: int = BUCKET_BYTES
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor), gathered a bucket at a time: the sharded (DTensor) entries of up to
-    ``bucket_bytes`` of full size are gathered back to back (their collectives in flight
-    together), then yielded; a bigger tensor is a bucket of its own. At most one bucket of full
-    tensors is held here at a time.
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Lists of (name, full tensor) of at most ``bucket_bytes`` of full size (a bigger tensor
+    alone), each gathered when asked for: its sharded (DTensor) entries back to back (their
+    collectives in flight together). At most one bucket of full tensors is held here.
 
     Collective for sharded entries: every rank must consume the whole iterator.
     """
@@ -162,12 +163,20 @@ def full_tensors(
     for name, tensor in state_dict.items():
         nbytes = tensor.numel() * tensor.element_size()  # a DTensor's numel is its full size
         if pending and size + nbytes > bucket_bytes:
-            yield from gathered()
+            yield gathered()
             pending, size = [], 0
         pending.append((name, tensor))
         size += nbytes
     if pending:
-        yield from gathered()
+        yield gathered()
+
+
+def full_tensors(
+    state_dict: dict[str, Any], bucket_bytes: int = BUCKET_BYTES
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor), gathered a bucket at a time (:func:`full_tensor_buckets`)."""
+    for bucket in full_tensor_buckets(state_dict, bucket_bytes):
+        yield from bucket
 
 
 def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
@@ -247,6 +256,19 @@ class FSDPEngineBase(SingleOptimizerMixin, BaseEngine):
         if adapters_only:
             state = {name: t for name, t in state.items() if is_adapter_name(name)}
         yield from full_tensors(state, bucket_bytes)
+
+    def weight_buckets(
+        self, part: WeightPart = "model", bucket_bytes: int = BUCKET_BYTES
+    ) -> CutBuckets:
+        # each bucket as gathered, the next one not gathered before this one is handed on;
+        # merging LoRA layers regroups the tensors, so the merged model takes the default
+        if part == "model" and self.config.model.lora is not None:
+            return super().weight_buckets(part, bucket_bytes)
+        self._check_weight_part(part)
+        state = self.sharded_state_dict()
+        if part == "adapters":
+            state = {name: t for name, t in state.items() if is_adapter_name(name)}
+        return CutBuckets(full_tensor_buckets(state, bucket_bytes))
 
     def save_shards(self, folder: str) -> None:
         assert self.optimizer is not None, "call init_model() first"

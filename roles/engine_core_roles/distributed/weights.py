@@ -8,8 +8,9 @@ then moves the policy's full weights into the rollout the same way:
 
 - **One stream.** The process that holds the policy's full weights (this one for an
   :class:`Actor`; the writing rank of an actor group, while every rank takes part in the
-  gathers) iterates ``named_full_params(bucket_bytes)`` and cuts it into buckets of at most
-  ``bucket_bytes`` (:func:`engine_core.rollout.sent_buckets`), hashing each once.
+  gathers) takes its engine's ``weight_buckets(part, bucket_bytes)``, buckets of at most
+  ``bucket_bytes`` as the engine gathers them, and hashes each once
+  (:func:`engine_core.rollout.sent_buckets`).
 - **One connection.** Where the rollout is in that same process, the buckets go straight to its
   :meth:`~engine_core.rollout.BaseRollout.load_weights`. Otherwise the link holds a
   :class:`engine_core.weight_sync.WeightSyncGroup` (built once, in the constructor) with the
@@ -37,8 +38,10 @@ or a :class:`_GroupSender` (an actor group's writing rank), the rollout a :class
 in worker processes starts its part at once (a non-blocking call) and is waited for after, so
 one process takes part without threads.
 
-The driver never holds more than one bucket: with an actor group and an in-process rollout it
-receives the stream bucket by bucket (``benchmarks/weight_sync_memory.py`` measures it).
+No end holds more than about one bucket, whatever the model's size: the sender and the
+receivers each let go of a bucket before the next one is gathered or received
+(``benchmarks/weight_sync_scaling.py`` measures the sender, the other ranks and the driver at
+three model sizes; ``benchmarks/weight_sync_memory.py`` the driver at two bucket sizes).
 
 Executed here on CPU with gloo for all four pairings; the NCCL groups (CUDA hosts) are written
 against the same public API and have never run.
@@ -57,7 +60,7 @@ from engine_core.engine import WeightPart
 from engine_core.executors.base import free_port, meeting_host
 from engine_core.models import is_adapter_name
 from engine_core.remote_rollout import ProcessRollout
-from engine_core.rollout import BaseRollout, CountedParams, gather_bytes, sent_buckets
+from engine_core.rollout import BaseRollout, sent_buckets
 from engine_core.weight_sync import WeightSyncGroup, receive_weights, send_weights
 from engine_core_roles.distributed.placement import ActorGroup
 from engine_core_roles.roles.actor import Actor
@@ -137,9 +140,9 @@ class _DriverSender(_Sender):
     def send(self, bucket_bytes: int, receivers: list[str], part: WeightPart) -> _Part:
         def sent() -> int:
             assert self.group is not None  # joined when the link was made
-            named = CountedParams(self.actor.named_weights(part, gather_bytes(bucket_bytes)))
-            send_weights(self.group, named, bucket_bytes=bucket_bytes, receiver_names=receivers)
-            return named.bytes
+            buckets = self.actor.engine.weight_buckets(part, bucket_bytes)
+            send_weights(self.group, buckets, bucket_bytes=bucket_bytes, receiver_names=receivers)
+            return buckets.bytes
 
         return _Part(sent, here=True)
 
@@ -147,9 +150,9 @@ class _DriverSender(_Sender):
         self, rollout: BaseRollout | ProcessRollout, bucket_bytes: int, part: WeightPart
     ) -> int:
         """The weights straight into a rollout in this process (no group)."""
-        named = CountedParams(self.actor.named_weights(part, gather_bytes(bucket_bytes)))
-        rollout.load_weights(sent_buckets(named, bucket_bytes))
-        return named.bytes
+        buckets = self.actor.engine.weight_buckets(part, bucket_bytes)
+        rollout.load_weights(sent_buckets(buckets))
+        return buckets.bytes
 
     def leave(self) -> None:
         if self.group is not None:

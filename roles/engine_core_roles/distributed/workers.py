@@ -17,7 +17,7 @@ from engine_core.dispatch import DispatchMode, Worker, register
 from engine_core.engine import WeightPart
 from engine_core.executors import join_process_group
 from engine_core.executors.base import free_port, meeting_host
-from engine_core.rollout import CountedParams, gather_bytes
+from engine_core.rollout import run_through
 from engine_core.weight_sync import WeightSyncGroup, send_weights
 from engine_core_roles.algorithms.supervised import supervised_step
 from engine_core_roles.roles.actor import Actor, ActorConfig, ActorUpdate
@@ -113,26 +113,24 @@ class ActorWorker(_RoleWorker):
     def send_weights(
         self, bucket_bytes: int, receiver_names: list[str], part: WeightPart = "model"
     ) -> int:
-        """Every rank gathers ``part`` of the weights (see :data:`WeightPart`) ``bucket_bytes``
-        at a time; the writing rank streams them to the receivers (verified by each) and
-        returns the bytes it sent, the others 0."""
-        named = self.engine.named_weights(part, gather_bytes(bucket_bytes))
+        """Every rank gathers ``part`` of the weights (see :data:`WeightPart`) a bucket of
+        ``bucket_bytes`` at a time; the writing rank streams them to the receivers (verified by
+        each) and returns the bytes it sent, the others 0."""
+        buckets = self.engine.weight_buckets(part, bucket_bytes)
         try:
             if not self.engine.writes_full_params:
                 return 0
             if self._weight_sync is None:
                 raise RuntimeError("join_weight_sync() first: no rollout is connected.")
-            counted = CountedParams(named)
             send_weights(
                 self._weight_sync,
-                counted,
+                buckets,
                 bucket_bytes=bucket_bytes,
                 receiver_names=receiver_names,
             )
-            return counted.bytes
+            return buckets.bytes
         finally:
-            for _ in named:  # whatever happened, this rank finishes its part of the gathers
-                pass
+            run_through(buckets)  # whatever happened, this rank finishes its part of the gathers
 
     @register(DispatchMode.ND_COMPUTE, mesh="actor")
     def compute_log_prob(self, batch: TensorDict) -> TensorDict:
