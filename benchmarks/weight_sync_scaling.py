@@ -111,7 +111,7 @@ def _lora_bytes(model: dict[str, Any]) -> dict[str, Any]:
     with WeightLink(actor, rollout) as link:
         first = link.sync()["weight_sync/bytes"]
         later = link.sync()["weight_sync/bytes"]
-    merged = sum(t.numel() * t.element_size() for _, t in actor.named_weights("model"))
+    merged = sum(t.numel() * t.element_size() for _, t in actor.engine.named_weights("model"))
     return {
         "lora_first_sync_mb": round(first / MB, 2),
         "lora_later_sync_mb": round(later / MB, 2),

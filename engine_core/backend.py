@@ -56,6 +56,7 @@ _EXPORTS: dict[str, str] = {
     "build_model": "engine_core.models",
     "is_adapter_name": "engine_core.models",
     "CutBuckets": "engine_core.rollout",
+    "iter_buckets": "engine_core.rollout",
     "WeightPart": "engine_core.engine",
     "merged_lora_tensors": "engine_core.models",
     # optimizer, schedule, RNG
@@ -222,6 +223,7 @@ if TYPE_CHECKING:
         checked_buckets,
         confirm_bucket,
         derive_seed,
+        iter_buckets,
         model_weight_shapes,
         prompt_seeds,
         prompt_tensors,

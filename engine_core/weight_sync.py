@@ -380,13 +380,15 @@ def _broadcast_bucket(group: WeightSyncGroup, bucket: list[tuple[str, torch.Tens
         group.broadcast(parts[0] if len(parts) == 1 else torch.cat(parts), 0)
 
 
-def _receive_bucket(group: WeightSyncGroup, sizes: Sequence[int]) -> torch.Tensor:
-    """The receiving side: the bucket's bytes in one flat buffer, piece by piece."""
+def _receive_bucket(group: WeightSyncGroup, sizes: Sequence[int]) -> list[torch.Tensor]:
+    """The receiving side: each tensor's bytes, as slices of one flat buffer on the CPU, which
+    the bucket's broadcasts filled piece by piece."""
     flat = torch.empty(sum(sizes), dtype=torch.uint8, device=group.device)
     offsets = [0, *itertools.accumulate(sizes)]
     for piece in pieces(sizes):
         group.broadcast(flat[offsets[piece.start] : offsets[piece.stop]], 0)
-    return flat
+    flat = flat.cpu()
+    return [flat[a:b] for a, b in itertools.pairwise(offsets)]
 
 
 def _header(bucket: list[tuple[str, torch.Tensor]], checksum: str) -> _Header:
@@ -509,14 +511,12 @@ class _ReceivedStream:
             int(torch.Size(shape).numel()) * _element_size(dtype)
             for shape, dtype in zip(msg.shapes, msg.dtypes, strict=True)
         ]
-        flat = _receive_bucket(self.group, sizes).cpu()
-        bucket, offset = [], 0
-        for name, shape, dtype, n in zip(msg.names, msg.shapes, msg.dtypes, sizes, strict=True):
-            raw = flat[offset : offset + n]
-            if offset % _element_size(dtype):  # after a tensor of a narrower dtype: realign
+        raws = _receive_bucket(self.group, sizes)
+        bucket = []
+        for name, shape, dtype, raw in zip(msg.names, msg.shapes, msg.dtypes, raws, strict=True):
+            if raw.storage_offset() % _element_size(dtype):  # after a narrower dtype: realign
                 raw = raw.clone()
             bucket.append((name, raw.view(_DTYPES[dtype]).reshape(shape)))
-            offset += n
         return bucket, msg.checksum  # compared with what the rollout loads, once
 
     def __iter__(self) -> Iterator[SentBucket]:

@@ -70,6 +70,7 @@ BACKEND_SURFACE = {
     "BackendRegistry", "hookimpl",
     # models, optimizer, schedule, RNG
     "DTYPES", "build_hf_config", "build_model", "is_adapter_name", "merged_lora_tensors", "CutBuckets", "WeightPart",
+    "iter_buckets",
     "SingleOptimizerMixin",
     "build_lr_scheduler", "build_optimizer", "capture_rng", "clip_and_step", "lr_lambda",
     "restore_rng", "scheduler_state", "total_grad_norm",

@@ -51,7 +51,7 @@ def _nbytes(named: Any) -> int:
 
 
 def _peft_state(actor: Actor) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in actor.named_weights("peft")}
+    return {k: v.clone() for k, v in actor.engine.named_weights("peft")}
 
 
 def _gap(actor: Actor, out: TensorDict) -> float:

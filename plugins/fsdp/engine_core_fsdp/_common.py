@@ -33,6 +33,7 @@ from engine_core.backend import (
     WeightPart,
     is_adapter_name,
     is_dir,
+    iter_buckets,
     join,
     merged_lora_tensors,
 )
@@ -143,32 +144,17 @@ def full_tensor_buckets(
     state_dict: dict[str, Any], bucket_bytes: int = BUCKET_BYTES
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Lists of (name, full tensor) of at most ``bucket_bytes`` of full size (a bigger tensor
-    alone), each gathered when asked for: its sharded (DTensor) entries back to back (their
-    collectives in flight together). At most one bucket of full tensors is held here.
+    alone: :func:`iter_buckets` over the entries, a DTensor's numel being its full size), each
+    gathered when asked for: its sharded (DTensor) entries back to back (their collectives in
+    flight together). At most one bucket of full tensors is held here.
 
     Collective for sharded entries: every rank must consume the whole iterator.
     """
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}.")
-    pending: list[tuple[str, Any]] = []
-    size = 0
-
-    def gathered() -> list[tuple[str, torch.Tensor]]:
-        out = []
-        for name, tensor in pending:
-            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-            out.append((name, full.detach()))
-        return out
-
-    for name, tensor in state_dict.items():
-        nbytes = tensor.numel() * tensor.element_size()  # a DTensor's numel is its full size
-        if pending and size + nbytes > bucket_bytes:
-            yield gathered()
-            pending, size = [], 0
-        pending.append((name, tensor))
-        size += nbytes
-    if pending:
-        yield gathered()
+    for bucket in iter_buckets(state_dict.items(), bucket_bytes):
+        yield [
+            (name, (t.full_tensor() if hasattr(t, "full_tensor") else t).detach())
+            for name, t in bucket
+        ]
 
 
 def full_tensors(
@@ -250,12 +236,8 @@ class FSDPEngineBase(SingleOptimizerMixin, BaseEngine):
     ) -> Iterator[tuple[str, torch.Tensor]]:
         # the peft model's own names, unmerged; with adapters_only the frozen base is not even
         # gathered. Collective like named_full_params (every rank filters the same names).
-        if self.config.model.lora is None:
-            raise ValueError("named_lora_params() needs a model with model.lora.")
-        state = self.sharded_state_dict()
-        if adapters_only:
-            state = {name: t for name, t in state.items() if is_adapter_name(name)}
-        yield from full_tensors(state, bucket_bytes)
+        for bucket in self.weight_buckets("adapters" if adapters_only else "peft", bucket_bytes):
+            yield from bucket
 
     def weight_buckets(
         self, part: WeightPart = "model", bucket_bytes: int = BUCKET_BYTES

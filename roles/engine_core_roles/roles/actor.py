@@ -33,7 +33,6 @@ from engine_core import (
     with_meta,
 )
 from engine_core.config import BUCKET_BYTES
-from engine_core.engine import WeightPart
 from engine_core.rollout import ROLLOUT_LOG_PROBS
 from engine_core_roles.algorithms.losses import (
     CorrectionWeights,
@@ -177,14 +176,6 @@ class Actor:
         """The policy's (HF name, full tensor) pairs, for a weight sync into a rollout, gathered
         ``bucket_bytes`` at a time."""
         return self.engine.named_full_params(bucket_bytes)
-
-    def named_weights(
-        self, part: WeightPart = "model", bucket_bytes: int = BUCKET_BYTES
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """What a weight sync sends: the full weights ("model"), or a LoRA policy's own tensors
-        unmerged ("peft") or its adapters alone ("adapters"); see
-        :meth:`engine_core.engine.BaseEngine.named_weights`."""
-        return self.engine.named_weights(part, bucket_bytes)
 
     @property
     def max_position_embeddings(self) -> int | None:
