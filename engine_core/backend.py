@@ -55,6 +55,8 @@ _EXPORTS: dict[str, str] = {
     "build_hf_config": "engine_core.models",
     "build_model": "engine_core.models",
     "is_adapter_name": "engine_core.models",
+    "AdapterFolders": "engine_core.adapters",
+    "split_peft_tensors": "engine_core.adapters",
     "CutBuckets": "engine_core.rollout",
     "iter_buckets": "engine_core.rollout",
     "WeightPart": "engine_core.engine",
@@ -133,6 +135,7 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
+    from engine_core.adapters import AdapterFolders, split_peft_tensors
     from engine_core.batch import (
         ATTENTION_MASK,
         ENTROPY,

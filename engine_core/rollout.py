@@ -358,12 +358,14 @@ def confirm_bucket(
     return WeightBucket(names, tuple(tuple(t.shape) for _, t in loaded), sent)
 
 
-def model_weight_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF names and shapes of ``model``'s weights, from an empty (meta-device) build."""
+def model_weight_shapes(model: ModelConfig, adapters: bool = False) -> dict[str, tuple[int, ...]]:
+    """HF names and shapes of ``model``'s weights, from an empty (meta-device) build: the base
+    model's, or with ``adapters`` (a rollout that serves ``model.lora``'s adapters) the peft
+    model's."""
     from engine_core.models import build_model
 
     with torch.device("meta"):
-        module = build_model(base_model(model), load_weights=False)
+        module = build_model(model if adapters else base_model(model), load_weights=False)
     return {name: tuple(t.shape) for name, t in module.state_dict().items()}
 
 

@@ -843,7 +843,7 @@ def test_lora_trains_adapters_only(single: dict, caps: frozenset, kit_baseline: 
         lora["base_log_probs"], kit_baseline.log_probs, "disable_adapter log_probs", "lora"
     )
     assert not lora["stream"], (
-        "[lora] a rollout that serves the adapters (the HF rollout) is sent the peft model's "
+        "[lora] a rollout that serves the adapters (hf, vllm, sglang) is sent the peft model's "
         "tensors unmerged, then its adapters alone: " + "; ".join(lora["stream"])
     )
 

@@ -32,6 +32,12 @@ Semantics of SGLang 0.5.23 that the code relies on:
 - Weights: ``update_weights_from_tensor`` must run inside a weight-update session
   (``begin_weight_update`` / ``end_weight_update``); buckets are loaded one call each and the
   prefix cache is flushed once at the end.
+- LoRA: with ``model.lora`` SGLang is started on the base model with LoRA on (its
+  ``torch_native`` LoRA backend on CPU); the rollout's expected weights are the peft model's, so
+  the weight link sends the peft tensors once (the base through the weight update under the base
+  names, the adapters into a folder, ``AdapterFolders``) and then the adapters alone. Each
+  version is loaded under a new adapter name (``load_lora_adapter``) and every request generates
+  with the newest; the previous one is unloaded.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from tensordict import TensorDict
 from engine_core.backend import (
     PROMPT_IDS,
     PROMPT_MASK,
+    AdapterFolders,
     BaseRollout,
     BatchError,
     Capability,
@@ -61,11 +68,13 @@ from engine_core.backend import (
     WeightSyncError,
     checked_buckets,
     confirm_bucket,
+    is_adapter_name,
     model_weight_shapes,
     prompt_tensors,
     response_batch,
     sample_seeds,
     saved_model_folder,
+    split_peft_tensors,
 )
 from engine_core_sglang.plugin import SGLANG_CAPABILITIES
 
@@ -281,13 +290,14 @@ def _finish_reason(k: int, reason: Any) -> str:
 def check_result(op: str, result: Any) -> None:
     """Raise :class:`WeightSyncError` unless SGLang's answer to ``op`` reports success.
 
-    SGLang answers weight calls with ``(success, message)`` and ``flush_cache`` with an object
-    carrying ``success`` / ``message``.
+    SGLang answers weight calls with ``(success, message)``, ``flush_cache`` with an object
+    carrying ``success`` / ``message`` and the LoRA calls with ``success`` / ``error_message``.
     """
     if isinstance(result, tuple) and len(result) == 2:
         success, message = result
     else:
-        success, message = getattr(result, "success", None), getattr(result, "message", "")
+        success = getattr(result, "success", None)
+        message = getattr(result, "message", "") or getattr(result, "error_message", "")
     if success is None or not bool(success):
         raise WeightSyncError(f"SGLang {op} failed: {message or repr(result)}")
 
@@ -336,7 +346,10 @@ class SGLangRollout(BaseRollout):
                 "rollout.memory_saver=true needs CUDA (SGLang's memory saver); on device=cpu "
                 "leave it unset or false."
             )
-        self._expected = model_weight_shapes(config.model)
+        lora = config.model.lora
+        self._expected = model_weight_shapes(config.model, adapters=lora is not None)
+        self._adapters: AdapterFolders | None = None
+        self._lora: str | None = None  # the name of the adapter version served now
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         path = config.model.path
         if path is None:  # SGLang loads from a folder
@@ -369,6 +382,19 @@ class SGLangRollout(BaseRollout):
                 )
 
                 add_deterministic_attention_backend_choices([kwargs["attention_backend"]])
+        if lora is not None:  # the base in the model, each adapter version from a folder
+            self._adapters = AdapterFolders(lora, "engine-core-sglang-lora-")
+            names = sorted({n.split(".lora_")[0].rsplit(".", 1)[-1] for n in self._expected
+                            if is_adapter_name(n)})  # fmt: skip
+            kwargs.update(
+                enable_lora=True,
+                max_lora_rank=lora.rank,
+                lora_target_modules=names,
+                max_loras_per_batch=1,
+                max_loaded_loras=2,  # the version served and the one replacing it
+            )
+            if config.device == "cpu":
+                kwargs["lora_backend"] = "torch_native"
         self.engine: Any = sglang.Engine(**kwargs)
         self._stale: str | None = None  # why generate() refuses; None while weights are current
         self._released = False
@@ -391,6 +417,7 @@ class SGLangRollout(BaseRollout):
             input_ids=requests.input_ids,
             sampling_params=requests.sampling_params,
             return_logprob=True,
+            lora_path=None if self._lora is None else [self._lora] * len(requests.input_ids),
         )
         return parse_outputs(outputs, prompts, params.n, pad_token_id=self.pad_token_id)
 
@@ -408,19 +435,36 @@ class SGLangRollout(BaseRollout):
         )
         check_result("begin_weight_update", self.engine.begin_weight_update())
         done: list[WeightBucket] = []
+        adapters: dict[str, torch.Tensor] = {}
         try:
             for handed, sent in checked_buckets(buckets, self._expected):
-                result = self.engine.update_weights_from_tensor(
-                    named_tensors=handed, load_format=None, flush_cache=False
+                base = (
+                    handed if self._adapters is None else list(split_peft_tensors(handed, adapters))
                 )
-                check_result("update_weights_from_tensor", result)
+                if base:
+                    result = self.engine.update_weights_from_tensor(
+                        named_tensors=base, load_format=None, flush_cache=False
+                    )
+                    check_result("update_weights_from_tensor", result)
                 done.append(confirm_bucket(handed, sent))
         finally:
             ended = self.engine.end_weight_update()  # always close the session
         check_result("end_weight_update", ended)
+        if self._adapters is not None:
+            self._serve(adapters)
         check_result("flush_cache", self.engine.flush_cache())  # cached KV used old weights
         self._stale = None
         return done
+
+    def _serve(self, adapters: dict[str, torch.Tensor]) -> None:
+        """Load ``adapters`` into SGLang under a new name and unload the previous version."""
+        assert self._adapters is not None
+        folder = self._adapters.write(adapters)
+        name = f"policy-v{self._adapters.version}"
+        check_result("load_lora_adapter", self.engine.load_lora_adapter(name, str(folder)))
+        if self._lora is not None:
+            check_result("unload_lora_adapter", self.engine.unload_lora_adapter(self._lora))
+        self._lora = name
 
     def release(self) -> None:
         """Free GPU weights, KV cache and CUDA graphs (no-op with ``memory_saver`` off).
@@ -446,6 +490,8 @@ class SGLangRollout(BaseRollout):
     def shutdown(self) -> None:
         """Stop SGLang's subprocesses and remove the temporary model folder, if any."""
         self.engine.shutdown()
+        if self._adapters is not None:
+            self._adapters.cleanup()
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

@@ -401,7 +401,8 @@ def _live(where: str, folder: str, **settings: Any) -> Any:
     from engine_core.remote_rollout import ProcessRollout
 
     dtype = settings.pop("dtype", "float32")
-    common: dict[str, Any] = {"backend": "sglang", "model": {"path": folder}, "dtype": dtype}
+    model = {"path": folder, **settings.pop("model", {})}
+    common: dict[str, Any] = {"backend": "sglang", "model": model, "dtype": dtype}
     if where == "gpu":
         return SGLangRollout(
             SGLangRolloutConfig(
@@ -569,5 +570,69 @@ def test_seeded_samples_repeat_per_prompt(where: str, folder: str) -> None:
         alone = rollout.generate(p[2:], params)
         width = alone[RESPONSE_IDS].shape[1]
         assert torch.equal(alone[RESPONSE_IDS], a[RESPONSE_IDS][4:, :width])
+    finally:
+        rollout.shutdown()
+
+
+LORA = {"rank": 4, "alpha": 8.0}
+
+
+@pytest.mark.parametrize("where", LIVE)
+def test_a_lora_policy_is_served_as_adapters(where: str, folder: str) -> None:
+    """With ``model.lora`` SGLang serves the policy's adapters itself: the peft tensors once (the
+    base through the weight update, the adapters as SGLang's LoRA), then the adapters alone,
+    each version followed exactly; a broken adapter stream blocks generation until a good one."""
+    from engine_core.batch import make_batch
+    from engine_core.models import is_adapter_name
+    from engine_core.testing.models import nll_loss, registered_engine
+
+    actor = registered_engine(
+        "fsdp2", model={"path": folder, "lora": LORA}, optim={"lr": 5e-2, "clip_grad": None}
+    )
+    with torch.no_grad():  # lora_B starts at zero: move the adapters so they matter
+        for name, p in actor.require_module().named_parameters():
+            if is_adapter_name(name):
+                p.add_(torch.randn_like(p) * 0.2)
+    rollout = _live(where, folder, model={"lora": LORA})
+    try:
+        expected = rollout.expected_weights()
+        adapters = {n for n in expected if is_adapter_name(n)}
+        assert adapters and len(adapters) < len(expected)
+        params = SamplingParams(temperature=1.0, max_new_tokens=8)
+        base = rollout.generate(prompts(), params)  # no adapter served yet: the base model
+        assert (base[ROLLOUT_LOG_PROBS] - trainer_log_probs(actor, base, 1.0)).abs().max() > 1e-2
+
+        first = rollout.load_weights(sent_buckets(actor.named_weights("peft"), 64 << 10))
+        assert {n for b in first for n in b.names} == set(expected)
+        out = rollout.generate(prompts(), params)
+        assert (out[ROLLOUT_LOG_PROBS] - trainer_log_probs(actor, out, 1.0)).abs().max() < ATOL[
+            where
+        ]
+
+        with actor.train_mode():  # a training step moves the adapters alone
+            actor.set_loss_fn(nll_loss)
+            actor.forward_backward_step(make_batch(torch.randint(1, 64, (4, 12))))
+            actor.optimizer_step()
+            actor.optimizer_zero_grad()
+        stale = rollout.generate(prompts(), params)
+        assert (stale[ROLLOUT_LOG_PROBS] - trainer_log_probs(actor, stale, 1.0)).abs().max() > 1e-3
+        sent = list(actor.named_weights("adapters"))
+        assert {n for n, _ in sent} == adapters
+        second = rollout.load_weights(sent_buckets(sent))
+        assert {n for b in second for n in b.names} == adapters
+        out = rollout.generate(prompts(), params)
+        gap = float((out[ROLLOUT_LOG_PROBS] - trainer_log_probs(actor, out, 1.0)).abs().max())
+        print(f"log-prob gap after an adapters-only sync: {gap:.3g}")
+        assert (out[ROLLOUT_LOG_PROBS] - trainer_log_probs(actor, out, 1.0)).abs().max() < ATOL[
+            where
+        ]
+
+        left_out = sorted(adapters)[0]
+        with pytest.raises(WeightSyncError, match="never sent"):
+            rollout.load_weights(sent_buckets([(n, t) for n, t in sent if n != left_out]))
+        with pytest.raises(WeightSyncError, match="load the full weights again"):
+            rollout.generate(prompts(), params)
+        rollout.load_weights(sent_buckets(sent))
+        assert rollout.generate(prompts(), params).batch_size[0] == 3
     finally:
         rollout.shutdown()

@@ -12,6 +12,11 @@
   reload, verifying names and shapes of each bucket before it is handed over and the checksum of
   what vLLM's loader consumed against what the trainer sent. A failed sync marks the rollout
   stale: it refuses to generate until a sync succeeds.
+- A LoRA policy (``model.lora``) is served as an adapter: vLLM is started on the base model with
+  ``enable_lora``, the rollout's expected weights are the peft model's, so the weight link sends
+  the peft tensors once (the base goes through the reload, the adapters into a folder,
+  :class:`engine_core.adapters.AdapterFolders`) and then the adapters alone; each version is
+  registered under a new LoRA id and every request generates with the newest.
 - vLLM's CPU backend repacks linear weights into kernel formats, so loaded weights cannot be read
   back from the model's parameters; the checksum covers the tensors the loader received, and the
   rollout-vs-trainer log-prob difference (reported each step by the training loop) covers the
@@ -20,6 +25,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -30,6 +36,7 @@ from pydantic import Field, PositiveInt
 from tensordict import TensorDict
 
 from engine_core.backend import (
+    AdapterFolders,
     BaseRollout,
     Capability,
     RolloutConfig,
@@ -39,15 +46,31 @@ from engine_core.backend import (
     WeightSyncError,
     checked_buckets,
     confirm_bucket,
+    is_adapter_name,
     model_weight_shapes,
     prompt_seeds,
     prompt_tensors,
     response_batch,
     saved_model_folder,
+    split_peft_tensors,
 )
 from engine_core_vllm.plugin import VLLM_CAPABILITIES
 
-__all__ = ["VLLMRollout", "VLLMRolloutConfig", "to_vllm_sampling_params"]
+__all__ = ["VLLMRollout", "VLLMRolloutConfig", "to_vllm_sampling_params", "lora_rank_slot"]
+
+# the values vLLM accepts for max_lora_rank
+LORA_RANK_SLOTS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_rank_slot(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds adapters of ``rank``."""
+    for slot in LORA_RANK_SLOTS:
+        if slot >= rank:
+            return slot
+    raise ValueError(
+        f"model.lora.rank={rank} is above the largest LoRA rank vLLM serves "
+        f"({LORA_RANK_SLOTS[-1]}); use a smaller rank."
+    )
 
 
 class VLLMRolloutConfig(RolloutConfig):
@@ -117,7 +140,16 @@ class VLLMRollout(BaseRollout):
             path = self._tmp.name
         dtype = config.model.dtype if config.dtype == "auto" else config.dtype
         self._sleep_mode = torch.cuda.is_available()
+        lora = config.model.lora
+        serving: dict[str, Any] = {}
+        self._adapters: AdapterFolders | None = None
+        if lora is not None:  # the base in the model, the adapters from a folder per version
+            serving = {"enable_lora": True, "max_lora_rank": lora_rank_slot(lora.rank)}
+            serving["max_loras"] = 1
+            self._adapters = AdapterFolders(lora, "engine-core-vllm-lora-")
+        self._lora: Any = None  # the LoRARequest of the adapters served now
         self.llm = LLM(
+            **serving,
             enable_sleep_mode=self._sleep_mode,
             model=path,
             skip_tokenizer_init=True,
@@ -128,7 +160,7 @@ class VLLMRollout(BaseRollout):
             gpu_memory_utilization=config.gpu_memory_utilization,
             logprobs_mode="processed_logprobs",
         )
-        self._expected = model_weight_shapes(config.model)
+        self._expected = model_weight_shapes(config.model, adapters=lora is not None)
         self.stale = False
 
     # -- generation -----------------------------------------------------------------------
@@ -147,7 +179,7 @@ class VLLMRollout(BaseRollout):
         ]
         seeds = prompt_seeds(prompts, params) or [None] * len(requests)
         sampling = [to_vllm_sampling_params(params, seed) for seed in seeds]
-        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self._lora)
         samples = []
         for out in outputs:  # a prompt's n samples, adjacent
             for c in out.outputs:
@@ -161,30 +193,81 @@ class VLLMRollout(BaseRollout):
         return dict(self._expected)
 
     def load_weights(self, buckets: Iterable[SentBucket]) -> list[WeightBucket]:
-        """Stream every bucket through one in-place reload; verify each bucket on the way."""
-        done: list[WeightBucket] = []
+        """Stream every bucket through one in-place reload; verify each bucket on the way.
 
-        def stream() -> Iterator[tuple[str, torch.Tensor]]:
+        Serving a LoRA policy, the base tensors of a peft stream go through the reload under the
+        base model's names and the adapters into the next adapter folder; a stream of adapters
+        alone reloads nothing and only swaps the adapter served.
+        """
+        done: list[WeightBucket] = []
+        adapters: dict[str, torch.Tensor] = {}
+        checked = checked_buckets(buckets, self._expected)
+
+        def confirmed(
+            stream: Iterable[SentBucket],
+        ) -> Iterator[list[tuple[str, torch.Tensor]]]:
             # names, shapes and completeness are checked by checked_buckets as vLLM pulls
-            for bucket, sent in checked_buckets(buckets, self._expected):
+            for bucket, sent in stream:
                 handed = [(name, t.to("cpu")) for name, t in bucket]
-                yield from handed
+                yield handed
                 done.append(confirm_bucket(handed, sent))
 
-        self.stale = True  # until the whole reload has gone through and been verified
-        self.llm.collective_rpc(
-            "reload_weights",
-            kwargs={"weights_iterator": stream(), "is_checkpoint_format": True},
-        )
+        def for_vllm(stream: Iterable[SentBucket]) -> Iterator[tuple[str, torch.Tensor]]:
+            for handed in confirmed(stream):
+                if self._adapters is None:
+                    yield from handed
+                else:
+                    yield from split_peft_tensors(handed, adapters)
+
+        self.stale = True  # until the whole load has gone through and been verified
+        first = next(checked, None)
+        if first is None:
+            raise WeightSyncError("the weight stream was empty: no bucket arrived.")
+        if self._adapters is not None and all(is_adapter_name(n) for n, _ in first[0]):
+            for handed in confirmed(itertools.chain([first], checked)):
+                if not all(is_adapter_name(n) for n, _ in handed):
+                    raise WeightSyncError(
+                        "a weight stream began with LoRA adapters and went on with base "
+                        "weights; send the peft tensors in the model's order, or the adapters "
+                        "alone."
+                    )
+                adapters.update((n, t.detach().clone()) for n, t in handed)
+        else:
+            self.llm.collective_rpc(
+                "reload_weights",
+                kwargs={
+                    "weights_iterator": for_vllm(itertools.chain([first], checked)),
+                    "is_checkpoint_format": True,
+                },
+            )
+        if self._adapters is not None:
+            self._serve(adapters)
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         self.stale = False
         return done
+
+    def _serve(self, adapters: dict[str, torch.Tensor]) -> None:
+        """Register ``adapters`` with vLLM under a new LoRA id and drop the previous version."""
+        from vllm.lora.request import LoRARequest
+
+        assert self._adapters is not None
+        folder = self._adapters.write(adapters)
+        version = self._adapters.version
+        request = LoRARequest(f"policy-v{version}", version, str(folder))
+        engine = self.llm.llm_engine
+        if not engine.add_lora(request):
+            raise WeightSyncError(f"vLLM did not load the LoRA adapters written to {folder}.")
+        if self._lora is not None:
+            engine.remove_lora(self._lora.lora_int_id)
+        self._lora = request
 
     def shutdown(self) -> None:
         """Tear vLLM's engine down now. Left to the garbage collector, the teardown (which resets
         vLLM's process-wide parallel state) can run after another rollout in this process
         started, and take that one's state with it."""
         self.llm.llm_engine.engine_core.shutdown()  # safe twice: it detaches its finalizer
+        if self._adapters is not None:
+            self._adapters.cleanup()
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

@@ -186,3 +186,70 @@ def test_sampling_params_mapping() -> None:
         0.5, 0.9, 0, 7, 3, 9,
     )  # fmt: skip
     assert sp.stop_token_ids == [2] and sp.logprobs == 0
+
+
+LORA = {"rank": 4, "alpha": 8.0}
+
+
+def test_a_lora_policy_is_served_as_adapters(folder: str) -> None:
+    """With ``model.lora`` vLLM serves the policy's adapters itself: the peft tensors once (the
+    base through the reload, the adapters as vLLM's LoRA), then the adapters alone, each
+    version followed exactly; a broken adapter stream blocks generation until a good one."""
+    from engine_core_vllm.rollout import VLLMRollout, VLLMRolloutConfig
+
+    from engine_core.models import is_adapter_name
+    from engine_core.testing.models import nll_loss
+
+    trainer = registered_engine(
+        "fsdp2", model={"path": folder, "lora": LORA}, optim={"lr": 5e-2, "clip_grad": None}
+    )
+    with torch.no_grad():  # lora_B starts at zero: move the adapters so they matter
+        for name, p in trainer.require_module().named_parameters():
+            if is_adapter_name(name):
+                p.add_(torch.randn_like(p) * 0.2)
+    rollout = VLLMRollout(
+        VLLMRolloutConfig(
+            backend="vllm", model={"path": folder, "lora": LORA}, max_model_len=128, seed=5
+        )
+    )
+    try:
+        expected = rollout.expected_weights()
+        adapters = {n for n in expected if is_adapter_name(n)}
+        assert adapters and len(adapters) < len(expected)
+        params = SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=4)
+        base = rollout.generate(prompts(), params)  # no adapter served yet: the base model
+        assert (base[ROLLOUT_LOG_PROBS] - trainer_log_probs(trainer, base, 1.0)).abs().max() > 1e-2
+
+        first = rollout.load_weights(sent_buckets(trainer.named_weights("peft"), 64 << 10))
+        assert {n for b in first for n in b.names} == set(expected)
+        out = rollout.generate(prompts(), params)
+        assert (out[ROLLOUT_LOG_PROBS] - trainer_log_probs(trainer, out, 1.0)).abs().max() < 1e-4
+
+        with trainer.train_mode():  # a training step moves the adapters alone
+            trainer.set_loss_fn(nll_loss)
+            trainer.forward_backward_step(make_batch(torch.randint(1, 64, (4, 12))))
+            trainer.optimizer_step()
+            trainer.optimizer_zero_grad()
+        stale = rollout.generate(prompts(), params)
+        assert (
+            stale[ROLLOUT_LOG_PROBS] - trainer_log_probs(trainer, stale, 1.0)
+        ).abs().max() > 1e-3
+        sent = list(trainer.named_weights("adapters"))
+        assert {n for n, _ in sent} == adapters
+        second = rollout.load_weights(sent_buckets(sent))
+        assert {n for b in second for n in b.names} == adapters
+        out = rollout.generate(prompts(), params)
+        gap = float((out[ROLLOUT_LOG_PROBS] - trainer_log_probs(trainer, out, 1.0)).abs().max())
+        print(f"log-prob gap after an adapters-only sync: {gap:.3g}")
+        assert (out[ROLLOUT_LOG_PROBS] - trainer_log_probs(trainer, out, 1.0)).abs().max() < 1e-4
+
+        left_out = sorted(adapters)[0]
+        with pytest.raises(WeightSyncError, match=rf"never sent.*{left_out}"):
+            rollout.load_weights(sent_buckets([(n, t) for n, t in sent if n != left_out]))
+        with pytest.raises(WeightSyncError, match="load the full weights again"):
+            rollout.generate(prompts(), params)
+        rollout.load_weights(sent_buckets(sent))
+        again = rollout.generate(prompts(), params)
+        assert torch.equal(again[RESPONSE_IDS], out[RESPONSE_IDS])  # seeded: the same samples
+    finally:
+        rollout.shutdown()

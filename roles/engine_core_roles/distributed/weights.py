@@ -20,10 +20,11 @@ then moves the policy's full weights into the rollout the same way:
   sender's, bucket by bucket; a failure names the receiver and the bucket's parameters, and
   every receiver drains the stream, so the next sync starts in step.
 
-**LoRA.** A rollout that serves LoRA adapters (the HF rollout, built with the policy's
-``model.lora``: its weights name the adapter tensors) is sent the policy's peft tensors unmerged:
-all of them at the first sync, then the adapters alone (:attr:`WeightLink.next_part`), since the
-base does not train. Every other rollout takes the merged weights under the base model's names.
+**LoRA.** A rollout that serves LoRA adapters (built with the policy's ``model.lora``, its
+weights name the adapter tensors: the hf, vllm and sglang rollouts) is sent the policy's peft
+tensors unmerged: all of them at the first sync, then the adapters alone
+(:attr:`WeightLink.next_part`), since the base does not train. A rollout whose weights are the
+base model's takes the merged weights under those names.
 
 Replicas in another interpreter (``ProcessRollout(python=...)``) share no torch process group
 with the trainer: this process is their receiving end, as for a rollout of its own, and relays
