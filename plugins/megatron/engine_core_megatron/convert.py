@@ -1,4 +1,5 @@
-"""Hugging Face ↔ megatron-core for Llama- and Qwen2-family causal LMs (and their value heads).
+"""Hugging Face ↔ megatron-core for Llama-, Qwen2- and Qwen3-family causal LMs (and their value
+heads).
 
 Three pieces, all plain tensor code (the engine does the collectives):
 
@@ -13,7 +14,9 @@ Layouts: megatron fuses Q, K and V into ``linear_qkv`` grouped by key/value head
 group: its query heads, then its key, then its value) and splits it over TP ranks by group;
 ``linear_fc1`` holds the gate and up projections, each split over TP ranks, as
 ``[gate shard; up shard]``; ``linear_proj`` and ``linear_fc2`` are split along their input
-dimension, embeddings and the output layer along the (padded) vocabulary.
+dimension, embeddings and the output layer along the (padded) vocabulary. Qwen3's per-head
+RMSNorms of queries and keys (``q_norm`` / ``k_norm``, one ``head_dim`` weight each, shared by
+every head) are megatron-core's ``q_layernorm`` / ``k_layernorm``, replicated over TP ranks.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ __all__ = [
     "ModelLayout",
     "SUPPORTED_MODEL_TYPES",
     "UNFUSED",
+    "QK_NORM_MODEL_TYPES",
+    "layer_parts",
     "transformer_config_kwargs",
     "megatron_to_hf_names",
     "shard_from_hf",
@@ -39,7 +44,9 @@ __all__ = [
     "hf_parameter_names",
 ]
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+# model types whose attention normalises queries and keys per head before the rotary embedding
+QK_NORM_MODEL_TYPES = ("qwen3",)
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,7 @@ class ModelLayout:
     vocab_size: int
     padded_vocab_size: int
     qkv_bias: bool
+    qk_norm: bool
     tied: bool
     value_head: bool
 
@@ -114,6 +122,7 @@ def layout_of(hf: Any, *, value_head: bool, tp: int) -> ModelLayout:
         vocab_size=vocab,
         padded_vocab_size=padded,
         qkv_bias=qkv_bias,
+        qk_norm=model_type in QK_NORM_MODEL_TYPES,
         tied=bool(getattr(hf, "tie_word_embeddings", False)) and not value_head,
         value_head=value_head,
     )
@@ -148,6 +157,7 @@ def transformer_config_kwargs(
         "activation_func": torch.nn.functional.silu,
         "add_bias_linear": False,
         "add_qkv_bias": layout.qkv_bias,
+        "qk_layernorm": layout.qk_norm,
         "hidden_dropout": 0.0,
         "attention_dropout": float(getattr(hf, "attention_dropout", 0.0) or 0.0),
         "init_method_std": float(getattr(hf, "initializer_range", 0.02)),
@@ -162,26 +172,31 @@ def transformer_config_kwargs(
     return config, model
 
 
+def layer_parts(layout: ModelLayout) -> list[str]:
+    """The megatron parameters of one decoder layer (local names after ``decoder.layers.N.``),
+    in the order transformers lists their HF tensors."""
+    return [
+        "self_attention.linear_qkv.weight",
+        *(["self_attention.linear_qkv.bias"] if layout.qkv_bias else []),
+        "self_attention.linear_proj.weight",
+        *(
+            ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
+            if layout.qk_norm
+            else []
+        ),
+        "mlp.linear_fc1.weight",
+        "mlp.linear_fc2.weight",
+        "input_layernorm.weight",
+        "pre_mlp_layernorm.weight",
+    ]
+
+
 def hf_parameter_names(layout: ModelLayout) -> list[str]:
     """Every HF parameter name of the model, in the order transformers lists them."""
     names = ["model.embed_tokens.weight"]
     for i in range(layout.num_layers):
-        p = f"model.layers.{i}"
-        attn = [f"{p}.self_attn.{x}_proj.weight" for x in "qkv"]
-        if layout.qkv_bias:
-            attn = [
-                n
-                for x in "qkv"
-                for n in (f"{p}.self_attn.{x}_proj.weight", f"{p}.self_attn.{x}_proj.bias")
-            ]
-        names += attn + [
-            f"{p}.self_attn.o_proj.weight",
-            f"{p}.mlp.gate_proj.weight",
-            f"{p}.mlp.up_proj.weight",
-            f"{p}.mlp.down_proj.weight",
-            f"{p}.input_layernorm.weight",
-            f"{p}.post_attention_layernorm.weight",
-        ]
+        for part in layer_parts(layout):
+            names += megatron_to_hf_names(f"decoder.layers.{i}.{part}", 0, layout)
     names.append("model.norm.weight")
     if layout.value_head:
         names += ["score.weight", "score.bias"]
@@ -196,6 +211,8 @@ _LAYER_PARTS = {
     "self_attention.linear_qkv.weight": tuple(f"self_attn.{x}_proj.weight" for x in "qkv"),
     "self_attention.linear_qkv.bias": tuple(f"self_attn.{x}_proj.bias" for x in "qkv"),
     "self_attention.linear_proj.weight": ("self_attn.o_proj.weight",),
+    "self_attention.q_layernorm.weight": ("self_attn.q_norm.weight",),
+    "self_attention.k_layernorm.weight": ("self_attn.k_norm.weight",),
     "pre_mlp_layernorm.weight": ("post_attention_layernorm.weight",),
     "mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
     "mlp.linear_fc2.weight": ("mlp.down_proj.weight",),

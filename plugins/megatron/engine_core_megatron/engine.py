@@ -79,6 +79,7 @@ from engine_core_megatron.convert import (
     UNFUSED,
     ModelLayout,
     hf_from_shards,
+    layer_parts,
     layout_of,
     megatron_to_hf_names,
     shard_from_hf,
@@ -328,8 +329,12 @@ class MegatronEngine(BaseEngine):
 
         # megatron-core's local layers with SDPA attention (packed input) and norms that also
         # run under sequence parallelism, the block's final norm included
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-        spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=tc.qk_layernorm)
+        attention = spec.submodules.self_attention.submodules
+        attention.core_attention = SDPACoreAttention
+        if tc.qk_layernorm:  # per-head norms of queries and keys (Qwen3)
+            attention.q_layernorm = LocalRMSNorm
+            attention.k_layernorm = LocalRMSNorm
         spec.submodules.input_layernorm = LocalRMSNorm
         spec.submodules.pre_mlp_layernorm = LocalRMSNorm
         layers = get_num_layers_to_build(tc, vp_stage=vp_stage)
@@ -834,15 +839,7 @@ class MegatronEngine(BaseEngine):
         plan: list[tuple[str, tuple[int, int, str]]] = [
             ("embedding.word_embeddings.weight", (0, 0, "embedding.word_embeddings.weight"))
         ]
-        parts = [
-            "self_attention.linear_qkv.weight",
-            *(["self_attention.linear_qkv.bias"] if self.layout.qkv_bias else []),
-            "self_attention.linear_proj.weight",
-            "mlp.linear_fc1.weight",
-            "mlp.linear_fc2.weight",
-            "input_layernorm.weight",
-            "pre_mlp_layernorm.weight",
-        ]
+        parts = layer_parts(self.layout)
         for layer, (pp_rank, chunk, local) in enumerate(self._layer_owner):
             for part in parts:
                 plan.append(

@@ -19,7 +19,7 @@ def engine_core_register(registry: BackendRegistry) -> None:
         config="engine_core_megatron.config:MegatronEngineConfig",
         capabilities=MEGATRON_CAPABILITIES,
         description=(
-            "megatron-core GPTModel (Llama/Qwen2 families): tensor, sequence, pipeline (1F1B, "
+            "megatron-core GPTModel (Llama/Qwen2/Qwen3 families): tensor, sequence, pipeline (1F1B, "
             "interleaved) and data parallel, distributed optimizer, vocabulary-parallel "
             "log-probs; dist_checkpointing checkpoints with resharding on load."
         ),
