@@ -1,0 +1,240 @@
+"""Mixture-of-experts routing in transformers models: which experts each token went to, and a
+forward that takes a given choice instead (routing replay).
+
+A rollout and a trainer route tokens independently, and numerics that differ by one rounding
+(another kernel, another dtype, another batch) send some tokens to other experts: the trainer
+then scores a token with a different network from the one that sampled it. Replay runs the
+trainer's forward with the rollout's choice of experts.
+
+transformers' MoE layers take their choice from a router module whose forward returns
+``(router_logits, routing_weights, expert_indices)`` for the ``tokens`` rows it is given
+(``hidden_states`` flattened to ``[tokens, hidden]``). :class:`RouteRecorder` keeps each
+router's ``expert_indices``; :class:`RouteReplay` replaces them with the given ones and computes
+the routing weights of the given experts from the router's live logits, as the router would for
+its own choice, so the router keeps its gradient. The routers named in :data:`ROUTER_RULES` are
+supported; a model with another is refused, naming them.
+
+Routes are one integer tensor ``[layers, tokens, top_k]``: layer ``l`` is the ``l``-th router in
+module order (the model's MoE layers, first to last), token ``t`` the ``t``-th row that router
+sees in one forward (row-major over the input's batch and sequence).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "ROUTER_RULES",
+    "RouterRule",
+    "RouteRecorder",
+    "RouteReplay",
+    "routers",
+    "route_mismatch",
+    "replayed_weights",
+    "replaying",
+]
+
+
+@dataclass(frozen=True)
+class RouterRule:
+    """How a router turns its logits into the weights of its chosen experts: the softmax over
+    every expert (in float32), taken at the chosen ones, renormalised over them when
+    ``normalize`` says so (``True``, or the name of the router's attribute that says), then
+    multiplied by the router's attribute ``scale`` when it names one, and cast back to the
+    logits' dtype when ``to_logits_dtype``."""
+
+    normalize: bool | str
+    scale: str | None = None
+    to_logits_dtype: bool = True  # the weights are cast back to the logits' dtype
+
+
+# router class -> its rule, checked against each class's forward (transformers 5.19)
+ROUTER_RULES: dict[str, RouterRule] = {
+    "Qwen3MoeTopKRouter": RouterRule(normalize="norm_topk_prob"),
+    "Qwen2MoeTopKRouter": RouterRule(normalize="norm_topk_prob"),
+    "OlmoeTopKRouter": RouterRule(normalize="norm_topk_prob"),
+    "MixtralTopKRouter": RouterRule(normalize=True, to_logits_dtype=False),
+}
+
+
+def routers(model: nn.Module) -> list[nn.Module]:
+    """The model's routers in module order (its MoE layers, first to last); empty for a dense
+    model. A module whose class name ends in ``Router`` and has no rule is refused."""
+    found = []
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if kind in ROUTER_RULES:
+            found.append(module)
+        elif kind.lower().endswith("router"):
+            raise ValueError(
+                f"{name} is a {kind}, a router routing replay has no rule for; supported: "
+                f"{', '.join(sorted(ROUTER_RULES))}. Add its rule to "
+                f"engine_core.moe.ROUTER_RULES (how its weights follow from its logits)."
+            )
+    return found
+
+
+def _rule(router: nn.Module) -> RouterRule:
+    return ROUTER_RULES[type(router).__name__]
+
+
+def replayed_weights(
+    router: nn.Module, logits: torch.Tensor, experts: torch.Tensor
+) -> torch.Tensor:
+    """The routing weights ``router`` gives the experts ``experts`` ([tokens, top_k]) from its
+    ``logits`` ([tokens, experts]): differentiable in the logits."""
+    rule = _rule(router)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights = probs.gather(-1, experts.long())
+    normalize = rule.normalize
+    if isinstance(normalize, str):
+        normalize = bool(getattr(router, normalize))
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if rule.scale is not None:
+        weights = weights * getattr(router, rule.scale)
+    return weights.to(logits.dtype) if rule.to_logits_dtype else weights
+
+
+class RouteRecorder:
+    """Inside ``with RouteRecorder(model) as rec:`` every forward's choice of experts is kept;
+    :meth:`routes` stacks them ``[layers, tokens, top_k]`` (int64), the forwards one after
+    another along ``tokens``. Hooks run in the order they were registered: a recorder entered
+    inside a :class:`RouteReplay` records the experts the forward actually used."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._routers = routers(model)
+        if not self._routers:
+            raise ValueError(
+                f"{type(model).__name__} has no mixture-of-experts router to record "
+                f"(supported: {', '.join(sorted(ROUTER_RULES))})."
+            )
+        self._seen: list[list[torch.Tensor]] = [[] for _ in self._routers]
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> RouteRecorder:
+        for i, router in enumerate(self._routers):
+            self._handles.append(router.register_forward_hook(self._hook(i)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _hook(self, layer: int) -> Any:
+        def keep(module: nn.Module, args: Any, output: Any) -> None:
+            self._seen[layer].append(output[2].detach().to("cpu", torch.int64))
+
+        return keep
+
+    def routes(self) -> torch.Tensor:
+        """``[layers, tokens, top_k]`` of every forward recorded, forwards one after another
+        along ``tokens``."""
+        if not self._seen[0]:
+            raise RuntimeError("no forward was recorded: run the model inside the block.")
+        return torch.stack([torch.cat(chosen) for chosen in self._seen])
+
+    def clear(self) -> None:
+        self._seen = [[] for _ in self._routers]
+
+
+class RouteReplay:
+    """Inside ``with RouteReplay(model, routes):`` the model's routers take the experts
+    ``routes`` names (``[layers, tokens, top_k]``) instead of their own, the forwards of the
+    block over consecutive slices of ``tokens``. Each router still computes its logits from the
+    live weights; the weights of the given experts follow from them (:func:`replayed_weights`),
+    so the router's gradient flows. A routes tensor whose layers, top-k or expert ids do not fit
+    the model is refused when the replay is made; one with fewer token rows than a forward
+    needs, when that forward reaches the first router (before any output)."""
+
+    def __init__(self, model: nn.Module, routes: torch.Tensor) -> None:
+        self._routers = routers(model)
+        if not self._routers:
+            raise ValueError(
+                f"{type(model).__name__} has no mixture-of-experts router to replay into "
+                f"(supported: {', '.join(sorted(ROUTER_RULES))})."
+            )
+        if routes.dim() != 3 or routes.shape[0] != len(self._routers):
+            raise ValueError(
+                f"routes must be [layers={len(self._routers)}, tokens, top_k], one row of "
+                f"experts per token and MoE layer of this model; got {tuple(routes.shape)}."
+            )
+        if routes.dtype.is_floating_point or routes.dtype == torch.bool:
+            raise ValueError(f"routes must hold integer expert ids; got {routes.dtype}.")
+        for module in self._routers:
+            router: Any = module  # transformers' routers carry top_k and num_experts
+            k, experts = int(router.top_k), int(router.num_experts)
+            if routes.shape[2] != k:
+                raise ValueError(
+                    f"routes name {routes.shape[2]} experts per token; the model's routers "
+                    f"take top_k={k}."
+                )
+            if routes.numel() and (int(routes.min()) < 0 or int(routes.max()) >= experts):
+                raise ValueError(
+                    f"routes name experts outside 0..{experts - 1}: min {int(routes.min())}, "
+                    f"max {int(routes.max())}."
+                )
+        self.routes = routes
+        self._offset = [0] * len(self._routers)
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> RouteReplay:
+        for i, router in enumerate(self._routers):
+            self._handles.append(router.register_forward_hook(self._hook(i)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _hook(self, layer: int) -> Any:
+        def replace(module: nn.Module, args: Any, output: Any) -> Any:
+            logits = output[0]
+            start = self._offset[layer]
+            stop = start + logits.shape[0]
+            if stop > self.routes.shape[1]:
+                raise ValueError(
+                    f"routes hold {self.routes.shape[1]} tokens; MoE layer {layer} has now seen "
+                    f"{stop} (this forward: {logits.shape[0]}). Give one route row per token "
+                    f"of the input."
+                )
+            experts = self.routes[layer, start:stop].to(logits.device, torch.int64)
+            self._offset[layer] = stop
+            return logits, replayed_weights(module, logits, experts), experts
+
+        return replace
+
+    def check_consumed(self) -> None:
+        """Refuse a replay that left route rows unused (the input had fewer tokens)."""
+        if any(o != self.routes.shape[1] for o in self._offset):
+            raise ValueError(
+                f"routes hold {self.routes.shape[1]} tokens; the forwards used {self._offset} "
+                f"per MoE layer. Give one route row per token of the input."
+            )
+
+
+def route_mismatch(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The share of (layer, token) routing decisions in which ``a`` and ``b`` (both
+    ``[layers, tokens, top_k]``) chose a different set of experts."""
+    if a.shape != b.shape:
+        raise ValueError(f"routes of different shapes: {tuple(a.shape)} and {tuple(b.shape)}.")
+    if a.numel() == 0:
+        return 0.0
+    differ = (a.sort(-1).values != b.sort(-1).values).any(-1)
+    return float(differ.float().mean())
+
+
+@contextmanager
+def replaying(model: nn.Module, routes: torch.Tensor) -> Iterator[RouteReplay]:
+    """:class:`RouteReplay` that also refuses unused route rows when the block ends."""
+    with RouteReplay(model, routes) as replay:
+        yield replay
+    replay.check_consumed()
