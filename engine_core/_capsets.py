@@ -19,5 +19,6 @@ REFERENCE_CAPABILITIES = frozenset(
         Capability.BF16,
         Capability.MIXED_PRECISION,
         Capability.ACTIVATION_OFFLOAD,
+        Capability.ROUTING_REPLAY,
     }
 )

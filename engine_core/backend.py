@@ -55,6 +55,8 @@ _EXPORTS: dict[str, str] = {
     "build_hf_config": "engine_core.models",
     "build_model": "engine_core.models",
     "is_adapter_name": "engine_core.models",
+    "RouteRecorder": "engine_core.moe",
+    "ROUTED_EXPERTS": "engine_core.batch",
     "AdapterFolders": "engine_core.adapters",
     "split_peft_tensors": "engine_core.adapters",
     "CutBuckets": "engine_core.rollout",
@@ -143,6 +145,7 @@ if TYPE_CHECKING:
         LOG_PROBS,
         LOSS_MASK,
         POSITION_IDS,
+        ROUTED_EXPERTS,
         VALUES,
         BatchMeta,
         get_meta,
@@ -196,6 +199,7 @@ if TYPE_CHECKING:
         is_adapter_name,
         merged_lora_tensors,
     )
+    from engine_core.moe import RouteRecorder
     from engine_core.optim import (
         SingleOptimizerMixin,
         build_lr_scheduler,

@@ -49,6 +49,9 @@ LOSS_MASK = "loss_mask"
 LOG_PROBS = "log_probs"
 ENTROPY = "entropy"
 VALUES = "values"
+#: optional, int ``[B, L, layers, top_k]``: the experts each token was routed to in each MoE layer
+#: (by the rollout that sampled it); an engine that declares ``routing_replay`` routes the same
+ROUTED_EXPERTS = "routed_experts"
 META_KEY = "meta"
 
 

@@ -42,6 +42,9 @@ class Capability(StrEnum):
     MIXED_PRECISION = "mixed_precision"
     # activations saved for the backward wait in host memory (activation_offload)
     ACTIVATION_OFFLOAD = "activation_offload"
+    # engines: a batch's routed_experts (a mixture of experts' choice per token and MoE layer)
+    # are replayed in the model's forward (engine_core.moe)
+    ROUTING_REPLAY = "routing_replay"
     # rollout capabilities
     SLEEP = "sleep"
     LOGPROBS = "logprobs"

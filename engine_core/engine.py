@@ -32,6 +32,7 @@ from engine_core.batch import (
     LOG_PROBS,
     LOSS_MASK,
     POSITION_IDS,
+    ROUTED_EXPERTS,
     VALUES,
     BatchMeta,
     get_meta,
@@ -42,11 +43,12 @@ from engine_core.checkpoint import JOB_STATE_FILE
 from engine_core.comm import all_reduce_cpu
 from engine_core.config import BUCKET_BYTES, EngineConfig
 from engine_core.context_parallel import SequenceShard, gather_sequence, shard_row
-from engine_core.errors import EngineCoreError
+from engine_core.errors import BatchError, CapabilityError, EngineCoreError
 from engine_core.log_probs import chunked_head, head_of, token_log_probs
 from engine_core.loss import GlobalBatchContext, LossFn, MetricAccumulator
 from engine_core.microbatch import prepare_micro_batches
-from engine_core.packing import PackedSequences, pack, sequence_start_mask, unpack
+from engine_core.moe import replaying
+from engine_core.packing import PackedSequences, pack, pack_tensor, sequence_start_mask, unpack
 from engine_core.rollout import CutBuckets, gather_bytes, iter_buckets
 
 # attention kernels that take the packed row's sequence boundaries as cu_seq_lens_* kwargs
@@ -113,6 +115,9 @@ class ModelInputs:
     targets: torch.Tensor | None = None
     #: with context parallelism, which slice of the packed row this rank's model call sees
     shard: SequenceShard | None = None
+    #: the experts to route each token of the model's row to, ``[layers, tokens, top_k]``
+    #: (the batch's ``routed_experts`` in the row's order; :mod:`engine_core.moe`)
+    routes: torch.Tensor | None = None
 
 
 @dataclass
@@ -348,6 +353,12 @@ class BaseEngine(abc.ABC):
         """
         validate_batch(batch)
         self._check_model_limits(batch)
+        if ROUTED_EXPERTS in batch.keys() and Capability.ROUTING_REPLAY not in self.capabilities:
+            raise CapabilityError(
+                f"the batch carries {ROUTED_EXPERTS} (a rollout's choice of experts), which "
+                f"{type(self).__name__} does not replay (it does not declare routing_replay); "
+                f"drop the key or use an engine that declares it."
+            )
         if not forward_only and self.loss_fn is None:
             raise EngineCoreError(
                 "forward_backward_step(forward_only=False) needs a loss; call set_loss_fn() first."
@@ -437,6 +448,20 @@ class BaseEngine(abc.ABC):
         ids, mask = micro_batch[INPUT_IDS], micro_batch[ATTENTION_MASK]
         dev = self.device
         cp = self.context_parallel_group
+        routed = micro_batch.get(ROUTED_EXPERTS, None)
+        if routed is not None:
+            if cp is not None or self.config.model.gradient_checkpointing:
+                raise BatchError(
+                    f"{ROUTED_EXPERTS} with context parallelism or gradient checkpointing is "
+                    f"not supported yet (a recomputed forward would route on its own): run "
+                    f"routing replay with context_parallel_size=1 and "
+                    f"model.gradient_checkpointing=false."
+                )
+            if routed.dim() != 4 or tuple(routed.shape[:2]) != tuple(ids.shape):
+                raise BatchError(
+                    f"{ROUTED_EXPERTS} must be [B, L, layers, top_k] with [B, L] = "
+                    f"{tuple(ids.shape)} of {INPUT_IDS}; got {tuple(routed.shape)}."
+                )
         if self.config.use_packing or cp is not None:  # a row split over cp ranks is packed
             packed = pack(ids, mask)
             row, pos, cu = packed.input_ids, packed.position_ids, packed.cu_seqlens
@@ -459,6 +484,7 @@ class BaseEngine(abc.ABC):
                 packed,
                 targets=None if targets is None else targets.to(dev),
                 shard=shard,
+                routes=None if routed is None else pack_tensor(packed, routed)[0].transpose(0, 1),
             )
         kwargs = {
             "input_ids": ids.to(dev),
@@ -466,7 +492,8 @@ class BaseEngine(abc.ABC):
             "position_ids": micro_batch[POSITION_IDS].to(dev),
             "use_cache": False,
         }
-        return ModelInputs(kwargs, None)
+        routes = None if routed is None else routed.flatten(0, 1).transpose(0, 1)
+        return ModelInputs(kwargs, None, routes=routes)
 
     def _head_request(self, inputs: ModelInputs, micro_batch: TensorDict) -> HeadRequest | None:
         """Whether the output layer computes log-probs in chunks for this micro-batch
@@ -496,7 +523,10 @@ class BaseEngine(abc.ABC):
         module = self.require_module()
         request = inputs.head
         offload = self.__offload if self.__offload is not None else contextlib.nullcontext()
-        with self.forward_context(), offload:
+        replay = (
+            contextlib.nullcontext() if inputs.routes is None else replaying(module, inputs.routes)
+        )
+        with self.forward_context(), offload, replay:
             if request is None:
                 return module(**inputs.kwargs)
             with chunked_head(

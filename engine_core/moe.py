@@ -102,31 +102,44 @@ def replayed_weights(
     return weights.to(logits.dtype) if rule.to_logits_dtype else weights
 
 
-class RouteRecorder:
+class _RouterHooks:
+    """A forward hook on each of a model's routers while the ``with`` block runs."""
+
+    def __init__(self, model: nn.Module, what: str) -> None:
+        self._routers = routers(model)
+        if not self._routers:
+            raise ValueError(
+                f"{type(model).__name__} has no mixture-of-experts router to {what} "
+                f"(supported: {', '.join(sorted(ROUTER_RULES))})."
+            )
+        self._handles: list[Any] = []
+
+    def _hook(self, layer: int) -> Any:
+        raise NotImplementedError
+
+    def _attach(self) -> None:
+        for i, router in enumerate(self._routers):
+            self._handles.append(router.register_forward_hook(self._hook(i)))
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+class RouteRecorder(_RouterHooks):
     """Inside ``with RouteRecorder(model) as rec:`` every forward's choice of experts is kept;
     :meth:`routes` stacks them ``[layers, tokens, top_k]`` (int64), the forwards one after
     another along ``tokens``. Hooks run in the order they were registered: a recorder entered
     inside a :class:`RouteReplay` records the experts the forward actually used."""
 
     def __init__(self, model: nn.Module) -> None:
-        self._routers = routers(model)
-        if not self._routers:
-            raise ValueError(
-                f"{type(model).__name__} has no mixture-of-experts router to record "
-                f"(supported: {', '.join(sorted(ROUTER_RULES))})."
-            )
+        super().__init__(model, "record")
         self._seen: list[list[torch.Tensor]] = [[] for _ in self._routers]
-        self._handles: list[Any] = []
 
     def __enter__(self) -> RouteRecorder:
-        for i, router in enumerate(self._routers):
-            self._handles.append(router.register_forward_hook(self._hook(i)))
+        self._attach()
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
 
     def _hook(self, layer: int) -> Any:
         def keep(module: nn.Module, args: Any, output: Any) -> None:
@@ -141,11 +154,16 @@ class RouteRecorder:
             raise RuntimeError("no forward was recorded: run the model inside the block.")
         return torch.stack([torch.cat(chosen) for chosen in self._seen])
 
+    def forwards(self) -> list[torch.Tensor]:
+        """Each recorded forward's routes apart, ``[layers, tokens, top_k]``, in call order (a
+        generation: the prompt's forward, then one per new token)."""
+        return [torch.stack(chosen) for chosen in zip(*self._seen, strict=True)]
+
     def clear(self) -> None:
         self._seen = [[] for _ in self._routers]
 
 
-class RouteReplay:
+class RouteReplay(_RouterHooks):
     """Inside ``with RouteReplay(model, routes):`` the model's routers take the experts
     ``routes`` names (``[layers, tokens, top_k]``) instead of their own, the forwards of the
     block over consecutive slices of ``tokens``. Each router still computes its logits from the
@@ -155,12 +173,7 @@ class RouteReplay:
     needs, when that forward reaches the first router (before any output)."""
 
     def __init__(self, model: nn.Module, routes: torch.Tensor) -> None:
-        self._routers = routers(model)
-        if not self._routers:
-            raise ValueError(
-                f"{type(model).__name__} has no mixture-of-experts router to replay into "
-                f"(supported: {', '.join(sorted(ROUTER_RULES))})."
-            )
+        super().__init__(model, "replay into")
         if routes.dim() != 3 or routes.shape[0] != len(self._routers):
             raise ValueError(
                 f"routes must be [layers={len(self._routers)}, tokens, top_k], one row of "
@@ -183,17 +196,10 @@ class RouteReplay:
                 )
         self.routes = routes
         self._offset = [0] * len(self._routers)
-        self._handles: list[Any] = []
 
     def __enter__(self) -> RouteReplay:
-        for i, router in enumerate(self._routers):
-            self._handles.append(router.register_forward_hook(self._hook(i)))
+        self._attach()
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
 
     def _hook(self, layer: int) -> Any:
         def replace(module: nn.Module, args: Any, output: Any) -> Any:

@@ -20,9 +20,10 @@ import xxhash
 from pydantic import Field, PositiveInt, model_validator
 from tensordict import NonTensorStack, TensorDict
 
+from engine_core.batch import ROUTED_EXPERTS
 from engine_core.capabilities import Capability
 from engine_core.config import BUCKET_BYTES, FrozenModel, ModelConfig
-from engine_core.errors import BatchError, WeightSyncError
+from engine_core.errors import BatchError, CapabilityError, WeightSyncError
 from engine_core.models import is_adapter_name
 
 __all__ = [
@@ -58,6 +59,7 @@ __all__ = [
     "RESPONSE_LOSS_MASK",
     "ROLLOUT_LOG_PROBS",
     "FINISH_REASON",
+    "ROUTED_EXPERTS",
     "ROLLOUT_REPLICA",
     "PROMPT_SEED",
 ]
@@ -90,6 +92,12 @@ class SamplingParams(FrozenModel):
         description="Prompt i's samples draw from streams of derive_seed(seed, i), whatever "
         "else is in the batch: the same prompts give the same samples however they are "
         "batched or split between replicas. None: unseeded.",
+    )
+    return_routes: bool = Field(
+        False,
+        description="Also return routed_experts [B*n, P+R, layers, top_k]: the experts each "
+        "prompt and response token went to in each MoE layer (rollouts that declare "
+        "routing_replay; others refuse).",
     )
 
     @model_validator(mode="after")
@@ -451,8 +459,20 @@ class BaseRollout(abc.ABC):
         ``B * n`` samples (the ``n`` samples of a prompt adjacent) with ``prompt_ids``,
         ``prompt_mask``, right-padded ``response_ids`` / ``response_mask`` ``[B*n, R]``,
         ``rollout_log_probs`` ``[B*n, R]`` (log-prob of each sampled token, 0 at padding) and a
-        per-sample ``finish_reason`` ("stop" or "length").
+        per-sample ``finish_reason`` ("stop" or "length"). With ``params.return_routes`` (a
+        rollout that declares ``routing_replay``; :meth:`check_params` refuses it otherwise),
+        also ``routed_experts`` ``[B*n, P+R, layers, top_k]``: the experts each token of
+        ``prompt_ids`` followed by ``response_ids`` went to in each MoE layer.
         """
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Refuse what this rollout cannot honour in ``params``; ``generate`` calls it first."""
+        if params.return_routes and Capability.ROUTING_REPLAY not in self.capabilities:
+            raise CapabilityError(
+                f"SamplingParams(return_routes=True): {type(self).__name__} does not return "
+                f"the experts it routed tokens to (it does not declare routing_replay); turn "
+                f"routing replay off or use a rollout that declares it (hf)."
+            )
 
     @abc.abstractmethod
     def expected_weights(self) -> dict[str, tuple[int, ...]]:

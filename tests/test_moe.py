@@ -15,30 +15,16 @@ import pytest
 import torch
 from torch import nn
 
-from engine_core.batch import LOG_PROBS
+from engine_core.batch import LOG_PROBS, ROUTED_EXPERTS
 from engine_core.config import ModelConfig
 from engine_core.models import build_model
 from engine_core.moe import RouteRecorder, RouteReplay, replaying, route_mismatch, routers
 from engine_core.testing.distributed import run_distributed
 from engine_core.testing.kit import build, eval_batch, forward, plain_log_probs
 from engine_core.testing.models import train_steps
+from engine_core.testing.moe import TINY_QWEN3_MOE, replayed_log_probs, routed_batch
 
-QWEN3_MOE: dict[str, Any] = {
-    "model_type": "qwen3_moe",
-    "vocab_size": 67,
-    "hidden_size": 48,
-    "intermediate_size": 80,
-    "moe_intermediate_size": 24,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "num_experts": 8,
-    "num_experts_per_tok": 2,
-    "norm_topk_prob": True,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": False,
-}
+QWEN3_MOE = TINY_QWEN3_MOE
 MIXTRAL: dict[str, Any] = {
     "model_type": "mixtral",
     "vocab_size": 71,
@@ -203,3 +189,156 @@ def test_fsdp2_at_dp2_trains_the_moe_as_transformers_builds_it(family: str, tmp_
         for (loss, norm), (want_loss, want_norm) in zip(steps, one, strict=True):
             assert loss == pytest.approx(want_loss, rel=1e-4)
             assert norm == pytest.approx(want_norm, rel=1e-4)
+
+
+# -- engines replay the routes a batch carries ----------------------------------------------
+REPLAY_LAYOUTS = {
+    "packed": {},
+    "padded": {"use_packing": False},
+    "mbs2": {"micro_batch_size": 2},
+}
+
+
+def _replaying_engine(rank: int, world: int, folder: str, batch: Any, routes: Any) -> Any:
+    out: dict[str, Any] = {}
+    for name, settings in REPLAY_LAYOUTS.items():
+        engine = build("fsdp2", model={"path": folder}, optim={"lr": 1e-2}, **settings)
+        with_routes = batch.clone()
+        with_routes[ROUTED_EXPERTS] = routes
+        out[name] = forward(engine, with_routes)[LOG_PROBS]  # forward shards it
+        out[f"{name}/own"] = forward(engine, batch.clone())[LOG_PROBS]
+    # the update under replay: the routers get a gradient
+    engine = build("fsdp2", model={"path": folder}, optim={"lr": 1e-2})
+    with_routes = batch.clone()
+    with_routes[ROUTED_EXPERTS] = routes
+    with engine.train_mode():
+        engine.forward_backward_step(engine.shard_data(with_routes))
+    grads = [
+        p.grad for n, p in engine.require_module().named_parameters() if n.endswith(".gate.weight")
+    ]
+    full = [g.full_tensor() if hasattr(g, "full_tensor") else g for g in grads]
+    out["router_grads"] = [float(g.abs().sum()) for g in full]
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_fsdp2_replays_the_routes_a_batch_carries(world: int, tmp_path: Any) -> None:
+    """Packed, padded and in micro-batches, on one rank and split over two: the engine's
+    log-probs are transformers' with the same routes replayed, and the routers train."""
+    model = _model(QWEN3_MOE)
+    model.save_pretrained(tmp_path)
+    batch, routes = routed_batch(model)
+    want = replayed_log_probs(model, batch, routes)
+    own, _ = plain_log_probs(model, batch)
+    assert float((want - own).abs().max()) > 1e-3  # the routes given are not the model's
+    ranks = run_distributed(_replaying_engine, world, str(tmp_path), batch, routes, preload=PRELOAD)
+    for got in ranks:  # the outputs gathered back over DP ranks
+        for name in REPLAY_LAYOUTS:
+            assert float((got[name] - want).abs().max()) <= 1e-5, name
+            assert float((got[f"{name}/own"] - own).abs().max()) <= 1e-5, name
+        assert len(got["router_grads"]) == 2 and all(g > 0 for g in got["router_grads"])
+
+
+def test_routes_are_refused_by_an_engine_that_does_not_replay_and_when_misshaped(
+    tmp_path: Any,
+) -> None:
+    from engine_core.errors import BatchError, CapabilityError
+    from engine_core.reference_engine import ReferenceEngine
+
+    model = _model(QWEN3_MOE)
+    model.save_pretrained(tmp_path)
+    batch, routes = routed_batch(model)
+    engine = build("reference", model={"path": str(tmp_path)}, optim={"lr": 1e-2})
+    bad = batch.clone()
+    bad[ROUTED_EXPERTS] = routes[:, :-1]
+    with pytest.raises(BatchError, match=r"\[B, L, layers, top_k\].*\(6, 15, 2, 2\)"):
+        forward(engine, bad)
+    no_replay = type("NoReplay", (ReferenceEngine,), {"capabilities": frozenset()})
+    engine.__class__ = no_replay
+    good = batch.clone()
+    good[ROUTED_EXPERTS] = routes
+    with pytest.raises(CapabilityError, match="does not replay"):
+        forward(engine, good)
+
+
+# -- the hf rollout returns the routes it sampled with -------------------------------------
+def _rollout_then_engine(rank: int, world: int, folder: str) -> Any:
+    from engine_core_hf.rollout import HFRollout, HFRolloutConfig
+    from tensordict import TensorDict
+
+    from engine_core.batch import BatchMeta, make_batch, set_meta
+    from engine_core.rollout import (
+        PROMPT_IDS,
+        PROMPT_MASK,
+        RESPONSE_IDS,
+        RESPONSE_MASK,
+        ROLLOUT_LOG_PROBS,
+        SamplingParams,
+    )
+
+    rollout = HFRollout(
+        HFRolloutConfig(backend="hf", model={"path": folder}, generation_batch_size=2)
+    )
+    ids = torch.randint(1, 60, (3, 5), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # left padding
+    prompts = TensorDict({PROMPT_IDS: ids * mask, PROMPT_MASK: mask}, batch_size=[3])
+    params = SamplingParams(max_new_tokens=6, n=2, seed=1, stop_token_ids=[7, 11, 13])
+    out = rollout.generate(prompts, params.model_copy(update={"return_routes": True}))
+    plain = rollout.generate(prompts, params)
+    engine = build("fsdp2", model={"path": folder}, optim={"lr": 1e-2})
+    batch = make_batch(
+        torch.cat([out[PROMPT_IDS], out[RESPONSE_IDS]], 1),
+        torch.cat([out[PROMPT_MASK], out[RESPONSE_MASK]], 1),
+    )
+    set_meta(batch, BatchMeta())
+    width = out[PROMPT_IDS].shape[1]
+    results = {"own": forward(engine, batch.clone())[LOG_PROBS][:, width:]}
+    batch[ROUTED_EXPERTS] = out[ROUTED_EXPERTS]
+    results["replayed"] = forward(engine, batch.clone())[LOG_PROBS][:, width:]
+    batch[ROUTED_EXPERTS] = (out[ROUTED_EXPERTS] + 1) % 8
+    results["shifted"] = forward(engine, batch)[LOG_PROBS][:, width:]
+    results.update(
+        rollout=out[ROLLOUT_LOG_PROBS],
+        mask=out[RESPONSE_MASK].bool(),
+        routes_shape=tuple(out[ROUTED_EXPERTS].shape),
+        width=(width, out[RESPONSE_IDS].shape[1]),
+        same_samples=torch.equal(out[RESPONSE_IDS], plain[RESPONSE_IDS]),
+        plain_keys=sorted(plain.keys()),
+    )
+    return results
+
+
+def test_hf_rollout_routes_replayed_by_fsdp2_give_the_rollouts_log_probs(tmp_path: Any) -> None:
+    """The hf rollout records its routers while generating (prompt forward, then one per
+    fed-back token, over two generate calls of different lengths and with stops); an fsdp2
+    engine given those routes scores every sampled token as the rollout did, and the routes
+    matter (shifted ones give other log-probs)."""
+    _model(QWEN3_MOE).save_pretrained(tmp_path)
+    (got,) = run_distributed(_rollout_then_engine, 1, str(tmp_path), preload=PRELOAD)
+    prompt, response = got["width"]
+    assert got["routes_shape"] == (6, prompt + response, 2, 2)
+    assert got["same_samples"] and ROUTED_EXPERTS not in got["plain_keys"]
+    mask = got["mask"]
+    assert float((got["replayed"] - got["rollout"]).abs()[mask].max()) <= 1e-5
+    assert float((got["own"] - got["rollout"]).abs()[mask].max()) <= 1e-5  # fp32 both sides
+    assert float((got["shifted"] - got["rollout"]).abs()[mask].max()) > 1e-3
+
+
+def test_rollouts_that_do_not_return_routes_refuse_to() -> None:
+    from engine_core.errors import CapabilityError
+    from engine_core.rollout import BaseRollout, RolloutConfig, SamplingParams
+
+    class Plain(BaseRollout):
+        def generate(self, prompts: Any, params: SamplingParams) -> Any:
+            self.check_params(params)
+
+        def expected_weights(self) -> dict[str, tuple[int, ...]]:
+            return {}
+
+        def load_weight_bucket(self, bucket: Any) -> str:
+            return ""
+
+    rollout = Plain(RolloutConfig(backend="plain", model={"config": dict(QWEN3_MOE)}))
+    with pytest.raises(CapabilityError, match="Plain does not return the experts"):
+        rollout.generate(None, SamplingParams(return_routes=True))

@@ -848,6 +848,24 @@ def test_lora_trains_adapters_only(single: dict, caps: frozenset, kit_baseline: 
     )
 
 
+def test_routing_replay_follows_the_given_routes(single: dict, caps: frozenset) -> None:
+    if Capability.ROUTING_REPLAY not in caps:
+        pytest.skip("routing_replay not declared")
+    got = _get(single, "routing", "routing replay")
+    if got["gap"] > ATOL:
+        how = (
+            "it routed on its own (its log-probs are the model's own routing's)"
+            if got["own_gap"] <= ATOL
+            else "the routes went to the wrong tokens or layers"
+        )
+        pytest.fail(
+            f"[routing replay] a tiny Qwen3-MoE given routed_experts: log-probs {got['gap']:.3g} "
+            f"from transformers' with those routes replayed; {how}. Route each token of the "
+            f"model's row to the batch's experts (BaseEngine.prepare_model_inputs and "
+            f"forward_model do it for transformers models, through engine_core.moe)."
+        )
+
+
 def test_gradient_checkpointing_recomputes_the_blocks(single: dict, caps: frozenset) -> None:
     if Capability.GRADIENT_CHECKPOINTING not in caps:
         pytest.skip("gradient_checkpointing not declared")

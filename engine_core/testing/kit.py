@@ -705,6 +705,33 @@ def _lora(backend: str, policy_dir: str) -> dict[str, Any]:
     return {"changed": changed, "base_log_probs": base, "stream": _lora_stream(engine, after)}
 
 
+def _routing(backend: str, root: str) -> dict[str, float]:
+    """An engine that declares routing_replay, given a batch with ``routed_experts`` on a tiny
+    Qwen3-MoE: how far its log-probs are from transformers' with those routes replayed, and
+    from transformers' own routing (which the given routes differ from)."""
+    from engine_core.batch import ROUTED_EXPERTS
+    from engine_core.config import ModelConfig
+    from engine_core.models import build_model
+    from engine_core.testing.moe import TINY_QWEN3_MOE, replayed_log_probs, routed_batch
+
+    folder = str(Path(root) / "moe_policy")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model: Any = build_model(ModelConfig(config=dict(TINY_QWEN3_MOE))).eval()
+    model.save_pretrained(folder)
+    batch, routes = routed_batch(model)
+    want = replayed_log_probs(model, batch, routes)
+    own, _ = plain_log_probs(model, batch)
+    engine = build(backend, model={"path": folder})
+    batch[ROUTED_EXPERTS] = routes
+    got = forward(engine, batch)[LOG_PROBS]
+    mask = predicted_mask(batch[ATTENTION_MASK])
+    return {
+        "gap": float((got - want).abs()[mask].max()),
+        "own_gap": float((got - own).abs()[mask].max()),
+    }
+
+
 def _lora_stream(engine: BaseEngine, held: dict[str, torch.Tensor]) -> list[str]:
     """What is wrong with ``named_lora_params`` against the peft model's own tensors ``held``:
     every tensor, then the adapters alone (what a rollout serving the adapters is sent)."""
@@ -809,6 +836,8 @@ def single_process_checks(
         _record(results, "export", lambda: _params(build(backend, model=policy)))
     if Capability.LORA in caps:
         _record(results, "lora", lambda: _lora(backend, baseline["policy_dir"]))
+    if Capability.ROUTING_REPLAY in caps:
+        _record(results, "routing", lambda: _routing(backend, baseline["checkpoint_root"]))
     if Capability.OFFLOAD in caps:
         optim = {"lr": 1e-2, "clip_grad": 1.0}
         _record(

@@ -12,6 +12,7 @@ from engine_core.batch import make_batch
 
 __all__ = [
     "TINY_QWEN2",
+    "TINY_QWEN3",
     "engine_config",
     "random_batch",
     "nll_loss",
@@ -29,6 +30,23 @@ TINY_QWEN2: dict[str, Any] = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "max_position_embeddings": 128,
+    "tie_word_embeddings": False,
+}
+
+
+# a Qwen3 of odd shapes: vocabulary 67, head_dim 16 apart from hidden 48 / 4 heads, per-head
+# q/k RMSNorms
+TINY_QWEN3: dict[str, Any] = {
+    "model_type": "qwen3",
+    "vocab_size": 67,
+    "hidden_size": 48,
+    "intermediate_size": 80,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False,
 }
 

@@ -24,6 +24,7 @@ FSDP_CAPABILITIES = frozenset(
         Capability.ACTIVATION_OFFLOAD,
         Capability.LORA,
         Capability.OFFLOAD,
+        Capability.ROUTING_REPLAY,  # the default forward: transformers' routers, replayed
     }
 )
 

@@ -8,8 +8,15 @@ from engine_core.backend import (
 
 __all__ = ["HF_CAPABILITIES"]
 
+# routing_replay: a mixture of experts' routes are recorded while generating and returned
 # lora: with model.lora the rollout holds the same peft model as the actor and takes the
 # adapters alone at each sync (the base once)
 HF_CAPABILITIES = frozenset(
-    {Capability.CPU, Capability.LOGPROBS, Capability.SLEEP, Capability.LORA}
+    {
+        Capability.CPU,
+        Capability.LOGPROBS,
+        Capability.SLEEP,
+        Capability.LORA,
+        Capability.ROUTING_REPLAY,  # returns routed_experts (SamplingParams.return_routes)
+    }
 )

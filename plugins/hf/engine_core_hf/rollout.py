@@ -15,10 +15,17 @@ vocabulary index (splitmix64, computed for all rows at once on the logits' devic
 ``torch.Generator``), so a row's sample does not depend on the other rows of the batch, their
 order or padding (transformers' own sampling draws the whole batch from one global generator).
 Unseeded requests sample as transformers does.
+
+With ``SamplingParams.return_routes`` (a mixture-of-experts model) the routers' choices are
+recorded during ``generate``: the prompt's forward gives the prompt tokens' experts, each
+decoding step the experts of the token it feeds back. The last sampled token is never fed back,
+so its row holds experts ``0..top_k-1`` (it is never scored: a log-prob is read at the position
+before its token); so do positions after a stop.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar, cast
@@ -35,9 +42,11 @@ from engine_core.backend import (
     RESPONSE_IDS,
     RESPONSE_MASK,
     ROLLOUT_LOG_PROBS,
+    ROUTED_EXPERTS,
     BaseRollout,
     Capability,
     RolloutConfig,
+    RouteRecorder,
     SamplingParams,
     build_model,
     prompt_seeds,
@@ -79,6 +88,7 @@ class HFRollout(BaseRollout):
     @torch.no_grad()
     def generate(self, prompts: TensorDict, params: SamplingParams) -> TensorDict:
         ids, mask = prompt_tensors(prompts, "HFRollout.generate")
+        self.check_params(params)
         row_seeds = None if params.greedy else _sample_seeds(prompts, params)
         ids, mask = ids.repeat_interleave(params.n, dim=0), mask.repeat_interleave(params.n, dim=0)
         rows = self.cfg.generation_batch_size * params.n  # every sample of a prompt in one call
@@ -96,6 +106,11 @@ class HFRollout(BaseRollout):
         resp_mask = torch.cat([_pad_right(p[1], width, 0) for p in parts])
         logps = torch.cat([_pad_right(p[2], width, 0.0) for p in parts])
         reasons = [r for p in parts for r in p[3]]
+        routed = None
+        if params.return_routes:  # [rows, P + R, layers, top_k], the response part padded
+            routed = torch.cat(
+                [torch.cat([p[4][0], _pad_right(p[4][1], width, 0)], 1) for p in parts]
+            )
         out = TensorDict(
             {
                 PROMPT_IDS: ids,
@@ -107,6 +122,8 @@ class HFRollout(BaseRollout):
             batch_size=[ids.shape[0]],
         )
         out[FINISH_REASON] = NonTensorStack.from_list(reasons)
+        if routed is not None:
+            out[ROUTED_EXPERTS] = routed
         return out
 
     def _generate_chunk(
@@ -115,7 +132,7 @@ class HFRollout(BaseRollout):
         mask: torch.Tensor,
         params: SamplingParams,
         row_seeds: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str]]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str], Any]:
         stop = list(params.stop_token_ids)
         kwargs: dict[str, Any] = {
             "max_new_tokens": params.max_new_tokens,
@@ -136,9 +153,11 @@ class HFRollout(BaseRollout):
             )
         else:  # neutralise sampling defaults a checkpoint's generation_config may carry
             kwargs.update(temperature=None, top_p=None, top_k=None)
-        out = self.model.generate(
-            input_ids=ids.to(self.device), attention_mask=mask.to(self.device), **kwargs
-        )
+        recorder = RouteRecorder(self.model) if params.return_routes else contextlib.nullcontext()
+        with recorder:
+            out = self.model.generate(
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), **kwargs
+            )
         resp = out.sequences[:, ids.shape[1] :].cpu()
         logits = torch.stack(out.logits, dim=1).float().cpu() / params.log_prob_temperature
         logps = torch.log_softmax(logits, -1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)
@@ -151,7 +170,11 @@ class HFRollout(BaseRollout):
         resp = resp.masked_fill(after_stop, self.pad_token_id)
         logps = logps.masked_fill(after_stop, 0.0)
         reasons = ["stop" if stopped else "length" for stopped in is_stop.any(-1).tolist()]
-        return resp, resp_mask, logps, reasons
+        routes = None
+        if isinstance(recorder, RouteRecorder):
+            routes = _generation_routes(recorder.forwards(), ids.shape, resp.shape[1])
+            routes[1][after_stop] = torch.arange(routes[1].shape[-1])
+        return resp, resp_mask, logps, reasons, routes
 
     # -- weights --------------------------------------------------------------------------
     def expected_weights(self) -> dict[str, tuple[int, ...]]:
@@ -308,7 +331,29 @@ def _seeded(seed: int | None, device: torch.device) -> Iterator[None]:
         yield
 
 
+def _generation_routes(
+    forwards: list[torch.Tensor], prompt_shape: torch.Size, generated: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompt routes ``[rows, P, layers, top_k]``, response routes ``[rows, R, layers,
+    top_k]``) from the forwards of one ``generate``: the prompt's, then one per fed-back token."""
+    rows, width = prompt_shape
+    if len(forwards) != generated:
+        raise RuntimeError(
+            f"recording routes: generate made {len(forwards)} forwards for {generated} new "
+            f"tokens; expected one for the prompt and one per token fed back."
+        )
+    prompt = forwards[0].reshape(forwards[0].shape[0], rows, width, -1).permute(1, 2, 0, 3)
+    layers, top_k = prompt.shape[2], prompt.shape[3]
+    response = torch.empty(rows, generated, layers, top_k, dtype=torch.int64)
+    for j, step in enumerate(forwards[1:]):  # the experts of response token j
+        response[:, j] = step.permute(1, 0, 2)
+    response[:, generated - 1] = torch.arange(top_k)  # the last token is never fed back
+    return prompt.contiguous(), response
+
+
 def _pad_right(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
+    """``t`` (``[rows, R, ...]``) padded along its second dimension to ``width``."""
     if t.shape[1] == width:
         return t
-    return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+    trailing = (0, 0) * (t.dim() - 2)  # F.pad's pairs run from the last dimension back
+    return torch.nn.functional.pad(t, (*trailing, 0, width - t.shape[1]), value=value)

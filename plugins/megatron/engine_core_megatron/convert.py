@@ -192,7 +192,7 @@ def layer_parts(layout: ModelLayout) -> list[str]:
 
 
 def hf_parameter_names(layout: ModelLayout) -> list[str]:
-    """Every HF parameter name of the model, in the order transformers lists them."""
+    """Every HF parameter name of the model, layer by layer."""
     names = ["model.embed_tokens.weight"]
     for i in range(layout.num_layers):
         for part in layer_parts(layout):

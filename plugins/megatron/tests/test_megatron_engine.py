@@ -251,19 +251,30 @@ def test_export_reloads_with_from_pretrained(runs: dict[str, Any]) -> None:
     assert diff <= 1e-5, f"the exported model's log-probs differ from the engine's by {diff}"
 
 
-def test_round_trip_hf_megatron_hf_is_exact(baseline: Baseline) -> None:
-    """Every HF tensor cut into TP shards and put back is bit-identical (TP 1 and 2)."""
+@pytest.mark.parametrize("model", ["qwen2", "qwen3"])
+def test_round_trip_hf_megatron_hf_is_exact(baseline: Baseline, model: str) -> None:
+    """Every HF tensor cut into TP shards and put back is bit-identical (TP 1 and 2): the kit's
+    Qwen2 (qkv biases) and a Qwen3 (per-head q/k norms, head_dim apart from hidden / heads)."""
     from engine_core_megatron.convert import (
         hf_from_shards,
         hf_parameter_names,
+        layer_parts,
         layout_of,
         megatron_to_hf_names,
         shard_from_hf,
     )
     from transformers import AutoConfig
 
-    hf = AutoConfig.from_pretrained(baseline.policy_dir)
-    state = baseline.state_dict
+    from engine_core.config import ModelConfig
+    from engine_core.models import build_hf_config, build_model
+    from engine_core.testing.models import TINY_QWEN3
+
+    if model == "qwen2":
+        hf = AutoConfig.from_pretrained(baseline.policy_dir)
+        state = baseline.state_dict
+    else:
+        qwen3 = ModelConfig(config=dict(TINY_QWEN3))
+        hf, state = build_hf_config(qwen3), build_model(qwen3).state_dict()
     for tp in (1, 2):
         layout = layout_of(hf, value_head=False, tp=tp)
         assert sorted(hf_parameter_names(layout)) == sorted(state)
@@ -272,16 +283,8 @@ def test_round_trip_hf_megatron_hf_is_exact(baseline: Baseline) -> None:
             "decoder.final_layernorm.weight",
             "output_layer.weight",
         ]
-        for part in (
-            "self_attention.linear_qkv.weight",
-            "self_attention.linear_qkv.bias",
-            "self_attention.linear_proj.weight",
-            "mlp.linear_fc1.weight",
-            "mlp.linear_fc2.weight",
-            "input_layernorm.weight",
-            "pre_mlp_layernorm.weight",
-        ):
-            names += [f"decoder.layers.{i}.{part}" for i in range(layout.num_layers)]
+        for i in range(layout.num_layers):
+            names += [f"decoder.layers.{i}.{part}" for part in layer_parts(layout)]
         seen = set()
         for name in names:
             hf_names = megatron_to_hf_names(name, 0, layout)

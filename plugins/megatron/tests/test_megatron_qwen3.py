@@ -21,26 +21,14 @@ from engine_core.batch import LOG_PROBS  # noqa: E402
 from engine_core.config import ModelConfig  # noqa: E402
 from engine_core.testing.distributed import run_distributed  # noqa: E402
 from engine_core.testing.kit import build, eval_batch, forward, plain_log_probs  # noqa: E402
-from engine_core.testing.models import train_steps  # noqa: E402
+from engine_core.testing.models import TINY_QWEN3, train_steps  # noqa: E402
 
 PRELOAD = (
     "engine_core_megatron.engine",
     "engine_core_fsdp.fsdp2",
     "transformers.models.qwen3.modeling_qwen3",
 )
-QWEN3: dict[str, Any] = {
-    "model_type": "qwen3",
-    "vocab_size": 67,
-    "hidden_size": 48,
-    "intermediate_size": 80,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 64,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-}
+QWEN3 = TINY_QWEN3
 OPTIM = {"lr": 1e-2, "clip_grad": 1.0, "warmup_steps": 1}
 LAYOUTS: dict[str, tuple[int, dict[str, int]]] = {
     "tp1": (1, {}),
@@ -114,36 +102,3 @@ def test_qwen3_on_megatron_equals_transformers(
     assert type(exported).__name__ == "Qwen3ForCausalLM"
     assert not torch.equal(exported.state_dict()["model.layers.0.self_attn.q_norm.weight"],
                            state["model.layers.0.self_attn.q_norm.weight"])  # fmt: skip
-
-
-def test_qwen3_shards_round_trip_exactly(folder: str) -> None:
-    """Every HF tensor of the Qwen3 cut into TP shards and put back is bit-identical."""
-    from engine_core_megatron.convert import (
-        hf_from_shards,
-        hf_parameter_names,
-        layer_parts,
-        layout_of,
-        megatron_to_hf_names,
-        shard_from_hf,
-    )
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(folder)
-    state = AutoModelForCausalLM.from_pretrained(folder).state_dict()
-    for tp in (1, 2):
-        layout = layout_of(config, value_head=False, tp=tp)
-        assert layout.qk_norm and not layout.qkv_bias and layout.head_dim == 16
-        assert hf_parameter_names(layout) == list(state)  # transformers' own order
-        names = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight"]
-        names += ["output_layer.weight"]
-        for i in range(layout.num_layers):
-            names += [f"decoder.layers.{i}.{part}" for part in layer_parts(layout)]
-        seen = set()
-        for name in names:
-            hf_names = megatron_to_hf_names(name, 0, layout)
-            full = tuple(state[n] for n in hf_names)
-            shards = [shard_from_hf(name, full, layout, r, tp) for r in range(tp)]
-            for n, back in zip(hf_names, hf_from_shards(name, shards, layout), strict=True):
-                assert torch.equal(back, state[n]), f"tp={tp}: {name} -> {n}"
-                seen.add(n)
-        assert seen == set(state)

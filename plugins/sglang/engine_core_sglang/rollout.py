@@ -412,6 +412,7 @@ class SGLangRollout(BaseRollout):
             )
         if self._released:
             raise WeightSyncError("the SGLang rollout's memory is released; resume() first.")
+        self.check_params(params)
         requests = build_requests(prompts, params, deterministic=self.cfg.deterministic_inference)
         outputs = self.engine.generate(
             input_ids=requests.input_ids,

@@ -171,6 +171,7 @@ class VLLMRollout(BaseRollout):
                 "inconsistent; load the full weights again (load_weights) before generating."
             )
         ids, mask = prompt_tensors(prompts, "VLLMRollout.generate")
+        self.check_params(params)
         from vllm.inputs import TokensPrompt
 
         requests = [

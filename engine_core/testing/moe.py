@@ -1,0 +1,77 @@
+"""A tiny mixture of experts and routes for it, for the conformance kit and the tests.
+
+:data:`TINY_QWEN3_MOE` is a Qwen3-MoE of 8 experts, top-2, with an odd vocabulary;
+:func:`routed_batch` gives a batch of random sequences and routes a rollout could have chosen
+for it (a bf16 copy's, with every third token sent one expert further, so they surely differ
+from the model's own); :func:`replayed_log_probs` is the oracle: each sequence alone through
+transformers with its routes replayed.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from engine_core.batch import ATTENTION_MASK, INPUT_IDS
+from engine_core.moe import RouteRecorder, replaying
+from engine_core.testing.models import random_batch
+
+__all__ = ["TINY_QWEN3_MOE", "routed_batch", "replayed_log_probs"]
+
+TINY_QWEN3_MOE: dict[str, Any] = {
+    "model_type": "qwen3_moe",
+    "vocab_size": 67,
+    "hidden_size": 48,
+    "intermediate_size": 80,
+    "moe_intermediate_size": 24,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+}
+
+
+def routed_batch(model: Any, num_samples: int = 6) -> tuple[TensorDict, torch.Tensor]:
+    """A left-padded batch of random lengths and routes for it, ``[B, L, layers, top_k]``
+    (zeros on padding)."""
+    batch = random_batch(num_samples, seq_len=16, seed=5, left_pad=True)
+    sampler = copy.deepcopy(model).to(torch.bfloat16)
+    ids, mask = batch[INPUT_IDS], batch[ATTENTION_MASK].bool()
+    layers, top_k = None, None
+    rows = []
+    with torch.no_grad():
+        for i in range(ids.shape[0]):
+            with RouteRecorder(sampler) as rec:
+                sampler(ids[i][mask[i]].unsqueeze(0))
+            rows.append(rec.routes().transpose(0, 1))  # [tokens, layers, top_k]
+            layers, top_k = rows[-1].shape[1:]
+    assert layers is not None and top_k is not None
+    routes = torch.zeros(*ids.shape, layers, top_k, dtype=torch.int64)
+    for i, row in enumerate(rows):
+        routes[i, mask[i]] = row
+    experts = int(model.config.num_experts)
+    routes[:, ::3] = (routes[:, ::3] + 1) % experts
+    return batch, routes
+
+
+def replayed_log_probs(model: Any, batch: TensorDict, routes: torch.Tensor) -> torch.Tensor:
+    """Each sequence alone through ``model`` with its routes replayed: log-probs aligned to
+    ``input_ids`` (0 on the first token and padding)."""
+    ids, mask = batch[INPUT_IDS], batch[ATTENTION_MASK].bool()
+    out = torch.zeros(ids.shape)
+    with torch.no_grad():
+        for i in range(ids.shape[0]):
+            seq = ids[i][mask[i]].unsqueeze(0)
+            with replaying(model, routes[i, mask[i]].transpose(0, 1)):
+                logp = torch.log_softmax(model(input_ids=seq).logits.float()[0, :-1], -1)
+            idx = mask[i].nonzero().squeeze(-1)
+            out[i, idx[1:]] = logp.gather(-1, seq[0, 1:, None]).squeeze(-1)
+    return out
