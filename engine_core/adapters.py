@@ -22,19 +22,11 @@ from safetensors.torch import save_file
 
 from engine_core.config import LoraConfig
 from engine_core.errors import WeightSyncError
-from engine_core.models import is_adapter_name
+from engine_core.models import adapted_modules, is_adapter_name, peft_base_name
 
-__all__ = ["AdapterFolders", "peft_base_name", "split_peft_tensors"]
+__all__ = ["AdapterFolders", "split_peft_tensors"]
 
-_PEFT_PREFIX = "base_model.model."
 _ADAPTER_NAME = ".default."  # peft's name for the one adapter a model trains
-
-
-def peft_base_name(name: str) -> str:
-    """The base model's HF name of a peft model's base tensor
-    (``base_model.model.model.layers.0.mlp.up_proj.base_layer.weight`` ->
-    ``model.layers.0.mlp.up_proj.weight``)."""
-    return name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
 
 
 def split_peft_tensors(
@@ -67,7 +59,7 @@ class AdapterFolders:
         """
         if not adapters:
             raise WeightSyncError("no LoRA adapter tensors were received; nothing to serve.")
-        modules = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in adapters})
+        modules = adapted_modules(adapters)
         folder = Path(self._root.name) / f"v{self.version + 1}"
         folder.mkdir()
         tensors = {name.replace(_ADAPTER_NAME, "."): t.contiguous() for name, t in adapters.items()}

@@ -55,6 +55,7 @@ _EXPORTS: dict[str, str] = {
     "build_hf_config": "engine_core.models",
     "build_model": "engine_core.models",
     "is_adapter_name": "engine_core.models",
+    "adapted_modules": "engine_core.models",
     "RouteRecorder": "engine_core.moe",
     "ROUTED_EXPERTS": "engine_core.batch",
     "AdapterFolders": "engine_core.adapters",
@@ -194,6 +195,7 @@ if TYPE_CHECKING:
     from engine_core.loss import GlobalBatchContext, Metric, MetricAccumulator
     from engine_core.models import (
         DTYPES,
+        adapted_modules,
         build_hf_config,
         build_model,
         is_adapter_name,

@@ -150,6 +150,19 @@ def is_adapter_name(name: str) -> bool:
     return _ADAPTER_PART.search(name) is not None
 
 
+def peft_base_name(name: str) -> str:
+    """The base model's HF name of a peft model's base tensor
+    (``base_model.model.model.layers.0.mlp.up_proj.base_layer.weight`` ->
+    ``model.layers.0.mlp.up_proj.weight``)."""
+    return name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
+
+
+def adapted_modules(names: Iterable[str]) -> list[str]:
+    """The module names (``q_proj``, ``down_proj``, ...) the adapter tensors among ``names``
+    adapt: what a LoRA-serving backend is told to target (``all-linear`` as peft resolved it)."""
+    return sorted({n.split(".lora_")[0].rsplit(".", 1)[-1] for n in names if is_adapter_name(n)})
+
+
 _LORA_PART = re.compile(
     r"^(?P<layer>.+)\.(?P<part>base_layer|lora_A\.default|lora_B\.default)\.(?P<kind>weight|bias)$"
 )

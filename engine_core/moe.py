@@ -159,9 +159,6 @@ class RouteRecorder(_RouterHooks):
         generation: the prompt's forward, then one per new token)."""
         return [torch.stack(chosen) for chosen in zip(*self._seen, strict=True)]
 
-    def clear(self) -> None:
-        self._seen = [[] for _ in self._routers]
-
 
 class RouteReplay(_RouterHooks):
     """Inside ``with RouteReplay(model, routes):`` the model's routers take the experts
@@ -181,6 +178,7 @@ class RouteReplay(_RouterHooks):
             )
         if routes.dtype.is_floating_point or routes.dtype == torch.bool:
             raise ValueError(f"routes must hold integer expert ids; got {routes.dtype}.")
+        lo, hi = (int(routes.min()), int(routes.max())) if routes.numel() else (0, 0)
         for module in self._routers:
             router: Any = module  # transformers' routers carry top_k and num_experts
             k, experts = int(router.top_k), int(router.num_experts)
@@ -189,10 +187,9 @@ class RouteReplay(_RouterHooks):
                     f"routes name {routes.shape[2]} experts per token; the model's routers "
                     f"take top_k={k}."
                 )
-            if routes.numel() and (int(routes.min()) < 0 or int(routes.max()) >= experts):
+            if lo < 0 or hi >= experts:
                 raise ValueError(
-                    f"routes name experts outside 0..{experts - 1}: min {int(routes.min())}, "
-                    f"max {int(routes.max())}."
+                    f"routes name experts outside 0..{experts - 1}: min {lo}, max {hi}."
                 )
         self.routes = routes
         self._offset = [0] * len(self._routers)

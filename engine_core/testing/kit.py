@@ -9,6 +9,7 @@ with its own message.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import tempfile
 import traceback
@@ -31,6 +32,7 @@ from engine_core.batch import (
 )
 from engine_core.capabilities import Capability
 from engine_core.engine import BaseEngine, loss_mask_of, predicted_mask
+from engine_core.moe import replaying
 from engine_core.plugins import load_plugins
 from engine_core.resolve import resolve_engine_config
 from engine_core.testing.models import TINY_QWEN2, engine_config, nll_loss, random_batch
@@ -129,15 +131,26 @@ def _hf_config(**extra: Any) -> Any:
     return AutoConfig.for_model(cfg.pop("model_type"), **cfg, **extra)
 
 
-def plain_log_probs(model: torch.nn.Module, batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence alone through the model: log-probs and entropy aligned to ``input_ids``."""
+def plain_log_probs(
+    model: torch.nn.Module, batch: TensorDict, routes: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence alone through the model: log-probs and entropy aligned to ``input_ids``.
+    With ``routes`` (``[B, L, layers, top_k]``, a mixture of experts), each sequence's routes
+    are replayed (:func:`engine_core.moe.replaying`)."""
     ids, mask = batch[INPUT_IDS], batch[ATTENTION_MASK]
     lp, ent = torch.zeros(ids.shape), torch.zeros(ids.shape)
     with torch.no_grad():
         for i in range(ids.shape[0]):
             real = mask[i].bool()
             seq = ids[i][real].unsqueeze(0)
-            logp = torch.log_softmax(model(input_ids=seq).logits.float()[0, :-1], -1)
+            replay = (
+                contextlib.nullcontext()
+                if routes is None
+                else replaying(model, routes[i, real].transpose(0, 1))
+            )
+            with replay:
+                logits = model(input_ids=seq).logits
+            logp = torch.log_softmax(logits.float()[0, :-1], -1)
             idx = real.nonzero().squeeze(-1)
             lp[i, idx[1:]] = logp.gather(-1, seq[0, 1:, None]).squeeze(-1)
             ent[i, idx[1:]] = -(logp.exp() * logp).sum(-1)
@@ -712,7 +725,7 @@ def _routing(backend: str, root: str) -> dict[str, float]:
     from engine_core.batch import ROUTED_EXPERTS
     from engine_core.config import ModelConfig
     from engine_core.models import build_model
-    from engine_core.testing.moe import TINY_QWEN3_MOE, replayed_log_probs, routed_batch
+    from engine_core.testing.moe import TINY_QWEN3_MOE, routed_batch
 
     folder = str(Path(root) / "moe_policy")
     with torch.random.fork_rng(devices=[]):
@@ -720,7 +733,7 @@ def _routing(backend: str, root: str) -> dict[str, float]:
         model: Any = build_model(ModelConfig(config=dict(TINY_QWEN3_MOE))).eval()
     model.save_pretrained(folder)
     batch, routes = routed_batch(model)
-    want = replayed_log_probs(model, batch, routes)
+    want, _ = plain_log_probs(model, batch, routes)
     own, _ = plain_log_probs(model, batch)
     engine = build(backend, model={"path": folder})
     batch[ROUTED_EXPERTS] = routes

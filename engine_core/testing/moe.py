@@ -3,8 +3,8 @@
 :data:`TINY_QWEN3_MOE` is a Qwen3-MoE of 8 experts, top-2, with an odd vocabulary;
 :func:`routed_batch` gives a batch of random sequences and routes a rollout could have chosen
 for it (a bf16 copy's, with every third token sent one expert further, so they surely differ
-from the model's own); :func:`replayed_log_probs` is the oracle: each sequence alone through
-transformers with its routes replayed.
+from the model's own). The oracle is ``engine_core.testing.kit.plain_log_probs`` with the routes:
+each sequence alone through transformers with its routes replayed.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import torch
 from tensordict import TensorDict
 
 from engine_core.batch import ATTENTION_MASK, INPUT_IDS
-from engine_core.moe import RouteRecorder, replaying
+from engine_core.moe import RouteRecorder
 from engine_core.testing.models import random_batch
 
-__all__ = ["TINY_QWEN3_MOE", "routed_batch", "replayed_log_probs"]
+__all__ = ["TINY_QWEN3_MOE", "routed_batch"]
 
 TINY_QWEN3_MOE: dict[str, Any] = {
     "model_type": "qwen3_moe",
@@ -60,18 +60,3 @@ def routed_batch(model: Any, num_samples: int = 6) -> tuple[TensorDict, torch.Te
     experts = int(model.config.num_experts)
     routes[:, ::3] = (routes[:, ::3] + 1) % experts
     return batch, routes
-
-
-def replayed_log_probs(model: Any, batch: TensorDict, routes: torch.Tensor) -> torch.Tensor:
-    """Each sequence alone through ``model`` with its routes replayed: log-probs aligned to
-    ``input_ids`` (0 on the first token and padding)."""
-    ids, mask = batch[INPUT_IDS], batch[ATTENTION_MASK].bool()
-    out = torch.zeros(ids.shape)
-    with torch.no_grad():
-        for i in range(ids.shape[0]):
-            seq = ids[i][mask[i]].unsqueeze(0)
-            with replaying(model, routes[i, mask[i]].transpose(0, 1)):
-                logp = torch.log_softmax(model(input_ids=seq).logits.float()[0, :-1], -1)
-            idx = mask[i].nonzero().squeeze(-1)
-            out[i, idx[1:]] = logp.gather(-1, seq[0, 1:, None]).squeeze(-1)
-    return out

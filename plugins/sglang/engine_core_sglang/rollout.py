@@ -66,9 +66,9 @@ from engine_core.backend import (
     SentBucket,
     WeightBucket,
     WeightSyncError,
+    adapted_modules,
     checked_buckets,
     confirm_bucket,
-    is_adapter_name,
     model_weight_shapes,
     prompt_tensors,
     response_batch,
@@ -384,12 +384,10 @@ class SGLangRollout(BaseRollout):
                 add_deterministic_attention_backend_choices([kwargs["attention_backend"]])
         if lora is not None:  # the base in the model, each adapter version from a folder
             self._adapters = AdapterFolders(lora, "engine-core-sglang-lora-")
-            names = sorted({n.split(".lora_")[0].rsplit(".", 1)[-1] for n in self._expected
-                            if is_adapter_name(n)})  # fmt: skip
             kwargs.update(
                 enable_lora=True,
                 max_lora_rank=lora.rank,
-                lora_target_modules=names,
+                lora_target_modules=adapted_modules(self._expected),
                 max_loras_per_batch=1,
                 max_loaded_loras=2,  # the version served and the one replacing it
             )

@@ -226,13 +226,12 @@ class VLLMRollout(BaseRollout):
             raise WeightSyncError("the weight stream was empty: no bucket arrived.")
         if self._adapters is not None and all(is_adapter_name(n) for n, _ in first[0]):
             for handed in confirmed(itertools.chain([first], checked)):
-                if not all(is_adapter_name(n) for n, _ in handed):
+                if next(split_peft_tensors(handed, adapters), None) is not None:  # a base tensor
                     raise WeightSyncError(
                         "a weight stream began with LoRA adapters and went on with base "
                         "weights; send the peft tensors in the model's order, or the adapters "
                         "alone."
                     )
-                adapters.update((n, t.detach().clone()) for n, t in handed)
         else:
             self.llm.collective_rpc(
                 "reload_weights",
