@@ -50,7 +50,8 @@ LOG_PROBS = "log_probs"
 ENTROPY = "entropy"
 VALUES = "values"
 #: optional, int ``[B, L, layers, top_k]``: the experts each token was routed to in each MoE layer
-#: (by the rollout that sampled it); an engine that declares ``routing_replay`` routes the same
+#: (by the rollout that sampled it); an engine that declares ``routing_replay`` routes the same.
+#: Also an output: with ``BatchMeta.return_routes``, the engine's own routers' choice
 ROUTED_EXPERTS = "routed_experts"
 META_KEY = "meta"
 
@@ -70,6 +71,14 @@ class BatchMeta(BaseModel):
         description=(
             "Value-head outputs read at each token (the prefix up to and including it) instead "
             "of aligned like log-probs (the prefix before it). Reward models score this way."
+        ),
+    )
+    return_routes: bool = Field(
+        False,
+        description=(
+            "Also return routed_experts [B, L, layers, top_k]: the experts the model's own "
+            "routers chose for each token (before any replay of the batch's routed_experts "
+            "replaced them). Engines that declare routing_replay."
         ),
     )
 

@@ -47,7 +47,7 @@ from engine_core.errors import BatchError, CapabilityError, EngineCoreError
 from engine_core.log_probs import chunked_head, head_of, token_log_probs
 from engine_core.loss import GlobalBatchContext, LossFn, MetricAccumulator
 from engine_core.microbatch import prepare_micro_batches
-from engine_core.moe import replaying
+from engine_core.moe import RouteRecorder, replaying
 from engine_core.packing import PackedSequences, pack, pack_tensor, sequence_start_mask, unpack
 from engine_core.rollout import CutBuckets, gather_bytes, iter_buckets
 
@@ -118,6 +118,10 @@ class ModelInputs:
     #: the experts to route each token of the model's row to, ``[layers, tokens, top_k]``
     #: (the batch's ``routed_experts`` in the row's order; :mod:`engine_core.moe`)
     routes: torch.Tensor | None = None
+    #: record the routers' own choice (``BatchMeta.return_routes``); :meth:`BaseEngine.forward_model`
+    #: leaves it in ``recorded``, ``[layers, tokens, top_k]`` over the model's row
+    record_routes: bool = False
+    recorded: torch.Tensor | None = None
 
 
 @dataclass
@@ -153,6 +157,20 @@ def _targets(inputs: ModelInputs, length: int | None = None) -> torch.Tensor:
         return inputs.targets[:, :length]
     ids = inputs.kwargs["input_ids"]
     return torch.nn.functional.pad(ids[:, 1:], (0, 1))[:, :length]
+
+
+def _placed_routes(
+    recorded: torch.Tensor, inputs: ModelInputs, micro_batch: TensorDict
+) -> torch.Tensor:
+    """Routes recorded over the model's row (``[layers, tokens, top_k]``) as the batch's
+    ``[b, L, layers, top_k]``; padding holds expert 0."""
+    per_token = recorded.transpose(0, 1)
+    if inputs.packed is not None:
+        return unpack(inputs.packed, per_token, fill=0)
+    b, length = micro_batch[INPUT_IDS].shape
+    placed = per_token.reshape(b, length, *per_token.shape[1:])
+    real = micro_batch[ATTENTION_MASK].bool()[..., None, None]
+    return placed.masked_fill(~real, 0)
 
 
 def _cause(e: BaseException) -> str:
@@ -353,12 +371,19 @@ class BaseEngine(abc.ABC):
         """
         validate_batch(batch)
         self._check_model_limits(batch)
-        if ROUTED_EXPERTS in batch.keys() and Capability.ROUTING_REPLAY not in self.capabilities:
-            raise CapabilityError(
-                f"the batch carries {ROUTED_EXPERTS} (a rollout's choice of experts), which "
-                f"{type(self).__name__} does not replay (it does not declare routing_replay); "
-                f"drop the key or use an engine that declares it."
-            )
+        if Capability.ROUTING_REPLAY not in self.capabilities:
+            if ROUTED_EXPERTS in batch.keys():
+                raise CapabilityError(
+                    f"the batch carries {ROUTED_EXPERTS} (a rollout's choice of experts), which "
+                    f"{type(self).__name__} does not replay (it does not declare "
+                    f"routing_replay); drop the key or use an engine that declares it."
+                )
+            if get_meta(batch).return_routes:
+                raise CapabilityError(
+                    f"BatchMeta(return_routes=True) asks for the experts the model's routers "
+                    f"chose, which {type(self).__name__} does not record (it does not declare "
+                    f"routing_replay); turn routing replay off or use an engine that declares it."
+                )
         if not forward_only and self.loss_fn is None:
             raise EngineCoreError(
                 "forward_backward_step(forward_only=False) needs a loss; call set_loss_fn() first."
@@ -407,6 +432,8 @@ class BaseEngine(abc.ABC):
                 inputs.head = self._head_request(inputs, mb)
                 raw = self.forward_model(inputs)
                 out = self.prepare_model_outputs(raw, inputs, mb)
+                if inputs.recorded is not None:
+                    out[ROUTED_EXPERTS] = _placed_routes(inputs.recorded, inputs, mb)
                 if self.loss_fn is not None:
                     loss, metrics = self.loss_fn(mb, out, ctx)
                     if not forward_only:
@@ -449,14 +476,16 @@ class BaseEngine(abc.ABC):
         dev = self.device
         cp = self.context_parallel_group
         routed = micro_batch.get(ROUTED_EXPERTS, None)
-        if routed is not None:
+        record: bool = get_meta(micro_batch).return_routes
+        if routed is not None or record:
             if cp is not None or self.config.model.gradient_checkpointing:
                 raise BatchError(
-                    f"{ROUTED_EXPERTS} with context parallelism or gradient checkpointing is "
-                    f"not supported yet (a recomputed forward would route on its own): run "
-                    f"routing replay with context_parallel_size=1 and "
+                    f"{ROUTED_EXPERTS} (replayed or returned) with context parallelism or "
+                    f"gradient checkpointing is not supported yet (a recomputed forward would "
+                    f"route on its own): run routing replay with context_parallel_size=1 and "
                     f"model.gradient_checkpointing=false."
                 )
+        if routed is not None:
             if routed.dim() != 4 or tuple(routed.shape[:2]) != tuple(ids.shape):
                 raise BatchError(
                     f"{ROUTED_EXPERTS} must be [B, L, layers, top_k] with [B, L] = "
@@ -485,6 +514,7 @@ class BaseEngine(abc.ABC):
                 targets=None if targets is None else targets.to(dev),
                 shard=shard,
                 routes=None if routed is None else pack_tensor(packed, routed)[0].transpose(0, 1),
+                record_routes=record,
             )
         kwargs = {
             "input_ids": ids.to(dev),
@@ -493,7 +523,7 @@ class BaseEngine(abc.ABC):
             "use_cache": False,
         }
         routes = None if routed is None else routed.flatten(0, 1).transpose(0, 1)
-        return ModelInputs(kwargs, None, routes=routes)
+        return ModelInputs(kwargs, None, routes=routes, record_routes=record)
 
     def _head_request(self, inputs: ModelInputs, micro_batch: TensorDict) -> HeadRequest | None:
         """Whether the output layer computes log-probs in chunks for this micro-batch
@@ -523,20 +553,31 @@ class BaseEngine(abc.ABC):
         module = self.require_module()
         request = inputs.head
         offload = self.__offload if self.__offload is not None else contextlib.nullcontext()
+        # entered before the replay, the recorder sees each router's own choice
+        recorder = RouteRecorder(module) if inputs.record_routes else None
         replay = (
             contextlib.nullcontext() if inputs.routes is None else replaying(module, inputs.routes)
         )
-        with self.forward_context(), offload, replay:
+        with (
+            self.forward_context(),
+            offload,
+            recorder if recorder is not None else contextlib.nullcontext(),
+            replay,
+        ):
             if request is None:
-                return module(**inputs.kwargs)
-            with chunked_head(
-                request.head,
-                request.targets,
-                temperature=request.temperature,
-                entropy=request.entropy,
-                chunk_tokens=request.chunk_tokens,
-            ):
-                return module(**inputs.kwargs)
+                raw = module(**inputs.kwargs)
+            else:
+                with chunked_head(
+                    request.head,
+                    request.targets,
+                    temperature=request.temperature,
+                    entropy=request.entropy,
+                    chunk_tokens=request.chunk_tokens,
+                ):
+                    raw = module(**inputs.kwargs)
+        if recorder is not None:
+            inputs.recorded = recorder.routes()
+        return raw
 
     def forward_context(self) -> contextlib.AbstractContextManager[Any]:
         """Context around each call of the model in :meth:`forward_model`.

@@ -40,6 +40,7 @@ BF16 = "test_bf16_model_keeps_its_dtype_and_gives_float32_log_probs"
 MIXED_PRECISION = "test_mixed_precision_computes_in_bf16_on_float32_master_weights"
 TIED = "test_tied_embeddings_export_and_checkpoint"
 CHECKPOINTING = "test_gradient_checkpointing_recomputes_the_blocks"
+ROUTING = "test_routing_replay_follows_the_given_routes"
 UPDATE = {
     "test_update_matches_a_plain_adamw_loop_single_process",
     "test_update_matches_a_plain_adamw_loop_two_dp_ranks",
@@ -55,8 +56,10 @@ GROUPS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
     ),
     "checkpoints": (frozenset(CHECKPOINTS), ("checkpoint",)),
     "lifecycle": (
-        frozenset({MODES, OPTIMIZER, EXPORT, REGISTERED, INPUTS, BF16, TIED, CHECKPOINTING}),
-        ("modes", "optimizer", "export", "inputs", "bf16", "tied", "recompute"),
+        frozenset(
+            {MODES, OPTIMIZER, EXPORT, REGISTERED, INPUTS, BF16, TIED, CHECKPOINTING, ROUTING}
+        ),
+        ("modes", "optimizer", "export", "inputs", "bf16", "tied", "recompute", "routing"),
     ),
     "process": (frozenset({NO_GROUP, MODES}), ("lifecycle", "modes")),
     "updates": (frozenset({*UPDATE, OPTIMIZER, TO}), ("update", "optimizer", "to_meta")),
@@ -125,6 +128,9 @@ BROKEN = {
     "example-no-clip": Broken("updates", frozenset(UPDATE), "gradients are not clipped"),
     "example-double-step": Broken("updates", frozenset(UPDATE), "applies the update twice"),
     "example-forgets-optimizer": Broken("updates", frozenset({TO}), "optimizer on ['cpu'], want"),
+    "example-ignores-routes": Broken(
+        "lifecycle", frozenset({ROUTING}), "it routed on its own (its log-probs are the model's"
+    ),
     "example-bf16-master-weights": Broken(
         "precision", frozenset({MIXED_PRECISION}), "The master weights are not float32"
     ),

@@ -15,14 +15,14 @@ import pytest
 import torch
 from torch import nn
 
-from engine_core.batch import LOG_PROBS, ROUTED_EXPERTS
+from engine_core.batch import ATTENTION_MASK, LOG_PROBS, ROUTED_EXPERTS, with_meta
 from engine_core.config import ModelConfig
 from engine_core.models import build_model
 from engine_core.moe import RouteRecorder, RouteReplay, replaying, route_mismatch, routers
 from engine_core.testing.distributed import run_distributed
 from engine_core.testing.kit import build, eval_batch, forward, plain_log_probs
 from engine_core.testing.models import train_steps
-from engine_core.testing.moe import TINY_QWEN3_MOE, routed_batch
+from engine_core.testing.moe import TINY_QWEN3_MOE, own_routes, routed_batch
 
 QWEN3_MOE = TINY_QWEN3_MOE
 MIXTRAL: dict[str, Any] = {
@@ -201,12 +201,15 @@ REPLAY_LAYOUTS = {
 
 def _replaying_engine(rank: int, world: int, folder: str, batch: Any, routes: Any) -> Any:
     out: dict[str, Any] = {}
+    batch = with_meta(batch, return_routes=True)  # and give back the routers' own choice
     for name, settings in REPLAY_LAYOUTS.items():
         engine = build("fsdp2", model={"path": folder}, optim={"lr": 1e-2}, **settings)
         with_routes = batch.clone()
         with_routes[ROUTED_EXPERTS] = routes
-        out[name] = forward(engine, with_routes)[LOG_PROBS]  # forward shards it
-        out[f"{name}/own"] = forward(engine, batch.clone())[LOG_PROBS]
+        replayed = forward(engine, with_routes)  # forward shards it
+        own = forward(engine, batch.clone())
+        out[name], out[f"{name}/chosen"] = replayed[LOG_PROBS], replayed[ROUTED_EXPERTS]
+        out[f"{name}/own"], out[f"{name}/own_chosen"] = own[LOG_PROBS], own[ROUTED_EXPERTS]
     # the update under replay: the routers get a gradient
     engine = build("fsdp2", model={"path": folder}, optim={"lr": 1e-2})
     with_routes = batch.clone()
@@ -231,11 +234,18 @@ def test_fsdp2_replays_the_routes_a_batch_carries(world: int, tmp_path: Any) -> 
     want, _ = plain_log_probs(model, batch, routes)
     own, _ = plain_log_probs(model, batch)
     assert float((want - own).abs().max()) > 1e-3  # the routes given are not the model's
+    # what the routers choose on their own, and while the given routes are replayed
+    chosen, chosen_under_replay = own_routes(model, batch), own_routes(model, batch, routes)
+    real = batch[ATTENTION_MASK].bool()
+    assert route_mismatch(chosen[real], routes[real]) > 0.2  # what replay overrides
     ranks = run_distributed(_replaying_engine, world, str(tmp_path), batch, routes, preload=PRELOAD)
     for got in ranks:  # the outputs gathered back over DP ranks
         for name in REPLAY_LAYOUTS:
             assert float((got[name] - want).abs().max()) <= 1e-5, name
             assert float((got[f"{name}/own"] - own).abs().max()) <= 1e-5, name
+            # BatchMeta.return_routes: the routers' own choice, before the replay replaced it
+            assert torch.equal(got[f"{name}/own_chosen"], chosen), name
+            assert torch.equal(got[f"{name}/chosen"], chosen_under_replay), name
         assert len(got["router_grads"]) == 2 and all(g > 0 for g in got["router_grads"])
 
 
@@ -259,6 +269,8 @@ def test_routes_are_refused_by_an_engine_that_does_not_replay_and_when_misshaped
     good[ROUTED_EXPERTS] = routes
     with pytest.raises(CapabilityError, match="does not replay"):
         forward(engine, good)
+    with pytest.raises(CapabilityError, match="does not record"):
+        forward(engine, with_meta(batch, return_routes=True))
 
 
 # -- the hf rollout returns the routes it sampled with -------------------------------------

@@ -864,6 +864,14 @@ def test_routing_replay_follows_the_given_routes(single: dict, caps: frozenset) 
             f"model's row to the batch's experts (BaseEngine.prepare_model_inputs and "
             f"forward_model do it for transformers models, through engine_core.moe)."
         )
+    if got["returned_mismatch"] > 0:
+        pytest.fail(
+            f"[routing replay] asked for routes (BatchMeta.return_routes), the engine returned "
+            f"routed_experts that differ from the routers' own choice in "
+            f"{got['returned_mismatch']:.1%} of (token, layer) decisions (or none, or of "
+            f"another shape). Return [B, L, layers, top_k] of what each router chose before the "
+            f"replay replaced it (BaseEngine.forward_model records it through engine_core.moe)."
+        )
 
 
 def test_gradient_checkpointing_recomputes_the_blocks(single: dict, caps: frozenset) -> None:

@@ -29,6 +29,7 @@ from engine_core.batch import (
     LOSS_MASK,
     BatchMeta,
     set_meta,
+    with_meta,
 )
 from engine_core.capabilities import Capability
 from engine_core.engine import BaseEngine, loss_mask_of, predicted_mask
@@ -725,7 +726,8 @@ def _routing(backend: str, root: str) -> dict[str, float]:
     from engine_core.batch import ROUTED_EXPERTS
     from engine_core.config import ModelConfig
     from engine_core.models import build_model
-    from engine_core.testing.moe import TINY_QWEN3_MOE, routed_batch
+    from engine_core.moe import route_mismatch
+    from engine_core.testing.moe import TINY_QWEN3_MOE, own_routes, routed_batch
 
     folder = str(Path(root) / "moe_policy")
     with torch.random.fork_rng(devices=[]):
@@ -735,13 +737,23 @@ def _routing(backend: str, root: str) -> dict[str, float]:
     batch, routes = routed_batch(model)
     want, _ = plain_log_probs(model, batch, routes)
     own, _ = plain_log_probs(model, batch)
+    chosen = own_routes(model, batch, routes)  # the routers' own choice under the replay
     engine = build(backend, model={"path": folder})
     batch[ROUTED_EXPERTS] = routes
-    got = forward(engine, batch)[LOG_PROBS]
+    out = forward(engine, with_meta(batch, return_routes=True))
+    got = out[LOG_PROBS]
     mask = predicted_mask(batch[ATTENTION_MASK])
+    real = batch[ATTENTION_MASK].bool()
+    returned = out.get(ROUTED_EXPERTS)
     return {
         "gap": float((got - want).abs()[mask].max()),
         "own_gap": float((got - own).abs()[mask].max()),
+        # BatchMeta.return_routes: the share of decisions that are not the routers' own
+        "returned_mismatch": (
+            1.0
+            if returned is None or returned.shape != chosen.shape
+            else route_mismatch(returned[real], chosen[real])
+        ),
     }
 
 

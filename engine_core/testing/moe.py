@@ -16,10 +16,10 @@ import torch
 from tensordict import TensorDict
 
 from engine_core.batch import ATTENTION_MASK, INPUT_IDS
-from engine_core.moe import RouteRecorder
+from engine_core.moe import RouteRecorder, replaying
 from engine_core.testing.models import random_batch
 
-__all__ = ["TINY_QWEN3_MOE", "routed_batch"]
+__all__ = ["TINY_QWEN3_MOE", "own_routes", "routed_batch"]
 
 TINY_QWEN3_MOE: dict[str, Any] = {
     "model_type": "qwen3_moe",
@@ -39,24 +39,39 @@ TINY_QWEN3_MOE: dict[str, Any] = {
 }
 
 
+def _rows(batch: TensorDict) -> list[torch.Tensor]:
+    ids, mask = batch[INPUT_IDS], batch[ATTENTION_MASK].bool()
+    return [ids[i][mask[i]].unsqueeze(0) for i in range(ids.shape[0])]
+
+
+def own_routes(model: Any, batch: TensorDict, routes: torch.Tensor | None = None) -> torch.Tensor:
+    """The experts ``model``'s own routers choose for each real token of ``batch``
+    (``[B, L, layers, top_k]``, zeros on padding), each sequence alone; with ``routes``, while
+    those are replayed (each router's choice before the replay replaces it)."""
+    mask = batch[ATTENTION_MASK].bool()
+    out: torch.Tensor | None = None
+    with torch.no_grad():
+        for i, row in enumerate(_rows(batch)):
+            with RouteRecorder(model) as rec:
+                if routes is None:
+                    model(row)
+                else:
+                    with replaying(model, routes[i][mask[i]].transpose(0, 1)):
+                        model(row)
+            chosen = rec.routes().transpose(0, 1)  # [tokens, layers, top_k]
+            if out is None:
+                out = torch.zeros(*mask.shape, *chosen.shape[1:], dtype=torch.int64)
+            out[i, mask[i]] = chosen
+    assert out is not None
+    return out
+
+
 def routed_batch(model: Any, num_samples: int = 6) -> tuple[TensorDict, torch.Tensor]:
     """A left-padded batch of random lengths and routes for it, ``[B, L, layers, top_k]``
     (zeros on padding)."""
     batch = random_batch(num_samples, seq_len=16, seed=5, left_pad=True)
     sampler = copy.deepcopy(model).to(torch.bfloat16)
-    ids, mask = batch[INPUT_IDS], batch[ATTENTION_MASK].bool()
-    layers, top_k = None, None
-    rows = []
-    with torch.no_grad():
-        for i in range(ids.shape[0]):
-            with RouteRecorder(sampler) as rec:
-                sampler(ids[i][mask[i]].unsqueeze(0))
-            rows.append(rec.routes().transpose(0, 1))  # [tokens, layers, top_k]
-            layers, top_k = rows[-1].shape[1:]
-    assert layers is not None and top_k is not None
-    routes = torch.zeros(*ids.shape, layers, top_k, dtype=torch.int64)
-    for i, row in enumerate(rows):
-        routes[i, mask[i]] = row
+    routes = own_routes(sampler, batch)
     experts = int(model.config.num_experts)
     routes[:, ::3] = (routes[:, ::3] + 1) % experts
     return batch, routes

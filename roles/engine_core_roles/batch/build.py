@@ -16,6 +16,7 @@ import torch
 from tensordict import TensorDict
 
 from engine_core import BatchError, BatchMeta, SamplingParams, make_batch
+from engine_core.batch import INPUT_IDS, ROUTED_EXPERTS
 from engine_core.rollout import (
     PROMPT_IDS,
     PROMPT_MASK,
@@ -94,7 +95,8 @@ def training_batch(rollout_output: TensorDict, params: SamplingParams) -> Tensor
     that one, so they are log-probs of the distribution that was sampled.
     When the rollout output holds ``rollout_log_probs`` ``[B, R]``, the result holds it too,
     aligned to ``input_ids`` like ``old_log_probs`` (0 on the prompt): the actor's mismatch
-    correction reads it.
+    correction reads it; so does ``routed_experts`` ``[B, P + R, layers, top_k]`` (a mixture of
+    experts' routes, replayed by the engines).
     """
     missing = [
         k
@@ -131,6 +133,16 @@ def training_batch(rollout_output: TensorDict, params: SamplingParams) -> Tensor
             )
         prompt_zeros = torch.zeros(pmask.shape, dtype=lp.dtype, device=lp.device)
         batch[ROLLOUT_LOG_PROBS] = torch.cat([prompt_zeros, lp], 1)
+    if ROUTED_EXPERTS in rollout_output.keys():
+        routes = rollout_output[ROUTED_EXPERTS]
+        want = tuple(batch[INPUT_IDS].shape)
+        if routes.dim() != 4 or tuple(routes.shape[:2]) != want:
+            raise BatchError(
+                f"{ROUTED_EXPERTS} has shape {tuple(routes.shape)}; a rollout returns it as "
+                f"[B*n, P+R, layers, top_k] with [B*n, P+R] = {want}, one row of experts per "
+                f"prompt and response token."
+            )
+        batch[ROUTED_EXPERTS] = routes
     return batch
 
 

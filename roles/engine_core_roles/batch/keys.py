@@ -17,6 +17,7 @@ __all__ = [
     "ROW",
     "ROW_INDEX",
     "TOKEN_LEVEL_SCORES",
+    "TRAINER_ROUTES",
 ]
 
 OLD_LOG_PROBS = "old_log_probs"
@@ -29,6 +30,9 @@ OLD_VALUES = "old_values"
 """``[B, L]``: the critic's values before its update (``Critic.compute_values``)."""
 RETURNS = "returns"
 """``[B, L]``: the critic's regression targets (GAE returns)."""
+TRAINER_ROUTES = "trainer_routed_experts"
+"""``[B, L, layers, top_k]``: the experts the actor's own routers chose in the old-log-prob pass
+(a mixture of experts under ``trainer.routing_replay``)."""
 RM_SCORES = "rm_scores"
 """``[B]``: one reward-model score per sequence (``RewardModel.compute_rm_score``)."""
 TOKEN_LEVEL_SCORES = "token_level_scores"

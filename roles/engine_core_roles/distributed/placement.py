@@ -204,7 +204,11 @@ class ActorGroup(RoleGroup):
         if not old:
             return ActorUpdate(metrics)
         # the DP chunks in order, without the rows that padded the batch to the DP size
-        return ActorUpdate(metrics, torch.cat(old)[: int(batch.batch_size[0])])
+        rows = int(batch.batch_size[0])
+        routes = [u.routes for u in per_dp_rank if u.routes is not None]
+        return ActorUpdate(
+            metrics, torch.cat(old)[:rows], torch.cat(routes)[:rows] if routes else None
+        )
 
     def supervised_step(self, batch: TensorDict) -> dict[str, float]:
         """One supervised step of the whole group on ``batch``, split over its DP ranks (its

@@ -22,6 +22,7 @@ import torch
 from tensordict import NonTensorStack, TensorDict
 
 from engine_core import BaseRollout, SamplingParams
+from engine_core.capabilities import Capability
 from engine_core.errors import ConfigError
 from engine_core.remote_rollout import RolloutWorker
 from engine_core.rollout import (
@@ -94,7 +95,8 @@ class EpisodeRollout(BaseRollout):
     ) -> None:
         super().__init__(inner.config)
         self.inner, self.environment, self.tokenizer = inner, environment, tokenizer
-        self.capabilities = inner.capabilities  # type: ignore[misc]
+        # an episode's turns are not stitched with their routes (yet): no routing replay
+        self.capabilities = frozenset(inner.capabilities) - {Capability.ROUTING_REPLAY}  # type: ignore[misc]
         self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
         self.step_timeout_s = step_timeout_s
         self.pad_token_id = inner.pad_token_id  # responses padded as the inner rollout pads

@@ -32,6 +32,7 @@ from engine_core import (
     token_mean_metric,
     with_meta,
 )
+from engine_core.batch import ROUTED_EXPERTS
 from engine_core.config import BUCKET_BYTES
 from engine_core.rollout import ROLLOUT_LOG_PROBS
 from engine_core_roles.algorithms.losses import (
@@ -161,6 +162,9 @@ class ActorUpdate:
     """With ``old_log_probs=update``: the update's own forward's per-token log-probs ``[B, L]``,
     before its optimizer step (what :meth:`Actor.compute_log_prob` would have returned before
     the update); ``None`` otherwise."""
+    routes: torch.Tensor | None = None
+    """With ``old_log_probs=update`` and ``BatchMeta.return_routes``: the experts that forward's
+    own routers chose, ``[B, L, layers, top_k]``; ``None`` otherwise."""
 
 
 class Actor:
@@ -195,6 +199,8 @@ class Actor:
         result = TensorDict({OLD_LOG_PROBS: out.outputs[LOG_PROBS]}, batch_size=batch.batch_size)
         if entropy:
             result["entropy"] = out.outputs["entropy"]
+        if ROUTED_EXPERTS in out.outputs.keys():  # asked for by BatchMeta.return_routes
+            result[ROUTED_EXPERTS] = out.outputs[ROUTED_EXPERTS]
         return result
 
     def loss_fn(
@@ -280,7 +286,9 @@ class Actor:
             warn_skipped(
                 "Actor.update_actor", int(out["actor/num_skipped_steps"]), len(history), batch
             )
-        return ActorUpdate(out, first[LOG_PROBS] if on_policy else None)
+        if not on_policy:
+            return ActorUpdate(out)
+        return ActorUpdate(out, first[LOG_PROBS], first.get(ROUTED_EXPERTS, None))
 
 
 def _require_aligned_rollout_log_probs(batch: TensorDict) -> None:

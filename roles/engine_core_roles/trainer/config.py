@@ -4,14 +4,21 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, PositiveInt, model_validator
+from pydantic import BeforeValidator, Field, PositiveInt, model_validator
 
 from engine_core import (
     FrozenModel,
     SamplingParams,
 )
 
-__all__ = ["SEED_STRIDE", "EXTRA_DRAW_STRIDE", "Algorithm", "check_group_size", "TrainerConfig"]
+__all__ = [
+    "SEED_STRIDE",
+    "EXTRA_DRAW_STRIDE",
+    "Algorithm",
+    "RoutingReplay",
+    "check_group_size",
+    "TrainerConfig",
+]
 
 # rollout seed of step s: seed * SEED_STRIDE + s, so a resumed run samples what a straight one did
 SEED_STRIDE = 100003
@@ -25,6 +32,35 @@ Algorithm = Annotated[
     Field(
         description="grpo: group-normalized scores as advantages, no critic; ppo: GAE over a "
         "critic's values (whitened), and a critic update every step."
+    ),
+]
+
+
+def _routing_mode(value: object) -> object:
+    """YAML reads a bare ``off`` as false: take it as "off"; refuse true, which names no mode."""
+    if value is False:
+        return "off"
+    if value is True:
+        raise ValueError(
+            "routing_replay takes a mode, not true: rollout (replay the rollout's routes), "
+            "trainer (replay the old-log-prob pass's), measure (log the mismatch only) or off."
+        )
+    return value
+
+
+RoutingReplay = Annotated[
+    Literal["off", "rollout", "trainer", "measure"],
+    BeforeValidator(_routing_mode),
+    Field(
+        description="Mixtures of experts: which experts the trainer's forwards route each token "
+        "to. off: its own routers' choice. rollout: the ones the rollout chose while sampling "
+        "(the rollout returns them; the old-log-prob pass and the update replay them), and "
+        "rollout/route_mismatch logs the share of (token, layer) decisions where the trainer's "
+        "routers would have chosen otherwise. trainer: the old-log-prob pass routes on its own "
+        "and the update replays that pass's routes (for a rollout that cannot return routes; "
+        "needs a separate old-log-prob pass). measure: nothing replayed, "
+        "rollout/route_mismatch logged. The engine, and for rollout/measure the rollout, must "
+        "declare routing_replay."
     ),
 ]
 
@@ -82,6 +118,7 @@ class TrainerConfig(FrozenModel):
         "weight version old, never more than max_staleness. Needs a rollout that generates in "
         "another process (rollout_placement: process).",
     )
+    routing_replay: RoutingReplay = "off"
 
     logprob_gap_limit: float | None = Field(
         1e-2,
@@ -122,4 +159,5 @@ class TrainerConfig(FrozenModel):
             n=self.samples_per_prompt,
             stop_token_ids=list(self.stop_token_ids),
             seed=seed,
+            return_routes=self.routing_replay in ("rollout", "measure"),
         )

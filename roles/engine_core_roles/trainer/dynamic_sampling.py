@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from engine_core.rollout import PROMPT_IDS, PROMPT_MASK
+from engine_core.batch import ROUTED_EXPERTS
+from engine_core.rollout import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS
 from engine_core_roles.batch.build import training_batch
 from engine_core_roles.data.rewards import Rewards
 from engine_core_roles.trainer.generation import Drawn, Params, Synchronous
@@ -117,6 +118,12 @@ def _cat_left_padded(parts: list[TensorDict]) -> TensorDict:
     padded = []
     for td in parts:
         td = td.clone()
+        if ROUTED_EXPERTS in td.keys():  # [B, P + R, ...]: its prompt and response parts apart
+            prompt = td[PROMPT_IDS].shape[1]
+            head, tail = td[ROUTED_EXPERTS][:, :prompt], td[ROUTED_EXPERTS][:, prompt:]
+            head = _pad_dim1(head, widths[PROMPT_IDS] - prompt, left=True)
+            tail = _pad_dim1(tail, widths.get(RESPONSE_IDS, tail.shape[1]) - tail.shape[1])
+            td[ROUTED_EXPERTS] = torch.cat([head, tail], 1)
         for key, width in widths.items():
             value = td[key]
             extra = width - value.shape[1]
@@ -125,3 +132,11 @@ def _cat_left_padded(parts: list[TensorDict]) -> TensorDict:
                 td[key] = torch.nn.functional.pad(value, pad)
         padded.append(td)
     return torch.cat(padded)  # type: ignore[return-value,arg-type]
+
+
+def _pad_dim1(x: torch.Tensor, extra: int, left: bool = False) -> torch.Tensor:
+    """``x`` with ``extra`` zero columns (dim 1) before or after."""
+    if not extra:
+        return x
+    zeros = x.new_zeros(x.shape[0], extra, *x.shape[2:])
+    return torch.cat([zeros, x] if left else [x, zeros], 1)

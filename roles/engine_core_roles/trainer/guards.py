@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from engine_core import EngineCoreError
+from engine_core import EngineCoreError, with_meta
+from engine_core.batch import ROUTED_EXPERTS
 from engine_core.rollout import (
     PROMPT_IDS,
     RESPONSE_LOSS_MASK,
@@ -23,7 +24,7 @@ from engine_core.rollout import (
     ROLLOUT_REPLICA,
 )
 from engine_core_roles.algorithms.updates import non_finite_inputs
-from engine_core_roles.batch.keys import OLD_LOG_PROBS
+from engine_core_roles.batch.keys import OLD_LOG_PROBS, TRAINER_ROUTES
 from engine_core_roles.roles.actor import ActorUpdate
 from engine_core_roles.trainer.config import TrainerConfig
 from engine_core_roles.trainer.protocols import PolicyRole
@@ -85,10 +86,17 @@ class GapGuard:
 
 class OldLogProbs:
     """Where a step's old log-probs come from; ``before_update`` and ``after_update`` each
-    return the step's gap once it is known (None before)."""
+    return the step's gap once it is known (None before). With ``record_routes`` (a mixture
+    of experts under ``routing_replay``) that forward also puts the experts its own routers
+    chose in the batch (:data:`TRAINER_ROUTES`)."""
 
-    def __init__(self, actor: PolicyRole, guard: GapGuard) -> None:
-        self.actor, self.guard = actor, guard
+    def __init__(self, actor: PolicyRole, guard: GapGuard, record_routes: bool = False) -> None:
+        self.actor, self.guard, self.record_routes = actor, guard, record_routes
+
+    def update_batch(self, batch: TensorDict) -> TensorDict:
+        """What the update takes: ``batch`` (asking for routes where the update's forward is
+        the old-log-prob pass)."""
+        return batch
 
     def before_update(
         self, step: int, staleness: int, gen: TensorDict, batch: TensorDict
@@ -107,7 +115,11 @@ class SeparateForward(OldLogProbs):
     def before_update(
         self, step: int, staleness: int, gen: TensorDict, batch: TensorDict
     ) -> Gap | None:
-        batch[OLD_LOG_PROBS] = self.actor.compute_log_prob(batch)[OLD_LOG_PROBS]
+        asked = with_meta(batch, return_routes=True) if self.record_routes else batch
+        out = self.actor.compute_log_prob(asked)
+        batch[OLD_LOG_PROBS] = out[OLD_LOG_PROBS]
+        if self.record_routes:
+            batch[TRAINER_ROUTES] = out[ROUTED_EXPERTS]
         return self.guard(step, staleness, gen, batch)
 
 
@@ -120,13 +132,21 @@ class FromUpdate(OldLogProbs):
     ) -> Gap | None:
         assert update.old_log_probs is not None  # old_log_probs_from_update
         batch[OLD_LOG_PROBS] = update.old_log_probs
+        if self.record_routes:
+            assert update.routes is not None  # asked for in update_batch
+            batch[TRAINER_ROUTES] = update.routes
         return self.guard(step, staleness, gen, batch)
 
+    def update_batch(self, batch: TensorDict) -> TensorDict:
+        return with_meta(batch, return_routes=True) if self.record_routes else batch
 
-def old_log_probs_stage(actor: PolicyRole, guard: GapGuard) -> OldLogProbs:
+
+def old_log_probs_stage(
+    actor: PolicyRole, guard: GapGuard, record_routes: bool = False
+) -> OldLogProbs:
     """The actor's config decides: ``old_log_probs_from_update`` or a separate forward."""
     stage = FromUpdate if actor.config.old_log_probs_from_update else SeparateForward
-    return stage(actor, guard)
+    return stage(actor, guard, record_routes)
 
 
 def check_skipped(step: int, in_a_row: int, limit: int, batch: TensorDict) -> None:

@@ -11,6 +11,8 @@ once, when the trainer is built, never an ``if`` in the step:
   (:class:`~engine_core_roles.trainer.dynamic_sampling.FilteredGroups`);
 - old log-probs: a forward before the update, or the update's own
   (:mod:`engine_core_roles.trainer.guards`), with the log-prob gap guard on either;
+- routes of a mixture of experts: each forward's own, the rollout's replayed, or the old-log-prob
+  pass's replayed in the update (:mod:`engine_core_roles.trainer.routing`);
 - advantages: the estimator of ``config.algorithm``
   (:mod:`engine_core_roles.trainer.estimators`: group-normalized scores, or GAE over a critic
   that is then updated).
@@ -66,6 +68,7 @@ from engine_core_roles.trainer.protocols import (
     RewardRole,
     ValueRole,
 )
+from engine_core_roles.trainer.routing import routing_for
 from engine_core_roles.trainer.scoring import ScoreAsDrawn, Scorer, group_spread
 from engine_core_roles.trainer.state import batch_of, plain
 
@@ -189,7 +192,8 @@ class RLTrainer:
             if config.filter_groups and isinstance(self._generation, Synchronous)
             else ScoreAsDrawn(self._scorer, params)
         )
-        self._old_log_probs = old_log_probs_stage(actor, GapGuard(config))
+        self._routing = routing_for(config, actor, rollout)
+        self._old_log_probs = old_log_probs_stage(actor, GapGuard(config), self._routing.records)
         self._advantages = estimator_for(config, critic)
 
     # -- the step ------------------------------------------------------------------------------
@@ -202,7 +206,9 @@ class RLTrainer:
         drawn = self._generation.draw(step)
         staleness = self._staleness(step, drawn)
         drawn, batch, scoring, figures = self._scoring(step, drawn)
+        sampled_routes = self._routing.sampled(batch)
         gap = self._old_log_probs.before_update(step, staleness, drawn.samples, batch)
+        routing = self._routing.after_old_pass(batch, sampled_routes)
         if self.reference is not None:
             batch[REF_LOG_PROBS] = self.reference.compute_ref_log_prob(batch)[REF_LOG_PROBS]
         rewards = scoring()
@@ -210,13 +216,14 @@ class RLTrainer:
             return self._unscored_step(step, t0, rewards, drawn.samples, batch)
         self._reward_failures_in_a_row = 0
         critic_metrics = self._advantages(batch, rewards.scores)
-        update = self.actor.update_actor(batch)
+        update = self.actor.update_actor(self._old_log_probs.update_batch(batch))
         gap = self._old_log_probs.after_update(step, staleness, drawn.samples, batch, update) or gap
         assert gap is not None  # one of the two stages computed it
+        routing = self._routing.after_old_pass(batch, sampled_routes) or routing
         self._count_skipped(step, update, batch)
         self._advance(step)
         row = self._row(step, drawn, staleness, rewards, figures, gap, update.metrics)
-        return {**row, **critic_metrics, **self._timing(t0, batch), **_shown(rewards)}
+        return {**row, **routing, **critic_metrics, **self._timing(t0, batch), **_shown(rewards)}
 
     def _staleness(self, step: int, drawn: Drawn) -> int:
         """How many updates old the step's samples are: never more than ``max_staleness``."""

@@ -20,7 +20,8 @@ from engine_core import (
     resolve_engine_config,
     resolve_rollout_config,
 )
-from engine_core.errors import ConfigError
+from engine_core.capabilities import Capability, check_capabilities
+from engine_core.errors import CapabilityError, ConfigError
 from engine_core.executors.base import WorkerGroup, threads_per_process
 from engine_core.models import build_hf_config
 from engine_core.remote_rollout import ProcessRollout
@@ -72,6 +73,7 @@ def resolve(job: RLJobConfig, manager: PluginManager) -> Resolved:
             f"a rollout's config must, so that the job can hand it to the rollout's processes. "
             f"Fix the plugin's config class."
         )
+    _check_routing_capabilities(job, engine[0], rollout_spec)
     critic = None
     if job.trainer.algorithm == "ppo":
         critic = resolve_engine_config(job.critic_engine_config(), manager, path=("critic_engine",))
@@ -82,6 +84,22 @@ def resolve(job: RLJobConfig, manager: PluginManager) -> Resolved:
         )
         _check_vocabulary(engine[1], reward_model[1])
     return Resolved(engine, (rollout_spec, rollout_cfg), critic, reward_model)
+
+
+def _check_routing_capabilities(
+    job: RLJobConfig, engine: BackendSpec, rollout: BackendSpec
+) -> None:
+    """trainer.routing_replay needs the engine (and, taking the rollout's routes, the rollout)
+    to declare routing_replay."""
+    mode = job.trainer.routing_replay
+    if mode == "off":
+        return
+    needed = [("engine", engine)] + ([("rollout", rollout)] if mode != "trainer" else [])
+    for where, spec in needed:
+        try:
+            check_capabilities(spec.name, spec.capabilities, [Capability.ROUTING_REPLAY])
+        except CapabilityError as e:
+            raise CapabilityError(f"trainer.routing_replay={mode}: {where}: {e}") from None
 
 
 @dataclass

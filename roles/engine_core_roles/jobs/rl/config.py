@@ -248,6 +248,7 @@ class RLJobConfig(JobConfig):
                 f"ray.{sorted(self.ray.model_fields_set)[0]} is set but placement.executor="
                 f"{self.placement.executor}; set placement.executor=ray, or drop the ray block."
             )
+        self._check_routing_replay()
         if trainer.max_staleness and self.rollout_placement != "process":
             raise ValueError(
                 f"trainer.max_staleness={trainer.max_staleness} generates while the actor "
@@ -255,6 +256,34 @@ class RLJobConfig(JobConfig):
                 f"rollout_placement=process, or trainer.max_staleness=0."
             )
         return self
+
+    def _check_routing_replay(self) -> None:
+        mode = self.trainer.routing_replay
+        if mode == "off":
+            return
+        if self.env is not None and mode in ("rollout", "measure"):
+            raise ValueError(
+                f"trainer.routing_replay={mode} takes the rollout's routes with its samples; "
+                f"episodes (env) do not carry them across turns yet. Use routing_replay=trainer "
+                f"or off with env."
+            )
+        if mode == "trainer" and self.actor_config().old_log_probs_from_update:
+            raise ValueError(
+                "trainer.routing_replay=trainer replays the old-log-prob pass's routes in the "
+                "update, but with one epoch and one mini-batch the update's forward is that "
+                "pass (actor.old_log_probs=auto): nothing to replay. Set "
+                "actor.old_log_probs=recompute, or routing_replay=off."
+            )
+        model = self.engine.get("model") or {}
+        if (
+            model.get("gradient_checkpointing")
+            or int(self.engine.get("context_parallel_size", 1)) > 1
+        ):
+            raise ValueError(
+                f"trainer.routing_replay={mode} with engine.model.gradient_checkpointing or "
+                f"engine.context_parallel_size > 1 is not supported yet (a recomputed or split "
+                f"forward would route on its own); turn those off, or routing_replay=off."
+            )
 
     def trainer_config(self, task: DigitTask) -> TrainerConfig:
         """The loop's settings: ``trainer``, with the task's response length and its stop token

@@ -55,6 +55,7 @@ def run_rl_job(
         job = RLJobConfig.model_validate(raw)
     except ValidationError as e:
         raise prefix_validation_error(e, (), "RLJobConfig") from None
+    resolved = resolve(job, manager)  # every backend and its config: refused before any folder
     out_dir = Path(job.output_dir)
     ckpt_root = out_dir / "checkpoints"
     latest = latest_checkpoint(ckpt_root)
@@ -79,7 +80,7 @@ def run_rl_job(
         ):
             if threads.driver is not None and threads.driver != before:
                 torch.set_num_threads(threads.driver)
-            built = build(job, resolve(job, manager), stack, threads, text)
+            built = build(job, resolved, stack, threads, text)
             return _run(job, built, resume_from, console, text)
     finally:
         # only when changed: setting it at all, even to the same count, slows this process's
