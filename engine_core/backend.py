@@ -113,6 +113,7 @@ _EXPORTS: dict[str, str] = {
     "sample_seeds": "engine_core.rollout",
     "derive_seed": "engine_core.rollout",
     "response_batch": "engine_core.rollout",
+    "place_routes": "engine_core.rollout",
     "saved_model_folder": "engine_core.rollout",
     "tensor_checksum": "engine_core.rollout",
     "verified_buckets": "engine_core.rollout",
@@ -129,6 +130,7 @@ _EXPORTS: dict[str, str] = {
     "ROLLOUT_LOG_PROBS": "engine_core.rollout",
     # errors
     "BatchError": "engine_core.errors",
+    "CapabilityError": "engine_core.errors",
     "CheckpointError": "engine_core.errors",
     "ConfigError": "engine_core.errors",
     "EngineCoreError": "engine_core.errors",
@@ -177,6 +179,7 @@ if TYPE_CHECKING:
     )
     from engine_core.errors import (
         BatchError,
+        CapabilityError,
         CheckpointError,
         ConfigError,
         EngineCoreError,
@@ -234,6 +237,7 @@ if TYPE_CHECKING:
         derive_seed,
         iter_buckets,
         model_weight_shapes,
+        place_routes,
         prompt_seeds,
         prompt_tensors,
         response_batch,

@@ -129,6 +129,16 @@ class RolloutConfig(FrozenModel):
         description="The id response_ids are right-padded with, where the backend reads none "
         "from the model's config.",
     )
+    return_routes: bool = Field(
+        False,
+        description="Start able to return routed_experts (SamplingParams.return_routes): a "
+        "mixture of experts' choice per token and MoE layer, for routing replay. Asks for the "
+        "routing_replay capability; vllm must know it when it starts.",
+    )
+
+    def required_capabilities(self) -> set[Capability]:
+        """Capabilities this config asks of its rollout; checked when the config is resolved."""
+        return {Capability.ROUTING_REPLAY} if self.return_routes else set()
 
 
 @dataclass(frozen=True)
@@ -265,6 +275,37 @@ def response_batch(
     reasons: list[Any] = [reason for _, _, reason in samples]
     out[FINISH_REASON] = NonTensorStack.from_list(reasons)
     return out
+
+
+def place_routes(out: TensorDict, routes: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``routed_experts`` ``[N, P + R, layers, top_k]`` of a :func:`response_batch` result from
+    each sample's routes: one row per real prompt token, then per response token, in order
+    (``[P_k + R_k, layers, top_k]``, or one row fewer: an engine never feeds the last sampled
+    token back). Rows are placed under their tokens (the prompt left-padded, the response
+    right-padded); padding and an absent last row hold expert 0 (never scored)."""
+    prompt_mask, response_mask = out[PROMPT_MASK].bool(), out[RESPONSE_MASK].bool()
+    if len(routes) != prompt_mask.shape[0]:
+        raise BatchError(f"routes of {len(routes)} samples for {prompt_mask.shape[0]} samples.")
+    width = prompt_mask.shape[1]
+    placed: torch.Tensor | None = None
+    for k, rows in enumerate(routes):
+        prompt, response = int(prompt_mask[k].sum()), int(response_mask[k].sum())
+        if rows.dim() != 3 or rows.shape[0] not in (prompt + response - 1, prompt + response):
+            raise BatchError(
+                f"sample {k}: routes of shape {tuple(rows.shape)}; want [tokens, layers, top_k] "
+                f"with tokens {prompt + response} (its {prompt} prompt and {response} response "
+                f"tokens) or one fewer."
+            )
+        if placed is None:
+            placed = torch.zeros(
+                (*response_mask.shape[:1], width + response_mask.shape[1], *rows.shape[1:]),
+                dtype=torch.int64,
+            )
+        rows = rows.to(torch.int64)
+        placed[k, width - prompt : width] = rows[:prompt]
+        placed[k, width : width + rows.shape[0] - prompt] = rows[prompt:]
+    assert placed is not None
+    return placed
 
 
 SentBucket = tuple[list[tuple[str, torch.Tensor]], str]

@@ -354,3 +354,29 @@ def test_rollouts_that_do_not_return_routes_refuse_to() -> None:
     rollout = Plain(RolloutConfig(backend="plain", model={"config": dict(QWEN3_MOE)}))
     with pytest.raises(CapabilityError, match="Plain does not return the experts"):
         rollout.generate(None, SamplingParams(return_routes=True))
+
+
+def test_a_rollouts_routes_are_placed_under_their_tokens() -> None:
+    """``place_routes``: per-sample routes (real prompt tokens, then response tokens, the last
+    sampled token's row absent or present) land under their tokens of a left-padded prompt and
+    a right-padded response; anything else is refused."""
+    from tensordict import TensorDict
+
+    from engine_core.errors import BatchError
+    from engine_core.rollout import PROMPT_MASK, RESPONSE_MASK, place_routes
+
+    out = TensorDict(
+        {
+            PROMPT_MASK: torch.tensor([[0, 1, 1], [1, 1, 1]]),
+            RESPONSE_MASK: torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]]),
+        },
+        batch_size=[2],
+    )
+    first = torch.arange(1, 5 * 3 * 2 + 1).reshape(5, 3, 2)  # 2 + 3 tokens, all rows
+    second = torch.arange(1, 3 * 3 * 2 + 1).reshape(3, 3, 2) + 100  # 3 + 1 tokens, last absent
+    placed = place_routes(out, [first, second])
+    assert placed.shape == (2, 7, 3, 2) and placed.dtype == torch.int64
+    assert torch.equal(placed[0, 1:6], first) and not placed[0, [0, 6]].any()
+    assert torch.equal(placed[1, :3], second) and not placed[1, 3:].any()
+    with pytest.raises(BatchError, match="sample 1: routes of shape \\(2, 3, 2\\)"):
+        place_routes(out, [first, second[:2]])

@@ -71,7 +71,7 @@ def test_trainer_side_replay_and_off_run_without_the_rollouts_routes(tmp_path: P
 @pytest.mark.parametrize(
     ("overrides", "error", "phrase"),
     [
-        (["rollout.backend=vllm"], CapabilityError, "rollout: backend 'vllm' does not support"),
+        (["rollout.backend=sglang"], CapabilityError, "rollout: backend .sglang. does not support"),
         (["engine.backend=megatron"], CapabilityError, "engine: backend 'megatron'"),
         (["trainer.routing_replay=trainer"], ValueError, "nothing to replay"),
         (["engine.model.gradient_checkpointing=true"], ValueError, "gradient_checkpointing"),

@@ -25,6 +25,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import tempfile
@@ -36,9 +37,11 @@ from pydantic import Field, PositiveInt
 from tensordict import TensorDict
 
 from engine_core.backend import (
+    ROUTED_EXPERTS,
     AdapterFolders,
     BaseRollout,
     Capability,
+    CapabilityError,
     RolloutConfig,
     SamplingParams,
     SentBucket,
@@ -48,6 +51,7 @@ from engine_core.backend import (
     confirm_bucket,
     is_adapter_name,
     model_weight_shapes,
+    place_routes,
     prompt_seeds,
     prompt_tensors,
     response_batch,
@@ -91,6 +95,23 @@ class VLLMRolloutConfig(RolloutConfig):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto: model.dtype."
     )
+
+
+@contextlib.contextmanager
+def _routes_refused(return_routes: bool) -> Iterator[None]:
+    """vLLM refusing to start with routes returned, as one sentence saying why and what works."""
+    try:
+        yield
+    except Exception as e:
+        if not return_routes:
+            raise
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+        raise CapabilityError(
+            f"vLLM could not start returning routes (rollout.return_routes): {first[:300]}. "
+            f"vLLM records routes in its Model Runner V2 only, which needs Triton (on an x86 "
+            f"CPU host, Triton's CPU backend, triton-cpu). Use rollout.backend=hf, or turn "
+            f"routing replay off (trainer.routing_replay=off or trainer)."
+        ) from e
 
 
 def to_vllm_sampling_params(params: SamplingParams, seed: int | None = None) -> Any:
@@ -148,7 +169,17 @@ class VLLMRollout(BaseRollout):
             serving["max_loras"] = 1
             self._adapters = AdapterFolders(lora, "engine-core-vllm-lora-")
         self._lora: Any = None  # the LoRARequest of the adapters served now
-        self.llm = LLM(
+        if config.return_routes:  # vLLM records routes in its prefix-cached KV blocks
+            serving.update(enable_return_routed_experts=True, enable_prefix_caching=True)
+        with _routes_refused(config.return_routes):
+            self.llm = self._start(LLM, serving, path, dtype, config)
+        self._expected = model_weight_shapes(config.model, adapters=lora is not None)
+        self.stale = False
+
+    def _start(
+        self, llm: Any, serving: dict[str, Any], path: str, dtype: str, config: VLLMRolloutConfig
+    ) -> Any:
+        return llm(
             **serving,
             enable_sleep_mode=self._sleep_mode,
             model=path,
@@ -160,8 +191,6 @@ class VLLMRollout(BaseRollout):
             gpu_memory_utilization=config.gpu_memory_utilization,
             logprobs_mode="processed_logprobs",
         )
-        self._expected = model_weight_shapes(config.model, adapters=lora is not None)
-        self.stale = False
 
     # -- generation -----------------------------------------------------------------------
     def generate(self, prompts: TensorDict, params: SamplingParams) -> TensorDict:
@@ -172,6 +201,12 @@ class VLLMRollout(BaseRollout):
             )
         ids, mask = prompt_tensors(prompts, "VLLMRollout.generate")
         self.check_params(params)
+        if params.return_routes and not self.cfg.return_routes:
+            raise CapabilityError(
+                "SamplingParams(return_routes=True): this vLLM rollout was started without "
+                "rollout.return_routes, and vLLM only records routes when told so at start; "
+                "set rollout.return_routes=true."
+            )
         from vllm.inputs import TokensPrompt
 
         requests = [
@@ -181,13 +216,18 @@ class VLLMRollout(BaseRollout):
         seeds = prompt_seeds(prompts, params) or [None] * len(requests)
         sampling = [to_vllm_sampling_params(params, seed) for seed in seeds]
         outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self._lora)
-        samples = []
+        samples, routes = [], []
         for out in outputs:  # a prompt's n samples, adjacent
             for c in out.outputs:
                 toks = list(c.token_ids)
                 lps = [lp[t].logprob for lp, t in zip(c.logprobs, toks, strict=True)]
                 samples.append((toks, lps, "stop" if c.finish_reason == "stop" else "length"))
-        return response_batch(ids, mask, params.n, samples, self.pad_token_id)
+                if params.return_routes:  # [prompt + response - 1, layers, top_k] (numpy)
+                    routes.append(torch.from_numpy(c.routed_experts))
+        result = response_batch(ids, mask, params.n, samples, self.pad_token_id)
+        if params.return_routes:
+            result[ROUTED_EXPERTS] = place_routes(result, routes)
+        return result
 
     # -- weights --------------------------------------------------------------------------
     def expected_weights(self) -> dict[str, tuple[int, ...]]:

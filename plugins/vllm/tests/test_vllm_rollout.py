@@ -163,6 +163,31 @@ def test_broken_syncs_name_the_parameters_and_block_generation(rollout: Any, fol
     assert rollout.generate(prompts(), SamplingParams(max_new_tokens=2)).batch_size[0] == 3
 
 
+def test_routes_are_asked_for_at_start_and_refused_where_vllm_cannot_record_them(
+    rollout: Any, tmp_path: Any
+) -> None:
+    """vLLM returns routes (enable_return_routed_experts) only when started so, and only with
+    its Model Runner V2, which needs Triton's CPU backend on this host: both refusals say so in
+    one sentence. (vLLM returning routes has never run here.)"""
+    from engine_core_vllm.rollout import VLLMRollout, VLLMRolloutConfig
+
+    from engine_core.errors import CapabilityError
+    from engine_core.testing.moe import TINY_QWEN3_MOE
+
+    with pytest.raises(CapabilityError, match="started without rollout.return_routes"):
+        rollout.generate(prompts(), SamplingParams(max_new_tokens=2, return_routes=True))
+    moe = {**TINY_QWEN3_MOE, "hidden_size": 64, "head_dim": 32}  # vLLM's CPU attention: >= 32
+    config = VLLMRolloutConfig(backend="vllm", model={"config": moe}, return_routes=True)
+    try:
+        started = VLLMRollout(config)
+    except CapabilityError as e:
+        assert "needs Triton" in str(e) and "rollout.backend=hf" in str(e)
+    else:  # a host where vLLM records routes: they come back placed under their tokens
+        out = started.generate(prompts(), SamplingParams(max_new_tokens=3, return_routes=True))
+        width = out[PROMPT_IDS].shape[1] + out[RESPONSE_IDS].shape[1]
+        assert tuple(out["routed_experts"].shape) == (3, width, 2, 2)
+
+
 def test_registered_and_refuses_a_plain_rollout_config(folder: str) -> None:
     from engine_core.plugins import load_plugins
     from engine_core.rollout import RolloutConfig

@@ -65,6 +65,8 @@ class Resolved:
 def resolve(job: RLJobConfig, manager: PluginManager) -> Resolved:
     engine = resolve_engine_config(job.engine, manager, path=("engine",))
     rollout_raw = {"model": job.engine["model"], **job.rollout}
+    if job.trainer.routing_replay in ("rollout", "measure"):  # the rollout returns its routes
+        rollout_raw["return_routes"] = True
     rollout_spec, rollout_cfg = resolve_rollout_config(rollout_raw, manager, path=("rollout",))
     if not isinstance(rollout_cfg, RolloutConfig):
         raise ConfigError(
@@ -73,7 +75,7 @@ def resolve(job: RLJobConfig, manager: PluginManager) -> Resolved:
             f"a rollout's config must, so that the job can hand it to the rollout's processes. "
             f"Fix the plugin's config class."
         )
-    _check_routing_capabilities(job, engine[0], rollout_spec)
+    _check_routing_capabilities(job, engine[0])
     critic = None
     if job.trainer.algorithm == "ppo":
         critic = resolve_engine_config(job.critic_engine_config(), manager, path=("critic_engine",))
@@ -86,20 +88,16 @@ def resolve(job: RLJobConfig, manager: PluginManager) -> Resolved:
     return Resolved(engine, (rollout_spec, rollout_cfg), critic, reward_model)
 
 
-def _check_routing_capabilities(
-    job: RLJobConfig, engine: BackendSpec, rollout: BackendSpec
-) -> None:
-    """trainer.routing_replay needs the engine (and, taking the rollout's routes, the rollout)
-    to declare routing_replay."""
+def _check_routing_capabilities(job: RLJobConfig, engine: BackendSpec) -> None:
+    """trainer.routing_replay needs the engine to declare routing_replay (the rollout, asked
+    for its routes by rollout.return_routes, is checked as its config is resolved)."""
     mode = job.trainer.routing_replay
     if mode == "off":
         return
-    needed = [("engine", engine)] + ([("rollout", rollout)] if mode != "trainer" else [])
-    for where, spec in needed:
-        try:
-            check_capabilities(spec.name, spec.capabilities, [Capability.ROUTING_REPLAY])
-        except CapabilityError as e:
-            raise CapabilityError(f"trainer.routing_replay={mode}: {where}: {e}") from None
+    try:
+        check_capabilities(engine.name, engine.capabilities, [Capability.ROUTING_REPLAY])
+    except CapabilityError as e:
+        raise CapabilityError(f"trainer.routing_replay={mode}: engine: {e}") from None
 
 
 @dataclass
