@@ -64,6 +64,7 @@ _EXPORTS: dict[str, str] = {
     "iter_buckets": "engine_core.rollout",
     "WeightPart": "engine_core.engine",
     "merged_lora_tensors": "engine_core.models",
+    "checkpoint_tensors": "engine_core.models",
     # optimizer, schedule, RNG
     "SingleOptimizerMixin": "engine_core.optim",
     "build_lr_scheduler": "engine_core.optim",
@@ -201,6 +202,7 @@ if TYPE_CHECKING:
         adapted_modules,
         build_hf_config,
         build_model,
+        checkpoint_tensors,
         is_adapter_name,
         merged_lora_tensors,
     )

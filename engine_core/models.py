@@ -24,6 +24,7 @@ __all__ = [
     "apply_lora",
     "is_adapter_name",
     "merged_lora_tensors",
+    "checkpoint_tensors",
 ]
 
 DTYPES: dict[str, torch.dtype] = {
@@ -202,3 +203,19 @@ def merged_lora_tensors(
             yield f"{layer}.weight", merged
     if parts:
         raise RuntimeError(f"LoRA layers missing a part when merging: {sorted(parts)}")
+
+
+def checkpoint_tensors(
+    model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]
+) -> list[tuple[str, torch.Tensor]]:
+    """``tensors`` (names and layout of ``model``'s state dict) as ``save_pretrained`` writes
+    them: the checkpoint format other engines load. transformers holds some weights in another
+    layout than its checkpoints (a mixture of experts' experts stacked in one tensor,
+    ``mlp.experts.gate_up_proj`` ``[E, 2I, H]``, written as ``mlp.experts.{e}.gate_proj.weight``
+    and ``up_proj.weight`` per expert); transformers' own reverse conversion makes the change, so
+    a tensor comes back exactly as ``save_pretrained`` would write it. ``model`` may live on the
+    meta device (only its config and class are read); each stacked tensor converts on its own,
+    so a bucket of whole tensors converts alone."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return list(revert_weight_conversion(cast(Any, model), dict(tensors)).items())

@@ -55,7 +55,8 @@ def test_the_moe_recipe_replays_the_rollouts_routes(tmp_path: Path) -> None:
 
 def test_trainer_side_replay_and_off_run_without_the_rollouts_routes(tmp_path: Path) -> None:
     """``trainer``: the update replays the old-log-prob pass's routes (two epochs, so the second
-    epoch routes as the old policy did, not as the updated one); ``off`` logs no mismatch."""
+    epoch routes as the old policy did, not as the updated one); ``off`` logs no mismatch, here
+    with a vLLM rollout taking the experts' weights at every step."""
     rows = _run(
         tmp_path / "trainer",
         "trainer.routing_replay=trainer",
@@ -64,8 +65,16 @@ def test_trainer_side_replay_and_off_run_without_the_rollouts_routes(tmp_path: P
     )
     assert len(rows) == 2 and all("rollout/route_mismatch" not in r for r in rows)
     assert all(r["actor/num_optimizer_steps"] == 2 for r in rows)
-    off = _run(tmp_path / "off", "trainer.routing_replay=off", "steps=1")
-    assert "rollout/route_mismatch" not in off[0]
+    # off, on vLLM in a process of its own: the experts, stacked in the actor, reach vLLM's
+    # per-expert loader at every sync, verified, and vLLM samples as the actor scores
+    off = _run(
+        tmp_path / "off",
+        "trainer.routing_replay=off",
+        "rollout.backend=vllm",
+        "rollout_placement=process",
+    )
+    assert all("rollout/route_mismatch" not in r for r in off)
+    assert max(r["rollout/logprob_diff_max"] for r in off) < 1e-5
 
 
 @pytest.mark.parametrize(

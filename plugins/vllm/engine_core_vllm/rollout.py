@@ -47,7 +47,9 @@ from engine_core.backend import (
     SentBucket,
     WeightBucket,
     WeightSyncError,
+    build_model,
     checked_buckets,
+    checkpoint_tensors,
     confirm_bucket,
     is_adapter_name,
     model_weight_shapes,
@@ -95,6 +97,25 @@ class VLLMRolloutConfig(RolloutConfig):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto: model.dtype."
     )
+
+
+def _prepack_cpu_experts(worker: Any) -> int:
+    """Put reloaded expert weights back in the layout vLLM's CPU MoE kernel reads.
+
+    vLLM 0.32 prepacks a mixture of experts' weights for its CPU grouped GEMM when the model
+    is first loaded, but a weight update (``reload_weights``) skips that step and leaves the new
+    weights unpacked in the packed storage (the rollout then samples from garbage experts). Run
+    on the worker after each reload, this repeats the step for every MoE layer. A CPU expert
+    intermediate size that vLLM pads (not a multiple of 32) is not padded again on a reload,
+    and the reload fails on the shape."""
+    model = worker.model_runner.get_model()
+    layers = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if kernel is not None:
+            kernel.fused_experts.process_weights_after_loading(module)
+            layers += 1
+    return layers
 
 
 @contextlib.contextmanager
@@ -174,6 +195,11 @@ class VLLMRollout(BaseRollout):
         with _routes_refused(config.return_routes):
             self.llm = self._start(LLM, serving, path, dtype, config)
         self._expected = model_weight_shapes(config.model, adapters=lora is not None)
+        # the base model on the meta device: the layout a sync's tensors are converted from into
+        # the checkpoint names vLLM's loader takes (stacked experts written out per expert)
+        with torch.device("meta"):
+            base = config.model.model_copy(update={"lora": None})
+            self._layout = build_model(base, load_weights=False)
         self.stale = False
 
     def _start(
@@ -255,10 +281,8 @@ class VLLMRollout(BaseRollout):
 
         def for_vllm(stream: Iterable[SentBucket]) -> Iterator[tuple[str, torch.Tensor]]:
             for handed in confirmed(stream):
-                if self._adapters is None:
-                    yield from handed
-                else:
-                    yield from split_peft_tensors(handed, adapters)
+                base = handed if self._adapters is None else split_peft_tensors(handed, adapters)
+                yield from checkpoint_tensors(self._layout, base)
 
         self.stale = True  # until the whole load has gone through and been verified
         first = next(checked, None)
@@ -280,6 +304,8 @@ class VLLMRollout(BaseRollout):
                     "is_checkpoint_format": True,
                 },
             )
+            if not torch.cuda.is_available():
+                self.llm.collective_rpc(_prepack_cpu_experts)
         if self._adapters is not None:
             self._serve(adapters)
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights

@@ -39,6 +39,24 @@ VLLM_QWEN2: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 TEMPERATURE = 0.8
+# a tiny Qwen3-MoE as vLLM's CPU kernels take it: head size 32, and an expert intermediate size
+# vLLM's CPU MoE needs no padding for (a padded one is not padded again on a weight reload)
+VLLM_QWEN3_MOE: dict[str, Any] = {
+    "model_type": "qwen3_moe",
+    "vocab_size": 67,
+    "hidden_size": 64,
+    "intermediate_size": 80,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -172,11 +190,10 @@ def test_routes_are_asked_for_at_start_and_refused_where_vllm_cannot_record_them
     from engine_core_vllm.rollout import VLLMRollout, VLLMRolloutConfig
 
     from engine_core.errors import CapabilityError
-    from engine_core.testing.moe import TINY_QWEN3_MOE
 
     with pytest.raises(CapabilityError, match="started without rollout.return_routes"):
         rollout.generate(prompts(), SamplingParams(max_new_tokens=2, return_routes=True))
-    moe = {**TINY_QWEN3_MOE, "hidden_size": 64, "head_dim": 32}  # vLLM's CPU attention: >= 32
+    moe = VLLM_QWEN3_MOE
     config = VLLMRolloutConfig(backend="vllm", model={"config": moe}, return_routes=True)
     try:
         started = VLLMRollout(config)
@@ -186,6 +203,51 @@ def test_routes_are_asked_for_at_start_and_refused_where_vllm_cannot_record_them
         out = started.generate(prompts(), SamplingParams(max_new_tokens=3, return_routes=True))
         width = out[PROMPT_IDS].shape[1] + out[RESPONSE_IDS].shape[1]
         assert tuple(out["routed_experts"].shape) == (3, width, 2, 2)
+
+
+def _moe_sync(rank: int, world: int, folder: str) -> dict[str, Any]:
+    # a process of its own: vLLM sets up its parallel groups once per process, and an MoE
+    # model needs the expert-parallel one a dense model's start leaves out
+    from engine_core_vllm.rollout import VLLMRollout, VLLMRolloutConfig
+
+    from engine_core.testing.models import nll_loss
+
+    rollout = VLLMRollout(VLLMRolloutConfig(backend="vllm", model={"path": folder}))
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=2)
+    trainer = engine(folder)
+
+    def gap() -> float:
+        out = rollout.generate(prompts(), params)
+        return float((out[ROLLOUT_LOG_PROBS] - trainer_log_probs(trainer, out, 1.0)).abs().max())
+
+    got: dict[str, Any] = {"expected": sorted(rollout.expected_weights()), "before": gap()}
+    with trainer.train_mode():
+        trainer.set_loss_fn(nll_loss)
+        trainer.forward_backward_step(make_batch(torch.randint(1, 64, (4, 12))))
+        trainer.optimizer_step()
+        trainer.optimizer_zero_grad()
+    got["stale"] = gap()
+    buckets = rollout.load_weights(sent_buckets(trainer.named_full_params(), 16 << 10))
+    got["synced_names"] = sorted(n for b in buckets for n in b.names)
+    got["synced"] = gap()
+    return got
+
+
+def test_a_mixture_of_experts_syncs_its_stacked_experts_into_vllm(tmp_path: Any) -> None:
+    """An fsdp2 actor holds a Qwen3-MoE's experts stacked, as transformers does
+    (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``); vLLM's loader takes them per expert, as a
+    checkpoint names them. After a training step the sync converts them on the way
+    (``checkpoint_tensors``), verified bucket by bucket, and vLLM samples as the actor scores."""
+    from engine_core.config import ModelConfig
+    from engine_core.models import build_model
+    from engine_core.testing.distributed import run_distributed
+
+    torch.manual_seed(0)
+    build_model(ModelConfig(config=dict(VLLM_QWEN3_MOE))).save_pretrained(tmp_path)
+    (got,) = run_distributed(_moe_sync, 1, str(tmp_path), pg_backend=None)
+    assert any(n.endswith("mlp.experts.gate_up_proj") for n in got["expected"])
+    assert got["synced_names"] == got["expected"]
+    assert got["before"] <= 1e-4 and got["stale"] > 1e-2 and got["synced"] <= 1e-4, got
 
 
 def test_registered_and_refuses_a_plain_rollout_config(folder: str) -> None:
