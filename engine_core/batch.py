@@ -53,6 +53,9 @@ VALUES = "values"
 #: (by the rollout that sampled it); an engine that declares ``routing_replay`` routes the same.
 #: Also an output: with ``BatchMeta.return_routes``, the engine's own routers' choice
 ROUTED_EXPERTS = "routed_experts"
+#: output, float ``[B, L]`` with gradient (``BatchMeta.moe_aux``): each token's share of the
+#: routers' sequence-level load-balancing loss (:func:`engine_core.moe.balance_terms`)
+MOE_AUX = "moe_aux"
 META_KEY = "meta"
 
 
@@ -71,6 +74,14 @@ class BatchMeta(BaseModel):
         description=(
             "Value-head outputs read at each token (the prefix up to and including it) instead "
             "of aligned like log-probs (the prefix before it). Reward models score this way."
+        ),
+    )
+    moe_aux: bool = Field(
+        False,
+        description=(
+            "Also return moe_aux [B, L] (with gradient): each token's share of the routers' "
+            "sequence-level load-balancing loss, to aggregate like a per-token loss. Engines "
+            "that declare routing_replay."
         ),
     )
     return_routes: bool = Field(

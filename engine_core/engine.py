@@ -31,6 +31,7 @@ from engine_core.batch import (
     INPUT_IDS,
     LOG_PROBS,
     LOSS_MASK,
+    MOE_AUX,
     POSITION_IDS,
     ROUTED_EXPERTS,
     VALUES,
@@ -47,7 +48,7 @@ from engine_core.errors import BatchError, CapabilityError, EngineCoreError
 from engine_core.log_probs import chunked_head, head_of, token_log_probs
 from engine_core.loss import GlobalBatchContext, LossFn, MetricAccumulator
 from engine_core.microbatch import prepare_micro_batches
-from engine_core.moe import RouteRecorder, replaying
+from engine_core.moe import RouteRecorder, RouterLogits, balance_terms, replaying
 from engine_core.packing import PackedSequences, pack, pack_tensor, sequence_start_mask, unpack
 from engine_core.rollout import CutBuckets, gather_bytes, iter_buckets
 
@@ -122,6 +123,10 @@ class ModelInputs:
     #: leaves it in ``recorded``, ``[layers, tokens, top_k]`` over the model's row
     record_routes: bool = False
     recorded: torch.Tensor | None = None
+    #: keep the routers' logits for the load-balancing loss (``BatchMeta.moe_aux``);
+    #: :meth:`BaseEngine.forward_model` leaves them in ``router_logits``
+    balance: bool = False
+    router_logits: RouterLogits | None = None
 
 
 @dataclass
@@ -171,6 +176,23 @@ def _placed_routes(
     placed = per_token.reshape(b, length, *per_token.shape[1:])
     real = micro_batch[ATTENTION_MASK].bool()[..., None, None]
     return placed.masked_fill(~real, 0)
+
+
+def _placed_balance(
+    logits: RouterLogits, inputs: ModelInputs, micro_batch: TensorDict
+) -> torch.Tensor:
+    """The load-balancing terms of each token of the model's row as the batch's ``[b, L]``."""
+    b, length = micro_batch[INPUT_IDS].shape
+    if inputs.packed is not None:  # each packed token's row of the batch
+        sequence = inputs.packed.flat_indices // inputs.packed.seq_len
+    else:
+        rows = torch.arange(b)[:, None].expand(b, length)
+        sequence = rows.masked_fill(~micro_batch[ATTENTION_MASK].bool(), -1).reshape(-1)
+    layers = logits.layers()
+    terms = balance_terms(layers, sequence.to(layers[0][0].device), logits.num_experts)
+    if inputs.packed is not None:
+        return unpack(inputs.packed, terms)
+    return terms.reshape(b, length)
 
 
 def _cause(e: BaseException) -> str:
@@ -378,6 +400,12 @@ class BaseEngine(abc.ABC):
                     f"{type(self).__name__} does not replay (it does not declare "
                     f"routing_replay); drop the key or use an engine that declares it."
                 )
+            if get_meta(batch).moe_aux:
+                raise CapabilityError(
+                    f"BatchMeta(moe_aux=True) asks for the routers' load-balancing loss, which "
+                    f"{type(self).__name__} does not compute (it does not declare "
+                    f"routing_replay); set moe_aux_loss_coef=0 or use an engine that declares it."
+                )
             if get_meta(batch).return_routes:
                 raise CapabilityError(
                     f"BatchMeta(return_routes=True) asks for the experts the model's routers "
@@ -434,6 +462,8 @@ class BaseEngine(abc.ABC):
                 out = self.prepare_model_outputs(raw, inputs, mb)
                 if inputs.recorded is not None:
                     out[ROUTED_EXPERTS] = _placed_routes(inputs.recorded, inputs, mb)
+                if inputs.router_logits is not None:
+                    out[MOE_AUX] = _placed_balance(inputs.router_logits, inputs, mb)
                 if self.loss_fn is not None:
                     loss, metrics = self.loss_fn(mb, out, ctx)
                     if not forward_only:
@@ -477,10 +507,12 @@ class BaseEngine(abc.ABC):
         cp = self.context_parallel_group
         routed = micro_batch.get(ROUTED_EXPERTS, None)
         record: bool = get_meta(micro_batch).return_routes
-        if routed is not None or record:
+        balance: bool = get_meta(micro_batch).moe_aux
+        if routed is not None or record or balance:
             if cp is not None or self.config.model.gradient_checkpointing:
                 raise BatchError(
-                    f"{ROUTED_EXPERTS} (replayed or returned) with context parallelism or "
+                    f"{ROUTED_EXPERTS} (replayed or returned) or {MOE_AUX} with context "
+                    f"parallelism or "
                     f"gradient checkpointing is not supported yet (a recomputed forward would "
                     f"route on its own): run routing replay with context_parallel_size=1 and "
                     f"model.gradient_checkpointing=false."
@@ -515,6 +547,7 @@ class BaseEngine(abc.ABC):
                 shard=shard,
                 routes=None if routed is None else pack_tensor(packed, routed)[0].transpose(0, 1),
                 record_routes=record,
+                balance=balance,
             )
         kwargs = {
             "input_ids": ids.to(dev),
@@ -523,7 +556,7 @@ class BaseEngine(abc.ABC):
             "use_cache": False,
         }
         routes = None if routed is None else routed.flatten(0, 1).transpose(0, 1)
-        return ModelInputs(kwargs, None, routes=routes, record_routes=record)
+        return ModelInputs(kwargs, None, routes=routes, record_routes=record, balance=balance)
 
     def _head_request(self, inputs: ModelInputs, micro_batch: TensorDict) -> HeadRequest | None:
         """Whether the output layer computes log-probs in chunks for this micro-batch
@@ -558,11 +591,14 @@ class BaseEngine(abc.ABC):
         replay = (
             contextlib.nullcontext() if inputs.routes is None else replaying(module, inputs.routes)
         )
+        # entered after the replay, the router logits come with the experts actually used
+        balance = RouterLogits(module) if inputs.balance else None
         with (
             self.forward_context(),
             offload,
             recorder if recorder is not None else contextlib.nullcontext(),
             replay,
+            balance if balance is not None else contextlib.nullcontext(),
         ):
             if request is None:
                 raw = module(**inputs.kwargs)
@@ -577,6 +613,7 @@ class BaseEngine(abc.ABC):
                     raw = module(**inputs.kwargs)
         if recorder is not None:
             inputs.recorded = recorder.routes()
+        inputs.router_logits = balance
         return raw
 
     def forward_context(self) -> contextlib.AbstractContextManager[Any]:

@@ -34,6 +34,8 @@ __all__ = [
     "RouterRule",
     "RouteRecorder",
     "RouteReplay",
+    "RouterLogits",
+    "balance_terms",
     "routers",
     "route_mismatch",
     "replayed_weights",
@@ -222,6 +224,65 @@ class RouteReplay(_RouterHooks):
                 f"routes hold {self.routes.shape[1]} tokens; the forwards used {self._offset} "
                 f"per MoE layer. Give one route row per token of the input."
             )
+
+
+class RouterLogits(_RouterHooks):
+    """Inside ``with RouterLogits(model) as rl:`` each router's logits (with their autograd
+    graph) and the experts the forward used (after any replay entered before this block) are
+    kept, per MoE layer, for the load-balancing loss (:func:`balance_terms`)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model, "balance")
+        self.seen: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self._routers]
+        self.num_experts = int(getattr(self._routers[0], "num_experts"))  # noqa: B009
+
+    def __enter__(self) -> RouterLogits:
+        self._attach()
+        return self
+
+    def _hook(self, layer: int) -> Any:
+        def keep(module: nn.Module, args: Any, output: Any) -> None:
+            self.seen[layer].append((output[0], output[2]))
+
+        return keep
+
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per MoE layer, ``(logits [tokens, experts], experts used [tokens, top_k])`` of every
+        forward of the block, forwards one after another along ``tokens``."""
+        return [
+            (torch.cat([lg for lg, _ in seen]), torch.cat([ex for _, ex in seen]))
+            for seen in self.seen
+        ]
+
+
+def balance_terms(
+    layers: list[tuple[torch.Tensor, torch.Tensor]], sequence: torch.Tensor, num_experts: int
+) -> torch.Tensor:
+    """Each token's share of a sequence-level load-balancing loss, ``[tokens]`` (0 where
+    ``sequence`` is -1: padding).
+
+    Per MoE layer and sequence ``s``: ``E * sum_e f[s, e] * P[s, e]``, where ``f[s, e]`` is the
+    number of ``s``'s tokens routed to expert ``e`` over its token count (no gradient: a count)
+    and ``P[s, e]`` the mean of the router's softmax probability of ``e`` over ``s``'s tokens
+    (1.0 per top-k slot when perfectly balanced, ``top_k`` in all). A token's term is
+    ``E * sum_e f[s, e] * p[t, e]`` averaged over the layers, so a sequence's mean over its
+    tokens is the loss: whole sequences never span micro-batches or ranks, so the terms
+    aggregated like a per-token loss give the same gradient however the batch is split."""
+    real = sequence >= 0
+    seq = sequence.clamp_min(0).to(torch.int64)
+    count = int(seq.max()) + 1 if seq.numel() else 1
+    tokens = torch.zeros(count, device=seq.device).index_add_(0, seq, real.float())
+    total: torch.Tensor | None = None
+    for logits, experts in layers:
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        chosen = torch.zeros_like(probs).scatter_(1, experts.to(probs.device).long(), 1.0)
+        chosen = chosen * real[:, None].to(probs.dtype)
+        routed = torch.zeros(count, num_experts, device=probs.device).index_add_(0, seq, chosen)
+        share = routed / tokens.clamp_min(1.0)[:, None]
+        term = num_experts * (share[seq] * probs).sum(-1)
+        total = term if total is None else total + term
+    assert total is not None
+    return (total / len(layers)) * real.to(total.dtype)
 
 
 def route_mismatch(a: torch.Tensor, b: torch.Tensor) -> float:

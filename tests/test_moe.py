@@ -15,7 +15,14 @@ import pytest
 import torch
 from torch import nn
 
-from engine_core.batch import ATTENTION_MASK, LOG_PROBS, ROUTED_EXPERTS, with_meta
+from engine_core.batch import (
+    ATTENTION_MASK,
+    LOG_PROBS,
+    LOSS_MASK,
+    POSITION_IDS,
+    ROUTED_EXPERTS,
+    with_meta,
+)
 from engine_core.config import ModelConfig
 from engine_core.models import build_model
 from engine_core.moe import RouteRecorder, RouteReplay, replaying, route_mismatch, routers
@@ -380,3 +387,91 @@ def test_a_rollouts_routes_are_placed_under_their_tokens() -> None:
     assert torch.equal(placed[1, :3], second) and not placed[1, 3:].any()
     with pytest.raises(BatchError, match="sample 1: routes of shape \\(2, 3, 2\\)"):
         place_routes(out, [first, second[:2]])
+
+
+# -- the routers' load-balancing loss through the loss contract -----------------------------
+def _hand_balance(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The policy's NLL plus the aux loss, written out: per sequence and MoE layer
+    E * sum_e f_e * P_e, each token's share E * sum_e f_e * p_te averaged over layers; both
+    summed over the loss tokens over their count."""
+    from engine_core.batch import INPUT_IDS
+    from engine_core.moe import RouterLogits
+
+    ids, mask = batch[INPUT_IDS], batch[ATTENTION_MASK].bool()
+    loss_mask = batch[LOSS_MASK].bool()
+    total = torch.zeros(())
+    for i in range(ids.shape[0]):
+        row = ids[i][mask[i]]
+        with RouterLogits(model) as rl:
+            logits = model(row.unsqueeze(0)).logits[0]
+        # with the policy's negative log-likelihood, as in an update (FSDP's backward needs the
+        # loss to flow through the layers' outputs, which a router-only loss would not)
+        nll = -logits[:-1].log_softmax(-1).gather(-1, row[1:, None])[:, 0]
+        total = total + nll[loss_mask[i][mask[i]][1:]].sum()
+        layers = rl.layers()
+        share = torch.zeros(int(mask[i].sum()))
+        for logits, experts in layers:
+            probs = torch.softmax(logits.float(), -1)
+            experts_n = probs.shape[1]
+            f = torch.stack([(experts == e).any(-1).float().mean() for e in range(experts_n)])
+            share = share + experts_n * (probs * f).sum(-1) / len(layers)
+        total = total + share[loss_mask[i][mask[i]]].sum()
+    return total / loss_mask.sum()
+
+
+def _balance_grads(rank: int, world: int, folder: str, batch: Any, mbs: int | None) -> Any:
+    from engine_core.batch import MOE_AUX
+    from engine_core.loss import aggregate_loss
+
+    settings = {} if mbs is None else {"micro_batch_size": mbs, "use_packing": False}
+    engine = build("fsdp2", model={"path": folder}, optim={"lr": 1e-2}, **settings)
+
+    def loss(mb: Any, out: Any, ctx: Any) -> Any:
+        nll = aggregate_loss(-out[LOG_PROBS], mb[LOSS_MASK], "token-mean", ctx)
+        return nll + aggregate_loss(out[MOE_AUX], mb[LOSS_MASK], "token-mean", ctx), {}
+
+    engine.set_loss_fn(loss)
+    with engine.train_mode():
+        result = engine.forward_backward_step(engine.shard_data(with_meta(batch, moe_aux=True)))
+    grads = [
+        p.grad for n, p in engine.require_module().named_parameters() if n.endswith(".gate.weight")
+    ]
+    full = [g.full_tensor() if hasattr(g, "full_tensor") else g for g in grads]
+    return result.loss, full
+
+
+@pytest.mark.parametrize(
+    ("world", "mbs"), [(1, None), (1, 2), (2, 1)], ids=["packed", "mbs2", "dp2"]
+)
+def test_the_balance_loss_is_one_loss_however_the_batch_is_split(
+    world: int, mbs: int | None, tmp_path: Any
+) -> None:
+    """``BatchMeta(moe_aux=True)``: the engine's per-token balance terms, aggregated as the
+    policy loss is and added to it, give the hand-written loss and its router gradients,
+    packed, padded in micro-batches of 2, and split over two ranks."""
+    model = _model(QWEN3_MOE)
+    model.save_pretrained(tmp_path)
+    batch, _ = routed_batch(model)
+    # the loss on each sequence's tokens after its first three (a prompt's are not trained)
+    batch[LOSS_MASK] = (batch[ATTENTION_MASK].bool() & (batch[POSITION_IDS] >= 3)).long()
+    model.zero_grad()
+    want = _hand_balance(model.train(), batch)
+    want.backward()
+    want_grads = _router_grads(model)
+    assert all(float(g.abs().sum()) > 0 for g in want_grads)
+    ranks = run_distributed(_balance_grads, world, str(tmp_path), batch, mbs, preload=PRELOAD)
+    for loss, grads in ranks:
+        assert loss == pytest.approx(float(want), rel=1e-5)
+        for got, expected in zip(grads, want_grads, strict=True):
+            torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-4)
+
+
+def test_balance_terms_are_top_k_when_perfectly_balanced() -> None:
+    from engine_core.moe import balance_terms
+
+    logits = torch.zeros(8, 4)  # uniform probabilities over 4 experts
+    experts = torch.tensor([[0, 1], [2, 3]] * 4)  # each expert chosen by half the tokens
+    sequence = torch.tensor([0, 0, 0, 0, 1, 1, 1, -1])
+    terms = balance_terms([(logits, experts)], sequence, 4)
+    assert terms[-1] == 0.0
+    assert torch.allclose(terms[:4], torch.full((4,), 2.0))  # top_k = 2 for a balanced sequence

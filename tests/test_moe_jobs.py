@@ -44,6 +44,8 @@ def test_the_moe_recipe_replays_the_rollouts_routes(tmp_path: Path) -> None:
     rollout's routes shrinks the largest log-prob gap of the same first step's samples."""
     rows = _run(tmp_path / "fp32")
     assert [r["rollout/route_mismatch"] for r in rows] == [0.0, 0.0]
+    # the routers' balance loss of the recipe: top-k (2.0) when perfectly balanced, more if not
+    assert all(2.0 <= r["actor/moe_aux_loss"] < 8.0 for r in rows)
     assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-5
     measured = _run(tmp_path / "measure", "trainer.routing_replay=measure", *BF16)
     replayed = _run(tmp_path / "replay", *BF16)

@@ -27,12 +27,13 @@ from engine_core import (
     GlobalBatchContext,
     LossAggregation,
     Metric,
+    aggregate_loss,
     require_keys,
     require_token_shaped,
     token_mean_metric,
     with_meta,
 )
-from engine_core.batch import ROUTED_EXPERTS
+from engine_core.batch import MOE_AUX, ROUTED_EXPERTS
 from engine_core.config import BUCKET_BYTES
 from engine_core.rollout import ROLLOUT_LOG_PROBS
 from engine_core_roles.algorithms.losses import (
@@ -80,6 +81,14 @@ class ActorConfig(FrozenModel):
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = Field(0.001, ge=0)
+    moe_aux_loss_coef: float = Field(
+        0.0,
+        ge=0,
+        description="A mixture of experts: weight of the routers' load-balancing loss in the "
+        "update (per sequence and MoE layer, E * sum_e f_e * P_e, aggregated over the loss "
+        "tokens like the policy loss; logged as actor/moe_aux_loss). 0: not computed. Needs an "
+        "engine that declares routing_replay.",
+    )
     kl_loss_type: KLEstimator = KLEstimator.LOW_VAR
     mismatch_correction: MismatchCorrection = Field(
         MismatchCorrection.NONE,
@@ -239,6 +248,10 @@ class Actor:
             )  # same aggregation as the pg loss
             loss = loss + cfg.kl_loss_coef * kl_loss
             metrics["kl_loss"] = token_mean_metric(kl, mask, ctx)
+        if MOE_AUX in out.keys():  # moe_aux_loss_coef > 0: the routers' balance, same scaling
+            aux = out[MOE_AUX]
+            loss = loss + cfg.moe_aux_loss_coef * aggregate_loss(aux, mask, cfg.loss_agg_mode, ctx)
+            metrics["moe_aux_loss"] = token_mean_metric(aux.detach(), mask, ctx)
         return loss, metrics
 
     def _mismatch_weights(
@@ -272,7 +285,7 @@ class Actor:
         )
         if correct:
             _require_aligned_rollout_log_probs(batch)
-        batch = with_meta(batch, compute_entropy=True)
+        batch = with_meta(batch, compute_entropy=True, moe_aux=self.config.moe_aux_loss_coef > 0)
         history, lr, first = run_updates(
             self.engine,
             batch,

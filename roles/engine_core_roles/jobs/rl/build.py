@@ -89,15 +89,19 @@ def resolve(job: RLJobConfig, manager: PluginManager) -> Resolved:
 
 
 def _check_routing_capabilities(job: RLJobConfig, engine: BackendSpec) -> None:
-    """trainer.routing_replay needs the engine to declare routing_replay (the rollout, asked
-    for its routes by rollout.return_routes, is checked as its config is resolved)."""
+    """trainer.routing_replay and actor.moe_aux_loss_coef need the engine to declare
+    routing_replay (the rollout, asked for its routes by rollout.return_routes, is checked as
+    its config is resolved)."""
     mode = job.trainer.routing_replay
-    if mode == "off":
+    asks = [f"trainer.routing_replay={mode}"] if mode != "off" else []
+    if job.actor.moe_aux_loss_coef > 0:
+        asks.append(f"actor.moe_aux_loss_coef={job.actor.moe_aux_loss_coef:g}")
+    if not asks:
         return
     try:
         check_capabilities(engine.name, engine.capabilities, [Capability.ROUTING_REPLAY])
     except CapabilityError as e:
-        raise CapabilityError(f"trainer.routing_replay={mode}: engine: {e}") from None
+        raise CapabilityError(f"{' and '.join(asks)}: engine: {e}") from None
 
 
 @dataclass
