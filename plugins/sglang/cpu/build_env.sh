@@ -13,8 +13,8 @@
 # - torchvision 0.28.0 (imported by SGLang's multimodal configs) exists only as a CUDA-linked
 #   wheel, whose two fake-op registrations fail without its compiled ops: they are made
 #   conditional, so `torchvision.transforms` imports;
-# - SGLang's LoRA modules (a LoRA policy's adapters are served by SGLang) stop pinning host
-#   memory, which torch refuses without an accelerator.
+# - SGLang's LoRA modules (a LoRA policy's adapters are served by SGLang) and its routed-experts
+#   buffer (routing replay) stop pinning host memory, which torch refuses without an accelerator.
 set -euo pipefail
 VENV="${1:?usage: build_env.sh VENV}"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -32,14 +32,15 @@ step "${PIP[@]}" --no-deps "torchvision==0.28.0"
 TV="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/torchvision/_meta_registrations.py"
 sed -i -E 's/^@torch\.library\.register_fake\("torchvision::(q?nms)"\)$/@(torch.library.register_fake("torchvision::\1") if torchvision.extension._has_ops() else (lambda f: f))/' "$TV"
 grep -q 'torchvision::nms") if torchvision.extension._has_ops()' "$TV"
-# SGLang's LoRA modules pin host memory unconditionally, which torch refuses on a host without an
-# accelerator; pinning only speeds up copies to a GPU, so here it is dropped
-LORA="$(dirname "$TV")/../sglang/srt/lora"
-sed -i -e 's/pin_memory=True/pin_memory=False/' -e 's/\.pin_memory()/.cpu()/' \
-    "$LORA/layers.py" "$LORA/lora.py" "$LORA/mem_pool.py" "$LORA/backend/torch_backend.py"
-if grep -n -e 'pin_memory=True' -e '\.pin_memory()' "$LORA/layers.py" "$LORA/lora.py" \
-    "$LORA/mem_pool.py" "$LORA/backend/torch_backend.py"; then
-    echo "[sglang-env] SGLang's LoRA modules still pin memory (lines above)" >&2
+# SGLang's LoRA modules and its routed-experts host buffer (routing replay) pin host memory
+# unconditionally, which torch refuses on a host without an accelerator; pinning only speeds up
+# copies to a GPU, so here it is dropped
+SRT="$(dirname "$TV")/../sglang/srt"
+PINNED=("$SRT/lora/layers.py" "$SRT/lora/lora.py" "$SRT/lora/mem_pool.py"
+    "$SRT/lora/backend/torch_backend.py" "$SRT/state_capturer/base.py")
+sed -i -e 's/pin_memory=True/pin_memory=False/' -e 's/\.pin_memory()/.cpu()/' "${PINNED[@]}"
+if grep -n -e 'pin_memory=True' -e '\.pin_memory()' "${PINNED[@]}"; then
+    echo "[sglang-env] SGLang's LoRA or routed-experts modules still pin memory (lines above)" >&2
     exit 1
 fi
 step "${PIP[@]}" --no-deps "$HERE/sgl_kernel_shim"

@@ -12,8 +12,10 @@ __all__ = ["engine_core_register", "SGLANG_CAPABILITIES"]
 
 # No CPU capability: on a CPU host SGLang needs an environment of its own (`make sglang-env`,
 # rollout.device=cpu, reached through rollout_python). SLEEP: release()/resume() free and
-# re-allocate GPU memory through SGLang's memory saver (CUDA only).
-SGLANG_CAPABILITIES = frozenset({Capability.LOGPROBS, Capability.SLEEP})
+# re-allocate GPU memory through SGLang's memory saver (CUDA only). ROUTING_REPLAY: started with
+# rollout.return_routes, SGLang returns the experts each token went to
+# (enable_return_routed_experts).
+SGLANG_CAPABILITIES = frozenset({Capability.LOGPROBS, Capability.SLEEP, Capability.ROUTING_REPLAY})
 
 
 @hookimpl

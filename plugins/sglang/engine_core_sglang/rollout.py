@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -56,10 +57,12 @@ from tensordict import TensorDict
 from engine_core.backend import (
     PROMPT_IDS,
     PROMPT_MASK,
+    ROUTED_EXPERTS,
     AdapterFolders,
     BaseRollout,
     BatchError,
     Capability,
+    CapabilityError,
     ConfigError,
     RolloutConfig,
     SamplingParams,
@@ -67,9 +70,11 @@ from engine_core.backend import (
     WeightBucket,
     WeightSyncError,
     adapted_modules,
+    build_hf_config,
     checked_buckets,
     confirm_bucket,
     model_weight_shapes,
+    place_routes,
     prompt_tensors,
     response_batch,
     sample_seeds,
@@ -210,6 +215,50 @@ def build_requests(
 
 
 # -- responses ------------------------------------------------------------------------------
+_MOE_ROUTER = re.compile(r"layers\.(\d+)\.mlp\.gate\.weight$")
+
+
+def moe_layers(expected: Mapping[str, tuple[int, ...]]) -> list[int]:
+    """The decoder layers of a mixture of experts that route (their ``mlp.gate``), in order;
+    refused for a model without one."""
+    found = sorted({int(m.group(1)) for n in expected if (m := _MOE_ROUTER.search(n))})
+    if not found:
+        raise ConfigError(
+            "rollout.return_routes asks for the experts each token went to, but the model has "
+            "no mixture-of-experts layer (no layers.N.mlp.gate.weight); turn routing replay off."
+        )
+    return found
+
+
+def sglang_routes(
+    k: int, out: Mapping[str, Any], num_layers: int, top_k: int, moe: Sequence[int]
+) -> torch.Tensor:
+    """Output ``k``'s ``meta_info["routed_experts"]`` (base64 of int32 ``[tokens, layers,
+    top_k]`` over every decoder layer, for its prompt and response tokens but the last) as
+    ``[tokens, MoE layers, top_k]``."""
+    import base64
+
+    import numpy as np
+
+    meta = out.get("meta_info")
+    raw = meta.get("routed_experts") if isinstance(meta, Mapping) else None
+    if raw is None:
+        raise BatchError(
+            f"SGLang output {k} has no 'routed_experts': the engine must start with "
+            f"enable_return_routed_experts and be asked with return_routed_experts=True."
+        )
+    if isinstance(raw, str):
+        flat = torch.from_numpy(np.frombuffer(base64.b64decode(raw), dtype=np.int32).copy())
+    else:
+        flat = torch.as_tensor(raw).to(torch.int32).reshape(-1)
+    if flat.numel() % (num_layers * top_k):
+        raise BatchError(
+            f"SGLang output {k}: {flat.numel()} routed-expert ids do not split into rows of "
+            f"{num_layers} layers x top_k={top_k}."
+        )
+    return flat.reshape(-1, num_layers, top_k)[:, list(moe)].to(torch.int64)
+
+
 def parse_outputs(
     outputs: Sequence[Mapping[str, Any]],
     prompts: TensorDict,
@@ -393,6 +442,13 @@ class SGLangRollout(BaseRollout):
             )
             if config.device == "cpu":
                 kwargs["lora_backend"] = "torch_native"
+        # SGLang captures every decoder layer's routes; ours are the MoE layers'
+        self._routes_layout: tuple[int, int, list[int]] | None = None
+        if config.return_routes:
+            hf = build_hf_config(config.model)
+            layers, top_k = int(hf.num_hidden_layers), int(hf.num_experts_per_tok)
+            self._routes_layout = (layers, top_k, moe_layers(self._expected))
+            kwargs["enable_return_routed_experts"] = True
         self.engine: Any = sglang.Engine(**kwargs)
         self._stale: str | None = None  # why generate() refuses; None while weights are current
         self._released = False
@@ -411,14 +467,26 @@ class SGLangRollout(BaseRollout):
         if self._released:
             raise WeightSyncError("the SGLang rollout's memory is released; resume() first.")
         self.check_params(params)
+        if params.return_routes and self._routes_layout is None:
+            raise CapabilityError(
+                "SamplingParams(return_routes=True): this SGLang rollout was started without "
+                "rollout.return_routes, and SGLang only captures routes when told so at start; "
+                "set rollout.return_routes=true."
+            )
         requests = build_requests(prompts, params, deterministic=self.cfg.deterministic_inference)
         outputs = self.engine.generate(
             input_ids=requests.input_ids,
             sampling_params=requests.sampling_params,
             return_logprob=True,
             lora_path=None if self._lora is None else [self._lora] * len(requests.input_ids),
+            **({"return_routed_experts": True} if params.return_routes else {}),
         )
-        return parse_outputs(outputs, prompts, params.n, pad_token_id=self.pad_token_id)
+        result = parse_outputs(outputs, prompts, params.n, pad_token_id=self.pad_token_id)
+        if params.return_routes:
+            assert self._routes_layout is not None
+            routes = [sglang_routes(k, out, *self._routes_layout) for k, out in enumerate(outputs)]
+            result[ROUTED_EXPERTS] = place_routes(result, routes)
+        return result
 
     # -- weights ----------------------------------------------------------------------------
     def expected_weights(self) -> dict[str, tuple[int, ...]]:

@@ -305,13 +305,41 @@ def test_sglang_results_are_checked() -> None:
         check_result("end_weight_update", None)
 
 
+def test_routed_experts_are_read_per_moe_layer() -> None:
+    """SGLang returns base64 int32 ``[tokens, every decoder layer, top_k]``; the rollout keeps
+    the MoE layers (those with an ``mlp.gate``) and refuses what does not split."""
+    import base64
+
+    import numpy as np
+    from engine_core_sglang.rollout import moe_layers, sglang_routes
+
+    expected = {
+        "model.layers.0.mlp.gate_proj.weight": (4, 4),  # a dense layer
+        "model.layers.1.mlp.gate.weight": (8, 4),
+        "model.layers.2.mlp.gate.weight": (8, 4),
+    }
+    assert moe_layers(expected) == [1, 2]
+    with pytest.raises(ConfigError, match="no mixture-of-experts layer"):
+        moe_layers({"model.layers.0.mlp.gate_proj.weight": (4, 4)})
+    rows = np.arange(5 * 3 * 2, dtype=np.int32).reshape(5, 3, 2)
+    out = {"meta_info": {"routed_experts": base64.b64encode(rows.tobytes()).decode()}}
+    got = sglang_routes(0, out, 3, 2, [1, 2])
+    assert got.dtype == torch.int64 and torch.equal(got, torch.from_numpy(rows[:, 1:]).long())
+    with pytest.raises(BatchError, match="do not split into rows of 3 layers x top_k=4"):
+        sglang_routes(0, out, 3, 4, [1, 2])
+    with pytest.raises(BatchError, match="has no 'routed_experts'"):
+        sglang_routes(3, {"meta_info": {}}, 3, 2, [1, 2])
+
+
 # -- plugin and constructor -----------------------------------------------------------------
 def test_registered_with_its_capabilities() -> None:
     from engine_core.plugins import load_plugins
 
     manager = load_plugins()
     spec = manager.get_rollout("sglang")
-    assert spec.capabilities == frozenset({Capability.LOGPROBS, Capability.SLEEP})
+    assert spec.capabilities == frozenset(
+        {Capability.LOGPROBS, Capability.SLEEP, Capability.ROUTING_REPLAY}
+    )
     assert Capability.CPU not in spec.capabilities
     assert spec.distribution == "engine-core-sglang"
     assert spec.load_class() is SGLangRollout
@@ -636,3 +664,64 @@ def test_a_lora_policy_is_served_as_adapters(where: str, folder: str) -> None:
         assert rollout.generate(prompts(), params).batch_size[0] == 3
     finally:
         rollout.shutdown()
+
+
+# head size 64 as above; an expert intermediate size SGLang's CPU MoE takes as it is
+SGLANG_QWEN3_MOE: dict[str, Any] = {
+    "model_type": "qwen3_moe",
+    "vocab_size": 71,
+    "hidden_size": 128,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
+
+
+@pytest.mark.parametrize("where", LIVE)
+def test_a_mixture_of_experts_returns_the_experts_it_routed_to(where: str, tmp_path: Any) -> None:
+    """Started with rollout.return_routes (enable_return_routed_experts), SGLang returns per
+    sampled sequence the experts every token went to in every MoE layer: placed under their
+    tokens, they are transformers' own choice on the same weights (fp32), and an fsdp2 engine
+    replaying them scores every sampled token as SGLang did."""
+    from engine_core.batch import ROUTED_EXPERTS, BatchMeta, make_batch, set_meta
+    from engine_core.models import build_model
+    from engine_core.moe import RouteRecorder, route_mismatch
+    from engine_core.testing.kit import forward
+    from engine_core.testing.models import registered_engine
+
+    torch.manual_seed(0)
+    model: Any = build_model(ModelConfig(config=dict(SGLANG_QWEN3_MOE))).eval()
+    model.save_pretrained(tmp_path)
+    rollout = _live(where, str(tmp_path), return_routes=True)
+    try:
+        params = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, return_routes=True)
+        out = rollout.generate(prompts(), params)
+    finally:
+        rollout.shutdown()
+    routes, width = out[ROUTED_EXPERTS], out[PROMPT_IDS].shape[1]
+    assert routes.shape == (6, width + out[RESPONSE_IDS].shape[1], 2, 2)
+    for i in range(6):
+        p, r = out[PROMPT_MASK][i].bool(), out[RESPONSE_MASK][i].bool()
+        seq = torch.cat([out[PROMPT_IDS][i][p], out[RESPONSE_IDS][i][r]])
+        with torch.no_grad(), RouteRecorder(model) as own:
+            model(seq[None])
+        sampled = torch.cat([routes[i, :width][p], routes[i, width:][r]])
+        # the last sampled token is never fed back: SGLang has no route for it
+        assert route_mismatch(own.routes().transpose(0, 1)[:-1], sampled[:-1]) == 0.0
+    engine = registered_engine("fsdp2", model={"path": str(tmp_path)})
+    ids = torch.cat([out[PROMPT_IDS], out[RESPONSE_IDS]], 1)
+    mask = torch.cat([out[PROMPT_MASK], out[RESPONSE_MASK]], 1)
+    batch = make_batch(ids * mask, mask)
+    set_meta(batch, BatchMeta())
+    batch[ROUTED_EXPERTS] = routes
+    got = forward(engine, batch)["log_probs"][:, width:]
+    gap = (got - out[ROLLOUT_LOG_PROBS]).abs()[out[RESPONSE_MASK].bool()].max()
+    assert float(gap) <= 1e-4
