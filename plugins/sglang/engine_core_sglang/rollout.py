@@ -71,7 +71,9 @@ from engine_core.backend import (
     WeightSyncError,
     adapted_modules,
     build_hf_config,
+    build_model,
     checked_buckets,
+    checkpoint_tensors,
     confirm_bucket,
     model_weight_shapes,
     place_routes,
@@ -397,6 +399,11 @@ class SGLangRollout(BaseRollout):
             )
         lora = config.model.lora
         self._expected = model_weight_shapes(config.model, adapters=lora is not None)
+        # the base model on the meta device: the layout synced tensors are converted from
+        with torch.device("meta"):
+            self._layout = build_model(
+                config.model.model_copy(update={"lora": None}), load_weights=False
+            )
         self._adapters: AdapterFolders | None = None
         self._lora: str | None = None  # the name of the adapter version served now
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -508,6 +515,9 @@ class SGLangRollout(BaseRollout):
                 base = (
                     handed if self._adapters is None else list(split_peft_tensors(handed, adapters))
                 )
+                # SGLang's loader takes checkpoint names (a mixture of experts' stacked experts
+                # written out per expert)
+                base = checkpoint_tensors(self._layout, base)
                 if base:
                     result = self.engine.update_weights_from_tensor(
                         named_tensors=base, load_format=None, flush_cache=False
