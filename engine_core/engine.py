@@ -164,35 +164,29 @@ def _targets(inputs: ModelInputs, length: int | None = None) -> torch.Tensor:
     return torch.nn.functional.pad(ids[:, 1:], (0, 1))[:, :length]
 
 
-def _placed_routes(
-    recorded: torch.Tensor, inputs: ModelInputs, micro_batch: TensorDict
+def _row_to_batch(
+    per_token: torch.Tensor, inputs: ModelInputs, micro_batch: TensorDict
 ) -> torch.Tensor:
-    """Routes recorded over the model's row (``[layers, tokens, top_k]``) as the batch's
-    ``[b, L, layers, top_k]``; padding holds expert 0."""
-    per_token = recorded.transpose(0, 1)
+    """Values per token of the model's row (``[tokens, ...]``, packed or padded) as the batch's
+    ``[b, L, ...]``, unshifted: a token's value stays under that token; padding holds 0."""
     if inputs.packed is not None:
         return unpack(inputs.packed, per_token, fill=0)
     b, length = micro_batch[INPUT_IDS].shape
     placed = per_token.reshape(b, length, *per_token.shape[1:])
-    real = micro_batch[ATTENTION_MASK].bool()[..., None, None]
-    return placed.masked_fill(~real, 0)
+    real = micro_batch[ATTENTION_MASK].bool().to(placed.device)
+    return placed.masked_fill(~real.reshape(b, length, *[1] * (placed.dim() - 2)), 0)
 
 
-def _placed_balance(
-    logits: RouterLogits, inputs: ModelInputs, micro_batch: TensorDict
-) -> torch.Tensor:
-    """The load-balancing terms of each token of the model's row as the batch's ``[b, L]``."""
-    b, length = micro_batch[INPUT_IDS].shape
+def _balance(logits: RouterLogits, inputs: ModelInputs, micro_batch: TensorDict) -> torch.Tensor:
+    """The load-balancing terms of each token of the model's row (:func:`balance_terms`)."""
     if inputs.packed is not None:  # each packed token's row of the batch
         sequence = inputs.packed.flat_indices // inputs.packed.seq_len
     else:
+        b, length = micro_batch[INPUT_IDS].shape
         rows = torch.arange(b)[:, None].expand(b, length)
         sequence = rows.masked_fill(~micro_batch[ATTENTION_MASK].bool(), -1).reshape(-1)
     layers = logits.layers()
-    terms = balance_terms(layers, sequence.to(layers[0][0].device), logits.num_experts)
-    if inputs.packed is not None:
-        return unpack(inputs.packed, terms)
-    return terms.reshape(b, length)
+    return balance_terms(layers, sequence.to(layers[0][0].device), logits.num_experts)
 
 
 def _cause(e: BaseException) -> str:
@@ -394,19 +388,20 @@ class BaseEngine(abc.ABC):
         validate_batch(batch)
         self._check_model_limits(batch)
         if Capability.ROUTING_REPLAY not in self.capabilities:
+            meta: BatchMeta = get_meta(batch)
             if ROUTED_EXPERTS in batch.keys():
                 raise CapabilityError(
                     f"the batch carries {ROUTED_EXPERTS} (a rollout's choice of experts), which "
                     f"{type(self).__name__} does not replay (it does not declare "
                     f"routing_replay); drop the key or use an engine that declares it."
                 )
-            if get_meta(batch).moe_aux:
+            if meta.moe_aux:
                 raise CapabilityError(
                     f"BatchMeta(moe_aux=True) asks for the routers' load-balancing loss, which "
                     f"{type(self).__name__} does not compute (it does not declare "
                     f"routing_replay); set moe_aux_loss_coef=0 or use an engine that declares it."
                 )
-            if get_meta(batch).return_routes:
+            if meta.return_routes:
                 raise CapabilityError(
                     f"BatchMeta(return_routes=True) asks for the experts the model's routers "
                     f"chose, which {type(self).__name__} does not record (it does not declare "
@@ -461,9 +456,11 @@ class BaseEngine(abc.ABC):
                 raw = self.forward_model(inputs)
                 out = self.prepare_model_outputs(raw, inputs, mb)
                 if inputs.recorded is not None:
-                    out[ROUTED_EXPERTS] = _placed_routes(inputs.recorded, inputs, mb)
+                    out[ROUTED_EXPERTS] = _row_to_batch(inputs.recorded.transpose(0, 1), inputs, mb)
                 if inputs.router_logits is not None:
-                    out[MOE_AUX] = _placed_balance(inputs.router_logits, inputs, mb)
+                    out[MOE_AUX] = _row_to_batch(
+                        _balance(inputs.router_logits, inputs, mb), inputs, mb
+                    )
                 if self.loss_fn is not None:
                     loss, metrics = self.loss_fn(mb, out, ctx)
                     if not forward_only:
@@ -506,16 +503,15 @@ class BaseEngine(abc.ABC):
         dev = self.device
         cp = self.context_parallel_group
         routed = micro_batch.get(ROUTED_EXPERTS, None)
-        record: bool = get_meta(micro_batch).return_routes
-        balance: bool = get_meta(micro_batch).moe_aux
+        meta: BatchMeta = get_meta(micro_batch)
+        record, balance = meta.return_routes, meta.moe_aux
         if routed is not None or record or balance:
             if cp is not None or self.config.model.gradient_checkpointing:
                 raise BatchError(
                     f"{ROUTED_EXPERTS} (replayed or returned) or {MOE_AUX} with context "
-                    f"parallelism or "
-                    f"gradient checkpointing is not supported yet (a recomputed forward would "
-                    f"route on its own): run routing replay with context_parallel_size=1 and "
-                    f"model.gradient_checkpointing=false."
+                    f"parallelism or gradient checkpointing is not supported yet (a recomputed "
+                    f"forward would route on its own): run routing replay with "
+                    f"context_parallel_size=1 and model.gradient_checkpointing=false."
                 )
         if routed is not None:
             if routed.dim() != 4 or tuple(routed.shape[:2]) != tuple(ids.shape):

@@ -407,14 +407,19 @@ def confirm_bucket(
     return WeightBucket(names, tuple(tuple(t.shape) for _, t in loaded), sent)
 
 
-def model_weight_shapes(model: ModelConfig, adapters: bool = False) -> dict[str, tuple[int, ...]]:
-    """HF names and shapes of ``model``'s weights, from an empty (meta-device) build: the base
-    model's, or with ``adapters`` (a rollout that serves ``model.lora``'s adapters) the peft
-    model's."""
+def meta_model(model: ModelConfig, adapters: bool = False) -> Any:
+    """``model`` built empty, on the meta device (its names, shapes and layout, no storage): the
+    base model, or with ``adapters`` (a rollout that serves ``model.lora``'s adapters) the peft
+    model."""
     from engine_core.models import build_model
 
     with torch.device("meta"):
-        module = build_model(model if adapters else base_model(model), load_weights=False)
+        return build_model(model if adapters else base_model(model), load_weights=False)
+
+
+def model_weight_shapes(model: ModelConfig, adapters: bool = False) -> dict[str, tuple[int, ...]]:
+    """HF names and shapes of ``model``'s weights (:func:`meta_model`'s)."""
+    module = meta_model(model, adapters)
     return {name: tuple(t.shape) for name, t in module.state_dict().items()}
 
 
@@ -485,6 +490,8 @@ class BaseRollout(abc.ABC):
 
     capabilities: ClassVar[frozenset[Capability]] = frozenset()
     config_class: ClassVar[type[RolloutConfig]] = RolloutConfig
+    #: the engine records routes only when told so at start (``RolloutConfig.return_routes``)
+    routes_from_start: ClassVar[bool] = False
 
     def __init__(self, config: RolloutConfig) -> None:
         self.config = config
@@ -513,6 +520,12 @@ class BaseRollout(abc.ABC):
                 f"SamplingParams(return_routes=True): {type(self).__name__} does not return "
                 f"the experts it routed tokens to (it does not declare routing_replay); turn "
                 f"routing replay off or use a rollout that declares it (hf)."
+            )
+        if params.return_routes and self.routes_from_start and not self.config.return_routes:
+            raise CapabilityError(
+                f"SamplingParams(return_routes=True): this {type(self).__name__} was started "
+                f"without rollout.return_routes, and its engine only records routes when told "
+                f"so at start; set rollout.return_routes=true."
             )
 
     @abc.abstractmethod

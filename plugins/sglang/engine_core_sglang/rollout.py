@@ -62,7 +62,6 @@ from engine_core.backend import (
     BaseRollout,
     BatchError,
     Capability,
-    CapabilityError,
     ConfigError,
     RolloutConfig,
     SamplingParams,
@@ -71,10 +70,10 @@ from engine_core.backend import (
     WeightSyncError,
     adapted_modules,
     build_hf_config,
-    build_model,
     checked_buckets,
     checkpoint_tensors,
     confirm_bucket,
+    meta_model,
     model_weight_shapes,
     place_routes,
     prompt_tensors,
@@ -361,6 +360,7 @@ class SGLangRollout(BaseRollout):
     """
 
     capabilities: ClassVar[frozenset[Capability]] = SGLANG_CAPABILITIES
+    routes_from_start: ClassVar[bool] = True
     config_class: ClassVar[type[RolloutConfig]] = SGLangRolloutConfig
 
     def __init__(self, config: RolloutConfig) -> None:
@@ -399,11 +399,8 @@ class SGLangRollout(BaseRollout):
             )
         lora = config.model.lora
         self._expected = model_weight_shapes(config.model, adapters=lora is not None)
-        # the base model on the meta device: the layout synced tensors are converted from
-        with torch.device("meta"):
-            self._layout = build_model(
-                config.model.model_copy(update={"lora": None}), load_weights=False
-            )
+        # the layout synced tensors are converted from into the checkpoint names SGLang takes
+        self._layout = meta_model(config.model)
         self._adapters: AdapterFolders | None = None
         self._lora: str | None = None  # the name of the adapter version served now
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -474,12 +471,6 @@ class SGLangRollout(BaseRollout):
         if self._released:
             raise WeightSyncError("the SGLang rollout's memory is released; resume() first.")
         self.check_params(params)
-        if params.return_routes and self._routes_layout is None:
-            raise CapabilityError(
-                "SamplingParams(return_routes=True): this SGLang rollout was started without "
-                "rollout.return_routes, and SGLang only captures routes when told so at start; "
-                "set rollout.return_routes=true."
-            )
         requests = build_requests(prompts, params, deterministic=self.cfg.deterministic_inference)
         outputs = self.engine.generate(
             input_ids=requests.input_ids,

@@ -47,11 +47,11 @@ from engine_core.backend import (
     SentBucket,
     WeightBucket,
     WeightSyncError,
-    build_model,
     checked_buckets,
     checkpoint_tensors,
     confirm_bucket,
     is_adapter_name,
+    meta_model,
     model_weight_shapes,
     place_routes,
     prompt_seeds,
@@ -157,6 +157,7 @@ def to_vllm_sampling_params(params: SamplingParams, seed: int | None = None) -> 
 
 class VLLMRollout(BaseRollout):
     capabilities: ClassVar[frozenset[Capability]] = VLLM_CAPABILITIES
+    routes_from_start: ClassVar[bool] = True
     config_class: ClassVar[type[RolloutConfig]] = VLLMRolloutConfig
 
     def __init__(self, config: RolloutConfig) -> None:
@@ -193,30 +194,23 @@ class VLLMRollout(BaseRollout):
         if config.return_routes:  # vLLM records routes in its prefix-cached KV blocks
             serving.update(enable_return_routed_experts=True, enable_prefix_caching=True)
         with _routes_refused(config.return_routes):
-            self.llm = self._start(LLM, serving, path, dtype, config)
+            self.llm = LLM(
+                **serving,
+                enable_sleep_mode=self._sleep_mode,
+                model=path,
+                skip_tokenizer_init=True,
+                dtype=dtype,
+                seed=config.seed,
+                enforce_eager=config.enforce_eager,
+                max_model_len=config.max_model_len,
+                gpu_memory_utilization=config.gpu_memory_utilization,
+                logprobs_mode="processed_logprobs",
+            )
         self._expected = model_weight_shapes(config.model, adapters=lora is not None)
-        # the base model on the meta device: the layout a sync's tensors are converted from into
-        # the checkpoint names vLLM's loader takes (stacked experts written out per expert)
-        with torch.device("meta"):
-            base = config.model.model_copy(update={"lora": None})
-            self._layout = build_model(base, load_weights=False)
+        # the layout a sync's tensors are converted from into the checkpoint names vLLM's
+        # loader takes (stacked experts written out per expert)
+        self._layout = meta_model(config.model)
         self.stale = False
-
-    def _start(
-        self, llm: Any, serving: dict[str, Any], path: str, dtype: str, config: VLLMRolloutConfig
-    ) -> Any:
-        return llm(
-            **serving,
-            enable_sleep_mode=self._sleep_mode,
-            model=path,
-            skip_tokenizer_init=True,
-            dtype=dtype,
-            seed=config.seed,
-            enforce_eager=config.enforce_eager,
-            max_model_len=config.max_model_len,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            logprobs_mode="processed_logprobs",
-        )
 
     # -- generation -----------------------------------------------------------------------
     def generate(self, prompts: TensorDict, params: SamplingParams) -> TensorDict:
@@ -227,12 +221,6 @@ class VLLMRollout(BaseRollout):
             )
         ids, mask = prompt_tensors(prompts, "VLLMRollout.generate")
         self.check_params(params)
-        if params.return_routes and not self.cfg.return_routes:
-            raise CapabilityError(
-                "SamplingParams(return_routes=True): this vLLM rollout was started without "
-                "rollout.return_routes, and vLLM only records routes when told so at start; "
-                "set rollout.return_routes=true."
-            )
         from vllm.inputs import TokensPrompt
 
         requests = [

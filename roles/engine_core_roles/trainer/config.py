@@ -17,6 +17,7 @@ __all__ = [
     "Algorithm",
     "RoutingReplay",
     "check_group_size",
+    "check_routing_replay",
     "TrainerConfig",
 ]
 
@@ -63,6 +64,19 @@ RoutingReplay = Annotated[
         "declare routing_replay."
     ),
 ]
+
+
+def check_routing_replay(mode: str, old_log_probs_from_update: bool) -> None:
+    """routing_replay=trainer replays the old-log-prob pass's routes in the update: it needs
+    that pass to be a forward of its own."""
+    if mode == "trainer" and old_log_probs_from_update:
+        raise ValueError(
+            "trainer.routing_replay=trainer replays the old-log-prob pass's routes in the "
+            "update, but this actor takes its old log-probs from the update's own forward (one "
+            "epoch, one mini-batch: actor.old_log_probs=auto or update), so the two are one "
+            "forward and there is nothing to replay. Set actor.old_log_probs=recompute, or "
+            "routing_replay=off."
+        )
 
 
 def check_group_size(algorithm: str, samples_per_prompt: int) -> None:

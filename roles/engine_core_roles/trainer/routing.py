@@ -32,7 +32,7 @@ from engine_core.capabilities import Capability
 from engine_core.moe import route_mismatch
 from engine_core.remote_rollout import ProcessRollout
 from engine_core_roles.batch.keys import TRAINER_ROUTES
-from engine_core_roles.trainer.config import TrainerConfig
+from engine_core_roles.trainer.config import TrainerConfig, check_routing_replay
 from engine_core_roles.trainer.protocols import PolicyRole
 
 __all__ = [
@@ -142,13 +142,7 @@ def routing_for(
             f"{type(engine).__name__} does not declare routing_replay (fsdp, fsdp2 and "
             f"reference do). Set routing_replay=off or choose such an engine."
         )
+    check_routing_replay(mode, actor.config.old_log_probs_from_update)
     if mode == "trainer":
-        if actor.config.old_log_probs_from_update:
-            raise ValueError(
-                "trainer.routing_replay=trainer replays the old-log-prob pass's routes in the "
-                "update, but this actor takes its old log-probs from the update's own forward "
-                "(one epoch, one mini-batch): the two are one forward and there is nothing to "
-                "replay. Set actor.old_log_probs=recompute, or routing_replay=off."
-            )
         return TrainerRoutes()
     return RolloutRoutes() if mode == "rollout" else MeasuredRoutes()

@@ -21,7 +21,7 @@ from engine_core_roles.episodes.config import EnvConfig
 from engine_core_roles.jobs.config import JobConfig
 from engine_core_roles.roles.actor import ActorConfig
 from engine_core_roles.roles.critic import CriticConfig
-from engine_core_roles.trainer.config import TrainerConfig
+from engine_core_roles.trainer.config import TrainerConfig, check_routing_replay
 
 __all__ = ["RewardModelJobConfig", "EvalConfig", "RLJobConfig"]
 
@@ -267,13 +267,7 @@ class RLJobConfig(JobConfig):
                 f"episodes (env) do not carry them across turns yet. Use routing_replay=trainer "
                 f"or off with env."
             )
-        if mode == "trainer" and self.actor_config().old_log_probs_from_update:
-            raise ValueError(
-                "trainer.routing_replay=trainer replays the old-log-prob pass's routes in the "
-                "update, but with one epoch and one mini-batch the update's forward is that "
-                "pass (actor.old_log_probs=auto): nothing to replay. Set "
-                "actor.old_log_probs=recompute, or routing_replay=off."
-            )
+        check_routing_replay(mode, self.actor_config().old_log_probs_from_update)
         model = self.engine.get("model") or {}
         if (
             model.get("gradient_checkpointing")
