@@ -29,23 +29,10 @@ from engine_core.moe import RouteRecorder, RouteReplay, replaying, route_mismatc
 from engine_core.testing.distributed import run_distributed
 from engine_core.testing.kit import build, eval_batch, forward, plain_log_probs
 from engine_core.testing.models import train_steps
-from engine_core.testing.moe import TINY_QWEN3_MOE, own_routes, routed_batch
+from engine_core.testing.moe import TINY_MIXTRAL, TINY_QWEN3_MOE, own_routes, routed_batch
 
 QWEN3_MOE = TINY_QWEN3_MOE
-MIXTRAL: dict[str, Any] = {
-    "model_type": "mixtral",
-    "vocab_size": 71,
-    "hidden_size": 40,
-    "intermediate_size": 40,  # bf16 grouped_mm: rows of a multiple of 16 bytes
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 10,
-    "num_local_experts": 8,
-    "num_experts_per_tok": 2,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": False,
-}
+MIXTRAL = TINY_MIXTRAL
 FAMILIES = {"qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL}
 
 

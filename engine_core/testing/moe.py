@@ -1,6 +1,7 @@
 """A tiny mixture of experts and routes for it, for the conformance kit and the tests.
 
-:data:`TINY_QWEN3_MOE` is a Qwen3-MoE of 8 experts, top-2, with an odd vocabulary;
+:data:`TINY_QWEN3_MOE` is a Qwen3-MoE of 8 experts, top-2, with an odd vocabulary, and
+:data:`TINY_MIXTRAL` a Mixtral of other odd shapes;
 :func:`routed_batch` gives a batch of random sequences and routes a rollout could have chosen
 for it (a bf16 copy's, with every third token sent one expert further, so they surely differ
 from the model's own). The oracle is ``engine_core.testing.kit.plain_log_probs`` with the routes:
@@ -19,7 +20,7 @@ from engine_core.batch import ATTENTION_MASK, INPUT_IDS
 from engine_core.moe import RouteRecorder, replaying
 from engine_core.testing.models import random_batch
 
-__all__ = ["TINY_QWEN3_MOE", "own_routes", "routed_batch"]
+__all__ = ["TINY_MIXTRAL", "TINY_QWEN3_MOE", "own_routes", "routed_batch"]
 
 TINY_QWEN3_MOE: dict[str, Any] = {
     "model_type": "qwen3_moe",
@@ -34,6 +35,21 @@ TINY_QWEN3_MOE: dict[str, Any] = {
     "num_experts": 8,
     "num_experts_per_tok": 2,
     "norm_topk_prob": True,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+}
+# the second family: no q/k norms, a router that always renormalises its top-k
+TINY_MIXTRAL: dict[str, Any] = {
+    "model_type": "mixtral",
+    "vocab_size": 71,
+    "hidden_size": 40,
+    "intermediate_size": 40,  # bf16 grouped_mm: rows of a multiple of 16 bytes
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 10,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
     "max_position_embeddings": 64,
     "tie_word_embeddings": False,
 }

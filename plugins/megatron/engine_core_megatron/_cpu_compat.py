@@ -68,13 +68,14 @@ class _CpuDevices(TorchFunctionMode):
 
 
 class _Stream:
-    """A CUDA stream or event stand-in: every call is a no-op."""
+    """A CUDA stream or event stand-in: every call is a no-op that returns another stand-in
+    (``stream.record_event()`` gives an event the caller then synchronises on)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
     def __getattr__(self, name: str) -> Any:
-        return lambda *a, **k: None
+        return lambda *a, **k: _Stream()
 
     def __enter__(self) -> _Stream:
         return self
@@ -101,8 +102,18 @@ def _set_cpu_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bo
     torch.set_rng_state(new_state)
 
 
+def _host_copy(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """megatron-core's ``maybe_move_tensor_to_cpu`` on a CPU host: what it gives from a GPU (a
+    numpy array where asked; the MoE token dispatcher's split sizes, which the all-to-all
+    takes as a list), not the tensor unchanged."""
+    if as_numpy and isinstance(tensor, torch.Tensor):
+        return tensor.numpy()
+    return tensor
+
+
 def _patches() -> list[tuple[Any, str, Any]]:
     import megatron.core.tensor_parallel.random as mrandom
+    import megatron.core.transformer.moe.token_dispatcher as dispatcher
 
     cuda = torch.cuda
     return [
@@ -127,6 +138,7 @@ def _patches() -> list[tuple[Any, str, Any]]:
         (cuda.nvtx, "range_pop", _nothing),
         (mrandom, "_get_cuda_rng_state", _cpu_rng_state),
         (mrandom, "_set_cuda_rng_state", _set_cpu_rng_state),
+        (dispatcher, "maybe_move_tensor_to_cpu", _host_copy),
     ]
 
 

@@ -17,13 +17,21 @@ class MegatronEngineConfig(EngineConfig):
     """Tensor, pipeline and data parallelism through megatron-core.
 
     ``tensor_parallel_size`` × ``pipeline_parallel_size`` must divide the number of processes;
-    the remaining factor is the data-parallel size.
+    the remaining factor is the data-parallel size. A mixture of experts can also spread its
+    experts over ``expert_parallel_size`` ranks.
     """
 
     sequence_parallel: bool = Field(
         False,
         description="Split activations outside attention/MLP along the sequence over the TP ranks "
         "(needs tensor_parallel_size > 1).",
+    )
+    expert_parallel_size: PositiveInt = Field(
+        1,
+        description="Mixture-of-experts models: spread each layer's experts over this many ranks "
+        "(megatron-core's all-to-all token dispatcher); must divide the number of experts, and "
+        "tensor_parallel_size x expert_parallel_size must divide the processes of a pipeline "
+        "stage. The experts' data-parallel size is what remains.",
     )
     virtual_pipeline_parallel_size: PositiveInt | None = Field(
         None,

@@ -1,5 +1,5 @@
-"""Hugging Face ↔ megatron-core for Llama-, Qwen2- and Qwen3-family causal LMs (and their value
-heads).
+"""Hugging Face ↔ megatron-core for Llama-, Qwen2- and Qwen3-family causal LMs, the Qwen3-MoE
+and Mixtral mixtures of experts (and their value heads).
 
 Three pieces, all plain tensor code (the engine does the collectives):
 
@@ -17,6 +17,20 @@ group: its query heads, then its key, then its value) and splits it over TP rank
 dimension, embeddings and the output layer along the (padded) vocabulary. Qwen3's per-head
 RMSNorms of queries and keys (``q_norm`` / ``k_norm``, one ``head_dim`` weight each, shared by
 every head) are megatron-core's ``q_layernorm`` / ``k_layernorm``, replicated over TP ranks.
+
+Mixtures of experts (every decoder layer an MoE layer, no shared expert): transformers holds a
+layer's experts stacked, ``mlp.experts.gate_up_proj`` ``[experts, 2 * ffn, hidden]`` (each
+expert's gate rows, then its up rows) and ``mlp.experts.down_proj`` ``[experts, hidden, ffn]``,
+and its router as ``mlp.gate.weight``. megatron-core holds the router as ``mlp.router.weight``
+(replicated) and each expert parallel rank its own experts as
+``mlp.experts.local_experts.<i>.linear_fc1`` / ``linear_fc2`` (global expert
+``ep_rank * experts_per_rank + i``), whole (the engine sets no expert tensor parallelism;
+``linear_fc1`` is ``[gate; up]``).
+The export names ``mlp.experts.linear_fc1.weight`` / ``linear_fc2.weight`` stand for every expert
+of a layer at once (the stacked HF tensor). Routers: a softmax over every expert then the top-k
+(``norm_topk_prob: false``) is megatron-core's ``moe_router_pre_softmax``; top-k probabilities
+renormalised over the chosen experts (``norm_topk_prob: true``, Mixtral) are its top-k of the
+logits followed by a softmax over them, the same numbers.
 """
 
 from __future__ import annotations
@@ -44,9 +58,10 @@ __all__ = [
     "hf_parameter_names",
 ]
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 # model types whose attention normalises queries and keys per head before the rotary embedding
-QK_NORM_MODEL_TYPES = ("qwen3",)
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
 
 
 @dataclass(frozen=True)
@@ -65,10 +80,23 @@ class ModelLayout:
     qk_norm: bool
     tied: bool
     value_head: bool
+    num_experts: int = 0  # 0: a dense model
+    top_k: int = 0
+    expert_ffn_size: int = 0
+    normalize_top_k: bool = False  # the chosen experts' probabilities renormalised to sum 1
+    expert_parallel: int = 1
 
     @property
     def heads_per_group(self) -> int:
         return self.num_heads // self.num_groups
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.expert_parallel
 
 
 def _rope_theta(hf: Any) -> float:
@@ -84,8 +112,45 @@ def _rope_theta(hf: Any) -> float:
     return float(theta if theta is not None else 10000.0)
 
 
-def layout_of(hf: Any, *, value_head: bool, tp: int) -> ModelLayout:
-    """Read the mapping's facts from ``hf`` and check them against ``tp``."""
+def _moe_facts(hf: Any, model_type: str, ep: int) -> dict[str, Any]:
+    """The router and expert facts of a mixture of experts, checked against ``ep``."""
+    if model_type == "mixtral":
+        experts, ffn, normalize = hf.num_local_experts, hf.intermediate_size, True
+        if getattr(hf, "sliding_window", None) is not None:
+            raise ConfigError(
+                f"megatron: sliding_window={hf.sliding_window} is not mapped (megatron-core's "
+                f"local attention is full causal); set sliding_window: null or use fsdp2."
+            )
+        if float(getattr(hf, "router_jitter_noise", 0.0) or 0.0):
+            raise ConfigError("megatron: router_jitter_noise > 0 is not mapped; set it to 0.")
+    else:
+        experts, ffn = hf.num_experts, hf.moe_intermediate_size
+        normalize = bool(getattr(hf, "norm_topk_prob", False))
+        sparse = getattr(hf, "decoder_sparse_step", 1)
+        dense = list(getattr(hf, "mlp_only_layers", None) or [])
+        if sparse != 1 or dense:
+            raise ConfigError(
+                f"megatron: a Qwen3-MoE with dense layers (decoder_sparse_step={sparse}, "
+                f"mlp_only_layers={dense}) is not mapped; every layer must be an MoE layer "
+                f"(decoder_sparse_step: 1, mlp_only_layers: []). Use fsdp2 for this model."
+            )
+    if experts % ep:
+        raise ConfigError(
+            f"megatron: expert_parallel_size={ep} must divide the number of experts "
+            f"({experts}); choose a divisor of it."
+        )
+    return {
+        "num_experts": int(experts),
+        "top_k": int(hf.num_experts_per_tok),
+        "expert_ffn_size": int(ffn),
+        "normalize_top_k": normalize,
+        "expert_parallel": ep,
+    }
+
+
+def layout_of(hf: Any, *, value_head: bool, tp: int, ep: int = 1) -> ModelLayout:
+    """Read the mapping's facts from ``hf`` and check them against ``tp`` and ``ep`` (expert
+    parallel size)."""
     model_type = getattr(hf, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
@@ -104,7 +169,13 @@ def layout_of(hf: Any, *, value_head: bool, tp: int) -> ModelLayout:
             f"megatron: tensor_parallel_size={tp} must divide num_attention_heads ({heads}) and "
             f"num_key_value_heads ({groups}); choose a divisor of both."
         )
-    if hf.intermediate_size % tp:
+    moe = _moe_facts(hf, model_type, ep) if model_type in MOE_MODEL_TYPES else {}
+    if not moe and ep > 1:
+        raise ConfigError(
+            f"megatron: expert_parallel_size={ep} needs a mixture-of-experts model; "
+            f"{model_type!r} is dense. Set expert_parallel_size: 1."
+        )
+    if not moe and hf.intermediate_size % tp:
         raise ConfigError(
             f"megatron: tensor_parallel_size={tp} must divide intermediate_size "
             f"({hf.intermediate_size})."
@@ -125,6 +196,7 @@ def layout_of(hf: Any, *, value_head: bool, tp: int) -> ModelLayout:
         qk_norm=model_type in QK_NORM_MODEL_TYPES,
         tied=bool(getattr(hf, "tie_word_embeddings", False)) and not value_head,
         value_head=value_head,
+        **moe,
     )
 
 
@@ -169,6 +241,22 @@ def transformer_config_kwargs(
         "rotary_base": _rope_theta(hf),
         "share_embeddings_and_output_weights": layout.tied,
     }
+    if layout.moe:
+        config.update(
+            num_moe_experts=layout.num_experts,
+            moe_router_topk=layout.top_k,
+            moe_ffn_hidden_size=layout.expert_ffn_size,
+            moe_router_pre_softmax=not layout.normalize_top_k,
+            # the load-balancing loss goes through the engine's loss contract (moe_aux), not
+            # megatron-core's own accounting
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_grouped_gemm=False,  # SequentialMLP: each expert its own local MLP
+            expert_model_parallel_size=layout.expert_parallel,
+            # each expert whole on its rank: the dispatcher's uneven gathers over expert TP
+            # ranks need NCCL, and small experts gain little from being cut
+            expert_tensor_parallel_size=1,
+        )
     return config, model
 
 
@@ -184,8 +272,11 @@ def layer_parts(layout: ModelLayout) -> list[str]:
             if layout.qk_norm
             else []
         ),
-        "mlp.linear_fc1.weight",
-        "mlp.linear_fc2.weight",
+        *(
+            ["mlp.experts.linear_fc1.weight", "mlp.experts.linear_fc2.weight", "mlp.router.weight"]
+            if layout.moe
+            else ["mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+        ),
         "input_layernorm.weight",
         "pre_mlp_layernorm.weight",
     ]
@@ -216,7 +307,12 @@ _LAYER_PARTS = {
     "pre_mlp_layernorm.weight": ("post_attention_layernorm.weight",),
     "mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
     "mlp.linear_fc2.weight": ("mlp.down_proj.weight",),
+    "mlp.router.weight": ("mlp.gate.weight",),
+    "mlp.experts.linear_fc1.weight": ("mlp.experts.gate_up_proj",),
+    "mlp.experts.linear_fc2.weight": ("mlp.experts.down_proj",),
 }
+# one expert of an expert-parallel rank: its part of the layer's stacked expert tensor
+_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
 _GLOBAL = {
     "embedding.word_embeddings.weight": ("model.embed_tokens.weight",),
     "decoder.final_layernorm.weight": ("model.norm.weight",),
@@ -230,6 +326,9 @@ def megatron_to_hf_names(name: str, layer_offset: int, layout: ModelLayout) -> t
     m = _LAYER.match(name)
     if m:
         local, rest = int(m.group(1)), m.group(2)
+        expert = _LOCAL_EXPERT.match(rest)
+        if expert:
+            rest = f"mlp.experts.{expert.group(2)}"
         if rest not in _LAYER_PARTS:
             raise KeyError(f"megatron parameter {name!r} has no HF mapping")
         return tuple(f"model.layers.{layer_offset + local}.{part}" for part in _LAYER_PARTS[rest])
@@ -240,6 +339,13 @@ def megatron_to_hf_names(name: str, layer_offset: int, layout: ModelLayout) -> t
     if name not in _GLOBAL:
         raise KeyError(f"megatron parameter {name!r} has no HF mapping")
     return _GLOBAL[name]
+
+
+def local_expert(name: str) -> int | None:
+    """The local expert index of a megatron expert parameter (``...local_experts.<i>...``)."""
+    m = _LAYER.match(name)
+    expert = _LOCAL_EXPERT.match(m.group(2)) if m else None
+    return int(expert.group(1)) if expert else None
 
 
 def _kind(name: str, layout: ModelLayout) -> str:
@@ -260,9 +366,19 @@ def _kind(name: str, layout: ModelLayout) -> str:
 
 
 def shard_from_hf(
-    name: str, hf: tuple[torch.Tensor, ...], layout: ModelLayout, tp_rank: int, tp: int
+    name: str,
+    hf: tuple[torch.Tensor, ...],
+    layout: ModelLayout,
+    tp_rank: int,
+    tp: int,
+    ep_rank: int = 0,
 ) -> torch.Tensor:
-    """This TP rank's shard of megatron parameter ``name`` from its full HF tensors."""
+    """This TP rank's shard of megatron parameter ``name`` from its full HF tensors (an expert's:
+    of this expert-parallel rank's expert, cut over the expert TP ranks ``tp_rank`` of ``tp``)."""
+    expert = local_expert(name)
+    if expert is not None:  # this rank's expert out of the layer's stacked experts
+        full = hf[0][ep_rank * layout.experts_per_rank + expert]
+        hf = tuple(full.chunk(2, dim=0)) if name.endswith("linear_fc1.weight") else (full,)
     kind = _kind(name, layout)
     if kind == "replicated":
         return hf[0]

@@ -81,6 +81,7 @@ from engine_core_megatron.convert import (
     hf_from_shards,
     layer_parts,
     layout_of,
+    local_expert,
     megatron_to_hf_names,
     shard_from_hf,
     transformer_config_kwargs,
@@ -97,6 +98,30 @@ warnings.filterwarnings(
 warnings.filterwarnings("ignore", message=r"full scope is deprecated", category=UserWarning)
 
 CKPT_DIR = "dist_ckpt"
+
+
+def _define_missing_te_names() -> None:
+    """megatron-core 0.16's MoE utilities test ``te_general_gemm is not None`` (and the like)
+    but define those names only when TransformerEngine imports: without it the router's
+    gating fails with a NameError. Define the missing ones as ``None``, what its own code
+    expects when TransformerEngine is absent."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    for name in (
+        "te_general_gemm",
+        "fused_compute_score_for_moe_aux_loss",
+        "fused_moe_aux_loss",
+        "fused_permute",
+        "fused_permute_with_probs",
+        "fused_sort_chunks_by_index",
+        "fused_sort_chunks_by_index_with_probs",
+        "fused_topk_with_score_function",
+        "fused_unpermute",
+    ):
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
+
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -136,7 +161,7 @@ class MegatronEngine(BaseEngine):
         self.layout: ModelLayout | None = None
         self.skipped_steps = 0
         self._lr_step = 0
-        self._parallel_layout: tuple[int, int, int | None] | None = None
+        self._parallel_layout: tuple[int, int, int | None, int] | None = None
         self._layer_owner: list[tuple[int, int, int]] = []  # global layer -> (pp, chunk, local)
 
     # ------------------------------------------------------------------ layout
@@ -154,14 +179,10 @@ class MegatronEngine(BaseEngine):
         from megatron.core import parallel_state
 
         if self._parallel_layout is not None:
-            now = (
-                parallel_state.get_tensor_model_parallel_world_size(),
-                parallel_state.get_pipeline_model_parallel_world_size(),
-                parallel_state.get_virtual_pipeline_model_parallel_world_size(),
-            )
+            now = _parallel_sizes(parallel_state)
             if now != self._parallel_layout:
                 raise EngineCoreError(
-                    f"megatron: model parallelism was re-initialised to (tp, pp, vpp)={now} by "
+                    f"megatron: model parallelism was re-initialised to (tp, pp, vpp, ep)={now} by "
                     f"another megatron engine in this process; this engine was built with "
                     f"{self._parallel_layout}. megatron-core keeps one layout per process: give "
                     f"every megatron engine in a process the same parallel sizes."
@@ -200,10 +221,11 @@ class MegatronEngine(BaseEngine):
         _ensure_process_group()
         cfg = self.config
         assert isinstance(cfg, MegatronEngineConfig)
-        tp, pp, vpp = (
+        tp, pp, vpp, ep = (
             cfg.tensor_parallel_size,
             cfg.pipeline_parallel_size,
             cfg.virtual_pipeline_parallel_size,
+            cfg.expert_parallel_size,
         )
         world = dist.get_world_size()
         if world % (tp * pp):
@@ -211,6 +233,11 @@ class MegatronEngine(BaseEngine):
                 f"megatron: world size {world} does not divide by tensor_parallel_size ({tp}) x "
                 f"pipeline_parallel_size ({pp}); choose sizes whose product divides the number "
                 f"of processes."
+            )
+        if (world // pp) % ep:
+            raise ConfigError(
+                f"megatron: the {world // pp} processes of a pipeline stage do not divide by "
+                f"expert_parallel_size ({ep}); choose a divisor of them."
             )
         if vpp and self.device.type == "cpu":
             raise ConfigError(
@@ -220,7 +247,13 @@ class MegatronEngine(BaseEngine):
                 f"virtual_pipeline_parallel_size on CPU hosts (plain 1F1B runs)."
             )
         hf_config = build_hf_config(cfg.model)
-        layout = layout_of(hf_config, value_head=cfg.model.value_head, tp=tp)
+        layout = layout_of(hf_config, value_head=cfg.model.value_head, tp=tp, ep=ep)
+        if layout.moe and tp > 1 and not cfg.sequence_parallel:
+            raise ConfigError(
+                f"megatron: a mixture of experts with tensor_parallel_size={tp} needs "
+                f"sequence_parallel: true (megatron-core's MoE layers take sequence-parallel "
+                f"input under tensor parallelism); set it, or tensor_parallel_size: 1."
+            )
         chunks = vpp or 1
         if layout.num_layers % (pp * chunks):
             raise ConfigError(
@@ -228,7 +261,9 @@ class MegatronEngine(BaseEngine):
                 f"pipeline_parallel_size x virtual_pipeline_parallel_size ({pp} x {chunks})."
             )
         self.layout = layout
-        self._init_parallel_state(tp, pp, vpp)
+        if layout.moe:
+            _define_missing_te_names()
+        self._init_parallel_state(tp, pp, vpp, ep)
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         model_parallel_cuda_manual_seed(cfg.seed)
@@ -244,16 +279,12 @@ class MegatronEngine(BaseEngine):
         self._map_layers()
         self._build_optimizer(tc)
 
-    def _init_parallel_state(self, tp: int, pp: int, vpp: int | None) -> None:
+    def _init_parallel_state(self, tp: int, pp: int, vpp: int | None, ep: int) -> None:
         from megatron.core import parallel_state
 
-        want = (tp, pp, vpp)
+        want = (tp, pp, vpp, ep)
         if parallel_state.model_parallel_is_initialized():
-            now = (
-                parallel_state.get_tensor_model_parallel_world_size(),
-                parallel_state.get_pipeline_model_parallel_world_size(),
-                parallel_state.get_virtual_pipeline_model_parallel_world_size(),
-            )
+            now = _parallel_sizes(parallel_state)
             # megatron-core keeps its groups in module globals: a process group destroyed and
             # made anew since (a second job in one process, a library's own clean-up) leaves
             # them pointing at the old one
@@ -264,6 +295,8 @@ class MegatronEngine(BaseEngine):
                 tensor_model_parallel_size=tp,
                 pipeline_model_parallel_size=pp,
                 virtual_pipeline_model_parallel_size=vpp,
+                expert_model_parallel_size=ep,
+                expert_tensor_parallel_size=1,
             )
         self._parallel_layout = want
 
@@ -317,7 +350,9 @@ class MegatronEngine(BaseEngine):
                 get_gpt_layer_with_transformer_engine_spec,
             )
 
-            return get_gpt_layer_with_transformer_engine_spec()
+            return get_gpt_layer_with_transformer_engine_spec(
+                num_experts=tc.num_moe_experts, moe_grouped_gemm=False
+            )
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer.transformer_block import (
             TransformerBlockSubmodules,
@@ -329,7 +364,12 @@ class MegatronEngine(BaseEngine):
 
         # megatron-core's local layers with SDPA attention (packed input) and norms that also
         # run under sequence parallelism, the block's final norm included
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=tc.qk_layernorm)
+        spec = get_gpt_layer_local_spec(
+            num_experts=tc.num_moe_experts,
+            moe_grouped_gemm=False,
+            normalization="RMSNorm",
+            qk_layernorm=tc.qk_layernorm,
+        )
         attention = spec.submodules.self_attention.submodules
         attention.core_attention = SDPACoreAttention
         if tc.qk_layernorm:  # per-head norms of queries and keys (Qwen3)
@@ -377,6 +417,8 @@ class MegatronEngine(BaseEngine):
                 model.cuda(torch.cuda.current_device())
             offset = get_transformer_layer_offset(tc, vp_stage=vp_stage)
             self._load_hf(model, offset, hf_state)
+            if self.layout.moe:
+                _mark_experts(model)
             chunks.append(
                 DistributedDataParallel(tc, ddp_config, module=model, disable_bucketing=vp > 0)
             )
@@ -387,6 +429,7 @@ class MegatronEngine(BaseEngine):
     ) -> None:
         assert self.layout is not None
         tp = self.config.tensor_parallel_size
+        ep_rank = self._ps.get_expert_model_parallel_rank() if self.layout.moe else 0
         with torch.no_grad():
             for name, param in model.named_parameters():
                 hf_names = megatron_to_hf_names(name, offset, self.layout)
@@ -397,7 +440,10 @@ class MegatronEngine(BaseEngine):
                         f"megatron: the HF weights have no tensor {e.args[0]!r} for megatron "
                         f"parameter {name!r}; is model.path a {self.layout} checkpoint?"
                     ) from e
-                shard = shard_from_hf(name, tensors, self.layout, self.tp_rank, tp)
+                if local_expert(name) is None:
+                    shard = shard_from_hf(name, tensors, self.layout, self.tp_rank, tp)
+                else:  # each expert whole on its expert-parallel rank (no expert TP)
+                    shard = shard_from_hf(name, tensors, self.layout, 0, 1, ep_rank)
                 if shard.shape != param.shape:
                     raise CheckpointError(
                         f"megatron: {name} expects shape {tuple(param.shape)} on this rank, the "
@@ -869,7 +915,9 @@ class MegatronEngine(BaseEngine):
         hf_names = megatron_to_hf_names(name, 0, self.layout)
         mine = ps.get_pipeline_model_parallel_rank() == pp_rank
         tensors: tuple[torch.Tensor, ...] = ()
-        if mine:
+        if mine and name.endswith(_STACKED_EXPERTS):
+            tensors = (self._gather_experts(chunk, local),)
+        elif mine:
             param = dict(self.chunks[chunk].module.named_parameters())[local].detach()
             tp = ps.get_tensor_model_parallel_world_size()
             if tp > 1:
@@ -893,6 +941,25 @@ class MegatronEngine(BaseEngine):
                 dist.broadcast(t, src=src, group=group)
         return [(n, t.cpu()) for n, t in zip(hf_names, tensors, strict=True)]
 
+    def _gather_experts(self, chunk: int, local: str) -> torch.Tensor:
+        """A layer's stacked HF expert tensor (``[experts, ...]``) from the local experts of every
+        expert-parallel rank (each expert whole there: no expert TP). ``local`` is the export
+        name ``decoder.layers.<local>.mlp.experts.linear_fc<1|2>.weight`` of this stage."""
+        assert self.layout is not None
+        params = dict(self.chunks[chunk].module.named_parameters())
+        prefix, part = local.rsplit(".experts.", 1)
+        mine = []
+        for i in range(self.layout.experts_per_rank):
+            name = f"{prefix}.experts.local_experts.{i}.{part}"
+            param = params[name].detach().contiguous()
+            mine.append(torch.cat(hf_from_shards(name, [param], self.layout)))
+        stacked = torch.stack(mine)
+        if self.layout.expert_parallel == 1:
+            return stacked
+        every = [torch.empty_like(stacked) for _ in range(self.layout.expert_parallel)]
+        dist.all_gather(every, stacked, group=self._ps.get_expert_model_parallel_group())
+        return torch.cat(every)
+
     @functools.cached_property
     def _hf_shape_table(self) -> dict[str, tuple[int, ...]]:
 
@@ -903,6 +970,33 @@ class MegatronEngine(BaseEngine):
 
 
 TIED_SOURCE = "model.embed_tokens.weight"  # a tied model's head is this tensor
+# the export names standing for every expert of a layer (the stacked HF tensors)
+_STACKED_EXPERTS = ("mlp.experts.linear_fc1.weight", "mlp.experts.linear_fc2.weight")
+
+
+def _mark_experts(model: torch.nn.Module) -> None:
+    """Reduce every expert's gradient over the experts' data-parallel group, also at
+    ``expert_parallel_size: 1``.
+
+    megatron-core marks experts for that group only when it spreads them (EP > 1); at EP 1 they
+    are reduced over the dense data-parallel group, which leaves out the tensor-parallel ranks:
+    with each expert whole on every TP rank (no expert TP) and the tokens split over them
+    (sequence parallel), their gradients then miss the other ranks' tokens. Marked always, the
+    gradients are complete, and the optimizer keeps the same two parts (dense, experts) at
+    every EP size, so a checkpoint loads at another one."""
+    for name, param in model.named_parameters():
+        if local_expert(name) is not None:
+            param.allreduce = False  # type: ignore[attr-defined]
+
+
+def _parallel_sizes(ps: Any) -> tuple[int, int, int | None, int]:
+    """(tp, pp, vpp, ep) of megatron-core's current model-parallel state."""
+    return (
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_world_size(),
+        ps.get_virtual_pipeline_model_parallel_world_size(),
+        ps.get_expert_model_parallel_world_size(),
+    )
 
 
 def _finalize_without_rescaling(

@@ -1,0 +1,195 @@
+"""Mixtures of experts on megatron-core: a Qwen3-MoE and a Mixtral, expert parallelism.
+
+Two unseen tiny families (8 experts, top-2, odd vocabularies; Qwen3-MoE with per-head q/k norms
+and renormalised top-k, Mixtral without either norm), every weight random, saved with
+``save_pretrained``. The megatron engine at TP2 without expert parallelism, at EP2, EP2 with the experts' own data parallelism
+(4 ranks), EP2 x TP2 (sequence parallel) and EP2 with PP2, on real gloo groups and
+megatron-core's all-to-all token dispatcher, against transformers' own forward; the same
+updates as fsdp2's; a checkpoint written at EP2 loaded at EP1 and at TP2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="the megatron plugin's tests need megatron-core")
+
+from engine_core.batch import LOG_PROBS  # noqa: E402
+from engine_core.config import ModelConfig  # noqa: E402
+from engine_core.errors import ConfigError  # noqa: E402
+from engine_core.testing.distributed import run_distributed  # noqa: E402
+from engine_core.testing.kit import build, eval_batch, forward, plain_log_probs  # noqa: E402
+from engine_core.testing.models import train_steps  # noqa: E402
+from engine_core.testing.moe import TINY_MIXTRAL, TINY_QWEN3_MOE  # noqa: E402
+
+PRELOAD = (
+    "engine_core_megatron.engine",
+    "engine_core_fsdp.fsdp2",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe",
+    "transformers.models.mixtral.modeling_mixtral",
+)
+FAMILIES = {"qwen3_moe": TINY_QWEN3_MOE, "mixtral": TINY_MIXTRAL}
+OPTIM = {"lr": 1e-2, "clip_grad": 1.0, "warmup_steps": 1}
+SP = {"tensor_parallel_size": 2, "sequence_parallel": True}
+LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
+    "tp2": (2, SP),  # EP 1: every expert whole on both TP ranks, tokens split between them
+    "ep2": (2, {"expert_parallel_size": 2}),
+    "ep2_dp2": (4, {"expert_parallel_size": 2}),  # DP 4; each expert on 2 ranks
+    "ep2_tp2": (4, {"expert_parallel_size": 2, **SP}),
+    "ep2_pp2": (4, {"expert_parallel_size": 2, "pipeline_parallel_size": 2}),
+}
+RESHARDED: dict[str, tuple[int, dict[str, Any]]] = {"ep1": (1, {}), "tp2": (2, SP)}
+STEPS = range(3)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    from engine_core.models import build_model
+
+    out = {}
+    for family, config in FAMILIES.items():
+        torch.manual_seed(0)
+        model: Any = build_model(ModelConfig(config=dict(config)))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):  # ones at init: make each norm its own
+                    p.copy_(1 + 0.2 * torch.randn_like(p))
+        path = tmp_path_factory.mktemp(family)
+        model.save_pretrained(path)
+        out[family] = str(path)
+    return out
+
+
+def _megatron(
+    rank: int, world: int, folders: dict[str, str], sizes: dict[str, Any], root: str
+) -> Any:
+    out: dict[str, Any] = {}
+    for family, folder in folders.items():
+        engine = build("megatron", model={"path": folder}, optim=OPTIM, **sizes)
+        out[family] = {
+            "weights": {n: t.clone() for n, t in engine.named_full_params()},
+            "log_probs": forward(engine, eval_batch())[LOG_PROBS],
+        }
+        if family == "qwen3_moe":
+            out["steps"] = train_steps(engine, STEPS)
+            if root:  # the checkpoint the resharded layouts load
+                engine.save_checkpoint(root, step=len(STEPS))
+                out["trained_log_probs"] = forward(engine, eval_batch())[LOG_PROBS]
+    return out
+
+
+def _fsdp2(rank: int, world: int, folder: str) -> Any:
+    return train_steps(build("fsdp2", model={"path": folder}, optim=OPTIM), STEPS)
+
+
+def _resharded(rank: int, world: int, folder: str, sizes: dict[str, Any], ckpt: str) -> Any:
+    engine = build("megatron", model={"path": folder}, optim=OPTIM, **sizes)
+    step = engine.load_checkpoint(str(Path(ckpt) / f"global_step_{len(STEPS)}"))
+    return step, forward(engine, eval_batch())[LOG_PROBS]
+
+
+@pytest.fixture(scope="module")
+def runs(folders: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    (out["fsdp2"],) = run_distributed(_fsdp2, 1, folders["qwen3_moe"], preload=PRELOAD)
+    ckpt = str(tmp_path_factory.mktemp("ep2-ckpt"))
+    for name, (world, sizes) in LAYOUTS.items():
+        root = ckpt if name == "ep2" else ""
+        out[name] = run_distributed(_megatron, world, folders, sizes, root, preload=PRELOAD)[0]
+    for name, (world, sizes) in RESHARDED.items():
+        out[f"resharded_{name}"] = run_distributed(
+            _resharded, world, folders["qwen3_moe"], sizes, ckpt, preload=PRELOAD
+        )[0]
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_moe_on_megatron_equals_transformers(
+    runs: dict[str, Any], folders: dict[str, str], layout: str, family: str
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folders[family], dtype=torch.float32).eval()
+    state = hf.state_dict()
+    got = runs[layout][family]
+    # every expert comes back under transformers' stacked names, bit for bit
+    assert sorted(got["weights"]) == sorted(state)
+    for name, t in state.items():
+        assert torch.equal(got["weights"][name], t), f"{layout}: {name} differs"
+    want, _ = plain_log_probs(hf, eval_batch())
+    gap = float((got["log_probs"] - want).abs().max())
+    assert gap <= 1e-5, f"{layout}/{family}: log-probs {gap:.3g} from transformers'"
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_moe_updates_equal_fsdp2(runs: dict[str, Any], layout: str) -> None:
+    """Three optimizer steps with the experts spread over ranks: the loss and the gradient norm
+    (expert and dense parameters reduced over their own groups) equal fsdp2's."""
+    for (loss, norm), (want_loss, want_norm) in zip(
+        runs[layout]["steps"], runs["fsdp2"], strict=True
+    ):
+        assert loss == pytest.approx(want_loss, rel=1e-5), layout
+        assert norm == pytest.approx(want_norm, rel=1e-5), layout
+
+
+@pytest.mark.parametrize("layout", sorted(RESHARDED))
+def test_expert_parallel_checkpoint_loads_resharded(runs: dict[str, Any], layout: str) -> None:
+    """Saved at EP2 (4 experts a rank), loaded at EP1 (all 8 on one rank) and at TP2 with no
+    expert parallelism: the same log-probs as the model that was saved."""
+    step, log_probs = runs[f"resharded_{layout}"]
+    assert step == len(STEPS)
+    want = runs["ep2"]["trained_log_probs"]
+    gap = float((log_probs - want).abs().max())
+    assert gap <= 1e-5, f"{layout}: {gap:.3g} from the EP2 model saved"
+    # the steps changed the model: a checkpoint not loaded would show
+    assert float((log_probs - runs["ep2"]["qwen3_moe"]["log_probs"]).abs().max()) > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("family", "change", "tp", "ep", "match"),
+    [
+        ("qwen3_moe", {"mlp_only_layers": [1]}, 1, 1, "dense layers.*mlp_only_layers"),
+        ("qwen3_moe", {"decoder_sparse_step": 2}, 1, 1, "decoder_sparse_step=2"),
+        ("qwen3_moe", {}, 1, 3, "expert_parallel_size=3 must divide the number of experts"),
+        ("mixtral", {"sliding_window": 16}, 1, 1, "sliding_window=16"),
+    ],
+)
+def test_unmappable_moe_is_refused(
+    family: str, change: dict[str, Any], tp: int, ep: int, match: str
+) -> None:
+    from engine_core_megatron.convert import layout_of
+
+    from engine_core.models import build_hf_config
+
+    hf = build_hf_config(ModelConfig(config={**FAMILIES[family], **change}))
+    with pytest.raises(ConfigError, match=match):
+        layout_of(hf, value_head=False, tp=tp, ep=ep)
+
+
+def test_expert_parallel_on_a_dense_model_is_refused() -> None:
+    from engine_core_megatron.convert import layout_of
+
+    from engine_core.models import build_hf_config
+    from engine_core.testing.models import TINY_QWEN3
+
+    hf = build_hf_config(ModelConfig(config=dict(TINY_QWEN3)))
+    with pytest.raises(ConfigError, match="expert_parallel_size=2 needs a mixture-of-experts"):
+        layout_of(hf, value_head=False, tp=1, ep=2)
+
+
+def _tp_without_sp(rank: int, world: int) -> str:
+    try:
+        build("megatron", model={"config": dict(TINY_QWEN3_MOE)}, tensor_parallel_size=2)
+    except ConfigError as e:
+        return str(e)
+    return "built"
+
+
+def test_moe_with_tensor_parallelism_needs_sequence_parallelism() -> None:
+    (message,) = run_distributed(_tp_without_sp, 2, preload=PRELOAD)[:1]
+    assert "needs sequence_parallel: true" in message
