@@ -73,6 +73,9 @@ __all__ = [
     "WEIGHT_PARTS",
     "WeightPart",
     "loss_mask_of",
+    "row_to_batch",
+    "balance_of",
+    "routing_request",
     "predicted_mask",
     "token_log_probs",
 ]
@@ -164,11 +167,12 @@ def _targets(inputs: ModelInputs, length: int | None = None) -> torch.Tensor:
     return torch.nn.functional.pad(ids[:, 1:], (0, 1))[:, :length]
 
 
-def _row_to_batch(
+def row_to_batch(
     per_token: torch.Tensor, inputs: ModelInputs, micro_batch: TensorDict
 ) -> torch.Tensor:
-    """Values per token of the model's row (``[tokens, ...]``, packed or padded) as the batch's
-    ``[b, L, ...]``, unshifted: a token's value stays under that token; padding holds 0."""
+    """Values per token of the model's row (``[tokens, ...]``, packed or padded, row-major over
+    the batch's rows) as the batch's ``[b, L, ...]``, unshifted: a token's value stays under
+    that token; padding holds 0."""
     if inputs.packed is not None:
         return unpack(inputs.packed, per_token, fill=0)
     b, length = micro_batch[INPUT_IDS].shape
@@ -177,16 +181,50 @@ def _row_to_batch(
     return placed.masked_fill(~real.reshape(b, length, *[1] * (placed.dim() - 2)), 0)
 
 
-def _balance(logits: RouterLogits, inputs: ModelInputs, micro_batch: TensorDict) -> torch.Tensor:
-    """The load-balancing terms of each token of the model's row (:func:`balance_terms`)."""
+def balance_of(
+    layers: list[tuple[torch.Tensor, torch.Tensor]],
+    num_experts: int,
+    inputs: ModelInputs,
+    micro_batch: TensorDict,
+) -> torch.Tensor:
+    """The load-balancing terms of each token of the model's row (:func:`balance_terms`), from
+    each MoE layer's ``(router logits [tokens, experts], experts used [tokens, top_k])`` over
+    the row (packed or padded, row-major)."""
     if inputs.packed is not None:  # each packed token's row of the batch
         sequence = inputs.packed.flat_indices // inputs.packed.seq_len
     else:
         b, length = micro_batch[INPUT_IDS].shape
         rows = torch.arange(b)[:, None].expand(b, length)
         sequence = rows.masked_fill(~micro_batch[ATTENTION_MASK].bool(), -1).reshape(-1)
-    layers = logits.layers()
-    return balance_terms(layers, sequence.to(layers[0][0].device), logits.num_experts)
+    return balance_terms(layers, sequence.to(layers[0][0].device), num_experts)
+
+
+def routing_request(
+    micro_batch: TensorDict, *, unsupported: str | None = None
+) -> tuple[torch.Tensor | None, bool, bool]:
+    """What ``micro_batch`` asks of the model's routers: ``(routes, record, balance)`` — the
+    experts to replay (its ``routed_experts``, ``[B, L, layers, top_k]``, checked against its
+    ``input_ids``; None without), whether to return the routers' own choice
+    (``BatchMeta.return_routes``) and whether to keep their logits for the load-balancing loss
+    (``BatchMeta.moe_aux``). ``unsupported`` names a setting of the engine under which any of
+    it is refused (a forward that would route on its own)."""
+    routed = micro_batch.get(ROUTED_EXPERTS, None)
+    meta: BatchMeta = get_meta(micro_batch)
+    record, balance = meta.return_routes, meta.moe_aux
+    if (routed is not None or record or balance) and unsupported:
+        raise BatchError(
+            f"{ROUTED_EXPERTS} (replayed or returned) or {MOE_AUX} with {unsupported} is not "
+            f"supported yet (a recomputed or split forward would route on its own): run "
+            f"routing replay without it."
+        )
+    if routed is not None:
+        ids = micro_batch[INPUT_IDS]
+        if routed.dim() != 4 or tuple(routed.shape[:2]) != tuple(ids.shape):
+            raise BatchError(
+                f"{ROUTED_EXPERTS} must be [B, L, layers, top_k] with [B, L] = "
+                f"{tuple(ids.shape)} of {INPUT_IDS}; got {tuple(routed.shape)}."
+            )
+    return routed, record, balance
 
 
 def _cause(e: BaseException) -> str:
@@ -456,11 +494,11 @@ class BaseEngine(abc.ABC):
                 raw = self.forward_model(inputs)
                 out = self.prepare_model_outputs(raw, inputs, mb)
                 if inputs.recorded is not None:
-                    out[ROUTED_EXPERTS] = _row_to_batch(inputs.recorded.transpose(0, 1), inputs, mb)
+                    out[ROUTED_EXPERTS] = row_to_batch(inputs.recorded.transpose(0, 1), inputs, mb)
                 if inputs.router_logits is not None:
-                    out[MOE_AUX] = _row_to_batch(
-                        _balance(inputs.router_logits, inputs, mb), inputs, mb
-                    )
+                    balance = inputs.router_logits
+                    terms = balance_of(balance.layers(), balance.num_experts, inputs, mb)
+                    out[MOE_AUX] = row_to_batch(terms, inputs, mb)
                 if self.loss_fn is not None:
                     loss, metrics = self.loss_fn(mb, out, ctx)
                     if not forward_only:
@@ -502,23 +540,12 @@ class BaseEngine(abc.ABC):
         ids, mask = micro_batch[INPUT_IDS], micro_batch[ATTENTION_MASK]
         dev = self.device
         cp = self.context_parallel_group
-        routed = micro_batch.get(ROUTED_EXPERTS, None)
-        meta: BatchMeta = get_meta(micro_batch)
-        record, balance = meta.return_routes, meta.moe_aux
-        if routed is not None or record or balance:
-            if cp is not None or self.config.model.gradient_checkpointing:
-                raise BatchError(
-                    f"{ROUTED_EXPERTS} (replayed or returned) or {MOE_AUX} with context "
-                    f"parallelism or gradient checkpointing is not supported yet (a recomputed "
-                    f"forward would route on its own): run routing replay with "
-                    f"context_parallel_size=1 and model.gradient_checkpointing=false."
-                )
-        if routed is not None:
-            if routed.dim() != 4 or tuple(routed.shape[:2]) != tuple(ids.shape):
-                raise BatchError(
-                    f"{ROUTED_EXPERTS} must be [B, L, layers, top_k] with [B, L] = "
-                    f"{tuple(ids.shape)} of {INPUT_IDS}; got {tuple(routed.shape)}."
-                )
+        unsupported = None
+        if cp is not None:
+            unsupported = "context parallelism (set context_parallel_size: 1)"
+        elif self.config.model.gradient_checkpointing:
+            unsupported = "gradient checkpointing (set model.gradient_checkpointing: false)"
+        routed, record, balance = routing_request(micro_batch, unsupported=unsupported)
         if self.config.use_packing or cp is not None:  # a row split over cp ranks is packed
             packed = pack(ids, mask)
             row, pos, cu = packed.input_ids, packed.position_ids, packed.cu_seqlens

@@ -22,5 +22,7 @@ MEGATRON_CAPABILITIES = frozenset(
         Capability.WEIGHT_EXPORT,
         Capability.GRADIENT_CHECKPOINTING,
         Capability.BF16,
+        # mixtures of experts: replayed routes, the routers' own choice, their balance terms
+        Capability.ROUTING_REPLAY,
     }
 )

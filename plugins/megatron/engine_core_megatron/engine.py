@@ -48,8 +48,11 @@ from engine_core.backend import (
     DTYPES,
     INPUT_IDS,
     LOG_PROBS,
+    MOE_AUX,
     POSITION_IDS,
+    ROUTED_EXPERTS,
     BaseEngine,
+    BatchError,
     Capability,
     CheckpointError,
     ConfigError,
@@ -61,6 +64,7 @@ from engine_core.backend import (
     MicroBatchResults,
     ModelInputs,
     all_reduce_cpu,
+    balance_of,
     build_hf_config,
     build_model,
     chunk_tokens_for,
@@ -70,6 +74,8 @@ from engine_core.backend import (
     lr_lambda,
     model_weight_shapes,
     pack,
+    routing_request,
+    row_to_batch,
 )
 from engine_core_megatron._cpu_compat import cpu_compat
 from engine_core_megatron._pipeline import broadcast_results
@@ -86,6 +92,7 @@ from engine_core_megatron.convert import (
     shard_from_hf,
     transformer_config_kwargs,
 )
+from engine_core_megatron.routing import RouterHooks, RoutingStep
 from engine_core_megatron.vocab_parallel import chunked_output_layer, vocab_parallel_log_probs
 
 __all__ = ["MegatronEngine"]
@@ -163,6 +170,7 @@ class MegatronEngine(BaseEngine):
         self._lr_step = 0
         self._parallel_layout: tuple[int, int, int | None, int] | None = None
         self._layer_owner: list[tuple[int, int, int]] = []  # global layer -> (pp, chunk, local)
+        self._routing: RouterHooks | None = None  # mixtures of experts: hooks on the routers
 
     # ------------------------------------------------------------------ layout
     @property
@@ -276,6 +284,10 @@ class MegatronEngine(BaseEngine):
         self.chunks = self._build_chunks(tc, model_kwargs, hf_state)
         del hf_state
         self.module = torch.nn.ModuleList(self.chunks)
+        if layout.moe:
+            self._routing = RouterHooks(
+                self.chunks, top_k=layout.top_k, pre_softmax=not layout.normalize_top_k
+            )
         self._map_layers()
         self._build_optimizer(tc)
 
@@ -504,6 +516,7 @@ class MegatronEngine(BaseEngine):
         dev = self.device
         sp = self.config.sequence_parallel  # type: ignore[attr-defined]
         multiple = self.config.tensor_parallel_size if sp else 1  # type: ignore[attr-defined]
+        routed, record, balance = self._routing_request(micro_batch)
         if self.config.use_packing:
             packed = pack(ids, mask)
             tokens, positions = packed.input_ids, packed.position_ids
@@ -529,7 +542,11 @@ class MegatronEngine(BaseEngine):
                 "packed_seq_params": params,
                 "length": length,
             }
-            return ModelInputs(kwargs, packed)
+            routes = None
+            if routed is not None:  # [T + extra, layers, top_k]: the packed row's tokens
+                routes = self._pad_routes(routed.flatten(0, 1)[packed.flat_indices], extra)
+                routes = routes.transpose(0, 1)  # [layers, tokens, top_k], as ModelInputs holds
+            return ModelInputs(kwargs, packed, routes=routes, record_routes=record, balance=balance)
         length = int(ids.shape[1])
         positions = micro_batch[POSITION_IDS]
         extra = (-length) % multiple
@@ -544,7 +561,68 @@ class MegatronEngine(BaseEngine):
             "attention_mask": padding,
             "length": length,
         }
-        return ModelInputs(kwargs, None)
+        routes = None
+        if routed is not None:  # megatron-core's tokens are sequence-major: [(L + extra) * b]
+            real = micro_batch[ATTENTION_MASK].bool()[:, :, None, None]
+            routed = self._pad_routes(routed.masked_fill(~real, -1).transpose(0, 1), extra)
+            routes = routed.flatten(0, 1).transpose(0, 1)  # [layers, tokens, top_k]
+        return ModelInputs(kwargs, None, routes=routes, record_routes=record, balance=balance)
+
+    def _routing_request(self, micro_batch: TensorDict) -> tuple[torch.Tensor | None, bool, bool]:
+        """The batch's routes (checked against the model) and whether to record and balance."""
+        assert self.layout is not None
+        unsupported = None
+        if self.config.model.gradient_checkpointing:
+            unsupported = "gradient checkpointing (set model.gradient_checkpointing: false)"
+        routed, record, balance = routing_request(micro_batch, unsupported=unsupported)
+        if not (routed is not None or record or balance):
+            return None, False, False
+        if not self.layout.moe:
+            raise BatchError(
+                f"{ROUTED_EXPERTS} or {MOE_AUX}: the model has no mixture-of-experts router "
+                f"(a dense {self.config.model.config.get('model_type') if self.config.model.config else 'model'}); "
+                f"turn routing replay off for it."
+            )
+        if balance and self.config.pipeline_parallel_size > 1:  # type: ignore[attr-defined]
+            raise BatchError(
+                f"{MOE_AUX} (the load-balancing loss) with pipeline_parallel_size > 1 is not "
+                f"supported yet (the routers of earlier stages are not on the last one, where "
+                f"the loss is taken); set actor.moe_aux_loss_coef: 0 or pipeline_parallel_size: 1."
+            )
+        if routed is not None:
+            layout = self.layout
+            want = (layout.num_layers, layout.top_k)
+            if tuple(routed.shape[2:]) != want:
+                raise BatchError(
+                    f"{ROUTED_EXPERTS} must be [B, L, layers={want[0]}, top_k={want[1]}] for this "
+                    f"model; got {tuple(routed.shape)}."
+                )
+            if routed.dtype.is_floating_point or routed.dtype == torch.bool:
+                raise BatchError(
+                    f"{ROUTED_EXPERTS} must hold integer expert ids; got {routed.dtype}."
+                )
+            real = routed[micro_batch[ATTENTION_MASK].bool()]
+            if real.numel() and (int(real.min()) < 0 or int(real.max()) >= layout.num_experts):
+                raise BatchError(
+                    f"{ROUTED_EXPERTS} name experts outside 0..{layout.num_experts - 1}: min "
+                    f"{int(real.min())}, max {int(real.max())}."
+                )
+            ordered = real.sort(-1).values
+            if bool((ordered[..., 1:] == ordered[..., :-1]).any()):
+                raise BatchError(
+                    f"{ROUTED_EXPERTS} name an expert twice for one token and layer; each token "
+                    f"goes to top_k={layout.top_k} distinct experts."
+                )
+        return routed, record, balance
+
+    @staticmethod
+    def _pad_routes(routes: torch.Tensor, extra: int) -> torch.Tensor:
+        """``routes`` ``[tokens, ...]`` with ``extra`` trailing rows of -1 (the padding sequence
+        parallelism adds): a token whose route is -1 goes where its router sends it
+        (:class:`~engine_core_megatron.routing.RouterHooks`)."""
+        if not extra:
+            return routes
+        return torch.cat([routes, routes.new_full((extra, *routes.shape[1:]), -1)])
 
     def _chunked_head_request(
         self, inputs: ModelInputs, micro_batch: TensorDict
@@ -642,6 +720,8 @@ class MegatronEngine(BaseEngine):
                 out = self.place_next_token_outputs({LOG_PROBS: -output[:, :-1]}, inputs, mb)
             else:
                 out = self.prepare_model_outputs(SimpleNamespace(logits=output), inputs, mb)
+            if inputs.balance:  # one stage (no PP): every router's logits are here
+                out[MOE_AUX] = self._balance_terms(steps[id(inputs)], inputs, mb)
             outputs.append(out.detach())
             if self.loss_fn is None:
                 return torch.zeros((), device=output.device, requires_grad=False), one, {}
@@ -650,9 +730,15 @@ class MegatronEngine(BaseEngine):
             loss_sum = loss_sum + loss.detach().double().cpu()
             return loss.to(output.device), one, {}
 
+        steps: dict[int, RoutingStep] = {}  # id(micro-batch inputs) -> its routing step
+
         def forward_step(data_iterator: Iterator[Any], model: torch.nn.Module) -> Any:
             mb, inputs = next(data_iterator)
             kwargs = {k: v for k, v in inputs.kwargs.items() if k != "length"}
+            if self._routing is not None:  # what this micro-batch asks of the routers
+                if id(inputs) not in steps:  # one per micro-batch, for every model chunk
+                    steps[id(inputs)] = self._routing_step(inputs)
+                self._routing.step = steps[id(inputs)]
             # only the chunk that ends the pipeline has the output layer (model: DDP-wrapped)
             head = self._chunked_head_request(inputs, mb) if model.module.post_process else None
             if head is not None:
@@ -691,13 +777,90 @@ class MegatronEngine(BaseEngine):
                 micro_batch_size=max(int(p[1].kwargs["input_ids"].shape[0]) for p in prepared),
                 forward_only=forward_only,
             )
+        if self._routing is not None:
+            self._routing.step = None
         results = MicroBatchResults(outputs, loss_sum, acc) if self.is_last_stage else None
         if pp > 1:
             group = ps.get_pipeline_model_parallel_group()
             last = dist.get_process_group_ranks(group)[-1]
             results = broadcast_results(results, src=last, group=group, device=self.device)
         assert results is not None
+        for (mb, inputs), out in zip(prepared, results.outputs, strict=True):
+            if inputs.record_routes:
+                out[ROUTED_EXPERTS] = self._recorded_routes(steps[id(inputs)], inputs, mb)
         return results
+
+    # ------------------------------------------------------------------ routing
+    def _token_slice(self, inputs: ModelInputs) -> slice:
+        """The tokens of the model's row (sequence-major) this rank's routers see: all of them,
+        or under sequence parallelism this TP rank's share of the sequence."""
+        total = int(inputs.kwargs["input_ids"].numel())
+        if not self.config.sequence_parallel:  # type: ignore[attr-defined]
+            return slice(0, total)
+        tp = self.config.tensor_parallel_size
+        share = total // tp
+        return slice(self.tp_rank * share, (self.tp_rank + 1) * share)
+
+    def _routing_step(self, inputs: ModelInputs) -> RoutingStep:
+        routes = None
+        if inputs.routes is not None:
+            mine = self._token_slice(inputs)
+            assert self._routing is not None
+            routes = {layer: inputs.routes[layer, mine] for layer in self._routing.layers}
+        return RoutingStep(routes=routes, record=inputs.record_routes, balance=inputs.balance)
+
+    def _row_major(self, per_token: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
+        """Values per token in megatron-core's sequence-major order over the padded row
+        (``[(L + extra) * b, ...]``) in the row-major order of the model's input row without
+        the padding sequence parallelism added (what :func:`row_to_batch` takes)."""
+        ids = inputs.kwargs["input_ids"]
+        b, padded = int(ids.shape[0]), int(ids.shape[1])
+        length = int(inputs.kwargs["length"])
+        x = per_token.reshape(padded, b, *per_token.shape[1:])[:length]
+        return x.transpose(0, 1).reshape(b * length, *per_token.shape[1:])
+
+    def _gather_tokens(self, x: torch.Tensor, *, grad: bool) -> torch.Tensor:
+        """This TP rank's tokens joined with the others' (sequence parallelism; else ``x``)."""
+        if not self.config.sequence_parallel:  # type: ignore[attr-defined]
+            return x
+        if grad:  # every TP rank then computes the same loss: the backward keeps its share
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            return gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False)
+        group = self._ps.get_tensor_model_parallel_group()
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
+
+    def _balance_terms(
+        self, step: RoutingStep, inputs: ModelInputs, micro_batch: TensorDict
+    ) -> torch.Tensor:
+        """The micro-batch's load-balancing terms, ``[b, L]`` (:func:`balance_of`)."""
+        assert self.layout is not None and self._routing is not None
+        layers = []
+        for layer in self._routing.layers:
+            logits, used = step.logits[layer]
+            logits = self._row_major(self._gather_tokens(logits, grad=True), inputs)
+            used = self._row_major(self._gather_tokens(used, grad=False), inputs)
+            layers.append((logits, used))
+        terms = balance_of(layers, self.layout.num_experts, inputs, micro_batch)
+        return row_to_batch(terms, inputs, micro_batch)
+
+    def _recorded_routes(
+        self, step: RoutingStep, inputs: ModelInputs, micro_batch: TensorDict
+    ) -> torch.Tensor:
+        """The routers' own choice for the micro-batch, ``[b, L, layers, top_k]``: each stage's
+        layers, joined over the TP ranks (sequence parallelism) and the pipeline stages."""
+        assert self.layout is not None and self._routing is not None
+        mine = torch.stack([step.recorded[layer] for layer in self._routing.layers], dim=1)
+        mine = self._row_major(self._gather_tokens(mine.to(self.device), grad=False), inputs)
+        full = torch.zeros(
+            mine.shape[0], self.layout.num_layers, self.layout.top_k, dtype=torch.int64
+        )
+        full[:, self._routing.layers] = mine.cpu()
+        if self.config.pipeline_parallel_size > 1:  # type: ignore[attr-defined]
+            full = all_reduce_cpu(full, group=self._ps.get_pipeline_model_parallel_group())
+        return row_to_batch(full, inputs, micro_batch)
 
     # ------------------------------------------------------------------ optimizer
     @_on_device

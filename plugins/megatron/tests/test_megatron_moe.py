@@ -193,3 +193,163 @@ def _tp_without_sp(rank: int, world: int) -> str:
 def test_moe_with_tensor_parallelism_needs_sequence_parallelism() -> None:
     (message,) = run_distributed(_tp_without_sp, 2, preload=PRELOAD)[:1]
     assert "needs sequence_parallel: true" in message
+
+
+# -- routing replay, the routers' own choice and the balance loss ---------------------------
+REPLAY_LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
+    "ep2": (2, {"expert_parallel_size": 2}),
+    "ep2_tp2": (4, {"expert_parallel_size": 2, **SP}),
+    "ep2_pp2": (4, {"expert_parallel_size": 2, "pipeline_parallel_size": 2}),
+}
+PACKINGS: dict[str, dict[str, Any]] = {
+    "packed": {},
+    "padded": {"use_packing": False, "micro_batch_size": 2},
+}
+
+
+def _policy_and_aux(mb: Any, out: Any, ctx: Any) -> Any:
+    """The policy's NLL plus the routers' balance terms, both token means over the loss mask."""
+    from engine_core.batch import LOSS_MASK, MOE_AUX
+    from engine_core.loss import aggregate_loss
+
+    nll = aggregate_loss(-out[LOG_PROBS], mb[LOSS_MASK], "token-mean", ctx)
+    aux = aggregate_loss(out[MOE_AUX], mb[LOSS_MASK], "token-mean", ctx)
+    return nll + 0.1 * aux, {}
+
+
+def _replaying(
+    rank: int, world: int, folder: str, backend: str, sizes: dict[str, Any], batch: Any, routes: Any
+) -> Any:
+    from engine_core.batch import ROUTED_EXPERTS, with_meta
+
+    out: dict[str, Any] = {}
+    asked = with_meta(batch, return_routes=True)
+    for name, packing in PACKINGS.items():
+        engine = build(backend, model={"path": folder}, optim=OPTIM, **sizes, **packing)
+        given = asked.clone()
+        given[ROUTED_EXPERTS] = routes
+        replayed = forward(engine, given)
+        own = forward(engine, asked.clone())
+        out[name] = {
+            "replayed": replayed[LOG_PROBS],
+            "chosen_under_replay": replayed[ROUTED_EXPERTS],
+            "own": own[LOG_PROBS],
+            "chosen": own[ROUTED_EXPERTS],
+        }
+        # the routers' own routes replayed: the same numbers as no replay at all
+        again = asked.clone()
+        again[ROUTED_EXPERTS] = own[ROUTED_EXPERTS]
+        out[name]["own_replayed"] = forward(engine, again)[LOG_PROBS]
+        if sizes.get("pipeline_parallel_size", 1) == 1:  # the balance loss: one stage
+            engine.set_loss_fn(_policy_and_aux)
+            update = with_meta(given, moe_aux=True)
+            with engine.train_mode():
+                result = engine.forward_backward_step(engine.shard_data(update))
+                norm = engine.optimizer_step()
+            out[name]["update"] = (result.loss, norm, forward(engine, batch.clone())[LOG_PROBS])
+    return out
+
+
+@pytest.fixture(scope="module")
+def replays(folders: dict[str, str]) -> dict[str, Any]:
+    from engine_core.batch import LOSS_MASK, POSITION_IDS
+    from engine_core.models import build_model
+    from engine_core.testing.moe import routed_batch
+
+    torch.manual_seed(0)
+    model: Any = build_model(ModelConfig(config=dict(TINY_QWEN3_MOE))).eval()
+    folder = folders["qwen3_moe"]
+    model.load_state_dict(
+        __import__("transformers").AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    )
+    batch, routes = routed_batch(model)
+    batch[LOSS_MASK] = (batch["attention_mask"].bool() & (batch[POSITION_IDS] >= 3)).long()
+    out: dict[str, Any] = {"model": model, "batch": batch, "routes": routes}
+    out["fsdp2"] = run_distributed(
+        _replaying, 1, folder, "fsdp2", {}, batch, routes, preload=PRELOAD
+    )[0]
+    for name, (world, sizes) in REPLAY_LAYOUTS.items():
+        out[name] = run_distributed(
+            _replaying, world, folder, "megatron", sizes, batch, routes, preload=PRELOAD
+        )[0]
+    return out
+
+
+@pytest.mark.parametrize("packing", sorted(PACKINGS))
+@pytest.mark.parametrize("layout", sorted(REPLAY_LAYOUTS))
+def test_megatron_replays_the_routes_a_batch_carries(
+    replays: dict[str, Any], layout: str, packing: str
+) -> None:
+    """Under expert, tensor (sequence) and pipeline parallelism, packed and padded: the
+    engine's log-probs are transformers' with the batch's routes replayed, the routes it returns
+    are its routers' own choice (before the replay), and replaying those changes nothing."""
+    from engine_core.moe import route_mismatch
+    from engine_core.testing.moe import own_routes
+
+    model, batch, routes = replays["model"], replays["batch"], replays["routes"]
+    want, _ = plain_log_probs(model, batch, routes)
+    own, _ = plain_log_probs(model, batch)
+    assert float((want - own).abs().max()) > 1e-3  # the routes given are not the model's
+    got = replays[layout][packing]
+    assert float((got["replayed"] - want).abs().max()) <= 1e-5
+    assert float((got["own"] - own).abs().max()) <= 1e-5
+    real = batch["attention_mask"].bool()
+    chosen, under_replay = own_routes(model, batch), own_routes(model, batch, routes)
+    assert route_mismatch(got["chosen"][real], chosen[real]) == 0.0
+    assert route_mismatch(got["chosen_under_replay"][real], under_replay[real]) == 0.0
+    assert torch.equal(got["own_replayed"], got["own"])
+
+
+@pytest.mark.parametrize("packing", sorted(PACKINGS))
+@pytest.mark.parametrize("layout", ["ep2", "ep2_tp2"])
+def test_megatron_update_with_the_balance_loss_equals_fsdp2(
+    replays: dict[str, Any], layout: str, packing: str
+) -> None:
+    """One update under replay with the routers' balance loss added to the policy's: the loss,
+    the gradient norm (the routers' gradient included) and the log-probs after the step equal
+    fsdp2's, whose balance loss is checked against a hand-written one (tests/test_moe.py)."""
+    loss, norm, after = replays[layout][packing]["update"]
+    want_loss, want_norm, want_after = replays["fsdp2"][packing]["update"]
+    assert loss == pytest.approx(want_loss, rel=1e-5)
+    assert norm == pytest.approx(want_norm, rel=1e-5)
+    # Adam's first step divides each gradient by its own magnitude: rounding-level gradient
+    # differences of near-zero entries move the weights by more than that
+    assert float((after - want_after).abs().max()) <= 1e-4
+
+
+def _misrouted(rank: int, world: int, folder: str, batch: Any, routes: Any) -> list[str]:
+    from engine_core.batch import ROUTED_EXPERTS
+
+    engine = build("megatron", model={"path": folder}, expert_parallel_size=2)
+    before = {n: t.clone() for n, t in engine.named_full_params()}
+    messages = []
+    for bad in (
+        routes[:, :, :1],  # one layer of two
+        routes[..., :1],  # top-1 of top-2
+        routes.float(),
+        routes + 8,  # expert 8 of 0..7
+        torch.zeros_like(routes),  # an expert twice for a token
+    ):
+        given = batch.clone()
+        given[ROUTED_EXPERTS] = bad
+        try:
+            forward(engine, given)
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            messages.append(str(e))
+    after = dict(engine.named_full_params())
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    return messages
+
+
+def test_misshaped_routes_are_refused_before_any_state_changes(
+    replays: dict[str, Any], folders: dict[str, str]
+) -> None:
+    messages = run_distributed(
+        _misrouted, 2, folders["qwen3_moe"], replays["batch"], replays["routes"], preload=PRELOAD
+    )[0]
+    assert len(messages) == 5
+    assert "layers=2, top_k=2" in messages[0] and ", 16, 1, 2)" in messages[0]
+    assert ", 16, 2, 1)" in messages[1]
+    assert "integer expert ids" in messages[2]
+    assert "outside 0..7" in messages[3]
+    assert "an expert twice" in messages[4]

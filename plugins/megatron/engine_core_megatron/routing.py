@@ -1,0 +1,104 @@
+"""Routing replay, the routers' own choice and their logits, on megatron-core's ``TopKRouter``.
+
+megatron-core's router returns, for the ``tokens`` rows it sees (its input ``[s, b, hidden]``
+flattened sequence-major; under sequence parallelism only this TP rank's slice of ``s``),
+``(probs, routing_map)``: each token's routing weights scattered over every expert
+``[tokens, experts]`` and the boolean map of its chosen experts. A forward hook on each router
+of this rank's model chunks (:class:`RouterHooks`) reads the experts it chose from the map and,
+for a replay, computes the router's logits again from its input and live weight and returns
+the weights of the given experts from them, the way megatron-core computes them for its own
+choice (a softmax over every expert gathered at the chosen ones with
+``moe_router_pre_softmax``, else a softmax over the chosen logits): the router keeps its
+gradient, and replaying the router's own choice changes nothing.
+
+Its own ``moe_enable_routing_replay`` is not used: it keeps its routers in one process-wide
+list (every model of the process, the reference's too), and a router either records or
+replays, while the engine returns the routers' own choice while it replays another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["RouterHooks", "RoutingStep"]
+
+
+@dataclass
+class RoutingStep:
+    """What one micro-batch's forward asks of the routers on this rank, and what they left.
+
+    ``routes``: per global MoE layer the experts to replay for the tokens this rank's routers
+    see, ``{layer: [tokens, top_k]}`` (-1 for a token without a route: padding). ``recorded``: the routers' own choice, ``{layer: [tokens,
+    top_k]}`` (experts ascending). ``logits``: with ``balance``, each router's logits (with
+    their graph) and the experts used, ``{layer: (logits, experts)}``."""
+
+    routes: dict[int, torch.Tensor] | None = None
+    record: bool = False
+    balance: bool = False
+    recorded: dict[int, torch.Tensor] = field(default_factory=dict)
+    logits: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+class RouterHooks:
+    """A forward hook on every router of ``chunks`` (DDP-wrapped ``GPTModel`` chunks); it acts
+    on the :class:`RoutingStep` set in :attr:`step` and lets the router be otherwise."""
+
+    def __init__(self, chunks: list[torch.nn.Module], *, top_k: int, pre_softmax: bool) -> None:
+        self.top_k = top_k
+        self.pre_softmax = pre_softmax
+        self.step: RoutingStep | None = None
+        self.layers: list[int] = []  # global MoE layer index of each hooked router
+        for chunk in chunks:
+            for layer in chunk.module.decoder.layers:
+                global_layer = int(layer.layer_number) - 1
+                layer.mlp.router.register_forward_hook(self._hook(global_layer))
+                self.layers.append(global_layer)
+
+    def _hook(self, layer: int) -> Any:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
+            step = self.step
+            if step is None:
+                return None
+            probs, routing_map = output
+            own = routing_map.nonzero()[:, 1].view(-1, self.top_k)  # ascending expert ids
+            if step.record:
+                step.recorded[layer] = own.detach().to("cpu", torch.int64)
+            if step.routes is None and not step.balance:
+                return None
+            router: Any = module
+            logits = router.gating(args[0])
+            logits = logits.reshape(-1, logits.shape[-1])
+            used = own
+            if step.routes is not None:
+                given = step.routes[layer].to(logits.device, torch.int64)
+                if given.shape[0] != logits.shape[0]:
+                    raise ValueError(
+                        f"routes hold {given.shape[0]} tokens for MoE layer {layer} on this "
+                        f"rank; its router sees {logits.shape[0]}."
+                    )
+                # padding has no given route (-1): it goes where the router sends it, so that
+                # replaying the router's own choice computes exactly what no replay does
+                used = torch.where(given >= 0, given, own)
+                output = self._replayed(logits, used)
+            if step.balance:
+                step.logits[layer] = (logits, used)
+            return output
+
+        return hook
+
+    def _replayed(
+        self, logits: torch.Tensor, experts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """megatron-core's ``(probs, routing_map)`` for the given experts, from live logits."""
+        if self.pre_softmax:
+            scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
+            weights = scores.gather(1, experts)
+        else:
+            weights = torch.softmax(logits.gather(1, experts), dim=-1, dtype=torch.float32)
+            weights = weights.type_as(logits)
+        probs = torch.zeros_like(logits).scatter(1, experts, weights)
+        routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, experts, True)
+        return probs, routing_map
