@@ -36,6 +36,8 @@ __all__ = [
     "RouteReplay",
     "RouterLogits",
     "balance_terms",
+    "expert_load_spread",
+    "num_experts_of",
     "routers",
     "route_mismatch",
     "replayed_weights",
@@ -294,6 +296,28 @@ def route_mismatch(a: torch.Tensor, b: torch.Tensor) -> float:
         return 0.0
     differ = (a.sort(-1).values != b.sort(-1).values).any(-1)
     return float(differ.float().mean())
+
+
+def expert_load_spread(routes: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Per MoE layer, the busiest expert's token count over the mean count per expert, from
+    ``routes`` ``[tokens, layers, top_k]``: 1.0 when every expert takes the same number of
+    tokens, ``num_experts / top_k`` at worst (every token to the same experts)."""
+    tokens, layers, top_k = routes.shape
+    if tokens == 0:
+        return torch.ones(layers)
+    offsets = torch.arange(layers)[None, :, None] * num_experts
+    counts = torch.bincount((routes.long() + offsets).reshape(-1), minlength=layers * num_experts)
+    per_layer = counts.reshape(layers, num_experts).float()
+    return per_layer.max(-1).values / (tokens * top_k / num_experts)
+
+
+def num_experts_of(hf_config: Any) -> int | None:
+    """The number of routed experts of a transformers config (None for a dense model)."""
+    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
+        value = getattr(hf_config, name, None)
+        if value:
+            return int(value)
+    return None
 
 
 @contextmanager

@@ -462,3 +462,13 @@ def test_balance_terms_are_top_k_when_perfectly_balanced() -> None:
     terms = balance_terms([(logits, experts)], sequence, 4)
     assert terms[-1] == 0.0
     assert torch.allclose(terms[:4], torch.full((4,), 2.0))  # top_k = 2 for a balanced sequence
+
+
+def test_expert_load_spread_is_one_when_balanced_and_experts_over_top_k_at_worst() -> None:
+    from engine_core.moe import expert_load_spread
+
+    balanced = torch.tensor([[[0, 1]], [[2, 3]]] * 3)  # [tokens=6, layers=1, top_k=2], 4 experts
+    worst = torch.tensor([[[0, 1]]] * 6)
+    both = torch.cat([balanced, worst], dim=1)  # two layers
+    assert torch.allclose(expert_load_spread(both, 4), torch.tensor([1.0, 2.0]))
+    assert float(expert_load_spread(torch.tensor([[[0, 1]], [[0, 2]]]), 4)[0]) == 2.0  # 2 of 1

@@ -93,7 +93,8 @@ class RLTrainer:
     ``global_step`` is the number of steps already taken (set it when resuming a checkpoint).
     ``responses``, when given, takes every generation's samples before anything reads them and
     returns them (e.g. :class:`engine_core_roles.data.stop_strings.StopStrings`, which ends responses at
-    stop strings of several tokens by masking what follows).
+    stop strings of several tokens by masking what follows). ``num_experts``, for a mixture of
+    experts under routing replay, turns on the expert-load metrics (``moe/load_spread*``).
 
     >>> trainer = RLTrainer(TrainerConfig(), actor=actor, rollout=rollout,
     ...                     reward_fn=my_reward, prompts=my_prompts)  # doctest: +SKIP
@@ -114,6 +115,7 @@ class RLTrainer:
         global_step: int = 0,
         weights: WeightLink | None = None,
         responses: Callable[[TensorDict], TensorDict] | None = None,
+        num_experts: int | None = None,
     ) -> None:
         if reward_fn is None and reward_model is None:
             raise ValueError(
@@ -192,7 +194,7 @@ class RLTrainer:
             if config.filter_groups and isinstance(self._generation, Synchronous)
             else ScoreAsDrawn(self._scorer, params)
         )
-        self._routing = routing_for(config, actor, rollout)
+        self._routing = routing_for(config, actor, rollout, num_experts)
         self._old_log_probs = old_log_probs_stage(actor, GapGuard(config), self._routing.records)
         self._advantages = estimator_for(config, critic)
 

@@ -17,6 +17,11 @@ decisions in which the trainer's own routers, at the old-log-prob pass, chose a 
 of experts than the rollout: what replay overrides (``rollout``), or what it would
 (``measure``). Counted over every real token that is fed to the model to predict the next
 (each row's last token predicts nothing scored).
+
+With the trainer's own routes in hand (``rollout``, ``measure``, ``trainer``) and the number of
+experts known, ``moe/load_spread/layer_<i>`` is each MoE layer's busiest expert's token count
+over the mean count per expert at the old-log-prob pass (1.0 balanced; what the balance loss
+pushes down), and ``moe/load_spread_max`` the largest over the layers.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from tensordict import TensorDict
 from engine_core import ATTENTION_MASK, BaseRollout, CapabilityError, EngineCoreError
 from engine_core.batch import ROUTED_EXPERTS
 from engine_core.capabilities import Capability
-from engine_core.moe import route_mismatch
+from engine_core.moe import expert_load_spread, route_mismatch
 from engine_core.remote_rollout import ProcessRollout
 from engine_core_roles.batch.keys import TRAINER_ROUTES
 from engine_core_roles.trainer.config import TrainerConfig, check_routing_replay
@@ -50,6 +55,18 @@ class OwnRoutes:
 
     #: whether the old-log-prob pass returns its routers' own choice (``TRAINER_ROUTES``)
     records = False
+
+    def __init__(self, num_experts: int | None = None) -> None:
+        self.num_experts = num_experts
+
+    def _load(self, own: torch.Tensor, counted: torch.Tensor) -> dict[str, float]:
+        """The expert-load spread of the trainer's own routes, per layer and at worst."""
+        if not self.num_experts:
+            return {}
+        spread = expert_load_spread(own[counted], self.num_experts)
+        out = {f"moe/load_spread/layer_{i}": float(s) for i, s in enumerate(spread)}
+        out["moe/load_spread_max"] = float(spread.max())
+        return out
 
     def sampled(self, batch: TensorDict) -> torch.Tensor | None:
         """The rollout's routes for the metric, read before the old-log-prob pass."""
@@ -84,7 +101,8 @@ class RolloutRoutes(OwnRoutes):
         assert sampled is not None
         own = cast(torch.Tensor, batch.pop(TRAINER_ROUTES))
         counted = counted_tokens(batch[ATTENTION_MASK])
-        return {"rollout/route_mismatch": route_mismatch(own[counted], sampled[counted])}
+        mismatch = route_mismatch(own[counted], sampled[counted])
+        return {"rollout/route_mismatch": mismatch, **self._load(own, counted)}
 
 
 class MeasuredRoutes(RolloutRoutes):
@@ -104,9 +122,11 @@ class TrainerRoutes(OwnRoutes):
     records = True
 
     def after_old_pass(self, batch: TensorDict, sampled: torch.Tensor | None) -> dict[str, float]:
-        if TRAINER_ROUTES in batch.keys():
-            batch[ROUTED_EXPERTS] = batch.pop(TRAINER_ROUTES)
-        return {}
+        if TRAINER_ROUTES not in batch.keys():
+            return {}
+        own = cast(torch.Tensor, batch.pop(TRAINER_ROUTES))
+        batch[ROUTED_EXPERTS] = own
+        return self._load(own, counted_tokens(batch[ATTENTION_MASK]))
 
 
 def counted_tokens(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -121,10 +141,14 @@ def counted_tokens(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def routing_for(
-    config: TrainerConfig, actor: PolicyRole, rollout: BaseRollout | ProcessRollout
+    config: TrainerConfig,
+    actor: PolicyRole,
+    rollout: BaseRollout | ProcessRollout,
+    num_experts: int | None = None,
 ) -> OwnRoutes:
     """The part for ``config.routing_replay``, after checking that the rollout and the actor can
-    do it (before anything runs)."""
+    do it (before anything runs). ``num_experts`` (the model's routed experts, when known)
+    turns on the expert-load metrics."""
     mode = config.routing_replay
     if mode == "off":
         return OwnRoutes()
@@ -139,10 +163,10 @@ def routing_for(
     if engine is not None and Capability.ROUTING_REPLAY not in engine.capabilities:
         raise CapabilityError(
             f"trainer.routing_replay={mode} needs an engine that replays and records routes; "
-            f"{type(engine).__name__} does not declare routing_replay (fsdp, fsdp2 and "
+            f"{type(engine).__name__} does not declare routing_replay (fsdp, fsdp2, megatron and "
             f"reference do). Set routing_replay=off or choose such an engine."
         )
     check_routing_replay(mode, actor.config.old_log_probs_from_update)
     if mode == "trainer":
-        return TrainerRoutes()
-    return RolloutRoutes() if mode == "rollout" else MeasuredRoutes()
+        return TrainerRoutes(num_experts)
+    return RolloutRoutes(num_experts) if mode == "rollout" else MeasuredRoutes(num_experts)

@@ -24,7 +24,10 @@ from rich.table import Table
 
 from engine_core import PluginManager, prefix_validation_error
 from engine_core.checkpoint import JobCheckpoints, latest_checkpoint
+from engine_core.config import ModelConfig
 from engine_core.errors import CheckpointError
+from engine_core.models import build_hf_config
+from engine_core.moe import num_experts_of
 from engine_core_roles.jobs.rl.build import Built, build, resolve, thread_plan
 from engine_core_roles.jobs.rl.config import RLJobConfig
 from engine_core_roles.jobs.rl.evaluate import evaluate
@@ -111,6 +114,9 @@ def _run(
         reward_model=roles.reward_model,
         weights=built.weights,
         responses=source.responses,
+        num_experts=num_experts_of(
+            build_hf_config(ModelConfig.model_validate(job.engine["model"]))
+        ),
     )
     checkpoints = JobCheckpoints(
         Path(job.output_dir) / "checkpoints", max_ckpt_to_keep=job.max_ckpt_to_keep
