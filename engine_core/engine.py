@@ -41,7 +41,7 @@ from engine_core.batch import (
 )
 from engine_core.capabilities import Capability
 from engine_core.checkpoint import JOB_STATE_FILE
-from engine_core.comm import all_reduce_cpu
+from engine_core.comm import all_reduce_cpu, collective_device
 from engine_core.config import BUCKET_BYTES, EngineConfig
 from engine_core.context_parallel import SequenceShard, gather_sequence, shard_row
 from engine_core.errors import BatchError, CapabilityError, EngineCoreError
@@ -225,6 +225,30 @@ def routing_request(
                 f"{tuple(ids.shape)} of {INPUT_IDS}; got {tuple(routed.shape)}."
             )
     return routed, record, balance
+
+
+def _whole_routes(routes: torch.Tensor, shard: SequenceShard | None) -> torch.Tensor:
+    """Routes ``[layers, tokens, top_k]`` recorded on this rank's slice of a row split over
+    context-parallel ranks, as the whole row's (``routes`` itself without a split)."""
+    if shard is None:
+        return routes
+    mine = routes.to(collective_device(shard.group)).contiguous()
+    parts = [torch.empty_like(mine) for _ in range(shard.size)]
+    dist.all_gather(parts, mine, group=shard.group)
+    return torch.cat(parts, dim=1)[:, : shard.length].to(routes.device)
+
+
+def _whole_layer(
+    layer: tuple[torch.Tensor, torch.Tensor], shard: SequenceShard | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One MoE layer's ``(router logits, experts used)`` over the whole row, the logits with
+    their gradient (context parallelism: each rank saw a slice)."""
+    if shard is None:
+        return layer
+    logits, experts = layer
+    whole = gather_sequence(logits[None], shard.group)[0, : shard.length]
+    used = _whole_routes(experts[None].to(logits.device), shard)[0]
+    return whole, used
 
 
 def _cause(e: BaseException) -> str:
@@ -497,7 +521,8 @@ class BaseEngine(abc.ABC):
                     out[ROUTED_EXPERTS] = row_to_batch(inputs.recorded.transpose(0, 1), inputs, mb)
                 if inputs.router_logits is not None:
                     balance = inputs.router_logits
-                    terms = balance_of(balance.layers(), balance.num_experts, inputs, mb)
+                    layers = [_whole_layer(x, inputs.shard) for x in balance.layers()]
+                    terms = balance_of(layers, balance.num_experts, inputs, mb)
                     out[MOE_AUX] = row_to_batch(terms, inputs, mb)
                 if self.loss_fn is not None:
                     loss, metrics = self.loss_fn(mb, out, ctx)
@@ -541,9 +566,7 @@ class BaseEngine(abc.ABC):
         dev = self.device
         cp = self.context_parallel_group
         unsupported = None
-        if cp is not None:
-            unsupported = "context parallelism (set context_parallel_size: 1)"
-        elif self.config.model.gradient_checkpointing:
+        if self.config.model.gradient_checkpointing:
             unsupported = "gradient checkpointing (set model.gradient_checkpointing: false)"
         routed, record, balance = routing_request(micro_batch, unsupported=unsupported)
         if self.config.use_packing or cp is not None:  # a row split over cp ranks is packed
@@ -563,12 +586,21 @@ class BaseEngine(abc.ABC):
                 kwargs.update(
                     cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest
                 )
+            routes = None
+            if routed is not None:  # [layers, tokens, top_k] of the row (this rank's slice)
+                routes = pack_tensor(packed, routed)
+                if shard is not None:  # the padding sequence goes to the first experts
+                    extra = shard.padded - shard.length
+                    filler = torch.arange(routes.shape[-1], dtype=routes.dtype)
+                    routes = torch.cat([routes, filler.expand(1, extra, *routes.shape[2:])], 1)
+                    routes = shard.local(routes)
+                routes = routes[0].transpose(0, 1)
             return ModelInputs(
                 kwargs,
                 packed,
                 targets=None if targets is None else targets.to(dev),
                 shard=shard,
-                routes=None if routed is None else pack_tensor(packed, routed)[0].transpose(0, 1),
+                routes=routes,
                 record_routes=record,
                 balance=balance,
             )
@@ -635,7 +667,7 @@ class BaseEngine(abc.ABC):
                 ):
                     raw = module(**inputs.kwargs)
         if recorder is not None:
-            inputs.recorded = recorder.routes()
+            inputs.recorded = _whole_routes(recorder.routes(), inputs.shard)
         inputs.router_logits = balance
         return raw
 

@@ -191,12 +191,15 @@ REPLAY_LAYOUTS = {
     "padded": {"use_packing": False},
     "mbs2": {"micro_batch_size": 2},
 }
+CP_LAYOUTS = {"cp2": {"context_parallel_size": 2}}  # each row split over the two ranks
 
 
-def _replaying_engine(rank: int, world: int, folder: str, batch: Any, routes: Any) -> Any:
+def _replaying_engine(
+    rank: int, world: int, folder: str, batch: Any, routes: Any, layouts: Any = None
+) -> Any:
     out: dict[str, Any] = {}
     batch = with_meta(batch, return_routes=True)  # and give back the routers' own choice
-    for name, settings in REPLAY_LAYOUTS.items():
+    for name, settings in (layouts or REPLAY_LAYOUTS).items():
         engine = build("fsdp2", model={"path": folder}, optim={"lr": 1e-2}, **settings)
         with_routes = batch.clone()
         with_routes[ROUTED_EXPERTS] = routes
@@ -205,7 +208,7 @@ def _replaying_engine(rank: int, world: int, folder: str, batch: Any, routes: An
         out[name], out[f"{name}/chosen"] = replayed[LOG_PROBS], replayed[ROUTED_EXPERTS]
         out[f"{name}/own"], out[f"{name}/own_chosen"] = own[LOG_PROBS], own[ROUTED_EXPERTS]
     # the update under replay: the routers get a gradient
-    engine = build("fsdp2", model={"path": folder}, optim={"lr": 1e-2})
+    engine = build("fsdp2", model={"path": folder}, optim={"lr": 1e-2}, **settings)
     with_routes = batch.clone()
     with_routes[ROUTED_EXPERTS] = routes
     with engine.train_mode():
@@ -218,10 +221,13 @@ def _replaying_engine(rank: int, world: int, folder: str, batch: Any, routes: An
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_fsdp2_replays_the_routes_a_batch_carries(world: int, tmp_path: Any) -> None:
-    """Packed, padded and in micro-batches, on one rank and split over two: the engine's
-    log-probs are transformers' with the same routes replayed, and the routers train."""
+@pytest.mark.parametrize("world", [1, 2, "cp2"])
+def test_fsdp2_replays_the_routes_a_batch_carries(world: Any, tmp_path: Any) -> None:
+    """Packed, padded and in micro-batches, on one rank and split over two, and with each row
+    split over two context-parallel ranks: the engine's log-probs are transformers' with the
+    same routes replayed, the routes it returns are its routers' own, and the routers train."""
+    layouts = CP_LAYOUTS if world == "cp2" else REPLAY_LAYOUTS
+    world = 2 if world == "cp2" else world
     model = _model(QWEN3_MOE)
     model.save_pretrained(tmp_path)
     batch, routes = routed_batch(model)
@@ -232,14 +238,16 @@ def test_fsdp2_replays_the_routes_a_batch_carries(world: int, tmp_path: Any) -> 
     chosen, chosen_under_replay = own_routes(model, batch), own_routes(model, batch, routes)
     real = batch[ATTENTION_MASK].bool()
     assert route_mismatch(chosen[real], routes[real]) > 0.2  # what replay overrides
-    ranks = run_distributed(_replaying_engine, world, str(tmp_path), batch, routes, preload=PRELOAD)
+    ranks = run_distributed(
+        _replaying_engine, world, str(tmp_path), batch, routes, layouts, preload=PRELOAD
+    )
     for got in ranks:  # the outputs gathered back over DP ranks
-        for name in REPLAY_LAYOUTS:
+        for name in layouts:
             assert float((got[name] - want).abs().max()) <= 1e-5, name
             assert float((got[f"{name}/own"] - own).abs().max()) <= 1e-5, name
             # BatchMeta.return_routes: the routers' own choice, before the replay replaced it
-            assert torch.equal(got[f"{name}/own_chosen"], chosen), name
-            assert torch.equal(got[f"{name}/chosen"], chosen_under_replay), name
+            assert torch.equal(got[f"{name}/own_chosen"][real], chosen[real]), name
+            assert torch.equal(got[f"{name}/chosen"][real], chosen_under_replay[real]), name
         assert len(got["router_grads"]) == 2 and all(g > 0 for g in got["router_grads"])
 
 
@@ -406,11 +414,17 @@ def _hand_balance(model: nn.Module, batch: Any) -> torch.Tensor:
     return total / loss_mask.sum()
 
 
-def _balance_grads(rank: int, world: int, folder: str, batch: Any, mbs: int | None) -> Any:
+def _balance_grads(
+    rank: int, world: int, folder: str, batch: Any, mbs: int | None, cp: int = 1
+) -> Any:
     from engine_core.batch import MOE_AUX
     from engine_core.loss import aggregate_loss
 
-    settings = {} if mbs is None else {"micro_batch_size": mbs, "use_packing": False}
+    settings: dict[str, Any] = (
+        {} if mbs is None else {"micro_batch_size": mbs, "use_packing": False}
+    )
+    if cp > 1:
+        settings["context_parallel_size"] = cp
     engine = build("fsdp2", model={"path": folder}, optim={"lr": 1e-2}, **settings)
 
     def loss(mb: Any, out: Any, ctx: Any) -> Any:
@@ -428,14 +442,17 @@ def _balance_grads(rank: int, world: int, folder: str, batch: Any, mbs: int | No
 
 
 @pytest.mark.parametrize(
-    ("world", "mbs"), [(1, None), (1, 2), (2, 1)], ids=["packed", "mbs2", "dp2"]
+    ("world", "mbs", "cp"),
+    [(1, None, 1), (1, 2, 1), (2, 1, 1), (2, None, 2)],
+    ids=["packed", "mbs2", "dp2", "cp2"],
 )
 def test_the_balance_loss_is_one_loss_however_the_batch_is_split(
-    world: int, mbs: int | None, tmp_path: Any
+    world: int, mbs: int | None, cp: int, tmp_path: Any
 ) -> None:
     """``BatchMeta(moe_aux=True)``: the engine's per-token balance terms, aggregated as the
     policy loss is and added to it, give the hand-written loss and its router gradients,
-    packed, padded in micro-batches of 2, and split over two ranks."""
+    packed, padded in micro-batches of 2, split over two ranks, and with each row split over
+    two context-parallel ranks."""
     model = _model(QWEN3_MOE)
     model.save_pretrained(tmp_path)
     batch, _ = routed_batch(model)
@@ -446,7 +463,7 @@ def test_the_balance_loss_is_one_loss_however_the_batch_is_split(
     want.backward()
     want_grads = _router_grads(model)
     assert all(float(g.abs().sum()) > 0 for g in want_grads)
-    ranks = run_distributed(_balance_grads, world, str(tmp_path), batch, mbs, preload=PRELOAD)
+    ranks = run_distributed(_balance_grads, world, str(tmp_path), batch, mbs, cp, preload=PRELOAD)
     for loss, grads in ranks:
         assert loss == pytest.approx(float(want), rel=1e-5)
         for got, expected in zip(grads, want_grads, strict=True):

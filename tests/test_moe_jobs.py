@@ -82,7 +82,7 @@ def test_trainer_side_replay_and_off_run_without_the_rollouts_routes(tmp_path: P
 @pytest.mark.parametrize(
     ("overrides", "error", "phrase"),
     [
-        (["engine.backend=megatron"], CapabilityError, "engine: backend 'megatron'"),
+        (["engine.backend=example"], CapabilityError, "engine: backend .example."),
         (["trainer.routing_replay=trainer"], ValueError, "nothing to replay"),
         (["engine.model.gradient_checkpointing=true"], ValueError, "gradient_checkpointing"),
         (["trainer.routing_replay=true"], ValueError, "takes a mode, not true"),

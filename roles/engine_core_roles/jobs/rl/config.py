@@ -269,14 +269,11 @@ class RLJobConfig(JobConfig):
             )
         check_routing_replay(mode, self.actor_config().old_log_probs_from_update)
         model = self.engine.get("model") or {}
-        if (
-            model.get("gradient_checkpointing")
-            or int(self.engine.get("context_parallel_size", 1)) > 1
-        ):
+        if model.get("gradient_checkpointing"):
             raise ValueError(
-                f"trainer.routing_replay={mode} with engine.model.gradient_checkpointing or "
-                f"engine.context_parallel_size > 1 is not supported yet (a recomputed or split "
-                f"forward would route on its own); turn those off, or routing_replay=off."
+                f"trainer.routing_replay={mode} with engine.model.gradient_checkpointing is not "
+                f"supported yet (a recomputed forward would route on its own); turn it off, or "
+                f"routing_replay=off."
             )
 
     def trainer_config(self, task: DigitTask) -> TrainerConfig:
