@@ -565,10 +565,7 @@ class BaseEngine(abc.ABC):
         ids, mask = micro_batch[INPUT_IDS], micro_batch[ATTENTION_MASK]
         dev = self.device
         cp = self.context_parallel_group
-        unsupported = None
-        if self.config.model.gradient_checkpointing:
-            unsupported = "gradient checkpointing (set model.gradient_checkpointing: false)"
-        routed, record, balance = routing_request(micro_batch, unsupported=unsupported)
+        routed, record, balance = routing_request(micro_batch)
         if self.config.use_packing or cp is not None:  # a row split over cp ranks is packed
             packed = pack(ids, mask)
             row, pos, cu = packed.input_ids, packed.position_ids, packed.cu_seqlens

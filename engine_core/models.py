@@ -16,6 +16,7 @@ from torch import nn
 from engine_core.attention import SDPA_VARLEN, register_sdpa_varlen
 from engine_core.config import LoraConfig, ModelConfig
 from engine_core.errors import ConfigError
+from engine_core.moe import checkpoint_contexts, routers
 
 __all__ = [
     "DTYPES",
@@ -102,7 +103,10 @@ def build_model(
     if load_weights:
         model = model.to(device)  # a transformers PreTrainedModel
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        options: dict[str, Any] = {"use_reentrant": False}
+        if routers(model):  # replayed routes are replayed again when a block is recomputed
+            options["context_fn"] = checkpoint_contexts
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
     if cfg.lora is not None:
         model = apply_lora(model, cfg)
     return cast(nn.Module, model)

@@ -17,12 +17,19 @@ supported; a model with another is refused, naming them.
 Routes are one integer tensor ``[layers, tokens, top_k]``: layer ``l`` is the ``l``-th router in
 module order (the model's MoE layers, first to last), token ``t`` the ``t``-th row that router
 sees in one forward (row-major over the input's batch and sequence).
+
+Under gradient checkpointing a block's forward runs again in the backward, after the ``with``
+blocks above have ended. :func:`checkpoint_contexts` (``torch.utils.checkpoint``'s
+``context_fn``, which :func:`engine_core.models.build_model` passes for a model with routers)
+keeps the experts each router of a checkpointed block was made to use and gives them to it
+again when the block is recomputed; the recorders skip the recomputation.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +43,7 @@ __all__ = [
     "RouteReplay",
     "RouterLogits",
     "balance_terms",
+    "checkpoint_contexts",
     "expert_load_spread",
     "num_experts_of",
     "routers",
@@ -106,6 +114,52 @@ def replayed_weights(
     return weights.to(logits.dtype) if rule.to_logits_dtype else weights
 
 
+# the checkpointed block running now: its forward (experts replayed there are kept in
+# ``saving``) or its recomputation in the backward (``restoring``)
+_checkpoint = threading.local()
+
+
+def _recomputing() -> bool:
+    return getattr(_checkpoint, "restoring", None) is not None
+
+
+@contextmanager
+def _saving(saved: dict[nn.Module, torch.Tensor]) -> Iterator[None]:
+    before = getattr(_checkpoint, "saving", None)
+    _checkpoint.saving = saved
+    try:
+        yield
+    finally:
+        _checkpoint.saving = before
+
+
+@contextmanager
+def _restoring(saved: dict[nn.Module, torch.Tensor]) -> Iterator[None]:
+    """The routers that were given experts in the block's forward are given them again."""
+
+    def again(module: nn.Module, args: Any, output: Any) -> Any:
+        experts = saved[module]
+        return output[0], replayed_weights(module, output[0], experts), experts
+
+    handles = [m.register_forward_hook(again, prepend=True) for m in saved]
+    before = getattr(_checkpoint, "restoring", None)
+    _checkpoint.restoring = saved
+    try:
+        yield
+    finally:
+        _checkpoint.restoring = before
+        for h in handles:
+            h.remove()
+
+
+def checkpoint_contexts() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
+    """``context_fn`` for ``torch.utils.checkpoint.checkpoint`` (non-reentrant): the contexts of
+    one checkpointed block's forward and of its recomputation, sharing what the routers inside
+    were made to use, so that a replayed block is recomputed with the same experts."""
+    saved: dict[nn.Module, torch.Tensor] = {}
+    return _saving(saved), _restoring(saved)
+
+
 class _RouterHooks:
     """A forward hook on each of a model's routers while the ``with`` block runs."""
 
@@ -147,7 +201,8 @@ class RouteRecorder(_RouterHooks):
 
     def _hook(self, layer: int) -> Any:
         def keep(module: nn.Module, args: Any, output: Any) -> None:
-            self._seen[layer].append(output[2].detach().to("cpu", torch.int64))
+            if not _recomputing():  # a checkpointed block's second forward: seen already
+                self._seen[layer].append(output[2].detach().to("cpu", torch.int64))
 
         return keep
 
@@ -204,6 +259,8 @@ class RouteReplay(_RouterHooks):
 
     def _hook(self, layer: int) -> Any:
         def replace(module: nn.Module, args: Any, output: Any) -> Any:
+            if _recomputing():  # given the experts of its forward already (checkpoint_contexts)
+                return None
             logits = output[0]
             start = self._offset[layer]
             stop = start + logits.shape[0]
@@ -215,6 +272,9 @@ class RouteReplay(_RouterHooks):
                 )
             experts = self.routes[layer, start:stop].to(logits.device, torch.int64)
             self._offset[layer] = stop
+            saving = getattr(_checkpoint, "saving", None)
+            if saving is not None:  # inside a checkpointed block: for its recomputation
+                saving[module] = experts
             return logits, replayed_weights(module, logits, experts), experts
 
         return replace
@@ -244,7 +304,8 @@ class RouterLogits(_RouterHooks):
 
     def _hook(self, layer: int) -> Any:
         def keep(module: nn.Module, args: Any, output: Any) -> None:
-            self.seen[layer].append((output[0], output[2]))
+            if not _recomputing():
+                self.seen[layer].append((output[0], output[2]))
 
         return keep
 

@@ -489,3 +489,50 @@ def test_expert_load_spread_is_one_when_balanced_and_experts_over_top_k_at_worst
     both = torch.cat([balanced, worst], dim=1)  # two layers
     assert torch.allclose(expert_load_spread(both, 4), torch.tensor([1.0, 2.0]))
     assert float(expert_load_spread(torch.tensor([[[0, 1]], [[0, 2]]]), 4)[0]) == 2.0  # 2 of 1
+
+
+def _checkpointed_update(rank: int, world: int, folder: str, batch: Any, routes: Any) -> Any:
+    from engine_core.batch import MOE_AUX
+    from engine_core.loss import aggregate_loss
+
+    def loss(mb: Any, out: Any, ctx: Any) -> Any:
+        nll = aggregate_loss(-out[LOG_PROBS], mb[LOSS_MASK], "token-mean", ctx)
+        return nll + 0.1 * aggregate_loss(out[MOE_AUX], mb[LOSS_MASK], "token-mean", ctx), {}
+
+    out = {}
+    for checkpointed in (False, True):
+        model = {"path": folder, "gradient_checkpointing": checkpointed}
+        engine = build("fsdp2", model=model, optim={"lr": 1e-2}, micro_batch_size=2)
+        engine.set_loss_fn(loss)
+        given = with_meta(batch, moe_aux=True, return_routes=True)
+        given[ROUTED_EXPERTS] = routes
+        with engine.train_mode():
+            result = engine.forward_backward_step(engine.shard_data(given))
+        grads = {
+            n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+            for n, p in engine.require_module().named_parameters()
+            if p.grad is not None
+        }
+        out[checkpointed] = (result.loss, result.outputs[ROUTED_EXPERTS], grads)
+    return out
+
+
+def test_gradient_checkpointing_recomputes_a_replayed_block_with_the_same_experts(
+    tmp_path: Any,
+) -> None:
+    """A checkpointed decoder block runs again in the backward, after the replay has ended: it
+    is given the experts of its forward again (``checkpoint_contexts``), so the update under
+    replay, the routes returned and the balance loss are those of the same run without
+    checkpointing, every gradient included."""
+    model = _model(QWEN3_MOE)
+    model.save_pretrained(tmp_path)
+    batch, routes = routed_batch(model)
+    batch[LOSS_MASK] = batch[ATTENTION_MASK].clone()
+    (got,) = run_distributed(_checkpointed_update, 1, str(tmp_path), batch, routes, preload=PRELOAD)
+    (loss, chosen, grads), (ckpt_loss, ckpt_chosen, ckpt_grads) = got[False], got[True]
+    assert ckpt_loss == pytest.approx(loss, rel=1e-6)
+    assert torch.equal(ckpt_chosen, chosen)
+    assert sorted(ckpt_grads) == sorted(grads)
+    for name, g in grads.items():
+        torch.testing.assert_close(ckpt_grads[name], g, atol=1e-6, rtol=1e-5, msg=name)
+    assert any(n.endswith(".gate.weight") and float(g.abs().sum()) > 0 for n, g in grads.items())

@@ -84,10 +84,9 @@ def test_trainer_side_replay_and_off_run_without_the_rollouts_routes(tmp_path: P
     [
         (["engine.backend=example"], CapabilityError, "engine: backend .example."),
         (["trainer.routing_replay=trainer"], ValueError, "nothing to replay"),
-        (["engine.model.gradient_checkpointing=true"], ValueError, "gradient_checkpointing"),
         (["trainer.routing_replay=true"], ValueError, "takes a mode, not true"),
     ],
-    ids=["engine", "trainer-on-policy", "checkpointing", "true"],
+    ids=["engine", "trainer-on-policy", "true"],
 )
 def test_routing_replay_is_refused_before_anything_is_built(
     tmp_path: Path, overrides: list[str], error: type[Exception], phrase: str

@@ -268,13 +268,6 @@ class RLJobConfig(JobConfig):
                 f"or off with env."
             )
         check_routing_replay(mode, self.actor_config().old_log_probs_from_update)
-        model = self.engine.get("model") or {}
-        if model.get("gradient_checkpointing"):
-            raise ValueError(
-                f"trainer.routing_replay={mode} with engine.model.gradient_checkpointing is not "
-                f"supported yet (a recomputed forward would route on its own); turn it off, or "
-                f"routing_replay=off."
-            )
 
     def trainer_config(self, task: DigitTask) -> TrainerConfig:
         """The loop's settings: ``trainer``, with the task's response length and its stop token
