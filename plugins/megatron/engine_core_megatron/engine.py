@@ -579,9 +579,8 @@ class MegatronEngine(BaseEngine):
             return None, False, False
         if not self.layout.moe:
             raise BatchError(
-                f"{ROUTED_EXPERTS} or {MOE_AUX}: the model has no mixture-of-experts router "
-                f"(a dense {self.config.model.config.get('model_type') if self.config.model.config else 'model'}); "
-                f"turn routing replay off for it."
+                f"the batch asks for {ROUTED_EXPERTS} or {MOE_AUX}, and this model is dense "
+                f"(no mixture-of-experts router); turn routing replay off for it."
             )
         if balance and self.config.pipeline_parallel_size > 1:  # type: ignore[attr-defined]
             raise BatchError(

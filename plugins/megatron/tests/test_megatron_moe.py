@@ -353,3 +353,24 @@ def test_misshaped_routes_are_refused_before_any_state_changes(
     assert "integer expert ids" in messages[2]
     assert "outside 0..7" in messages[3]
     assert "an expert twice" in messages[4]
+
+
+def _dense_given_routes(rank: int, world: int, routes: Any) -> str:
+    from engine_core.batch import ROUTED_EXPERTS
+    from engine_core.testing.models import TINY_QWEN3
+
+    engine = build("megatron", model={"config": dict(TINY_QWEN3)})
+    batch = eval_batch()
+    batch[ROUTED_EXPERTS] = routes
+    try:
+        forward(engine, batch)
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return str(e)
+    return "replayed"
+
+
+def test_routes_given_to_a_dense_model_are_refused() -> None:
+    shape = tuple(eval_batch()["input_ids"].shape)
+    routes = torch.zeros(*shape, 2, 2, dtype=torch.int64)
+    (message,) = run_distributed(_dense_given_routes, 1, routes, preload=PRELOAD)
+    assert "this model is dense" in message
