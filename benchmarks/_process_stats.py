@@ -31,6 +31,8 @@ __all__ = [
     "live_objects",
     "peak_rss_above_start",
     "read_process",
+    "reset_high_water_mark",
+    "rss_and_hwm",
     "summarize",
     "traced_growth",
     "trim_heap",
@@ -229,3 +231,23 @@ def summarize(steps: list[int], series: dict[str, list[float]]) -> dict[str, Any
         out[key]["series"] = [round(v, 1) for v in series[key]]
     out["live_objects"]["series"] = [int(v) for v in objects]
     return out
+
+
+def rss_and_hwm() -> tuple[int, int]:
+    """This process's resident set and its high-water mark, in bytes (Linux ``/proc``)."""
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            fields[key] = value
+    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+
+
+def reset_high_water_mark() -> int:
+    """Hand malloc's free memory back to the system (:func:`trim_heap`), reset the resident-set
+    high-water mark to the current resident set and return that, in bytes: what a step's
+    memory rise is measured from."""
+    trim_heap()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return rss_and_hwm()[0]

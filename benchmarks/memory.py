@@ -53,7 +53,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _process_stats import trim_heap  # noqa: E402  (benchmarks/ is on sys.path as a script)
+from _process_stats import (  # noqa: E402  (benchmarks/ is on sys.path as a script)
+    reset_high_water_mark,
+    rss_and_hwm,
+)
 
 MODEL = {
     "model_type": "qwen2",
@@ -83,15 +86,6 @@ CP_MODEL = {
 # ranks and runs. With the threshold fixed, the resident step equals the tensors' own peak (the
 # profiler's, within 0.3%); the comparison is of activation memory, not of heap leftovers.
 CP_MALLOC_MMAP_THRESHOLD = 128 * 1024
-
-
-def _rss_and_hwm() -> tuple[int, int]:
-    fields = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            fields[key] = value
-    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
 
 
 def _one(
@@ -147,16 +141,13 @@ def _one(
             torch.cuda.reset_peak_memory_stats()
             now = torch.cuda.memory_allocated()
         else:
-            trim_heap()  # what the last update freed goes back to the system, not to malloc
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # reset the high-water mark to the current resident set
-            now, _ = _rss_and_hwm()
+            now = reset_high_water_mark()  # what the last update freed is not counted
         t0 = time.perf_counter()
         actor.update_actor(batch)
         if on_cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-        hwm = torch.cuda.max_memory_allocated() if on_cuda else _rss_and_hwm()[1]
+        hwm = torch.cuda.max_memory_allocated() if on_cuda else rss_and_hwm()[1]
         if hwm - now > peak - before:
             peak, before = hwm, now
     log_prob_times = []

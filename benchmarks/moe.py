@@ -41,7 +41,10 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _process_stats import trim_heap  # noqa: E402  (benchmarks/ is on sys.path as a script)
+from _process_stats import (  # noqa: E402  (benchmarks/ is on sys.path as a script)
+    reset_high_water_mark,
+    rss_and_hwm,
+)
 
 
 def _model(args: argparse.Namespace) -> dict[str, Any]:
@@ -61,15 +64,6 @@ def _model(args: argparse.Namespace) -> dict[str, Any]:
         "max_position_embeddings": args.seq_len,
         "tie_word_embeddings": False,
     }
-
-
-def _rss_and_hwm() -> tuple[int, int]:
-    fields = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            fields[key] = value
-    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
 
 
 def _gib(n: float) -> float:
@@ -128,17 +122,14 @@ def _worker(rank: int, world: int, ep: int, args: argparse.Namespace, port: int,
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
         else:
-            trim_heap()
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # reset the high-water mark to the current RSS
-            before, _ = _rss_and_hwm()
+            before = reset_high_water_mark()
         t0 = time.perf_counter()
         step()
         if on_gpu:
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated()
         else:
-            _, peak = _rss_and_hwm()
+            _, peak = rss_and_hwm()
         times.append(time.perf_counter() - t0)
         rises.append(peak - before)
     params = list(engine.module.named_parameters())

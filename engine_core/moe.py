@@ -124,13 +124,14 @@ def _recomputing() -> bool:
 
 
 @contextmanager
-def _saving(saved: dict[nn.Module, torch.Tensor]) -> Iterator[None]:
-    before = getattr(_checkpoint, "saving", None)
-    _checkpoint.saving = saved
+def _marked(phase: str, saved: dict[nn.Module, torch.Tensor]) -> Iterator[None]:
+    """``_checkpoint.<phase>`` is ``saved`` inside the block (the one before it after)."""
+    before = getattr(_checkpoint, phase, None)
+    setattr(_checkpoint, phase, saved)
     try:
         yield
     finally:
-        _checkpoint.saving = before
+        setattr(_checkpoint, phase, before)
 
 
 @contextmanager
@@ -142,12 +143,10 @@ def _restoring(saved: dict[nn.Module, torch.Tensor]) -> Iterator[None]:
         return output[0], replayed_weights(module, output[0], experts), experts
 
     handles = [m.register_forward_hook(again, prepend=True) for m in saved]
-    before = getattr(_checkpoint, "restoring", None)
-    _checkpoint.restoring = saved
     try:
-        yield
+        with _marked("restoring", saved):
+            yield
     finally:
-        _checkpoint.restoring = before
         for h in handles:
             h.remove()
 
@@ -157,7 +156,7 @@ def checkpoint_contexts() -> tuple[AbstractContextManager[None], AbstractContext
     one checkpointed block's forward and of its recomputation, sharing what the routers inside
     were made to use, so that a replayed block is recomputed with the same experts."""
     saved: dict[nn.Module, torch.Tensor] = {}
-    return _saving(saved), _restoring(saved)
+    return _marked("saving", saved), _restoring(saved)
 
 
 class _RouterHooks:

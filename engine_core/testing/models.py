@@ -17,6 +17,7 @@ __all__ = [
     "random_batch",
     "nll_loss",
     "registered_engine",
+    "save_with_own_norms",
     "train_steps",
 ]
 from engine_core.loss import GlobalBatchContext, Metric, aggregate_loss, token_mean_metric
@@ -115,3 +116,19 @@ def train_steps(engine: Any, steps: range, num_samples: int = 8) -> list[tuple[f
             engine.optimizer_zero_grad()
         out.append((result.loss, norm))
     return out
+
+
+def save_with_own_norms(config: dict[str, Any], path: Any) -> None:
+    """Build the model of ``config`` (seed 0) with every norm weight its own random value (they
+    are ones at init, so a swapped or dropped norm would not show) and ``save_pretrained`` it to
+    ``path``."""
+    from engine_core.config import ModelConfig
+    from engine_core.models import build_model
+
+    torch.manual_seed(0)
+    model: Any = build_model(ModelConfig(config=dict(config)))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+    model.save_pretrained(path)

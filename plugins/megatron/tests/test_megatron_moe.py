@@ -23,7 +23,7 @@ from engine_core.config import ModelConfig  # noqa: E402
 from engine_core.errors import ConfigError  # noqa: E402
 from engine_core.testing.distributed import run_distributed  # noqa: E402
 from engine_core.testing.kit import build, eval_batch, forward, plain_log_probs  # noqa: E402
-from engine_core.testing.models import train_steps  # noqa: E402
+from engine_core.testing.models import save_with_own_norms, train_steps  # noqa: E402
 from engine_core.testing.moe import TINY_MIXTRAL, TINY_QWEN3_MOE  # noqa: E402
 
 PRELOAD = (
@@ -48,18 +48,10 @@ STEPS = range(3)
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    from engine_core.models import build_model
-
     out = {}
     for family, config in FAMILIES.items():
-        torch.manual_seed(0)
-        model: Any = build_model(ModelConfig(config=dict(config)))
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):  # ones at init: make each norm its own
-                    p.copy_(1 + 0.2 * torch.randn_like(p))
         path = tmp_path_factory.mktemp(family)
-        model.save_pretrained(path)
+        save_with_own_norms(config, path)
         out[family] = str(path)
     return out
 

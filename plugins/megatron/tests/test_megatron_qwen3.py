@@ -18,10 +18,9 @@ import torch
 pytest.importorskip("megatron.core", reason="the megatron plugin's tests need megatron-core")
 
 from engine_core.batch import LOG_PROBS  # noqa: E402
-from engine_core.config import ModelConfig  # noqa: E402
 from engine_core.testing.distributed import run_distributed  # noqa: E402
 from engine_core.testing.kit import build, eval_batch, forward, plain_log_probs  # noqa: E402
-from engine_core.testing.models import TINY_QWEN3, train_steps  # noqa: E402
+from engine_core.testing.models import TINY_QWEN3, save_with_own_norms, train_steps  # noqa: E402
 
 PRELOAD = (
     "engine_core_megatron.engine",
@@ -40,16 +39,8 @@ STEPS = range(3)
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from engine_core.models import build_model
-
-    torch.manual_seed(0)
-    model: Any = build_model(ModelConfig(config=dict(QWEN3)))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):  # ones at init: make each norm its own
-                p.copy_(1 + 0.2 * torch.randn_like(p))
     path = tmp_path_factory.mktemp("qwen3")
-    model.save_pretrained(path)
+    save_with_own_norms(QWEN3, path)
     return str(path)
 
 
