@@ -8,6 +8,10 @@ For each seed ``s`` both loops run the recipe (``--recipe``, default the shipped
 (or ``--steps``). Reports per seed and loop the mean reward of the last 10 steps, the first
 step whose 10-step mean reaches ``--target`` (null: never), the spread between the best and the
 worst seed, and each loop's wall time.
+
+``--algorithm grpo,dr_grpo,rloo,gspo,cispo`` compares algorithms instead (presets of
+``trainer.algorithm``, or any registered advantage estimator and policy loss as
+``ADVANTAGE+LOSS``): the job alone runs each on every seed, with nothing else changed.
 Prints one JSON object.
 """
 
@@ -72,9 +76,19 @@ def main() -> None:
         default=["engine_core", "minimal"],
         help="comma-separated: engine_core,minimal",
     )
+    parser.add_argument(
+        "--algorithm",
+        type=lambda v: v.split(","),
+        default=None,
+        help="comma-separated presets (grpo,dr_grpo,rloo,gspo,cispo) or ADVANTAGE+LOSS: the "
+        "job alone, once per algorithm and seed",
+    )
     parser.add_argument("overrides", nargs="*", help="recipe overrides, applied to both loops")
     args = parser.parse_args()
     extra = [*args.overrides, *([f"steps={args.steps}"] if args.steps else [])]
+    if args.algorithm:
+        _compare_algorithms(args, extra)
+        return
     results: dict[str, dict[int, dict[str, Any]]] = {loop: {} for loop in args.loops}
     for seed in args.seeds:
         # the run's seed: each section's own (engine, rollout, trainer, data or task) follows it
@@ -109,6 +123,47 @@ def main() -> None:
             },
             indent=1,
         )
+    )
+
+
+def _algorithm_overrides(name: str) -> list[str]:
+    if "+" in name:
+        advantage, loss = name.split("+", 1)
+        return [
+            f"trainer.algorithm.advantage={advantage}",
+            f"trainer.algorithm.policy_loss={loss}",
+        ]
+    return [f"trainer.algorithm={name}"]
+
+
+def _compare_algorithms(args: argparse.Namespace, extra: list[str]) -> None:
+    table: dict[str, Any] = {}
+    for name in args.algorithm:
+        per_seed = {}
+        for seed in args.seeds:
+            raw = load_recipe(args.recipe, [*extra, *_algorithm_overrides(name), f"seed={seed}"])
+            t0 = time.perf_counter()
+            rewards, val = _job(raw)
+            per_seed[seed] = _figures(rewards, args.target, time.perf_counter() - t0)
+            if val is not None:
+                per_seed[seed]["final_val_reward"] = round(val, 4)
+        finals = [f["final_reward"] for f in per_seed.values()]
+        reached = [f["first_step_at_target"] for f in per_seed.values()]
+        table[name] = {
+            "per_seed": per_seed,
+            "mean_final_reward": round(statistics.fmean(finals), 4),
+            "worst_below_best": round(max(finals) - min(finals), 4),
+            "seeds_at_target": sum(r is not None for r in reached),
+            "median_first_step_at_target": (
+                statistics.median([r for r in reached if r is not None])
+                if any(r is not None for r in reached)
+                else None
+            ),
+        }
+    steps = int(load_recipe(args.recipe, extra)["steps"])
+    report = {"benchmark": "learning", "recipe": args.recipe.name, "overrides": args.overrides}
+    print(
+        json.dumps({**report, "steps": steps, "target": args.target, "algorithms": table}, indent=1)
     )
 
 

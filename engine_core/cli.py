@@ -77,18 +77,20 @@ def run_plugins(args: argparse.Namespace, settings: Settings) -> int:
 
 def _plugins_table(infos: Sequence[PluginInfo]) -> Table:
     table = Table(title="engine-core plugins", show_lines=True)
-    for column in ("plugin", "distribution", "version", "status", "backends / error"):
+    for column in ("plugin", "distribution", "version", "status", "registered / error"):
         table.add_column(column, overflow="fold")
     for p in infos:
         if p.status == "ok":
             status = Text("ok", style="green")
-            detail = Text(
-                "\n".join(
-                    f"{b.kind}:{b.name}  [{', '.join(sorted(map(str, b.capabilities)))}]"
-                    for b in p.backends
-                )
-                or "(registered no backends)"
-            )
+            lines = [
+                f"{b.kind}:{b.name}  [{', '.join(sorted(map(str, b.capabilities)))}]"
+                for b in p.backends
+            ] + [
+                f"{a.kind}:{a.name}"
+                + (f"  (needs {', '.join(sorted(a.needs))})" if a.needs else "")
+                for a in p.algorithms
+            ]
+            detail = Text("\n".join(lines) or "(registered no backends)")
         else:
             status = Text("failed", style="bold red")
             detail = Text(f"{p.error}\nfix: {p.install_hint}", style="red")

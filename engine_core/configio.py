@@ -190,13 +190,13 @@ def _unknown_key_message(key: str | int, value: Any, valid: Sequence[str]) -> st
         for part in dict.fromkeys((name, name.rsplit(".", 1)[-1])):
             for match in difflib.get_close_matches(part, valid, n=3, cutoff=0.6):
                 hints.setdefault(match, written)
-    message = "Unknown key"
+    message = "Unknown key."
     if hints:
         options = " or ".join(
             repr(m) if written is None else f"{m!r} (for {written!r})"
             for m, written in hints.items()
         )
-        message += f"; did you mean {options}?"
+        message = f"Unknown key; did you mean {options}?"
     return f"{message} Valid keys here: {', '.join(valid) or '(none)'}."
 
 

@@ -5,6 +5,10 @@ Owns the pluggy markers, :class:`EngineCoreHookSpecs`, and the types plugins tou
 backend, imported lazily) and :class:`DoctorCheck`. Loading plugins is
 :mod:`engine_core.plugins`' job.
 
+Algorithms are registered the same way: :meth:`BackendRegistry.register_advantage` and
+:meth:`BackendRegistry.register_policy_loss` name an advantage estimator or a policy loss
+(:class:`AlgorithmSpec`); the roles package defines their base classes and runs them.
+
 A plugin is a module (named by an entry point in the ``engine_core.plugins`` group) holding
 functions decorated with :data:`hookimpl`. Every hook is optional. Plugins must be cheap to
 import and re-entrant: every worker process loads them, so a hook registers names and
@@ -26,6 +30,7 @@ Example plugin module::
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import re
 from collections.abc import Iterable, Iterator
@@ -51,6 +56,9 @@ __all__ = [
     "hookimpl",
     "BackendKind",
     "BackendSpec",
+    "AlgorithmKind",
+    "AlgorithmNeed",
+    "AlgorithmSpec",
     "BackendRegistry",
     "Origin",
     "DoctorCheck",
@@ -69,6 +77,24 @@ class BackendKind(StrEnum):
 
     ENGINE = "engine"
     ROLLOUT = "rollout"
+
+
+class AlgorithmKind(StrEnum):
+    """The two kinds of algorithm a plugin can provide."""
+
+    ADVANTAGE = "advantage"
+    POLICY_LOSS = "policy_loss"
+
+
+class AlgorithmNeed(StrEnum):
+    """What an algorithm needs from the run, checked before anything is built.
+
+    ``critic``: a value model (its values reach the estimator, its update follows it);
+    ``groups``: more than one sample per prompt.
+    """
+
+    CRITIC = "critic"
+    GROUPS = "groups"
 
 
 _TARGET = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
@@ -133,19 +159,7 @@ class BackendSpec:
         return cls
 
     def _import(self, ref: str) -> Any:
-        module_name, _, qualname = ref.partition(":")
-        try:
-            obj: Any = importlib.import_module(module_name)
-            for attr in qualname.split("."):
-                obj = getattr(obj, attr)
-        except Exception as e:
-            where = f"{self.distribution} {self.version}".strip() or "not from a distribution"
-            raise PluginLoadError(
-                f"{self.kind} {self.name!r} from plugin {self.plugin!r} ({where}) could not "
-                f"load {ref!r}: {type(e).__name__}: {e}. Fix: `{install_hint(self.distribution)}` "
-                "(reinstalling pulls in its missing dependencies)."
-            ) from e
-        return obj
+        return _import_ref(self, ref)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -159,14 +173,87 @@ class BackendSpec:
         }
 
 
-_Snapshot = dict[BackendKind, dict[str, BackendSpec]]
+@dataclass(frozen=True)
+class AlgorithmSpec:
+    """One registered algorithm: an advantage estimator or a policy loss.
+
+    ``target`` names its class, ``params`` its parameters' pydantic model (``""``: it takes
+    none); both are imported only by :meth:`load`, when a run selects it.
+    """
+
+    name: str
+    kind: AlgorithmKind
+    target: str
+    params: str
+    needs: frozenset[AlgorithmNeed]
+    plugin: str
+    distribution: str
+    version: str
+    description: str = ""
+
+    def load(self) -> tuple[Any, type[BaseModel] | None]:
+        """Import the class and its parameters' model (``None`` when it takes none)."""
+        cls = self._import(self.target)
+        if not isinstance(cls, type):
+            raise PluginError(
+                f"{self.kind} {self.name!r} from plugin {self.plugin!r}: target {self.target!r} "
+                f"is {cls!r}, not a class; fix the plugin's registration."
+            )
+        if not self.params:
+            return cls, None
+        params = self._import(self.params)
+        if not (isinstance(params, type) and issubclass(params, BaseModel)):
+            raise PluginError(
+                f"{self.kind} {self.name!r} from plugin {self.plugin!r}: params {self.params!r} "
+                f"is {params!r}, not a pydantic model; fix the plugin's registration."
+            )
+        return cls, params
+
+    def _import(self, ref: str) -> Any:
+        return _import_ref(self, ref)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": str(self.kind),
+            "name": self.name,
+            "target": self.target,
+            "params": self.params,
+            "needs": sorted(str(n) for n in self.needs),
+            "plugin": self.plugin,
+            "description": self.description,
+        }
+
+
+def _import_ref(spec: BackendSpec | AlgorithmSpec, ref: str) -> Any:
+    """Import ``ref`` ("package.module:Name") for ``spec``; a failure names the plugin and the fix."""
+    module_name, _, qualname = ref.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for attr in qualname.split("."):
+            obj = getattr(obj, attr)
+    except Exception as e:
+        where = f"{spec.distribution} {spec.version}".strip() or "not from a distribution"
+        raise PluginLoadError(
+            f"{spec.kind} {spec.name!r} from plugin {spec.plugin!r} ({where}) could not "
+            f"load {ref!r}: {type(e).__name__}: {e}. Fix: `{install_hint(spec.distribution)}` "
+            "(reinstalling pulls in its missing dependencies)."
+        ) from e
+    return obj
+
+
+_Snapshot = tuple[
+    dict[BackendKind, dict[str, BackendSpec]], dict[AlgorithmKind, dict[str, AlgorithmSpec]]
+]
 
 
 class BackendRegistry:
     """Backends by kind and name; one per :class:`PluginManager`, filled by its plugins."""
 
     def __init__(self) -> None:
-        self._specs: _Snapshot = {kind: {} for kind in BackendKind}
+        self._specs: dict[BackendKind, dict[str, BackendSpec]] = {k: {} for k in BackendKind}
+        self._algorithms: dict[AlgorithmKind, dict[str, AlgorithmSpec]] = {
+            k: {} for k in AlgorithmKind
+        }
         self._origin = _DIRECT
 
     def register_engine(
@@ -198,6 +285,59 @@ class BackendRegistry:
         return self._add(
             BackendKind.ROLLOUT, name, target, config, capabilities, description, override
         )
+
+    def register_advantage(
+        self,
+        name: str,
+        target: str,
+        *,
+        params: str = "",
+        needs: Iterable[AlgorithmNeed | str] = (),
+        description: str = "",
+        override: bool = False,
+    ) -> AlgorithmSpec:
+        """Register advantage estimator ``name``: ``target`` ("package.module:Class") is an
+        ``engine_core_roles.AdvantageEstimator``, ``params`` its parameters' pydantic model."""
+        return self._add_algorithm(
+            AlgorithmKind.ADVANTAGE, name, target, params, needs, description, override
+        )
+
+    def register_policy_loss(
+        self,
+        name: str,
+        target: str,
+        *,
+        params: str = "",
+        needs: Iterable[AlgorithmNeed | str] = (),
+        description: str = "",
+        override: bool = False,
+    ) -> AlgorithmSpec:
+        """Register policy loss ``name``: ``target`` is an ``engine_core_roles.PolicyLoss``."""
+        return self._add_algorithm(
+            AlgorithmKind.POLICY_LOSS, name, target, params, needs, description, override
+        )
+
+    def algorithm(self, kind: AlgorithmKind | str, name: str) -> AlgorithmSpec:
+        """The spec of ``kind`` algorithm ``name``; an unknown name is refused with the
+        registered ones and the closest of them."""
+        kind = AlgorithmKind(kind)
+        found = self._algorithms[kind].get(name)
+        if found is None:
+            raise UnknownBackendError(self.unknown_algorithm(kind, name))
+        return found
+
+    def unknown_algorithm(self, kind: AlgorithmKind, name: object) -> str:
+        names = self.algorithm_names(kind)
+        message = f"unknown {kind} {name!r}; registered: {', '.join(names) or '(none)'}"
+        close = difflib.get_close_matches(str(name), names, n=1, cutoff=0.5)
+        return message + (f"; did you mean {close[0]!r}?" if close else ".")
+
+    def algorithm_names(self, kind: AlgorithmKind | str) -> list[str]:
+        return sorted(self._algorithms[AlgorithmKind(kind)])
+
+    def algorithm_specs(self, kind: AlgorithmKind | None = None) -> list[AlgorithmSpec]:
+        kinds = list(AlgorithmKind) if kind is None else [AlgorithmKind(kind)]
+        return [self._algorithms[k][n] for k in kinds for n in sorted(self._algorithms[k])]
 
     def get(self, kind: BackendKind, name: str) -> BackendSpec:
         try:
@@ -267,6 +407,59 @@ class BackendRegistry:
         self._specs[kind][name] = spec
         return spec
 
+    def _add_algorithm(
+        self,
+        kind: AlgorithmKind,
+        name: str,
+        target: str,
+        params: str,
+        needs: Iterable[AlgorithmNeed | str],
+        description: str,
+        override: bool,
+    ) -> AlgorithmSpec:
+        who = f"plugin {self._origin.plugin!r}"
+        if not isinstance(name, str) or not _BACKEND_NAME.match(name):
+            raise PluginError(
+                f"{who} registered {kind} name {name!r}; names use letters, digits, '_', '.', "
+                "'-' and start with a letter or digit, e.g. 'rloo'."
+            )
+        refs = (("target", target),) + ((("params", params),) if params else ())
+        for label, ref in refs:
+            if not isinstance(ref, str) or not _TARGET.match(ref):
+                raise PluginError(
+                    f"{who} registered {kind} {name!r} with {label}={ref!r}; expected "
+                    "'package.module:Class', e.g. 'my_algos.rloo:RLOO'."
+                )
+        declared: set[AlgorithmNeed] = set()
+        for need in needs:
+            try:
+                declared.add(AlgorithmNeed(need))
+            except ValueError:
+                raise PluginError(
+                    f"{who} registered {kind} {name!r} with unknown need {need!r}; allowed: "
+                    f"{', '.join(str(x) for x in AlgorithmNeed)}."
+                ) from None
+        existing = self._algorithms[kind].get(name)
+        if existing is not None and not override:
+            raise DuplicateBackendError(
+                f"{kind} {name!r} is already registered by plugin {existing.plugin!r} "
+                f"({existing.target}); {who} tried to register it again ({target}). Choose "
+                "another name, or pass override=True to replace it deliberately."
+            )
+        spec = AlgorithmSpec(
+            name=name,
+            kind=kind,
+            target=target,
+            params=params or "",
+            needs=frozenset(declared),
+            plugin=self._origin.plugin,
+            distribution=self._origin.distribution,
+            version=self._origin.version,
+            description=description,
+        )
+        self._algorithms[kind][name] = spec
+        return spec
+
     @contextmanager
     def _registering(self, origin: Origin) -> Iterator[None]:
         """Attribute registrations made inside the block to ``origin``."""
@@ -277,10 +470,15 @@ class BackendRegistry:
             self._origin = previous
 
     def _snapshot(self) -> _Snapshot:
-        return {kind: dict(specs) for kind, specs in self._specs.items()}
+        return (
+            {kind: dict(specs) for kind, specs in self._specs.items()},
+            {kind: dict(specs) for kind, specs in self._algorithms.items()},
+        )
 
     def _restore(self, snapshot: _Snapshot) -> None:
-        self._specs = {kind: dict(specs) for kind, specs in snapshot.items()}
+        backends, algorithms = snapshot
+        self._specs = {kind: dict(specs) for kind, specs in backends.items()}
+        self._algorithms = {kind: dict(specs) for kind, specs in algorithms.items()}
 
 
 @dataclass(frozen=True)
@@ -304,7 +502,7 @@ class EngineCoreHookSpecs:
 
     @hookspec
     def engine_core_register(self, registry: BackendRegistry) -> None:
-        """Register this plugin's engines and rollouts on ``registry``.
+        """Register this plugin's engines, rollouts and algorithms on ``registry``.
 
         Called once per plugin, right after the plugin is loaded. Use
         :meth:`BackendRegistry.register_engine` / :meth:`BackendRegistry.register_rollout` with

@@ -52,11 +52,19 @@ class GlobalBatchContext(BaseModel):
 
 
 class LossAggregation(StrEnum):
-    """How per-token loss values become one scalar."""
+    """How per-token loss values become one scalar.
+
+    ``token-mean``: over every loss token of the mini-batch. ``seq-mean-token-mean``: each
+    sequence's token mean, averaged over sequences. ``seq-mean-token-sum``: each sequence's
+    token sum, averaged. ``seq-mean-token-sum-norm``: each sequence's token sum divided by one
+    constant (``norm_length``, e.g. the generation budget), averaged; no term depends on a
+    sequence's own length (Dr. GRPO's choice).
+    """
 
     TOKEN_MEAN = "token-mean"
     SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
     SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
+    SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"
 
 
 def aggregate_loss(
@@ -64,11 +72,14 @@ def aggregate_loss(
     mask: torch.Tensor,
     mode: LossAggregation | str,
     ctx: GlobalBatchContext,
+    *,
+    norm_length: int | None = None,
 ) -> torch.Tensor:
     """This micro-batch's share of the globally normalized loss.
 
     ``values`` and ``mask`` are ``[batch, seq_len]``. Summing the result over all micro-batches
-    and DP ranks gives the mean over the whole mini-batch.
+    and DP ranks gives the mean over the whole mini-batch. ``norm_length`` (required by
+    ``seq-mean-token-sum-norm``, ignored otherwise) is that mode's constant divisor.
     """
     mask = mask.to(values.dtype)
     mode = LossAggregation(mode)
@@ -77,6 +88,14 @@ def aggregate_loss(
     per_seq = (values * mask).sum(-1)
     if mode is LossAggregation.SEQ_MEAN_TOKEN_MEAN:
         per_seq = per_seq / mask.sum(-1).clamp_min(1)
+    elif mode is LossAggregation.SEQ_MEAN_TOKEN_SUM_NORM:
+        if norm_length is None or norm_length < 1:
+            raise ValueError(
+                f"loss aggregation {mode} divides each sequence's token sum by a constant "
+                f"norm_length >= 1 (e.g. the generation budget), got {norm_length!r}; pass "
+                f"norm_length=, or use seq-mean-token-sum."
+            )
+        per_seq = per_seq / norm_length
     return per_seq.sum() / max(ctx.global_num_samples, 1)
 
 

@@ -27,6 +27,8 @@ import pluggy
 from engine_core.errors import PluginError, PluginLoadError, UnknownBackendError
 from engine_core.hookspecs import (
     PROJECT_NAME,
+    AlgorithmKind,
+    AlgorithmSpec,
     BackendKind,
     BackendRegistry,
     BackendSpec,
@@ -82,6 +84,7 @@ class PluginInfo:
     install_hint: str | None = None
     backends: tuple[BackendSpec, ...] = ()
     source: str = SOURCE_ENTRY_POINT
+    algorithms: tuple[AlgorithmSpec, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -93,6 +96,7 @@ class PluginInfo:
             "traceback": self.traceback,
             "install_hint": self.install_hint,
             "backends": [b.to_dict() for b in self.backends],
+            "algorithms": [a.to_dict() for a in self.algorithms],
             "source": self.source,
         }
 
@@ -281,10 +285,17 @@ class PluginManager:
     # -- queries -------------------------------------------------------------------------------
 
     def plugins(self) -> list[PluginInfo]:
-        """Every plugin tried, in load order, with the backends each one registered."""
-        specs = self.registry.specs()
+        """Every plugin tried, in load order, with the backends and algorithms each one
+        registered."""
+        specs, algorithms = self.registry.specs(), self.registry.algorithm_specs()
         return [
-            PluginInfo(**{**vars(info), "backends": tuple(s for s in specs if s.plugin == name)})
+            PluginInfo(
+                **{
+                    **vars(info),
+                    "backends": tuple(s for s in specs if s.plugin == name),
+                    "algorithms": tuple(a for a in algorithms if a.plugin == name),
+                }
+            )
             for name, info in self._infos.items()
         ]
 
@@ -315,6 +326,24 @@ class PluginManager:
                 f"to load: {culprit.error}. Fix: {fix}; `engine-core plugins` shows the traceback."
             )
         raise UnknownBackendError(self._unknown_message(kind, name))
+
+    def get_algorithm(self, kind: AlgorithmKind | str, name: str) -> AlgorithmSpec:
+        """The spec of ``kind`` algorithm ``name``; an unknown one is refused with the
+        registered names, a did-you-mean, and the plugins that failed to load."""
+        kind = AlgorithmKind(kind)
+        if name in self.registry.algorithm_names(kind):
+            return self.registry.algorithm(kind, name)
+        parts = [self.registry.unknown_algorithm(kind, name)]
+        failed = self.failed_plugins()
+        if failed:
+            listed = "; ".join(
+                f"{p.name} ({p.distribution or p.source}): {p.error}" for p in failed
+            )
+            parts.append(f"Plugins that failed to load (one may provide it): {listed}.")
+        if self._skipped:
+            parts.append(f"Skipped by {ENV_PLUGINS}: {', '.join(self._skipped)}.")
+        parts.append("`engine-core plugins` lists every registered algorithm.")
+        raise UnknownBackendError(" ".join(parts))
 
     def _failed_provider(self, name: str) -> PluginInfo | None:
         # A plugin's entry-point name is the best guess at what it provides ("fsdp" -> "fsdp2").

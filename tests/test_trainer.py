@@ -176,7 +176,7 @@ def test_the_trainer_refuses_inconsistent_pieces() -> None:
     with pytest.raises(ValueError, match="pass critic="):
         RLTrainer(TrainerConfig(algorithm="ppo"), actor=actor, rollout=rollout, **parts)
     critic = Critic(CriticConfig(), build_engine("reference", value_head=True))
-    with pytest.raises(ValueError, match="drop critic="):
+    with pytest.raises(ValueError, match="drop the critic"):
         RLTrainer(TrainerConfig(), actor=actor, rollout=rollout, critic=critic, **parts)
     kl_actor = Actor(ActorConfig(use_kl_loss=True), actor.engine)
     with pytest.raises(ValueError, match="reference="):

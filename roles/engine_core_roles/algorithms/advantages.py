@@ -15,6 +15,9 @@ __all__ = [
     "gae_advantages",
     "grpo_advantages",
     "rloo_advantages",
+    "discounted_returns",
+    "reinforce_pp_advantages",
+    "reinforce_pp_baseline_advantages",
     "sequence_to_token_rewards",
     "FixedKLController",
     "AdaptiveKLController",
@@ -65,6 +68,8 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tens
     """Zero-mean, unit-variance over the masked entries (0 elsewhere)."""
     m = mask.bool()
     vals = x[m]
+    if vals.numel() == 0:  # nothing to whiten: the mean of nothing would be NaN
+        return torch.zeros_like(x)
     std = vals.std(unbiased=False) if vals.numel() > 1 else torch.ones(())
     return ((x - vals.mean()) / (std + eps)) * m
 
@@ -108,6 +113,42 @@ def rloo_advantages(scores: torch.Tensor, group_index: torch.Tensor) -> torch.Te
     others = count[gid] - 1
     baseline = (total[gid] - scores) / others.clamp_min(1)
     return torch.where(others > 0, scores - baseline, torch.zeros_like(scores))
+
+
+def discounted_returns(
+    rewards: torch.Tensor, mask: torch.Tensor, *, gamma: float = 1.0
+) -> torch.Tensor:
+    """Per-token returns ``G_t = r_t + gamma * G_{t+1}`` over the masked tokens (0 elsewhere).
+
+    Like :func:`gae_advantages`, the recursion jumps over masked-out positions, so padding inside
+    or around the response does not change the result.
+    """
+    mask_f = mask.to(rewards.dtype)
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros(rewards.shape[0], dtype=rewards.dtype)
+    for t in reversed(range(rewards.shape[1])):
+        m = mask_f[:, t]
+        running = m * (rewards[:, t] + gamma * running) + (1 - m) * running
+        returns[:, t] = running * m
+    return returns
+
+
+def reinforce_pp_advantages(
+    scores: torch.Tensor, mask: torch.Tensor, *, gamma: float = 1.0
+) -> torch.Tensor:
+    """REINFORCE++: each token's discounted return of the sequence's score (placed on its last
+    loss token), whitened over every loss token of the batch."""
+    rewards = sequence_to_token_rewards(scores.float(), mask)
+    return whiten(discounted_returns(rewards, mask, gamma=gamma), mask)
+
+
+def reinforce_pp_baseline_advantages(
+    scores: torch.Tensor, group_index: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """REINFORCE++ with a baseline: each score minus its group's mean, on every loss token,
+    whitened over every loss token of the batch."""
+    centered = grpo_advantages(scores, group_index, normalize_std=False)
+    return whiten(centered.unsqueeze(1) * mask.to(centered.dtype), mask)
 
 
 class FixedKLController:

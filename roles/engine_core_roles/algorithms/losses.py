@@ -28,6 +28,8 @@ __all__ = [
     "tis_weights",
     "mis_weights",
     "policy_loss",
+    "gspo_loss",
+    "cispo_loss",
     "value_loss",
     "entropy_loss",
     "PolicyLossTerms",
@@ -192,6 +194,7 @@ def policy_loss(
     clip_ratio_c: float | None = 3.0,
     aggregation: LossAggregation | str = LossAggregation.TOKEN_MEAN,
     weights: torch.Tensor | None = None,
+    norm_length: int | None = None,
 ) -> PolicyLossTerms:
     """PPO clipped surrogate with optional dual-clip (``clip_ratio_c > 1`` bounds negative advantages).
 
@@ -226,13 +229,94 @@ def policy_loss(
         per_token = per_token * weights.detach()
     token_mean = LossAggregation.TOKEN_MEAN
     return PolicyLossTerms(
-        pg_loss=aggregate_loss(per_token, mask, aggregation, ctx),
+        pg_loss=aggregate_loss(per_token, mask, aggregation, ctx, norm_length=norm_length),
         clipfrac=aggregate_loss(clipfrac, mask, token_mean, ctx).detach(),
         dual_clipfrac=aggregate_loss(dual, mask, token_mean, ctx).detach(),
-        # clamped: rounding must not turn a true 0 into a tiny negative
-        approx_kl=aggregate_loss(
-            (torch.expm1(log_ratio) - log_ratio).clamp_min(0), mask, token_mean, ctx
-        ).detach(),
+        approx_kl=_approx_kl(log_ratio, mask, ctx),
+    )
+
+
+def _approx_kl(
+    log_ratio: torch.Tensor, mask: torch.Tensor, ctx: GlobalBatchContext
+) -> torch.Tensor:
+    # k3 of KL(old || current), clamped: rounding must not turn a true 0 into a tiny negative
+    k3 = (torch.expm1(log_ratio) - log_ratio).clamp_min(0)
+    return aggregate_loss(k3.detach(), mask, LossAggregation.TOKEN_MEAN, ctx)
+
+
+def gspo_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    ctx: GlobalBatchContext,
+    *,
+    clip_ratio_low: float = 3e-4,
+    clip_ratio_high: float = 4e-4,
+    aggregation: LossAggregation | str = LossAggregation.SEQ_MEAN_TOKEN_MEAN,
+    norm_length: int | None = None,
+    weights: torch.Tensor | None = None,
+) -> PolicyLossTerms:
+    """GSPO: one importance ratio per sequence, ``s = exp(mean_t(log_probs - old_log_probs))``
+    over its loss tokens, clipped to ``[1 - low, 1 + high]`` PPO-style against its advantage.
+
+    Each token carries ``s_t = sg(s) * exp(log_prob_t - sg(log_prob_t))``: equal to ``s`` in
+    value, with the gradient ``s * grad log_prob_t`` (GSPO-token, which equals sequence-level
+    GSPO when a sequence's advantages are one number). ``clipfrac`` counts the loss tokens of
+    clipped sequences.
+    """
+    on = mask.bool()
+    token_log_ratio = torch.where(on, log_probs - old_log_probs, torch.zeros_like(log_probs))
+    seq_log_ratio = token_log_ratio.sum(-1) / on.sum(-1).clamp_min(1)
+    # the sequence's ratio in value, each token's own gradient; clamped as policy_loss does
+    log_ratio = (seq_log_ratio.detach().unsqueeze(-1) + log_probs - log_probs.detach()).clamp(
+        -20.0, 20.0
+    )
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    per_token = torch.maximum(unclipped, clipped)
+    if weights is not None:
+        per_token = per_token * weights.detach()
+    token_mean = LossAggregation.TOKEN_MEAN
+    return PolicyLossTerms(
+        pg_loss=aggregate_loss(per_token, mask, aggregation, ctx, norm_length=norm_length),
+        clipfrac=aggregate_loss((clipped > unclipped).float(), mask, token_mean, ctx).detach(),
+        approx_kl=_approx_kl(token_log_ratio.clamp(-20.0, 20.0), mask, ctx),
+    )
+
+
+def cispo_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    ctx: GlobalBatchContext,
+    *,
+    clip_ratio_low: float = 1.0,
+    clip_ratio_high: float = 0.28,
+    aggregation: LossAggregation | str = LossAggregation.TOKEN_MEAN,
+    norm_length: int | None = None,
+    weights: torch.Tensor | None = None,
+) -> PolicyLossTerms:
+    """CISPO: ``-sg(clip(ratio, 1 - low, 1 + high)) * advantage * log_prob`` per token.
+
+    The importance weight is clipped and detached, the gradient flows through ``log_prob``, so
+    no token's gradient is dropped (PPO's clip zeroes the clipped tokens'). ``low=1`` puts no
+    lower bound on the weight. ``clipfrac`` counts the tokens whose weight was clipped.
+    """
+    log_ratio = (log_probs - old_log_probs).detach().clamp(-20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    weight = ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    per_token = -weight * advantages * log_probs
+    if weights is not None:
+        per_token = per_token * weights.detach()
+    clipped = (weight != ratio).float()
+    token_mean = LossAggregation.TOKEN_MEAN
+    return PolicyLossTerms(
+        pg_loss=aggregate_loss(per_token, mask, aggregation, ctx, norm_length=norm_length),
+        clipfrac=aggregate_loss(clipped, mask, token_mean, ctx).detach(),
+        approx_kl=_approx_kl(log_ratio, mask, ctx),
     )
 
 
@@ -241,9 +325,11 @@ def entropy_loss(
     mask: torch.Tensor,
     ctx: GlobalBatchContext,
     aggregation: LossAggregation | str = LossAggregation.TOKEN_MEAN,
+    *,
+    norm_length: int | None = None,
 ) -> torch.Tensor:
     """Mean entropy (subtract ``coef * this`` from the loss for an entropy bonus)."""
-    return aggregate_loss(entropy, mask, aggregation, ctx)
+    return aggregate_loss(entropy, mask, aggregation, ctx, norm_length=norm_length)
 
 
 def value_loss(

@@ -36,6 +36,7 @@ from engine_core import (
 from engine_core.batch import MOE_AUX, ROUTED_EXPERTS
 from engine_core.config import BUCKET_BYTES
 from engine_core.rollout import ROLLOUT_LOG_PROBS
+from engine_core_roles.algorithms.base import ClipRange, PolicyLossInputs
 from engine_core_roles.algorithms.losses import (
     CorrectionWeights,
     KLEstimator,
@@ -44,9 +45,9 @@ from engine_core_roles.algorithms.losses import (
     entropy_loss,
     kl_penalty,
     mis_weights,
-    policy_loss,
     tis_weights,
 )
+from engine_core_roles.algorithms.select import build_policy_loss
 from engine_core_roles.algorithms.updates import mean_over_steps, run_updates, warn_skipped
 from engine_core_roles.batch.keys import ADVANTAGES, OLD_LOG_PROBS, REF_LOG_PROBS
 
@@ -77,7 +78,21 @@ class ActorConfig(FrozenModel):
     clip_ratio_low: float = Field(0.2, ge=0)
     clip_ratio_high: float = Field(0.2, ge=0)
     clip_ratio_c: float | None = Field(3.0, gt=1, description="Dual-clip bound; None disables it.")
+    policy_loss: str = Field(
+        "ppo_clip",
+        description="The registered policy loss (ppo_clip, gspo, cispo, or a plugin's); the "
+        "job sets it from trainer.algorithm. clip_ratio_low/high/c are ppo_clip's.",
+    )
+    policy_loss_params: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The policy loss's parameters (its own model checks them).",
+    )
     loss_agg_mode: LossAggregation = LossAggregation.TOKEN_MEAN
+    loss_norm_length: PositiveInt | None = Field(
+        None,
+        description="seq-mean-token-sum-norm: the constant each sequence's token sum is divided "
+        "by (Dr. GRPO: the generation budget; the job sets trainer.max_new_tokens).",
+    )
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = Field(0.001, ge=0)
@@ -180,8 +195,18 @@ class Actor:
     """The policy. ``engine`` must have been ``init_model()``-ed."""
 
     def __init__(self, config: ActorConfig, engine: BaseEngine) -> None:
+        if (
+            config.loss_agg_mode is LossAggregation.SEQ_MEAN_TOKEN_SUM_NORM
+            and config.loss_norm_length is None
+        ):
+            raise ValueError(
+                "actor.loss_agg_mode=seq-mean-token-sum-norm divides each sequence's token sum "
+                "by actor.loss_norm_length, which is unset; set it (Dr. GRPO: the generation "
+                "budget, trainer.max_new_tokens)."
+            )
         self.config = config
         self.engine = engine
+        self.policy_loss = build_policy_loss(config.policy_loss, config.policy_loss_params)
 
     def named_full_params(
         self, bucket_bytes: int = BUCKET_BYTES
@@ -220,37 +245,45 @@ class Actor:
         # on-policy, one optimizer step: the old policy is this forward's, detached
         old = out[LOG_PROBS].detach() if cfg.old_log_probs_from_update else mb[OLD_LOG_PROBS]
         correction = self._mismatch_weights(mb, old, ctx)
-        terms = policy_loss(
-            out[LOG_PROBS],
-            old,
-            mb[ADVANTAGES],
-            mask,
-            ctx,
-            clip_ratio_low=cfg.clip_ratio_low,
-            clip_ratio_high=cfg.clip_ratio_high,
-            clip_ratio_c=cfg.clip_ratio_c,
-            aggregation=cfg.loss_agg_mode,
-            weights=None if correction is None else correction.weights,
+        norm = cfg.loss_norm_length
+        terms = self.policy_loss(
+            PolicyLossInputs(
+                log_probs=out[LOG_PROBS],
+                old_log_probs=old,
+                advantages=mb[ADVANTAGES],
+                mask=mask,
+                ctx=ctx,
+                weights=None if correction is None else correction.weights,
+                clip=ClipRange(cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c),
+                aggregation=cfg.loss_agg_mode,
+                norm_length=norm,
+            )
         )
+        if "pg_loss" not in terms:
+            raise ValueError(
+                f"policy loss {cfg.policy_loss!r} returned {sorted(terms)} without 'pg_loss'; "
+                f"return the loss as pg_loss."
+            )
         loss = terms["pg_loss"]
         metrics: dict[str, Metric] = {k: Metric.of(v, "sum") for k, v in terms.items()}
         if correction is not None:
             metrics.update({k: Metric.of(v, "sum") for k, v in correction.metrics.items()})
         if "entropy" in out.keys():  # always computed during updates: a key health metric
-            ent = entropy_loss(out["entropy"], mask, ctx, cfg.loss_agg_mode)
+            ent = entropy_loss(out["entropy"], mask, ctx, cfg.loss_agg_mode, norm_length=norm)
             if cfg.entropy_coeff != 0:
                 loss = loss - cfg.entropy_coeff * ent
             metrics["entropy"] = token_mean_metric(out["entropy"], mask, ctx)
         if cfg.use_kl_loss:
             kl = kl_penalty(out[LOG_PROBS], mb[REF_LOG_PROBS], cfg.kl_loss_type)
-            kl_loss = entropy_loss(
-                kl, mask, ctx, cfg.loss_agg_mode
-            )  # same aggregation as the pg loss
+            # same aggregation as the pg loss
+            kl_loss = entropy_loss(kl, mask, ctx, cfg.loss_agg_mode, norm_length=norm)
             loss = loss + cfg.kl_loss_coef * kl_loss
             metrics["kl_loss"] = token_mean_metric(kl, mask, ctx)
         if MOE_AUX in out.keys():  # moe_aux_loss_coef > 0: the routers' balance, same scaling
             aux = out[MOE_AUX]
-            loss = loss + cfg.moe_aux_loss_coef * aggregate_loss(aux, mask, cfg.loss_agg_mode, ctx)
+            loss = loss + cfg.moe_aux_loss_coef * aggregate_loss(
+                aux, mask, cfg.loss_agg_mode, ctx, norm_length=norm
+            )
             metrics["moe_aux_loss"] = token_mean_metric(aux.detach(), mask, ctx)
         return loss, metrics
 

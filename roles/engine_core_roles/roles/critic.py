@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-from pydantic import Field, PositiveInt
+from pydantic import Field, PositiveInt, field_validator
 from tensordict import TensorDict
 
 from engine_core import (
@@ -47,8 +47,20 @@ class CriticConfig(FrozenModel):
         0.5, gt=0, description="Clip new values to old ± this; None: no value clipping."
     )
     loss_agg_mode: LossAggregation = Field(
-        LossAggregation.TOKEN_MEAN, description="How per-token value losses are aggregated."
+        LossAggregation.TOKEN_MEAN,
+        description="How per-token value losses are aggregated (token-mean, seq-mean-token-mean "
+        "or seq-mean-token-sum).",
     )
+
+    @field_validator("loss_agg_mode")
+    @classmethod
+    def _no_norm_length(cls, mode: LossAggregation) -> LossAggregation:
+        if mode is LossAggregation.SEQ_MEAN_TOKEN_SUM_NORM:
+            raise ValueError(
+                f"critic.loss_agg_mode={mode} is a policy-loss choice (Dr. GRPO's); the value "
+                f"loss takes token-mean, seq-mean-token-mean or seq-mean-token-sum."
+            )
+        return mode
 
 
 class Critic:

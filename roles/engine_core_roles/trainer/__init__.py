@@ -8,9 +8,7 @@ from __future__ import annotations
 from engine_core_roles.trainer.config import (
     EXTRA_DRAW_STRIDE,
     SEED_STRIDE,
-    Algorithm,
     TrainerConfig,
-    check_group_size,
 )
 from engine_core_roles.trainer.generation import PromptsExhausted
 from engine_core_roles.trainer.guards import LogProbGapError
@@ -28,8 +26,6 @@ from engine_core_roles.trainer.protocols import (
 __all__ = [
     "SEED_STRIDE",
     "EXTRA_DRAW_STRIDE",
-    "Algorithm",
-    "check_group_size",
     "TrainerConfig",
     "PromptsExhausted",
     "LogProbGapError",

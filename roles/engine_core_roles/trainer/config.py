@@ -10,13 +10,13 @@ from engine_core import (
     FrozenModel,
     SamplingParams,
 )
+from engine_core.errors import EngineCoreError
+from engine_core_roles.algorithms.select import AlgorithmConfig, check_needs, resolve_algorithm
 
 __all__ = [
     "SEED_STRIDE",
     "EXTRA_DRAW_STRIDE",
-    "Algorithm",
     "RoutingReplay",
-    "check_group_size",
     "check_routing_replay",
     "TrainerConfig",
 ]
@@ -26,15 +26,6 @@ SEED_STRIDE = 100003
 
 
 EXTRA_DRAW_STRIDE = 10_000_019  # filter_groups' extra draws: seeds apart from every step's
-
-
-Algorithm = Annotated[
-    Literal["grpo", "ppo"],
-    Field(
-        description="grpo: group-normalized scores as advantages, no critic; ppo: GAE over a "
-        "critic's values (whitened), and a critic update every step."
-    ),
-]
 
 
 def _routing_mode(value: object) -> object:
@@ -79,25 +70,22 @@ def check_routing_replay(mode: str, old_log_probs_from_update: bool) -> None:
         )
 
 
-def check_group_size(algorithm: str, samples_per_prompt: int) -> None:
-    """grpo needs at least two samples per prompt to normalize within a group."""
-    if algorithm == "grpo" and samples_per_prompt < 2:
-        raise ValueError(
-            f"grpo normalizes rewards within each prompt's group, so samples_per_prompt must "
-            f"be >= 2 (got {samples_per_prompt}); raise it, or use algorithm=ppo."
-        )
-
-
 class TrainerConfig(FrozenModel):
     """How each step samples, and which advantage estimator it uses."""
 
-    algorithm: Algorithm = "grpo"
+    algorithm: AlgorithmConfig = Field(
+        default_factory=lambda: AlgorithmConfig(preset="grpo"),
+        description="The advantage estimator and policy loss: a preset (grpo, ppo, dr_grpo, "
+        "rloo, reinforce_pp, reinforce_pp_baseline, gspo, cispo) or {advantage, policy_loss, "
+        "advantage_params, policy_loss_params, overlong}; any registered plugin's names "
+        "(`engine-core plugins`).",
+    )
     samples_per_prompt: PositiveInt = 8
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of the rollout.")
     max_new_tokens: PositiveInt = 32
     stop_token_ids: list[int] = Field(default_factory=list)
-    gamma: float = Field(1.0, ge=0, le=1, description="ppo: GAE discount.")
-    lam: float = Field(0.95, ge=0, le=1, description="ppo: GAE lambda.")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount (gae, reinforce_pp).")
+    lam: float = Field(0.95, ge=0, le=1, description="gae: GAE lambda.")
     max_consecutive_skipped_updates: int = Field(
         3,
         ge=0,
@@ -152,7 +140,14 @@ class TrainerConfig(FrozenModel):
 
     @model_validator(mode="after")
     def _check_groups(self) -> TrainerConfig:
-        check_group_size(self.algorithm, self.samples_per_prompt)
+        try:
+            resolved = resolve_algorithm(self.algorithm)
+        except EngineCoreError as e:  # an unknown name, a plugin that cannot be imported
+            raise ValueError(str(e)) from None
+        # a critic is the caller's to give (RLTrainer, the job check it); groups are ours
+        check_needs(resolved, has_critic=None, samples_per_prompt=self.samples_per_prompt)
+        if "max_new_tokens" in self.model_fields_set:  # else a job derives it: checked then
+            self.check_overlong()
         if self.filter_groups and self.max_staleness:
             raise ValueError(
                 f"filter_groups draws more prompts within a step, which an asynchronous run "
@@ -160,6 +155,16 @@ class TrainerConfig(FrozenModel):
                 f"filter_groups=false or max_staleness=0."
             )
         return self
+
+    def check_overlong(self) -> None:
+        """The overlong buffer must leave room below the generation budget."""
+        overlong = self.algorithm.overlong
+        if overlong is not None and overlong.buffer >= self.max_new_tokens:
+            raise ValueError(
+                f"trainer.algorithm.overlong.buffer={overlong.buffer} must be below "
+                f"max_new_tokens={self.max_new_tokens} (the penalty starts buffer tokens before "
+                f"the budget); lower the buffer."
+            )
 
     def sampling_params(self, step: int, draw: int = 0) -> SamplingParams:
         """Step ``step``'s sampling; ``draw`` > 0: filter_groups' extra generations, each with

@@ -1,80 +1,99 @@
-"""Advantage estimators: the step's advantages (and, for those with a critic, its values, returns
-and update), one call of an estimator the trainer picks once from ``TrainerConfig.algorithm``.
+"""The step's advantages: the run's advantage estimator (a registered plugin, picked once from
+``TrainerConfig.algorithm``), with the critic's values and update around it when the estimator
+needs a critic, and DAPO's overlong shaping of the scores before it.
 
-:data:`ESTIMATORS` maps each algorithm to how its estimator is built; a new algorithm is a new
-entry. The maths are the pure functions of :mod:`engine_core_roles.algorithms.advantages`.
+The estimators themselves are :class:`engine_core_roles.algorithms.base.AdvantageEstimator`
+classes (the shipped ones in :mod:`engine_core_roles.algorithms.builtin`).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from typing import Protocol
 
 import torch
 from tensordict import TensorDict
 
 from engine_core import LOSS_MASK
-from engine_core_roles.algorithms.advantages import (
-    gae_advantages,
-    grpo_advantages,
-    sequence_to_token_rewards,
-    whiten,
+from engine_core.hookspecs import AlgorithmNeed
+from engine_core_roles.algorithms.base import AdvantageInputs
+from engine_core_roles.algorithms.select import (
+    OverlongShaping,
+    ResolvedAlgorithm,
+    check_needs,
+    resolve_algorithm,
 )
 from engine_core_roles.batch.keys import ADVANTAGES, OLD_VALUES, RETURNS
 from engine_core_roles.trainer.config import TrainerConfig
 from engine_core_roles.trainer.protocols import ValueRole
 
-__all__ = ["ESTIMATORS", "AdvantageEstimator", "CriticGAE", "GroupNormalized", "estimator_for"]
+__all__ = ["Advantages", "overlong_penalty"]
 
 
-class AdvantageEstimator(Protocol):
-    """Writes ``ADVANTAGES`` (``[B*n, L]``, zero off the loss mask) into ``batch`` from each
-    sample's ``scores`` ``[B*n]`` (``n`` adjacent samples per prompt); returns figures to log."""
-
-    def __call__(self, batch: TensorDict, scores: torch.Tensor) -> dict[str, float]: ...
-
-
-class GroupNormalized:
-    """GRPO: each sample's score normalized within its prompt's group, on every token."""
-
-    def __init__(self, samples_per_prompt: int) -> None:
-        self.n = samples_per_prompt
-
-    def __call__(self, batch: TensorDict, scores: torch.Tensor) -> dict[str, float]:
-        groups = torch.arange(scores.numel() // self.n).repeat_interleave(self.n)
-        batch[ADVANTAGES] = grpo_advantages(scores, groups).unsqueeze(1) * batch[LOSS_MASK]
-        return {}
+def overlong_penalty(lengths: torch.Tensor, budget: int, shaping: OverlongShaping) -> torch.Tensor:
+    """DAPO's soft overlong penalty per sample (``<= 0``): 0 up to ``budget - buffer`` tokens,
+    then falling linearly to ``-penalty`` at ``budget`` (and staying there beyond it)."""
+    start = budget - shaping.buffer
+    over = (lengths.float() - start).clamp(min=0) / shaping.buffer
+    return -shaping.penalty * over.clamp(max=1.0)
 
 
-class CriticGAE:
-    """PPO: GAE over the critic's values (whitened), then the critic's update on the returns."""
+class Advantages:
+    """Writes ``ADVANTAGES`` (and, with a critic, ``OLD_VALUES`` and ``RETURNS``) into a step's
+    batch from its scores; returns the figures to log (the critic's update's among them)."""
 
-    def __init__(self, critic: ValueRole, gamma: float, lam: float) -> None:
-        self.critic, self.gamma, self.lam = critic, gamma, lam
-
-    def __call__(self, batch: TensorDict, scores: torch.Tensor) -> dict[str, float]:
-        mask = batch[LOSS_MASK]
-        batch[OLD_VALUES] = self.critic.compute_values(batch)[OLD_VALUES]
-        token_rewards = sequence_to_token_rewards(scores, mask)
-        adv, batch[RETURNS] = gae_advantages(
-            token_rewards, batch[OLD_VALUES], mask, gamma=self.gamma, lam=self.lam
+    def __init__(
+        self,
+        config: TrainerConfig,
+        critic: ValueRole | None,
+        resolved: ResolvedAlgorithm | None = None,
+    ) -> None:
+        self.resolved = resolve_algorithm(config.algorithm) if resolved is None else resolved
+        config.check_overlong()
+        check_needs(
+            self.resolved,
+            has_critic=critic is not None,
+            samples_per_prompt=config.samples_per_prompt,
         )
-        batch[ADVANTAGES] = whiten(adv, mask)
-        return self.critic.update_critic(batch)
+        self.estimator = self.resolved.build_estimator()
+        self.critic = critic
+        self.config = config
 
-
-ESTIMATORS: dict[str, Callable[[TrainerConfig, ValueRole | None], AdvantageEstimator]] = {
-    "grpo": lambda config, critic: GroupNormalized(config.samples_per_prompt),
-    "ppo": lambda config, critic: CriticGAE(_needs(critic), config.gamma, config.lam),
-}
-
-
-def _needs(critic: ValueRole | None) -> ValueRole:
-    if critic is None:
-        raise ValueError("algorithm='ppo' estimates advantages with a critic; pass critic=.")
-    return critic
-
-
-def estimator_for(config: TrainerConfig, critic: ValueRole | None) -> AdvantageEstimator:
-    """The estimator of ``config.algorithm``."""
-    return ESTIMATORS[config.algorithm](config, critic)
+    def __call__(self, batch: TensorDict, scores: torch.Tensor) -> dict[str, float]:
+        cfg, mask = self.config, batch[LOSS_MASK]
+        metrics: dict[str, float] = {}
+        shaping = cfg.algorithm.overlong
+        if shaping is not None:
+            penalty = overlong_penalty(mask.sum(-1), cfg.max_new_tokens, shaping)
+            scores = scores + penalty
+            metrics["reward/overlong_penalty"] = float(penalty.mean())
+        n = cfg.samples_per_prompt
+        groups = torch.arange(scores.numel()) // n  # a prompt's samples are adjacent
+        values = None
+        if self.critic is not None:
+            batch[OLD_VALUES] = values = self.critic.compute_values(batch)[OLD_VALUES]
+        result = self.estimator(
+            AdvantageInputs(
+                scores=scores,
+                group_ids=groups,
+                mask=mask,
+                values=values,
+                gamma=cfg.gamma,
+                lam=cfg.lam,
+            )
+        )
+        name = self.resolved.advantage.name
+        if tuple(result.advantages.shape) != tuple(mask.shape):
+            raise ValueError(
+                f"advantage estimator {name!r} returned advantages of shape "
+                f"{tuple(result.advantages.shape)} for a batch of shape {tuple(mask.shape)}; it "
+                f"must return one per token ([samples, tokens])."
+            )
+        batch[ADVANTAGES] = result.advantages.to(torch.float32) * mask
+        metrics.update({f"advantage/{k}": float(v) for k, v in result.metrics.items()})
+        if AlgorithmNeed.CRITIC in self.resolved.advantage.needs and self.critic is not None:
+            if result.returns is None:
+                raise ValueError(
+                    f"advantage estimator {name!r} needs a critic but returned no returns to "
+                    f"train it on; return AdvantageResult(advantages, returns)."
+                )
+            batch[RETURNS] = result.returns
+            metrics.update(self.critic.update_critic(batch))
+        return metrics

@@ -43,7 +43,7 @@ from engine_core_roles.episodes.metrics import episode_metrics
 from engine_core_roles.roles.actor import ActorUpdate
 from engine_core_roles.trainer.config import TrainerConfig
 from engine_core_roles.trainer.dynamic_sampling import FilteredGroups
-from engine_core_roles.trainer.estimators import estimator_for
+from engine_core_roles.trainer.estimators import Advantages
 from engine_core_roles.trainer.generation import (
     Asynchronous,
     Drawn,
@@ -81,15 +81,32 @@ StepCallback = Callable[["RLTrainer", dict[str, Any]], None]
 """Called by :meth:`RLTrainer.fit` after every step with the trainer and that step's row."""
 
 
+def _check_policy_loss(config: TrainerConfig, actor: PolicyRole) -> None:
+    """The actor computes the policy loss: it must be the one ``config.algorithm`` names."""
+    algorithm, actor_cfg = config.algorithm, actor.config
+    if (actor_cfg.policy_loss, dict(actor_cfg.policy_loss_params)) == (
+        algorithm.policy_loss,
+        dict(algorithm.policy_loss_params),
+    ):
+        return
+    raise ValueError(
+        f"trainer.algorithm ({algorithm.name}) uses the policy loss {algorithm.policy_loss!r} "
+        f"with {dict(algorithm.policy_loss_params)}, but the actor computes "
+        f"{actor_cfg.policy_loss!r} with {dict(actor_cfg.policy_loss_params)}; build the actor "
+        f"with ActorConfig(**trainer_config.algorithm.actor_settings(), ...) so both agree."
+    )
+
+
 class RLTrainer:
-    """GRPO or PPO on an :class:`Actor` (plus optional :class:`Reference` and :class:`Critic`).
+    """An RL algorithm (GRPO, PPO, RLOO, GSPO, ... any registered one) on an :class:`Actor` (plus optional :class:`Reference` and :class:`Critic`).
 
     ``rollout`` generates with the actor's weights, synced and verified before the first step and
     after every update. ``reward_fn`` scores each sample (see :class:`RewardFn`), and/or
     ``reward_model`` (a :class:`engine_core_roles.RewardModel` on the actor's vocabulary) does: a sample's
     reward is the first plus ``config.reward_model_weight`` times the second; ``prompts``
     gives each step's prompts (see :data:`PromptSource`). A ``reference`` is required when the
-    actor uses a KL loss; a ``critic`` exactly when ``config.algorithm`` is ``ppo``.
+    actor uses a KL loss; a ``critic`` exactly when the advantage estimator of
+    ``config.algorithm`` needs one (``gae``: ``algorithm="ppo"``).
     ``global_step`` is the number of steps already taken (set it when resuming a checkpoint).
     ``responses``, when given, takes every generation's samples before anything reads them and
     returns them (e.g. :class:`engine_core_roles.data.stop_strings.StopStrings`, which ends responses at
@@ -122,13 +139,9 @@ class RLTrainer:
                 "nothing scores the samples: pass reward_fn= (a callable scoring each sample), "
                 "reward_model= (a RewardModel), or both."
             )
-        if config.algorithm == "ppo" and critic is None:
-            raise ValueError("algorithm='ppo' estimates advantages with a critic; pass critic=.")
-        if config.algorithm == "grpo" and critic is not None:
-            raise ValueError(
-                "a critic was passed but algorithm='grpo' trains none; drop critic= or set "
-                "algorithm='ppo'."
-            )
+        # the algorithm's parts, found and checked against what it needs (a critic, groups)
+        advantages = Advantages(config, critic)
+        _check_policy_loss(config, actor)
         if actor.config.use_kl_loss and reference is None:
             raise ValueError(
                 "the actor has use_kl_loss=True, which needs reference log-probs; pass "
@@ -196,7 +209,7 @@ class RLTrainer:
         )
         self._routing = routing_for(config, actor, rollout, num_experts)
         self._old_log_probs = old_log_probs_stage(actor, GapGuard(config), self._routing.records)
-        self._advantages = estimator_for(config, critic)
+        self._advantages = advantages
 
     # -- the step ------------------------------------------------------------------------------
 

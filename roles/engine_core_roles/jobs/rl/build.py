@@ -23,9 +23,11 @@ from engine_core import (
 from engine_core.capabilities import Capability, check_capabilities
 from engine_core.errors import CapabilityError, ConfigError
 from engine_core.executors.base import WorkerGroup, threads_per_process
+from engine_core.hookspecs import AlgorithmNeed
 from engine_core.models import build_hf_config
 from engine_core.remote_rollout import ProcessRollout
 from engine_core.rollout import BaseRollout
+from engine_core_roles.algorithms.select import resolve_algorithm
 from engine_core_roles.distributed.placement import (
     ActorGroup,
     CriticGroup,
@@ -77,7 +79,8 @@ def resolve(job: RLJobConfig, manager: PluginManager) -> Resolved:
         )
     _check_routing_capabilities(job, engine[0])
     critic = None
-    if job.trainer.algorithm == "ppo":
+    algorithm = resolve_algorithm(job.trainer.algorithm, manager)
+    if AlgorithmNeed.CRITIC in algorithm.needs:
         critic = resolve_engine_config(job.critic_engine_config(), manager, path=("critic_engine",))
     reward_model = None
     if job.reward_model is not None:

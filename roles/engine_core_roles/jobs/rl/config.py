@@ -8,8 +8,11 @@ from pydantic import Field, PositiveInt, model_validator
 
 from engine_core import (
     FrozenModel,
+    LossAggregation,
 )
+from engine_core.hookspecs import AlgorithmNeed
 from engine_core_roles.algorithms.losses import MismatchCorrection
+from engine_core_roles.algorithms.select import resolve_algorithm
 from engine_core_roles.data.prompts import DataConfig
 from engine_core_roles.data.rewards import RewardConfig
 from engine_core_roles.data.tasks import EOS, DigitTask
@@ -217,11 +220,13 @@ class RLJobConfig(JobConfig):
                 "trainer.filter_groups draws extra prompts for single responses; it is not "
                 "built for episodes yet. Set trainer.filter_groups=false with env."
             )
-        if trainer.algorithm == "grpo" and self.critic_engine is not None:
+        if self.critic_engine is not None and not self.needs_critic:
             raise ValueError(
-                "critic_engine is set but trainer.algorithm=grpo trains no critic; remove "
-                "critic_engine or set trainer.algorithm=ppo."
+                f"critic_engine is set but trainer.algorithm ({trainer.algorithm.name}: advantage "
+                f"{trainer.algorithm.advantage}) trains no critic; remove critic_engine or set "
+                f"trainer.algorithm=ppo."
             )
+        self._check_policy_loss()
         if self.reward_model is None and "reward_model_weight" in trainer.model_fields_set:
             raise ValueError(
                 "trainer.reward_model_weight is set but no reward_model scores the samples; "
@@ -257,6 +262,26 @@ class RLJobConfig(JobConfig):
             )
         return self
 
+    @property
+    def needs_critic(self) -> bool:
+        """Whether the run's advantage estimator needs a critic (the job then builds one)."""
+        resolved = resolve_algorithm(self.trainer.algorithm)
+        return AlgorithmNeed.CRITIC in resolved.needs
+
+    def _check_policy_loss(self) -> None:
+        """The policy loss is named once: by trainer.algorithm, or by the actor section."""
+        algorithm, actor = self.trainer.algorithm, self.actor
+        named = {"policy_loss", "policy_loss_params"} & actor.model_fields_set
+        if named and (actor.policy_loss, actor.policy_loss_params) != (
+            algorithm.policy_loss,
+            algorithm.policy_loss_params,
+        ):
+            raise ValueError(
+                f"actor.{sorted(named)[0]} is set, and trainer.algorithm ({algorithm.name}) names "
+                f"the policy loss {algorithm.policy_loss!r} with {algorithm.policy_loss_params}; "
+                f"name it in one place: trainer.algorithm.policy_loss (and policy_loss_params)."
+            )
+
     def _check_routing_replay(self) -> None:
         mode = self.trainer.routing_replay
         if mode == "off":
@@ -284,13 +309,33 @@ class RLJobConfig(JobConfig):
             return self.trainer
         return self.trainer.model_copy(update={"stop_token_ids": stops})
 
-    def actor_config(self) -> ActorConfig:
-        """The actor's settings: ``actor``, with TIS for an asynchronous run that leaves
-        mismatch_correction unset (its samples are one version old: off-policy by
-        construction; 0.772 without it against 0.848 with it at 500 steps)."""
-        if self.trainer.max_staleness and "mismatch_correction" not in self.actor.model_fields_set:
-            return self.actor.model_copy(update={"mismatch_correction": MismatchCorrection.TIS})
-        return self.actor
+    def actor_config(self, max_new_tokens: int | None = None) -> ActorConfig:
+        """The actor's settings: ``actor``, with the policy loss of ``trainer.algorithm`` (and
+        its preset's loss aggregation where ``actor`` leaves loss_agg_mode unset), the
+        generation budget ``max_new_tokens`` as loss_norm_length for seq-mean-token-sum-norm
+        where unset, and TIS for an asynchronous run that leaves mismatch_correction unset
+        (its samples are one version old: off-policy by construction; 0.772 without it
+        against 0.848 with it at 500 steps)."""
+        given = self.actor.model_fields_set
+        update = {
+            k: v
+            for k, v in self.trainer.algorithm.actor_settings().items()
+            if k not in given or k != "loss_agg_mode"
+        }
+        if self.trainer.max_staleness and "mismatch_correction" not in given:
+            update["mismatch_correction"] = MismatchCorrection.TIS
+        mode = update.get("loss_agg_mode", self.actor.loss_agg_mode)
+        if mode == LossAggregation.SEQ_MEAN_TOKEN_SUM_NORM and "loss_norm_length" not in given:
+            update["loss_norm_length"] = max_new_tokens or self.generation_budget
+        return self.actor.model_copy(update=update)
+
+    @property
+    def generation_budget(self) -> int:
+        """The most tokens a response may have: trainer.max_new_tokens, or (left unset on the
+        digit task) the task's response length."""
+        if self.data is None and "max_new_tokens" not in self.trainer.model_fields_set:
+            return DigitTask(self.task).response_len
+        return self.trainer.max_new_tokens
 
     @property
     def demo_files(self) -> list[str]:

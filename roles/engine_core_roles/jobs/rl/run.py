@@ -151,7 +151,7 @@ class _StepLog:
     ) -> None:
         self.job, self.tracker, self.console, self.text = job, tracker, console, text
         self.progress = Progress(
-            TextColumn(f"[bold blue]{job.trainer.algorithm}"),
+            TextColumn(f"[bold blue]{job.trainer.algorithm.name}"),
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn(
@@ -167,7 +167,7 @@ class _StepLog:
     def __enter__(self) -> _StepLog:
         self.progress.__enter__()
         self.bar = self.progress.add_task(
-            self.job.trainer.algorithm,
+            self.job.trainer.algorithm.name,
             total=self.job.steps,
             completed=self._done,
             reward=0.0,
@@ -251,7 +251,7 @@ def _finish(
     what = (
         job.task.name if job.data is None else ", ".join(Path(f).name for f in job.data.train_files)
     )
-    title = f"{job.trainer.algorithm.upper()} on '{what}' ({job.steps} steps)"
+    title = f"{job.trainer.algorithm.name.upper()} on '{what}' ({job.steps} steps)"
     plot = tracker.plot(plot_keys(rows), title=title)
     tracker.close()
     rewards = [r["reward"] for r in rows]
@@ -278,8 +278,9 @@ def _finish(
 
 
 def _parts(job: RLJobConfig) -> list[str]:
-    """The engines a checkpoint of ``job`` holds: the actor, and the critic under ppo."""
-    return ["actor", "critic"] if job.trainer.algorithm == "ppo" else ["actor"]
+    """The engines a checkpoint of ``job`` holds: the actor, and the critic when the
+    algorithm trains one."""
+    return ["actor", "critic"] if job.needs_critic else ["actor"]
 
 
 def _print_summary(console: Console, summary: dict[str, Any]) -> None:

@@ -1,0 +1,129 @@
+"""What an advantage estimator and a policy loss are: the two kinds of algorithm a plugin adds.
+
+An **advantage estimator** turns each sample's score (and, for one that needs a critic, the
+critic's values) into per-token advantages; a **policy loss** turns the actor's log-probs and
+those advantages into this micro-batch's share of the loss. Both are classes registered by
+name through the plugin system (:meth:`engine_core.hookspecs.BackendRegistry.register_advantage`
+and ``register_policy_loss``), each built once per run from its validated parameters::
+
+    class MyEstimator(AdvantageEstimator):
+        def __init__(self, params: MyParams) -> None:
+            self.params = params
+
+        def __call__(self, inputs: AdvantageInputs) -> AdvantageResult:
+            ...
+
+A policy loss must keep the loss contract (:mod:`engine_core.loss`): every term it returns is
+this micro-batch's share of the mini-batch value (normalized by the global counts of
+``inputs.ctx``, e.g. through :func:`engine_core.aggregate_loss`), so that summed over
+micro-batches and data-parallel ranks it does not depend on how the batch was split.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+from pydantic import BaseModel
+
+from engine_core import FrozenModel, GlobalBatchContext, LossAggregation
+
+__all__ = [
+    "NoParams",
+    "AdvantageInputs",
+    "AdvantageResult",
+    "AdvantageEstimator",
+    "ClipRange",
+    "PolicyLossInputs",
+    "PolicyLoss",
+]
+
+
+class NoParams(FrozenModel):
+    """The parameters of an algorithm that takes none (any key given is refused)."""
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """One step's samples, as an estimator sees them.
+
+    ``scores`` ``[N]``: each sample's reward. ``group_ids`` ``[N]``: the prompt each sample
+    answers (samples of one prompt share an id). ``mask`` ``[N, L]``: the response tokens that
+    carry a loss. ``values`` ``[N, L]``: the critic's values, only for an estimator that needs a
+    critic (else ``None``). ``gamma`` and ``lam``: the run's discount and GAE lambda
+    (``trainer.gamma``, ``trainer.lam``).
+    """
+
+    scores: torch.Tensor
+    group_ids: torch.Tensor
+    mask: torch.Tensor
+    values: torch.Tensor | None = None
+    gamma: float = 1.0
+    lam: float = 1.0
+
+
+@dataclass(frozen=True)
+class AdvantageResult:
+    """``advantages`` ``[N, L]`` (0 off the mask); ``returns`` ``[N, L]`` when a critic is
+    trained on them (else ``None``); ``metrics``: figures to log under ``advantage/``."""
+
+    advantages: torch.Tensor
+    returns: torch.Tensor | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class AdvantageEstimator(ABC):
+    """Per-token advantages from scores; built once per run as ``cls(params)``."""
+
+    def __init__(self, params: BaseModel) -> None:
+        self.params = params
+
+    @abstractmethod
+    def __call__(self, inputs: AdvantageInputs) -> AdvantageResult:
+        """The step's advantages (and returns, for a critic)."""
+
+
+@dataclass(frozen=True)
+class ClipRange:
+    """The actor's PPO clip settings (``actor.clip_ratio_low/high/c``), for losses that use them."""
+
+    low: float = 0.2
+    high: float = 0.2
+    dual: float | None = 3.0
+
+
+@dataclass(frozen=True)
+class PolicyLossInputs:
+    """One micro-batch, as a policy loss sees it.
+
+    All tensors are ``[B, L]``, aligned to the tokens: ``log_probs`` (with gradient),
+    ``old_log_probs`` (the policy the samples' advantages were computed for, detached),
+    ``advantages``, ``mask`` (the loss tokens), and ``weights`` (the mismatch correction's
+    per-token weights, or ``None``). ``ctx``: the global counts. ``aggregation``: how per-token
+    values become one number (``actor.loss_agg_mode``); ``norm_length``: the constant of
+    ``seq-mean-token-sum-norm``. ``clip``: the actor's clip settings.
+    """
+
+    log_probs: torch.Tensor
+    old_log_probs: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    ctx: GlobalBatchContext
+    aggregation: LossAggregation = LossAggregation.TOKEN_MEAN
+    norm_length: int | None = None
+    weights: torch.Tensor | None = None
+    clip: ClipRange = field(default_factory=ClipRange)
+
+
+class PolicyLoss(ABC):
+    """The policy-gradient term of the actor's loss; built once per actor as ``cls(params)``."""
+
+    def __init__(self, params: BaseModel) -> None:
+        self.params = params
+
+    @abstractmethod
+    def __call__(self, inputs: PolicyLossInputs) -> dict[str, torch.Tensor]:
+        """``pg_loss`` (with gradient) and diagnostics (detached), each this micro-batch's share
+        of the mini-batch value: summed over micro-batches and ranks they are logged as
+        ``actor/<name>``."""

@@ -1,0 +1,193 @@
+"""The shipped advantage estimators and policy losses, each a plugin class like a user's own.
+
+They are registered by :mod:`engine_core_roles.algorithms.plugin` (the ``algorithms`` entry
+point of ``engine-core-roles``). The maths are the pure functions of
+:mod:`~engine_core_roles.algorithms.advantages` and :mod:`~engine_core_roles.algorithms.losses`.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+from engine_core import FrozenModel
+from engine_core_roles.algorithms.advantages import (
+    gae_advantages,
+    grpo_advantages,
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
+    rloo_advantages,
+    sequence_to_token_rewards,
+    whiten,
+)
+from engine_core_roles.algorithms.base import (
+    AdvantageEstimator,
+    AdvantageInputs,
+    AdvantageResult,
+    PolicyLoss,
+    PolicyLossInputs,
+)
+from engine_core_roles.algorithms.losses import cispo_loss, gspo_loss, policy_loss
+
+__all__ = [
+    "GAE",
+    "GRPO",
+    "GRPOParams",
+    "RLOO",
+    "ReinforcePP",
+    "ReinforcePPBaseline",
+    "PPOClip",
+    "GSPO",
+    "GSPOParams",
+    "CISPO",
+    "CISPOParams",
+]
+
+
+def _per_token(per_sample: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return per_sample.unsqueeze(1) * mask.to(per_sample.dtype)
+
+
+class GAE(AdvantageEstimator):
+    """PPO's: generalized advantage estimation over the critic's values (``trainer.gamma``,
+    ``trainer.lam``), whitened over the batch; the returns train the critic."""
+
+    def __call__(self, inputs: AdvantageInputs) -> AdvantageResult:
+        if inputs.values is None:
+            raise ValueError("gae needs the critic's values; the run must have a critic.")
+        rewards = sequence_to_token_rewards(inputs.scores, inputs.mask)
+        adv, returns = gae_advantages(
+            rewards, inputs.values, inputs.mask, gamma=inputs.gamma, lam=inputs.lam
+        )
+        return AdvantageResult(whiten(adv, inputs.mask), returns)
+
+
+class GRPOParams(FrozenModel):
+    """GRPO's parameters."""
+
+    normalize_std: bool = Field(
+        True,
+        description="Divide each group's centered scores by the group's std. false: Dr. GRPO's "
+        "unbiased form (centered scores only; pair it with loss_agg_mode "
+        "seq-mean-token-sum-norm, as the dr_grpo preset does).",
+    )
+    eps: float = Field(1e-6, gt=0, description="Added to the group's std before dividing.")
+
+
+class GRPO(AdvantageEstimator):
+    """Each score minus its group's mean (divided by the group's std unless
+    ``normalize_std=false``), on every loss token; a group of equal scores gets 0."""
+
+    params: GRPOParams
+
+    def __call__(self, inputs: AdvantageInputs) -> AdvantageResult:
+        adv = grpo_advantages(
+            inputs.scores,
+            inputs.group_ids,
+            normalize_std=self.params.normalize_std,
+            eps=self.params.eps,
+        )
+        return AdvantageResult(_per_token(adv, inputs.mask))
+
+
+class RLOO(AdvantageEstimator):
+    """Each score minus the mean of the other samples of its group, on every loss token."""
+
+    def __call__(self, inputs: AdvantageInputs) -> AdvantageResult:
+        return AdvantageResult(
+            _per_token(rloo_advantages(inputs.scores, inputs.group_ids), inputs.mask)
+        )
+
+
+class ReinforcePP(AdvantageEstimator):
+    """REINFORCE++: each token's discounted return (``trainer.gamma``), whitened over the batch;
+    no critic, no groups."""
+
+    def __call__(self, inputs: AdvantageInputs) -> AdvantageResult:
+        return AdvantageResult(
+            reinforce_pp_advantages(inputs.scores, inputs.mask, gamma=inputs.gamma)
+        )
+
+
+class ReinforcePPBaseline(AdvantageEstimator):
+    """REINFORCE++-baseline: each score minus its group's mean, whitened over the batch."""
+
+    def __call__(self, inputs: AdvantageInputs) -> AdvantageResult:
+        return AdvantageResult(
+            reinforce_pp_baseline_advantages(inputs.scores, inputs.group_ids, inputs.mask)
+        )
+
+
+class PPOClip(PolicyLoss):
+    """PPO's clipped surrogate with dual clip, over ``actor.clip_ratio_low/high/c``."""
+
+    def __call__(self, inputs: PolicyLossInputs) -> dict[str, torch.Tensor]:
+        return policy_loss(
+            inputs.log_probs,
+            inputs.old_log_probs,
+            inputs.advantages,
+            inputs.mask,
+            inputs.ctx,
+            clip_ratio_low=inputs.clip.low,
+            clip_ratio_high=inputs.clip.high,
+            clip_ratio_c=inputs.clip.dual,
+            aggregation=inputs.aggregation,
+            norm_length=inputs.norm_length,
+            weights=inputs.weights,
+        )
+
+
+class GSPOParams(FrozenModel):
+    """GSPO's clip range, on the sequence's ratio (far narrower than PPO's token ratio)."""
+
+    clip_ratio_low: float = Field(3e-4, ge=0, lt=1)
+    clip_ratio_high: float = Field(4e-4, ge=0)
+
+
+class GSPO(PolicyLoss):
+    """Sequence-level importance ratio (the geometric mean of its tokens'), clipped per sequence."""
+
+    params: GSPOParams
+
+    def __call__(self, inputs: PolicyLossInputs) -> dict[str, torch.Tensor]:
+        return gspo_loss(
+            inputs.log_probs,
+            inputs.old_log_probs,
+            inputs.advantages,
+            inputs.mask,
+            inputs.ctx,
+            clip_ratio_low=self.params.clip_ratio_low,
+            clip_ratio_high=self.params.clip_ratio_high,
+            aggregation=inputs.aggregation,
+            norm_length=inputs.norm_length,
+            weights=inputs.weights,
+        )
+
+
+class CISPOParams(FrozenModel):
+    """CISPO's bounds on the importance weight: ``[1 - clip_ratio_low, 1 + clip_ratio_high]``."""
+
+    clip_ratio_low: float = Field(
+        1.0, ge=0, le=1, description="1: no lower bound on the weight (the paper's choice)."
+    )
+    clip_ratio_high: float = Field(0.28, ge=0)
+
+
+class CISPO(PolicyLoss):
+    """Clipped, detached importance weights times the advantage times the log-prob."""
+
+    params: CISPOParams
+
+    def __call__(self, inputs: PolicyLossInputs) -> dict[str, torch.Tensor]:
+        return cispo_loss(
+            inputs.log_probs,
+            inputs.old_log_probs,
+            inputs.advantages,
+            inputs.mask,
+            inputs.ctx,
+            clip_ratio_low=self.params.clip_ratio_low,
+            clip_ratio_high=self.params.clip_ratio_high,
+            aggregation=inputs.aggregation,
+            norm_length=inputs.norm_length,
+            weights=inputs.weights,
+        )

@@ -1,0 +1,697 @@
+"""The algorithm plugins: each advantage estimator and policy loss against hand-written
+formulas, the loss contract at 1 and 2 DP ranks, refusals before anything is built, presets and
+the registry.
+
+Expected values are written with plain Python loops and arithmetic, never by calling the code
+under test.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from engine_core import GlobalBatchContext, LossAggregation
+from engine_core.errors import ConfigError, DuplicateBackendError, PluginError
+from engine_core.hookspecs import AlgorithmKind, AlgorithmNeed, BackendRegistry, hookimpl
+from engine_core.plugins import PluginManager, load_plugins
+from engine_core.settings import Settings
+from engine_core_roles.algorithms import plugin as shipped_plugin
+from engine_core_roles.algorithms.base import (
+    AdvantageEstimator,
+    AdvantageInputs,
+    ClipRange,
+    NoParams,
+    PolicyLoss,
+    PolicyLossInputs,
+)
+from engine_core_roles.algorithms.builtin import (
+    CISPO,
+    GAE,
+    GRPO,
+    GSPO,
+    RLOO,
+    CISPOParams,
+    GRPOParams,
+    GSPOParams,
+    PPOClip,
+    ReinforcePP,
+    ReinforcePPBaseline,
+)
+from engine_core_roles.algorithms.select import (
+    PRESETS,
+    AlgorithmConfig,
+    build_policy_loss,
+    check_needs,
+    resolve_algorithm,
+)
+from engine_core_roles.batch.keys import OLD_LOG_PROBS
+from engine_core_roles.jobs.cli import RECIPES, load_recipe
+from engine_core_roles.jobs.rl.config import RLJobConfig
+from engine_core_roles.roles.actor import Actor, ActorConfig
+from engine_core_roles.roles.critic import CriticConfig
+from engine_core_roles.trainer.config import TrainerConfig
+from tests._dist import run_distributed
+from tests.test_roles import engine, ppo_batch
+
+MODES = list(LossAggregation)
+NORM_LENGTH = 7
+SHIPPED_ADVANTAGES = ["gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+SHIPPED_LOSSES = ["ppo_clip", "gspo", "cispo"]
+
+# -- 1. advantage estimators ---------------------------------------------------------------------
+
+# three groups of unequal size, their ids interleaved: 7 (4 samples, unequal scores), 3 (3
+# samples, all 2.0), 11 (2 samples, a wide spread)
+GROUPS = [7, 3, 7, 11, 3, 7, 11, 3, 7]
+SCORES = [1.0, 2.0, 0.0, -1.0, 2.0, 0.5, 4.0, 2.0, 3.0]
+EQUAL_GROUP = [1, 4, 7]
+# ragged responses: full, holes in the middle, left padding, a single token
+MASK = [
+    [1, 1, 1, 1, 1, 1],
+    [1, 1, 0, 1, 0, 0],
+    [0, 0, 1, 1, 1, 0],
+    [1, 0, 0, 0, 0, 0],
+    [1, 0, 1, 0, 1, 1],
+    [1, 1, 1, 1, 0, 0],
+    [0, 1, 1, 0, 1, 0],
+    [1, 1, 1, 1, 1, 0],
+    [0, 0, 0, 0, 0, 1],
+]
+N, L = len(MASK), len(MASK[0])
+GAMMA, LAM = 0.9, 0.8
+
+
+def _values() -> list[list[float]]:
+    """The critic's values: arbitrary on the loss tokens, 50 elsewhere (must be skipped)."""
+    return [
+        [0.1 * ((3 * i + 5 * t) % 7) - 0.3 if MASK[i][t] else 50.0 for t in range(L)]
+        for i in range(N)
+    ]
+
+
+def _members(i: int) -> list[float]:
+    return [SCORES[j] for j in range(N) if GROUPS[j] == GROUPS[i]]
+
+
+def _on_tokens(per_sample: list[float]) -> list[list[float]]:
+    return [[per_sample[i] if MASK[i][t] else 0.0 for t in range(L)] for i in range(N)]
+
+
+def _whiten(x: list[list[float]], eps: float = 1e-8) -> list[list[float]]:
+    vals = [x[i][t] for i in range(N) for t in range(L) if MASK[i][t]]
+    mean = sum(vals) / len(vals)
+    std = math.sqrt(sum((v - mean) ** 2 for v in vals) / len(vals))  # biased
+    return [
+        [(x[i][t] - mean) / (std + eps) if MASK[i][t] else 0.0 for t in range(L)] for i in range(N)
+    ]
+
+
+def _loss_positions(i: int) -> list[int]:
+    return [t for t in range(L) if MASK[i][t]]
+
+
+def want_grpo(normalize_std: bool) -> list[list[float]]:
+    adv = []
+    for i in range(N):
+        members = _members(i)
+        mean = sum(members) / len(members)
+        a = SCORES[i] - mean
+        if normalize_std:
+            std = math.sqrt(sum((x - mean) ** 2 for x in members) / (len(members) - 1))
+            a = a / (std + 1e-6)
+        adv.append(a)
+    return _on_tokens(adv)
+
+
+def want_rloo() -> list[list[float]]:
+    adv = []
+    for i in range(N):
+        members = _members(i)
+        adv.append(SCORES[i] - (sum(members) - SCORES[i]) / (len(members) - 1))
+    return _on_tokens(adv)
+
+
+def want_reinforce_pp() -> list[list[float]]:
+    returns = [[0.0] * L for _ in range(N)]
+    for i in range(N):
+        pos = _loss_positions(i)
+        running = 0.0
+        for t in reversed(pos):
+            reward = SCORES[i] if t == pos[-1] else 0.0
+            running = reward + GAMMA * running
+            returns[i][t] = running
+    return _whiten(returns)
+
+
+def want_reinforce_pp_baseline() -> list[list[float]]:
+    centered = [SCORES[i] - sum(_members(i)) / len(_members(i)) for i in range(N)]
+    return _whiten(_on_tokens(centered))
+
+
+def want_gae() -> tuple[list[list[float]], list[list[float]]]:
+    values = _values()
+    adv = [[0.0] * L for _ in range(N)]
+    ret = [[0.0] * L for _ in range(N)]
+    for i in range(N):
+        pos = _loss_positions(i)
+        running, next_value = 0.0, 0.0
+        for t in reversed(pos):
+            reward = SCORES[i] if t == pos[-1] else 0.0
+            delta = reward + GAMMA * next_value - values[i][t]
+            running = delta + GAMMA * LAM * running
+            adv[i][t] = running
+            ret[i][t] = running + values[i][t]
+            next_value = values[i][t]
+    return _whiten(adv), ret
+
+
+ESTIMATORS: dict[str, tuple[AdvantageEstimator, Any]] = {
+    "grpo": (GRPO(GRPOParams()), lambda: want_grpo(True)),
+    "dr_grpo": (GRPO(GRPOParams(normalize_std=False)), lambda: want_grpo(False)),
+    "rloo": (RLOO(NoParams()), want_rloo),
+    "reinforce_pp": (ReinforcePP(NoParams()), want_reinforce_pp),
+    "reinforce_pp_baseline": (ReinforcePPBaseline(NoParams()), want_reinforce_pp_baseline),
+    "gae": (GAE(NoParams()), lambda: want_gae()[0]),
+}
+
+
+def _advantage_inputs() -> AdvantageInputs:
+    return AdvantageInputs(
+        scores=torch.tensor(SCORES),
+        group_ids=torch.tensor(GROUPS),
+        mask=torch.tensor(MASK),
+        values=torch.tensor(_values()),
+        gamma=GAMMA,
+        lam=LAM,
+    )
+
+
+@pytest.mark.parametrize("name", list(ESTIMATORS))
+def test_estimator_matches_its_formula(name: str) -> None:
+    estimator, want = ESTIMATORS[name]
+    result = estimator(_advantage_inputs())
+    adv = result.advantages
+    assert adv.shape == (N, L) and adv.is_floating_point()
+    assert torch.allclose(adv, torch.tensor(want()), atol=1e-5), (adv - torch.tensor(want())).abs()
+    off = ~torch.tensor(MASK).bool()
+    assert (adv[off] == 0).all()  # exactly 0 off the mask
+    if name in ("grpo", "dr_grpo", "rloo"):
+        assert (adv[EQUAL_GROUP] == 0).all()  # a group of equal scores carries no signal
+    if name == "gae":
+        assert result.returns is not None
+        assert torch.allclose(result.returns, torch.tensor(want_gae()[1]), atol=1e-5)
+    else:
+        assert result.returns is None
+
+
+def test_gae_refuses_to_run_without_values() -> None:
+    inputs = AdvantageInputs(torch.tensor(SCORES), torch.tensor(GROUPS), torch.tensor(MASK))
+    with pytest.raises(ValueError, match="critic"):
+        GAE(NoParams())(inputs)
+
+
+# -- 2. policy losses -----------------------------------------------------------------------------
+
+# per-token ratios exp(log_probs - old_log_probs) and advantages, on both sides of every clip
+# bound; the third token of row 0 and the first of row 2 are off the mask (garbage values that
+# must not count)
+LOSS_MASK = [[1, 1, 0, 1, 1], [1, 1, 1, 0, 0], [0, 1, 1, 1, 1]]
+RATIOS = [[1.5, 1.1, math.e**2, 0.5, 0.7], [5.0, 1.5, 0.9, 3.0, 3.0], [9.0, 1.2, 1.4, 0.6, 2.0]]
+ADVS = [[1.0, -0.5, 9.0, -2.0, 0.5], [-1.0, -1.5, 2.0, 4.0, 4.0], [9.0, 0.3, 0.8, -0.4, -0.1]]
+B, T = len(LOSS_MASK), len(LOSS_MASK[0])
+CLIP = ClipRange(low=0.2, high=0.28, dual=3.0)  # PPO: [0.8, 1.28], dual bound 3
+GSPO_PARAMS = GSPOParams(clip_ratio_low=0.1, clip_ratio_high=0.2)  # [0.9, 1.2]
+CISPO_PARAMS = CISPOParams(clip_ratio_low=0.35, clip_ratio_high=0.28)  # [0.65, 1.28]
+LOSSES: dict[str, PolicyLoss] = {
+    "ppo_clip": PPOClip(NoParams()),
+    "gspo": GSPO(GSPO_PARAMS),
+    "cispo": CISPO(CISPO_PARAMS),
+}
+
+
+def _old(i: int, t: int) -> float:
+    return -1.0 - 0.1 * (i * T + t)
+
+
+def _agg_weights(mode: LossAggregation) -> list[list[float]]:
+    """d(aggregated loss)/d(per-token value) for every token of the fixed batch."""
+    lengths = [sum(row) for row in LOSS_MASK]
+    n_tokens, n_seqs = sum(lengths), sum(1 for n in lengths if n)
+    out = []
+    for i in range(B):
+        if mode is LossAggregation.TOKEN_MEAN:
+            w = 1 / n_tokens
+        elif mode is LossAggregation.SEQ_MEAN_TOKEN_MEAN:
+            w = 1 / (lengths[i] * n_seqs)
+        elif mode is LossAggregation.SEQ_MEAN_TOKEN_SUM:
+            w = 1 / n_seqs
+        else:
+            w = 1 / (NORM_LENGTH * n_seqs)
+        out.append([w if LOSS_MASK[i][t] else 0.0 for t in range(T)])
+    return out
+
+
+def _ppo_token(r: float, a: float) -> tuple[float, float, bool, bool]:
+    """(value, d value / d log_prob, clipped, dual-clipped)."""
+    lo, hi = 1 - CLIP.low, 1 + CLIP.high
+    unclipped, clipped = -a * r, -a * min(max(r, lo), hi)
+    if lo <= r <= hi or unclipped >= clipped:
+        value, grad, was_clipped = unclipped, -a * r, False
+    else:
+        value, grad, was_clipped = clipped, 0.0, True
+    bound = None if CLIP.dual is None else -a * CLIP.dual
+    dual = bound is not None and a < 0 and value > bound
+    if dual and bound is not None:
+        value, grad = bound, 0.0
+    return value, grad, was_clipped, dual
+
+
+def _gspo_token(s: float, a: float) -> tuple[float, float, bool]:
+    """(value, d value / d s, clipped) for the sequence ratio s."""
+    lo, hi = 1 - GSPO_PARAMS.clip_ratio_low, 1 + GSPO_PARAMS.clip_ratio_high
+    unclipped, clipped = -a * s, -a * min(max(s, lo), hi)
+    if lo <= s <= hi or unclipped >= clipped:
+        return unclipped, -a, False
+    return clipped, 0.0, True
+
+
+def want_policy_loss(name: str, mode: LossAggregation) -> dict[str, Any]:
+    weights = _agg_weights(mode)
+    n_tokens = sum(map(sum, LOSS_MASK))
+    loss, clipfrac, dual_frac, kl = 0.0, 0.0, 0.0, 0.0
+    grad = [[0.0] * T for _ in range(B)]
+    for i in range(B):
+        pos = [t for t in range(T) if LOSS_MASK[i][t]]
+        seq_ratio = math.exp(sum(math.log(RATIOS[i][t]) for t in pos) / len(pos))
+        for t in pos:
+            r, a, w = RATIOS[i][t], ADVS[i][t], weights[i][t]
+            logp = _old(i, t) + math.log(r)
+            kl += (r - 1 - math.log(r)) / n_tokens
+            if name == "ppo_clip":
+                value, g, clipped, dual = _ppo_token(r, a)
+                dual_frac += dual / n_tokens
+            elif name == "gspo":
+                value, dvalue_ds, clipped = _gspo_token(seq_ratio, a)
+                g = dvalue_ds * seq_ratio  # d s_t / d log_prob_t = s
+            else:
+                lo = 1 - CISPO_PARAMS.clip_ratio_low
+                hi = 1 + CISPO_PARAMS.clip_ratio_high
+                weight = min(max(r, lo), hi)
+                value, g, clipped = -weight * a * logp, -weight * a, not lo <= r <= hi
+            loss += w * value
+            grad[i][t] = w * g
+            clipfrac += clipped / n_tokens
+    out = {"pg_loss": loss, "clipfrac": clipfrac, "approx_kl": kl, "grad": grad}
+    if name == "ppo_clip":
+        out["dual_clipfrac"] = dual_frac
+    return out
+
+
+def _loss_tensors() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    old = torch.tensor([[_old(i, t) for t in range(T)] for i in range(B)], dtype=torch.float64)
+    log_probs = old + torch.tensor(RATIOS, dtype=torch.float64).log()
+    return log_probs, old, torch.tensor(ADVS, dtype=torch.float64), torch.tensor(LOSS_MASK)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_policy_loss_matches_its_formula(name: str, mode: LossAggregation) -> None:
+    log_probs, old, adv, mask = _loss_tensors()
+    log_probs.requires_grad_(True)
+    ctx = GlobalBatchContext(global_num_tokens=11, global_num_samples=3)
+    terms = LOSSES[name](
+        PolicyLossInputs(
+            log_probs=log_probs,
+            old_log_probs=old,
+            advantages=adv,
+            mask=mask,
+            ctx=ctx,
+            aggregation=mode,
+            norm_length=NORM_LENGTH,
+            clip=CLIP,
+        )
+    )
+    terms["pg_loss"].backward()
+    want = want_policy_loss(name, mode)
+    assert set(terms) == set(want) - {"grad"}
+    for key, value in terms.items():
+        assert float(value.detach()) == pytest.approx(want[key], abs=1e-6), key
+        assert key == "pg_loss" or not value.requires_grad, key  # diagnostics are detached
+    assert log_probs.grad is not None
+    assert torch.allclose(
+        log_probs.grad, torch.tensor(want["grad"], dtype=torch.float64), atol=1e-6
+    )
+    # the fixed batch exercises both branches: some tokens clipped, some not
+    assert 0 < want["clipfrac"] < 1
+
+
+# -- 3. the loss contract: invariance to micro-batches and DP ranks -------------------------------
+
+INV_MASK = [
+    [1, 1, 1, 0, 0, 0],
+    [0, 1, 0, 1, 1, 1],
+    [1, 1, 1, 1, 1, 1],
+    [0, 0, 0, 0, 0, 0],  # no loss token: counts in no denominator
+    [1, 0, 0, 0, 0, 0],
+    [1, 1, 0, 1, 1, 0],
+    [0, 0, 1, 1, 1, 1],
+]
+MICRO_BATCHES = [[0, 1, 2], [3], [4, 5], [6]]  # sizes 3, 1, 2, 1
+RANK_MICRO_BATCHES = [[[0, 1, 2], [3]], [[4, 5], [6]]]  # rank 0 holds 4 sequences, rank 1 3
+INV_LOSSES: dict[str, PolicyLoss] = {
+    "ppo_clip": PPOClip(NoParams()),
+    "gspo": GSPO(GSPOParams(clip_ratio_low=0.05, clip_ratio_high=0.05)),
+    "cispo": CISPO(CISPOParams()),
+}
+
+
+def _inv_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    mask = torch.tensor(INV_MASK)
+    old = -torch.rand(mask.shape, generator=g, dtype=torch.float64) * 3
+    log_probs = old + 0.3 * torch.randn(mask.shape, generator=g, dtype=torch.float64)
+    adv = torch.randn(mask.shape, generator=g, dtype=torch.float64)
+    return log_probs, old, adv, mask
+
+
+def _summed_terms(
+    name: str, mode: LossAggregation, micro_batches: list[list[int]], dp_size: int
+) -> tuple[dict[str, float], torch.Tensor]:
+    """Each term summed over ``micro_batches`` (this rank's), and the gradient they leave on
+    the whole batch's log-probs; the context holds the whole batch's counts."""
+    log_probs, old, adv, mask = _inv_batch()
+    log_probs.requires_grad_(True)
+    ctx = GlobalBatchContext(
+        global_num_tokens=int(mask.sum()),
+        global_num_samples=int((mask.sum(-1) > 0).sum()),
+        dp_size=dp_size,
+        num_micro_batches=len(micro_batches),
+    )
+    sums: dict[str, float] = {}
+    for rows in micro_batches:
+        idx = torch.tensor(rows)
+        terms = INV_LOSSES[name](
+            PolicyLossInputs(
+                log_probs=log_probs[idx],
+                old_log_probs=old[idx],
+                advantages=adv[idx],
+                mask=mask[idx],
+                ctx=ctx,
+                aggregation=mode,
+                norm_length=NORM_LENGTH,
+            )
+        )
+        terms["pg_loss"].backward()
+        for k, v in terms.items():
+            sums[k] = sums.get(k, 0.0) + float(v.detach())
+    assert log_probs.grad is not None
+    return sums, log_probs.grad
+
+
+def _dp_worker(rank: int, world_size: int) -> dict[tuple[str, str], Any]:
+    out = {}
+    for name in INV_LOSSES:
+        for mode in MODES:
+            sums, grad = _summed_terms(name, mode, RANK_MICRO_BATCHES[rank], world_size)
+            keys = sorted(sums)
+            values = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+            dist.all_reduce(values)
+            dist.all_reduce(grad)
+            out[name, str(mode)] = (dict(zip(keys, values.tolist(), strict=True)), grad)
+    return out
+
+
+def _assert_same(got: tuple[dict[str, float], torch.Tensor], want: Any, what: str) -> None:
+    (got_terms, got_grad), (want_terms, want_grad) = got, want
+    assert got_terms.keys() == want_terms.keys(), what
+    for k, v in want_terms.items():
+        assert got_terms[k] == pytest.approx(v, abs=1e-6), (what, k)
+    assert torch.allclose(got_grad, want_grad, atol=1e-6), (what, (got_grad - want_grad).abs())
+
+
+def test_losses_do_not_depend_on_micro_batches_or_dp_ranks() -> None:
+    whole = {
+        (name, str(mode)): _summed_terms(name, mode, [list(range(len(INV_MASK)))], 1)
+        for name in INV_LOSSES
+        for mode in MODES
+    }
+    for (name, mode), want in whole.items():
+        assert want[1].abs().sum() > 0, (name, mode)  # a gradient to compare
+        one_rank = _summed_terms(name, LossAggregation(mode), MICRO_BATCHES, 1)
+        _assert_same(one_rank, want, f"1 rank, {name}, {mode}")
+    ranks = run_distributed(_dp_worker, 2)
+    for rank, results in enumerate(ranks):
+        assert results.keys() == whole.keys()
+        for key, want in whole.items():
+            _assert_same(results[key], want, f"rank {rank} of 2, {key}")
+
+
+@pytest.mark.parametrize(
+    ("policy_loss", "params"),
+    [
+        ("gspo", {"clip_ratio_low": 0.01, "clip_ratio_high": 0.01}),
+        ("cispo", {"clip_ratio_low": 0.5, "clip_ratio_high": 0.03}),
+    ],
+)
+def test_actor_metrics_do_not_depend_on_micro_batching(
+    policy_loss: str, params: dict[str, float]
+) -> None:
+    cfg = ActorConfig(
+        policy_loss=policy_loss,
+        policy_loss_params=params,
+        loss_agg_mode="seq-mean-token-sum-norm",
+        loss_norm_length=NORM_LENGTH,
+        ppo_mini_batch_size=4,
+        entropy_coeff=0.01,
+    )
+    batch = ppo_batch()
+    ref = Actor(cfg, engine())
+    g = torch.Generator().manual_seed(4)
+    noise = 0.05 * torch.randn(batch["loss_mask"].shape, generator=g)
+    batch[OLD_LOG_PROBS] = ref.compute_log_prob(batch)[OLD_LOG_PROBS] + noise  # off-policy
+    want = ref.update_actor(batch).metrics
+    got = Actor(cfg, engine(micro_batch_size=1)).update_actor(batch).metrics
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-7), k
+    assert 0.0 < want["actor/clipfrac"] < 1.0  # both branches of the clip are exercised
+
+
+# -- 4. refusals before anything is built ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("trainer", "match"),
+    [
+        (
+            {"algorithm": {"advantage": "rloo", "advantage_params": {"bogus": 1}}},
+            r"advantage_params\.bogus",
+        ),
+        (
+            {"algorithm": {"policy_loss": "gspo", "policy_loss_params": {"clip_ratio_low": -1}}},
+            r"policy_loss_params\.clip_ratio_low\s.*greater than or equal to 0",
+        ),
+        (
+            {"algorithm": {"advantage": "rlooo"}},
+            r"unknown advantage 'rlooo'; registered: .*grpo.*reinforce_pp_baseline.*; "
+            r"did you mean 'rloo'\?",
+        ),
+        (
+            {"algorithm": {"policy_loss": "gspoo"}},
+            r"unknown policy_loss 'gspoo'; registered: .*cispo.*ppo_clip.*did you mean 'gspo'\?",
+        ),
+        ({"algorithm": "grpoo"}, r"unknown algorithm preset 'grpoo'.*did you mean 'grpo'\?"),
+        (
+            {"algorithm": "gspo", "samples_per_prompt": 1},
+            r"samples_per_prompt must be >= 2 \(got 1\)",
+        ),
+        (
+            {
+                "algorithm": {"advantage": "reinforce_pp", "policy_loss": "gspo"},
+                "samples_per_prompt": 1,
+            },
+            r"policy loss 'gspo'.*samples_per_prompt must be >= 2",
+        ),
+    ],
+    ids=[
+        "unknown-param",
+        "bad-param-value",
+        "unknown-advantage",
+        "unknown-loss",
+        "unknown-preset",
+        "preset-needs-groups",
+        "loss-needs-groups",
+    ],
+)
+def test_trainer_config_refuses_bad_algorithms(trainer: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        TrainerConfig(**trainer)
+
+
+def test_registered_names_are_all_listed_when_one_is_unknown() -> None:
+    with pytest.raises(ValueError) as info:
+        TrainerConfig(algorithm={"advantage": "rlooo"})
+    assert all(name in str(info.value) for name in SHIPPED_ADVANTAGES)
+
+
+def test_check_needs_names_the_missing_critic() -> None:
+    ppo = resolve_algorithm(AlgorithmConfig.model_validate("ppo"))
+    with pytest.raises(ConfigError, match=r"advantage 'gae'.*no\s+critic"):
+        check_needs(ppo, has_critic=False, samples_per_prompt=4)
+    check_needs(ppo, has_critic=True, samples_per_prompt=4)
+    check_needs(ppo, has_critic=None, samples_per_prompt=1)  # ppo needs no groups
+    grpo = resolve_algorithm(AlgorithmConfig.model_validate("grpo"))
+    with pytest.raises(ConfigError, match="a critic is configured"):
+        check_needs(grpo, has_critic=True, samples_per_prompt=4)
+
+
+def test_roles_refuse_bad_loss_settings() -> None:
+    e = engine()
+    with pytest.raises(ValueError, match="loss_norm_length"):
+        Actor(ActorConfig(loss_agg_mode="seq-mean-token-sum-norm"), e)
+    with pytest.raises(ConfigError, match=r"actor\.policy_loss: .*did you mean 'cispo'\?"):
+        Actor(ActorConfig(policy_loss="cispoo"), e)
+    with pytest.raises(ValueError, match=r"actor\.policy_loss_params\.clip_ratio_low"):
+        Actor(ActorConfig(policy_loss="cispo", policy_loss_params={"clip_ratio_low": 2}), e)
+    with pytest.raises(ValueError, match=r"critic\.loss_agg_mode=seq-mean-token-sum-norm"):
+        CriticConfig(loss_agg_mode="seq-mean-token-sum-norm")
+
+
+def _job(*overrides: str) -> RLJobConfig:
+    return RLJobConfig.model_validate(load_recipe(RECIPES / "grpo_tiny.yaml", list(overrides)))
+
+
+def test_rl_job_config_checks_the_algorithm() -> None:
+    with pytest.raises(ValueError, match=r"samples_per_prompt must be >= 2 \(got 1\)"):
+        _job("trainer.algorithm=gspo", "trainer.samples_per_prompt=1")
+    assert _job("trainer.algorithm=ppo").needs_critic
+    assert not _job("trainer.algorithm=grpo").needs_critic
+    gspo = _job("trainer.algorithm=gspo").actor_config()
+    assert (gspo.policy_loss, gspo.loss_agg_mode) == ("gspo", "seq-mean-token-mean")
+    dr = _job("trainer.algorithm=dr_grpo")
+    actor = dr.actor_config()
+    assert actor.loss_agg_mode is LossAggregation.SEQ_MEAN_TOKEN_SUM_NORM
+    assert actor.loss_norm_length == dr.generation_budget
+    # the actor section's own aggregation wins over the preset's
+    kept = _job("trainer.algorithm=dr_grpo", "actor.loss_agg_mode=token-mean").actor_config()
+    assert kept.loss_agg_mode is LossAggregation.TOKEN_MEAN
+
+
+# -- 5. presets -----------------------------------------------------------------------------------
+
+
+def test_presets_fill_the_algorithm() -> None:
+    dr = AlgorithmConfig.model_validate("dr_grpo")
+    assert (dr.advantage, dr.advantage_params) == ("grpo", {"normalize_std": False})
+    assert dr.policy_loss == "ppo_clip"
+    assert dr.loss_agg_mode is LossAggregation.SEQ_MEAN_TOKEN_SUM_NORM
+    estimator = resolve_algorithm(dr).build_estimator()
+    assert isinstance(estimator, GRPO) and estimator.params.normalize_std is False
+
+    gspo = AlgorithmConfig.model_validate("gspo")
+    assert (gspo.advantage, gspo.policy_loss) == ("grpo", "gspo")
+
+    tuned = AlgorithmConfig.model_validate(
+        {"preset": "gspo", "policy_loss_params": {"clip_ratio_high": 5e-4}}
+    )
+    assert (tuned.policy_loss, tuned.policy_loss_params) == ("gspo", {"clip_ratio_high": 5e-4})
+    loss = resolve_algorithm(tuned).build_policy_loss()
+    assert isinstance(loss, GSPO)
+    assert (loss.params.clip_ratio_low, loss.params.clip_ratio_high) == (3e-4, 5e-4)
+    assert tuned.actor_settings() == {
+        "policy_loss": "gspo",
+        "policy_loss_params": {"clip_ratio_high": 5e-4},
+        "loss_agg_mode": LossAggregation.SEQ_MEAN_TOKEN_MEAN,
+    }
+    plain = AlgorithmConfig.model_validate("grpo").actor_settings()
+    assert plain == {"policy_loss": "ppo_clip", "policy_loss_params": {}}
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_every_preset_resolves_and_builds(preset: str) -> None:
+    resolved = resolve_algorithm(AlgorithmConfig.model_validate(preset))
+    assert resolved.advantage.name == PRESETS[preset].advantage
+    assert resolved.policy_loss.name == PRESETS[preset].policy_loss
+    assert isinstance(resolved.build_estimator(), AdvantageEstimator)
+    assert isinstance(resolved.build_policy_loss(), PolicyLoss)
+
+
+# -- 6. the registry ------------------------------------------------------------------------------
+
+
+class _AlgorithmPlugin:
+    def __init__(
+        self, kind: str, name: str, target: str, needs: tuple[str, ...] = (), override: bool = False
+    ) -> None:
+        self.kind, self.name, self.target = kind, name, target
+        self.needs, self.override = needs, override
+
+    @hookimpl
+    def engine_core_register(self, registry: BackendRegistry) -> None:
+        register = (
+            registry.register_advantage
+            if self.kind == "advantage"
+            else registry.register_policy_loss
+        )
+        register(self.name, self.target, needs=self.needs, override=self.override)
+
+
+@pytest.fixture
+def manager() -> PluginManager:
+    m = PluginManager(Settings(disable_plugin_autoload=True))
+    m.register(shipped_plugin, "algorithms")
+    return m
+
+
+def test_the_shipped_algorithms_are_registered() -> None:
+    registry = load_plugins().registry
+    assert set(SHIPPED_ADVANTAGES) <= set(registry.algorithm_names("advantage"))
+    assert set(SHIPPED_LOSSES) <= set(registry.algorithm_names("policy_loss"))
+    needs = {
+        s.name: s.needs
+        for s in registry.algorithm_specs()
+        if s.name in SHIPPED_ADVANTAGES + SHIPPED_LOSSES
+    }
+    assert needs["gae"] == {AlgorithmNeed.CRITIC}
+    assert needs["grpo"] == needs["rloo"] == needs["gspo"] == {AlgorithmNeed.GROUPS}
+    assert needs["reinforce_pp"] == needs["ppo_clip"] == needs["cispo"] == frozenset()
+    built = build_policy_loss("cispo", {"clip_ratio_high": 0.1})
+    assert isinstance(built, CISPO) and built.params.clip_ratio_high == 0.1
+
+
+def test_duplicate_algorithm_needs_override(manager: PluginManager) -> None:
+    target = "engine_core_roles.algorithms.builtin:RLOO"
+    with pytest.raises(DuplicateBackendError, match=r"'grpo' is already registered.*override"):
+        manager.register(_AlgorithmPlugin("advantage", "grpo", target), "dup")
+    assert manager.get_algorithm(AlgorithmKind.ADVANTAGE, "grpo").plugin == "algorithms"
+    manager.register(_AlgorithmPlugin("advantage", "grpo", target, override=True), "winner")
+    spec = manager.get_algorithm(AlgorithmKind.ADVANTAGE, "grpo")
+    assert (spec.plugin, spec.target) == ("winner", target)
+
+
+def test_unknown_need_is_refused(manager: PluginManager) -> None:
+    target = "engine_core_roles.algorithms.builtin:RLOO"
+    with pytest.raises(PluginError, match=r"unknown need 'gpu'; allowed: critic, groups"):
+        manager.register(_AlgorithmPlugin("advantage", "needy", target, needs=("gpu",)), "bad")
+    assert "needy" not in manager.registry.algorithm_names("advantage")
+
+
+def test_a_target_of_the_wrong_base_class_is_refused_when_built(manager: PluginManager) -> None:
+    builtin = "engine_core_roles.algorithms.builtin"
+    manager.register(_AlgorithmPlugin("advantage", "lossy", f"{builtin}:PPOClip"), "p1")
+    manager.register(_AlgorithmPlugin("policy_loss", "estimating", f"{builtin}:RLOO"), "p2")
+    manager.register(_AlgorithmPlugin("advantage", "my_rloo", f"{builtin}:RLOO"), "p3")
+    resolved = resolve_algorithm(AlgorithmConfig(advantage="lossy"), manager)  # found, not built
+    with pytest.raises(
+        PluginError, match=r"'lossy' from plugin 'p1'.*not a subclass of .*AdvantageEstimator"
+    ):
+        resolved.build_estimator()
+    with pytest.raises(PluginError, match=r"not a subclass of .*PolicyLoss"):
+        build_policy_loss("estimating", {}, manager)
+    good = resolve_algorithm(AlgorithmConfig(advantage="my_rloo"), manager).build_estimator()
+    assert isinstance(good, RLOO)
