@@ -59,6 +59,7 @@ ENTRY_POINT_GROUP = "engine_core.plugins"
 _CORE_DISTRIBUTION = "engine-core"
 _BUILTIN_MODULE = "engine_core.builtin_plugin"
 logger = logging.getLogger(__name__)
+_WARNED: set[tuple[str, str]] = set()  # the entry points whose failure this process has logged
 
 
 # Where a plugin came from (PluginInfo.source); one from ENGINE_CORE_EXTRA_PLUGINS names it.
@@ -178,9 +179,11 @@ class PluginManager:
                 traceback="".join(traceback.format_exception(type(e), e, e.__traceback__)),
                 install_hint=install_hint(dist),
             )
-            logger.warning(
-                "plugin %r (%s) failed to load: %s: %s", ep.name, dist, type(e).__name__, e
-            )
+            if (ep.name, dist) not in _WARNED:  # once per process, however many managers load it
+                _WARNED.add((ep.name, dist))
+                logger.warning(
+                    "plugin %r (%s) failed to load: %s: %s", ep.name, dist, type(e).__name__, e
+                )
 
     def _load_extra_plugin(self, name: str, module: str) -> None:
         if not self.settings.allows(name):

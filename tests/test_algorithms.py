@@ -8,6 +8,7 @@ under test.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -571,6 +572,11 @@ def test_rl_job_config_checks_the_algorithm() -> None:
         _job("trainer.algorithm=gspo", "trainer.samples_per_prompt=1")
     assert _job("trainer.algorithm=ppo").needs_critic
     assert not _job("trainer.algorithm=grpo").needs_critic
+    # the digit task's budget (its response length, 4) is known before anything is built
+    with pytest.raises(ValueError, match=r"overlong.buffer=4 must be below the generation budget"):
+        _job("trainer.algorithm.overlong.buffer=4")
+    assert _job("trainer.algorithm.kl_in_reward.coef=0.1").needs_reference
+    assert not _job().needs_reference
     gspo = _job("trainer.algorithm=gspo").actor_config()
     assert (gspo.policy_loss, gspo.loss_agg_mode) == ("gspo", "seq-mean-token-mean")
     dr = _job("trainer.algorithm=dr_grpo")
@@ -695,3 +701,77 @@ def test_a_target_of_the_wrong_base_class_is_refused_when_built(manager: PluginM
         build_policy_loss("estimating", {}, manager)
     good = resolve_algorithm(AlgorithmConfig(advantage="my_rloo"), manager).build_estimator()
     assert isinstance(good, RLOO)
+
+
+# -- DAPO's overlong shaping ------------------------------------------------------------------
+
+
+def test_overlong_penalty_is_linear_over_the_buffer_and_reaches_the_scores() -> None:
+    from tensordict import TensorDict
+
+    from engine_core import LOSS_MASK
+    from engine_core_roles.algorithms.select import OverlongShaping
+    from engine_core_roles.batch.keys import ADVANTAGES
+    from engine_core_roles.trainer.estimators import Advantages, overlong_penalty
+
+    shaping = OverlongShaping(buffer=4, penalty=0.5)
+    lengths = torch.tensor([3, 6, 7, 8, 10])  # budget 10: the penalty starts after 6 tokens
+    want = [0.0, 0.0, -0.125, -0.25, -0.5]
+    assert overlong_penalty(lengths, 10, shaping).tolist() == pytest.approx(want)
+
+    config = TrainerConfig(
+        algorithm={"advantage": "rloo", "overlong": {"buffer": 4, "penalty": 0.5}},
+        samples_per_prompt=2,
+        max_new_tokens=10,
+    )
+    mask = torch.zeros(2, 12)
+    mask[0, :3] = 1  # 3 tokens: no penalty
+    mask[1, :10] = 1  # the whole budget: -0.5
+    batch = TensorDict({LOSS_MASK: mask}, batch_size=[2])
+    metrics = Advantages(config, critic=None)(batch, torch.tensor([1.0, 1.0]))
+    # equal scores, but the long one is shaped down: rloo gives it -0.5, the short one +0.5
+    assert batch[ADVANTAGES][0, :3].tolist() == pytest.approx([0.5] * 3)
+    assert batch[ADVANTAGES][1, :10].tolist() == pytest.approx([-0.5] * 10)
+    assert metrics["reward/overlong_penalty"] == pytest.approx(-0.25)
+
+
+def test_overlong_buffer_must_leave_room_below_the_budget() -> None:
+    with pytest.raises(ValueError, match=r"overlong.buffer=8 must be below max_new_tokens=8"):
+        TrainerConfig(algorithm={"overlong": {"buffer": 8}}, max_new_tokens=8)
+    with pytest.raises(ValueError, match="buffer"):
+        TrainerConfig(algorithm={"overlong": {"buffer": 0}})
+
+
+# -- KL in the reward ---------------------------------------------------------------------------
+
+
+def test_token_rewards_reach_every_estimator() -> None:
+    """With token rewards (KL in the reward), a sequence-level estimator sees the score plus the
+    sample's total, a token-level one sees each token's own."""
+    mask = torch.tensor([[0.0, 1, 1, 0], [1, 1, 0, 0], [0, 1, 1, 1], [1, 0, 0, 0]])
+    extra = torch.tensor(
+        [[9.0, -0.1, -0.2, 9], [-0.3, 0.1, 9, 9], [9, 0.0, -0.1, -0.4], [0.2, 9, 9, 9]]
+    )
+    scores, groups = torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 1])
+    inputs = AdvantageInputs(scores=scores, group_ids=groups, mask=mask, token_rewards=extra)
+    totals = [1.0 - 0.3, 0.0 - 0.2, 1.0 - 0.5, 1.0 + 0.2]  # off-mask entries (9) never count
+    assert inputs.sequence_rewards().tolist() == pytest.approx(totals)
+    plain = AdvantageInputs(scores=torch.tensor(totals), group_ids=groups, mask=mask)
+    for estimator in (GRPO(GRPOParams()), RLOO(NoParams()), ReinforcePPBaseline(NoParams())):
+        got, want = estimator(inputs).advantages, estimator(plain).advantages
+        assert torch.allclose(got, want, atol=1e-6), type(estimator).__name__
+    # token level: the score on the last loss token, each token's own reward where it is
+    per_token = [[0, -0.1, 0.8, 0], [-0.3, 0.1, 0, 0], [0, 0.0, -0.1, 0.6], [1.2, 0, 0, 0]]
+    assert inputs.per_token_rewards().tolist() == [pytest.approx(r) for r in per_token]
+    gamma = 0.5
+    returns = [[0, -0.1 + gamma * 0.8, 0.8, 0], [-0.3 + gamma * 0.1, 0.1, 0, 0]]
+    returns += [[0, gamma * (-0.1 + gamma * 0.6), -0.1 + gamma * 0.6, 0.6], [1.2, 0, 0, 0]]
+    pairs = zip(returns, mask.tolist(), strict=True)
+    flat = [v for row, m in pairs for v, on in zip(row, m, strict=True) if on]
+    mean = sum(flat) / len(flat)
+    std = math.sqrt(sum((v - mean) ** 2 for v in flat) / len(flat))
+    got = ReinforcePP(NoParams())(dataclasses.replace(inputs, gamma=gamma)).advantages
+    for i, row in enumerate(returns):
+        for t, v in enumerate(row):
+            want_v = (v - mean) / (std + 1e-8) if mask[i, t] else 0.0
+            assert got[i, t].item() == pytest.approx(want_v, abs=1e-6), (i, t)

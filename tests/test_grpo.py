@@ -30,25 +30,31 @@ def test_reward_rises_and_rollout_matches_the_trainer(tmp_path: Path) -> None:
     assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-4
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_kl_loss_against_a_reference(tmp_path: Path, temperature: float) -> None:
+@pytest.mark.parametrize(("where", "temperature"), [("loss", 1.0), ("loss", 0.7), ("reward", 0.7)])
+def test_kl_against_a_reference(tmp_path: Path, where: str, temperature: float) -> None:
     """At any sampling temperature the actor's and the reference's log-probs are the sampled
-    distribution's: the rollout-vs-trainer gap is fp32 noise, and the first step's KL is 0."""
+    distribution's: the rollout-vs-trainer gap is fp32 noise, and the first step's KL is 0,
+    whether it is a term of the loss or a per-token reward (trainer.algorithm.kl_in_reward)."""
+    kl = (
+        ["actor.use_kl_loss=true", "actor.kl_loss_coef=0.1"]
+        if where == "loss"
+        else ["trainer.algorithm.kl_in_reward.coef=0.1"]
+    )
     raw = apply_overrides(
         load_yaml(RECIPE),
-        [
-            f"output_dir={tmp_path}",
-            "steps=3",
-            "actor.use_kl_loss=true",
-            "actor.kl_loss_coef=0.1",
-            f"trainer.temperature={temperature}",
-        ],
+        [f"output_dir={tmp_path}", "steps=3", f"trainer.temperature={temperature}", *kl],
     )
     run_rl_job(raw, load_plugins())
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert rows[0]["actor/kl_loss"] == 0.0  # first step: policy == reference
-    assert rows[-1]["actor/kl_loss"] > 0.0
     assert max(r["rollout/logprob_diff_max"] for r in rows) <= 1e-5
+    if where == "loss":
+        assert rows[0]["actor/kl_loss"] == 0.0  # first step: policy == reference
+        assert rows[-1]["actor/kl_loss"] > 0.0
+        return
+    # the first step's policy is the reference (up to the rollout's fp32 noise); then it moves
+    assert abs(rows[0]["reward/kl_penalty"]) < 1e-4
+    assert rows[-1]["reward/kl_penalty"] != 0.0
+    assert "actor/kl_loss" not in rows[-1]
 
 
 VOLATILE = set(TIMING_KEYS)

@@ -134,11 +134,18 @@ def discounted_returns(
 
 
 def reinforce_pp_advantages(
-    scores: torch.Tensor, mask: torch.Tensor, *, gamma: float = 1.0
+    scores: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    gamma: float = 1.0,
+    token_rewards: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """REINFORCE++: each token's discounted return of the sequence's score (placed on its last
-    loss token), whitened over every loss token of the batch."""
+    loss token, plus ``token_rewards`` where given), whitened over every loss token of the
+    batch."""
     rewards = sequence_to_token_rewards(scores.float(), mask)
+    if token_rewards is not None:
+        rewards = rewards + token_rewards * mask.to(rewards.dtype)
     return whiten(discounted_returns(rewards, mask, gamma=gamma), mask)
 
 

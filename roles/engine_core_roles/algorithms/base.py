@@ -28,6 +28,7 @@ import torch
 from pydantic import BaseModel
 
 from engine_core import FrozenModel, GlobalBatchContext, LossAggregation
+from engine_core_roles.algorithms.advantages import sequence_to_token_rewards
 
 __all__ = [
     "NoParams",
@@ -52,7 +53,10 @@ class AdvantageInputs:
     answers (samples of one prompt share an id). ``mask`` ``[N, L]``: the response tokens that
     carry a loss. ``values`` ``[N, L]``: the critic's values, only for an estimator that needs a
     critic (else ``None``). ``gamma`` and ``lam``: the run's discount and GAE lambda
-    (``trainer.gamma``, ``trainer.lam``).
+    (``trainer.gamma``, ``trainer.lam``). ``token_rewards`` ``[N, L]``: rewards on single
+    tokens besides the score (``-coef * KL`` per token with ``algorithm.kl_in_reward``), or
+    ``None``; an estimator reads the total through :meth:`sequence_rewards` (per sample) or
+    :meth:`per_token_rewards` (per token).
     """
 
     scores: torch.Tensor
@@ -61,6 +65,21 @@ class AdvantageInputs:
     values: torch.Tensor | None = None
     gamma: float = 1.0
     lam: float = 1.0
+    token_rewards: torch.Tensor | None = None
+
+    def sequence_rewards(self) -> torch.Tensor:
+        """``[N]``: each sample's score plus its token rewards over its loss tokens."""
+        scores = self.scores.float()
+        if self.token_rewards is None:
+            return scores
+        return scores + (self.token_rewards * self.mask.to(scores.dtype)).sum(-1)
+
+    def per_token_rewards(self) -> torch.Tensor:
+        """``[N, L]``: each sample's score on its last loss token, plus its token rewards."""
+        rewards = sequence_to_token_rewards(self.scores.float(), self.mask)
+        if self.token_rewards is None:
+            return rewards
+        return rewards + self.token_rewards * self.mask.to(rewards.dtype)
 
 
 @dataclass(frozen=True)

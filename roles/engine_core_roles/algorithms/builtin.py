@@ -17,7 +17,6 @@ from engine_core_roles.algorithms.advantages import (
     reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
     rloo_advantages,
-    sequence_to_token_rewards,
     whiten,
 )
 from engine_core_roles.algorithms.base import (
@@ -55,9 +54,12 @@ class GAE(AdvantageEstimator):
     def __call__(self, inputs: AdvantageInputs) -> AdvantageResult:
         if inputs.values is None:
             raise ValueError("gae needs the critic's values; the run must have a critic.")
-        rewards = sequence_to_token_rewards(inputs.scores, inputs.mask)
         adv, returns = gae_advantages(
-            rewards, inputs.values, inputs.mask, gamma=inputs.gamma, lam=inputs.lam
+            inputs.per_token_rewards(),
+            inputs.values,
+            inputs.mask,
+            gamma=inputs.gamma,
+            lam=inputs.lam,
         )
         return AdvantageResult(whiten(adv, inputs.mask), returns)
 
@@ -82,7 +84,7 @@ class GRPO(AdvantageEstimator):
 
     def __call__(self, inputs: AdvantageInputs) -> AdvantageResult:
         adv = grpo_advantages(
-            inputs.scores,
+            inputs.sequence_rewards(),
             inputs.group_ids,
             normalize_std=self.params.normalize_std,
             eps=self.params.eps,
@@ -95,7 +97,7 @@ class RLOO(AdvantageEstimator):
 
     def __call__(self, inputs: AdvantageInputs) -> AdvantageResult:
         return AdvantageResult(
-            _per_token(rloo_advantages(inputs.scores, inputs.group_ids), inputs.mask)
+            _per_token(rloo_advantages(inputs.sequence_rewards(), inputs.group_ids), inputs.mask)
         )
 
 
@@ -105,7 +107,9 @@ class ReinforcePP(AdvantageEstimator):
 
     def __call__(self, inputs: AdvantageInputs) -> AdvantageResult:
         return AdvantageResult(
-            reinforce_pp_advantages(inputs.scores, inputs.mask, gamma=inputs.gamma)
+            reinforce_pp_advantages(
+                inputs.scores, inputs.mask, gamma=inputs.gamma, token_rewards=inputs.token_rewards
+            )
         )
 
 
@@ -114,7 +118,9 @@ class ReinforcePPBaseline(AdvantageEstimator):
 
     def __call__(self, inputs: AdvantageInputs) -> AdvantageResult:
         return AdvantageResult(
-            reinforce_pp_baseline_advantages(inputs.scores, inputs.group_ids, inputs.mask)
+            reinforce_pp_baseline_advantages(
+                inputs.sequence_rewards(), inputs.group_ids, inputs.mask
+            )
         )
 
 

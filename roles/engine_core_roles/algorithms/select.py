@@ -31,11 +31,13 @@ from engine_core.errors import ConfigError, PluginError
 from engine_core.hookspecs import AlgorithmKind, AlgorithmNeed, AlgorithmSpec
 from engine_core.plugins import PluginManager, load_plugins
 from engine_core_roles.algorithms.base import AdvantageEstimator, NoParams, PolicyLoss
+from engine_core_roles.algorithms.losses import KLEstimator
 
 __all__ = [
     "PRESETS",
     "Preset",
     "OverlongShaping",
+    "KLInReward",
     "AlgorithmConfig",
     "ResolvedAlgorithm",
     "algorithm_manager",
@@ -93,6 +95,19 @@ class OverlongShaping(FrozenModel):
     penalty: float = Field(1.0, ge=0, description="What a response of the full budget loses.")
 
 
+class KLInReward(FrozenModel):
+    """KL to the reference in the reward: each loss token's reward gets
+    ``-coef * KL(policy || reference)`` (estimated from the sampled token's log-probs), which the
+    estimator sees as token rewards. Logged as ``reward/kl_penalty`` (the mean sample's total).
+    Needs a reference (the job builds one). The alternative is the KL term in the actor's loss
+    (``actor.use_kl_loss``)."""
+
+    coef: float = Field(0.001, ge=0, description="The KL penalty's weight.")
+    estimator: KLEstimator = Field(
+        KLEstimator.K1, description="Per-token KL estimator: k1, k2, k3, low_var_kl or abs."
+    )
+
+
 class AlgorithmConfig(FrozenModel):
     """The run's advantage estimator and policy loss (``trainer.algorithm``).
 
@@ -119,6 +134,9 @@ class AlgorithmConfig(FrozenModel):
     )
     overlong: OverlongShaping | None = Field(
         None, description="DAPO's overlong reward shaping; None: off."
+    )
+    kl_in_reward: KLInReward | None = Field(
+        None, description="KL to the reference as a per-token reward; None: off."
     )
 
     @model_validator(mode="before")

@@ -77,9 +77,13 @@ class PlacementConfig(FrozenModel):
         "actors.",
     )
     actor: RolePlacement = RolePlacement()
-    critic: RolePlacement = Field(default_factory=RolePlacement, description="ppo only.")
+    critic: RolePlacement = Field(
+        default_factory=RolePlacement,
+        description="Only with a critic (advantage gae: algorithm=ppo).",
+    )
     reference: RolePlacement = Field(
-        default_factory=RolePlacement, description="Only with actor.use_kl_loss."
+        default_factory=RolePlacement,
+        description="Only with a reference: actor.use_kl_loss or trainer.algorithm.kl_in_reward.",
     )
     reward_model: RolePlacement = Field(
         default_factory=RolePlacement, description="Only with a reward_model."

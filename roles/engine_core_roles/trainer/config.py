@@ -141,7 +141,7 @@ class TrainerConfig(FrozenModel):
     @model_validator(mode="after")
     def _check_groups(self) -> TrainerConfig:
         try:
-            resolved = resolve_algorithm(self.algorithm)
+            resolved = resolve_algorithm(self.algorithm, path="algorithm")
         except EngineCoreError as e:  # an unknown name, a plugin that cannot be imported
             raise ValueError(str(e)) from None
         # a critic is the caller's to give (RLTrainer, the job check it); groups are ours

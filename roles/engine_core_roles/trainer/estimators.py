@@ -13,14 +13,22 @@ from tensordict import TensorDict
 
 from engine_core import LOSS_MASK
 from engine_core.hookspecs import AlgorithmNeed
+from engine_core.rollout import ROLLOUT_LOG_PROBS
 from engine_core_roles.algorithms.base import AdvantageInputs
+from engine_core_roles.algorithms.losses import kl_penalty
 from engine_core_roles.algorithms.select import (
     OverlongShaping,
     ResolvedAlgorithm,
     check_needs,
     resolve_algorithm,
 )
-from engine_core_roles.batch.keys import ADVANTAGES, OLD_VALUES, RETURNS
+from engine_core_roles.batch.keys import (
+    ADVANTAGES,
+    OLD_LOG_PROBS,
+    OLD_VALUES,
+    REF_LOG_PROBS,
+    RETURNS,
+)
 from engine_core_roles.trainer.config import TrainerConfig
 from engine_core_roles.trainer.protocols import ValueRole
 
@@ -64,6 +72,7 @@ class Advantages:
             penalty = overlong_penalty(mask.sum(-1), cfg.max_new_tokens, shaping)
             scores = scores + penalty
             metrics["reward/overlong_penalty"] = float(penalty.mean())
+        token_rewards = self._kl_rewards(batch, metrics)
         n = cfg.samples_per_prompt
         groups = torch.arange(scores.numel()) // n  # a prompt's samples are adjacent
         values = None
@@ -77,6 +86,7 @@ class Advantages:
                 values=values,
                 gamma=cfg.gamma,
                 lam=cfg.lam,
+                token_rewards=token_rewards,
             )
         )
         name = self.resolved.advantage.name
@@ -97,3 +107,23 @@ class Advantages:
             batch[RETURNS] = result.returns
             metrics.update(self.critic.update_critic(batch))
         return metrics
+
+    def _kl_rewards(self, batch: TensorDict, metrics: dict[str, float]) -> torch.Tensor | None:
+        """``-coef * KL`` per loss token with kl_in_reward (the policy's side: the old-log-prob
+        pass's log-probs, or the rollout's when the update computes them), else ``None``."""
+        kl_cfg = self.config.algorithm.kl_in_reward
+        if kl_cfg is None:
+            return None
+        policy_key = OLD_LOG_PROBS if OLD_LOG_PROBS in batch.keys() else ROLLOUT_LOG_PROBS
+        missing = [k for k in (policy_key, REF_LOG_PROBS) if k not in batch.keys()]
+        if missing:
+            raise ValueError(
+                f"trainer.algorithm.kl_in_reward needs the batch fields {missing}: the reference's "
+                f"log-probs (pass reference=) and the policy's (the old-log-prob pass, or a rollout "
+                f"that returns log-probs)."
+            )
+        mask = batch[LOSS_MASK]
+        kl = kl_penalty(batch[policy_key].float(), batch[REF_LOG_PROBS].float(), kl_cfg.estimator)
+        rewards = -kl_cfg.coef * kl * mask
+        metrics["reward/kl_penalty"] = float(rewards.sum(-1).mean())
+        return rewards

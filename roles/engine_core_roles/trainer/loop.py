@@ -142,6 +142,12 @@ class RLTrainer:
         # the algorithm's parts, found and checked against what it needs (a critic, groups)
         advantages = Advantages(config, critic)
         _check_policy_loss(config, actor)
+        if config.algorithm.kl_in_reward is not None and reference is None:
+            raise ValueError(
+                "trainer.algorithm.kl_in_reward puts the KL to a reference in the reward, which "
+                "needs reference log-probs; pass reference=Reference(engine) (a frozen copy of "
+                "the initial policy)."
+            )
         if actor.config.use_kl_loss and reference is None:
             raise ValueError(
                 "the actor has use_kl_loss=True, which needs reference log-probs; pass "

@@ -161,7 +161,7 @@ def _local_roles(job: RLJobConfig, resolved: Resolved) -> Roles:
 
     actor_engine = engine(*resolved.engine)
     roles = Roles(Actor(job.actor_config(), actor_engine), {"actor": actor_engine})
-    if job.actor.use_kl_loss:
+    if job.needs_reference:
         roles.reference = Reference(engine(*resolved.engine))
     if resolved.critic is not None:
         critic_engine = engine(*resolved.critic)
@@ -191,7 +191,7 @@ def _grouped_roles(job: RLJobConfig, resolved: Resolved, stack: contextlib.ExitS
     actor = ActorGroup(started("actor", ActorWorker, engine_cfg, actor_cfg.model_dump()), actor_cfg)
     roles = Roles(actor, {"actor": actor})
     groups: dict[str, RoleGroup] = {"actor": actor}
-    if job.actor.use_kl_loss:
+    if job.needs_reference:
         roles.reference = groups["reference"] = ReferenceGroup(
             started("reference", ReferenceWorker, engine_cfg)
         )

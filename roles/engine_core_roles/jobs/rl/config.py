@@ -227,6 +227,13 @@ class RLJobConfig(JobConfig):
                 f"trainer.algorithm=ppo."
             )
         self._check_policy_loss()
+        overlong = trainer.algorithm.overlong
+        if overlong is not None and overlong.buffer >= self.generation_budget:
+            raise ValueError(
+                f"trainer.algorithm.overlong.buffer={overlong.buffer} must be below the "
+                f"generation budget ({self.generation_budget} tokens: trainer.max_new_tokens, or "
+                f"the task's response length); lower the buffer."
+            )
         if self.reward_model is None and "reward_model_weight" in trainer.model_fields_set:
             raise ValueError(
                 "trainer.reward_model_weight is set but no reward_model scores the samples; "
@@ -261,6 +268,11 @@ class RLJobConfig(JobConfig):
                 f"rollout_placement=process, or trainer.max_staleness=0."
             )
         return self
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the run computes reference log-probs: a KL loss, or KL in the reward."""
+        return self.actor.use_kl_loss or self.trainer.algorithm.kl_in_reward is not None
 
     @property
     def needs_critic(self) -> bool:
