@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -775,3 +776,64 @@ def test_token_rewards_reach_every_estimator() -> None:
         for t, v in enumerate(row):
             want_v = (v - mean) / (std + 1e-8) if mask[i, t] else 0.0
             assert got[i, t].item() == pytest.approx(want_v, abs=1e-6), (i, t)
+
+
+# -- recipes built on another recipe ------------------------------------------------------------
+
+
+def test_a_recipe_takes_its_base_and_merges_over_it(tmp_path: Path) -> None:
+    from engine_core.errors import ConfigError
+    from engine_core_roles.jobs.cli import read_recipe
+
+    (tmp_path / "base.yaml").write_text(
+        "steps: 5\ntrainer: {samples_per_prompt: 4, temperature: 0.7}\ndata: {demos: [./d.jsonl]}\n"
+    )
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    (sub / "child.yaml").write_text(
+        "base: ../base.yaml\ntrainer: {algorithm: rloo, temperature: 1.0}\n"
+    )
+    got = read_recipe(sub / "child.yaml")
+    # the base's paths stay relative to the base; the child's keys merge into its mappings
+    assert got == {
+        "steps": 5,
+        "trainer": {"samples_per_prompt": 4, "temperature": 1.0, "algorithm": "rloo"},
+        "data": {"demos": [str((tmp_path / "d.jsonl").resolve())]},
+    }
+    (tmp_path / "a.yaml").write_text("base: ./b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: ./a.yaml\n")
+    with pytest.raises(ConfigError, match=r"cycle \(a.yaml -> b.yaml -> a.yaml\)"):
+        read_recipe(tmp_path / "a.yaml")
+    (tmp_path / "c.yaml").write_text("base: ./nowhere.yaml\n")
+    with pytest.raises(ConfigError, match="nowhere.yaml does not exist"):
+        read_recipe(tmp_path / "c.yaml")
+    (tmp_path / "e.yaml").write_text("base: [x]\n")
+    with pytest.raises(ConfigError, match="base must be the path of another recipe"):
+        read_recipe(tmp_path / "e.yaml")
+
+
+@pytest.mark.parametrize("recipe", ["rloo_text_tiny.yaml", "gspo_text_tiny.yaml"])
+def test_the_algorithm_recipes_are_the_text_recipe_with_their_algorithm(recipe: str) -> None:
+    text = load_recipe(RECIPES / "text_tiny.yaml")
+    raw = load_recipe(RECIPES / recipe)
+    job = RLJobConfig.model_validate(raw)
+    assert job.trainer.algorithm.name == recipe.split("_")[0]
+    # everything else is the text recipe's
+    assert {k: v for k, v in raw.items() if k not in ("trainer", "output_dir")} == {
+        k: v for k, v in text.items() if k not in ("trainer", "output_dir")
+    }
+
+
+def test_a_gspo_job_runs_and_logs_its_loss(tmp_path: Path) -> None:
+    import json
+
+    from engine_core_roles.jobs.rl.run import run_rl_job
+
+    overrides = ["steps=2", "warmup_sft_steps=0", "eval.every=0", f"output_dir={tmp_path}"]
+    run_rl_job(load_recipe(RECIPES / "gspo_text_tiny.yaml", overrides), load_plugins())
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    # one optimizer step on fresh samples: every sequence ratio is 1, nothing is clipped
+    assert rows[0]["actor/clipfrac"] == 0.0
+    assert rows[0]["actor/approx_kl"] == pytest.approx(0.0, abs=1e-7)
+    assert "actor/dual_clipfrac" not in rows[0]  # ppo_clip's, not GSPO's

@@ -17,6 +17,7 @@ from typing import Any
 from engine_core import cli
 from engine_core.cli import Command
 from engine_core.configio import apply_overrides, load_yaml
+from engine_core.errors import ConfigError
 from engine_core.plugins import load_plugins
 from engine_core.settings import Settings
 from engine_core_roles.jobs.rl.run import run_rl_job
@@ -83,7 +84,7 @@ def load_recipe(
     those others are dropped unless the overrides set them too; ``on_drop`` is told, in one
     line, what went."""
     path = Path(path)
-    recipe = recipe_relative(load_yaml(path), path.parent)
+    recipe = read_recipe(path)
     raw = apply_overrides(recipe, list(overrides))
     dropped: list[str] = []
     for key, belongs in REPLACES.items():
@@ -125,6 +126,39 @@ def _pop(data: dict[str, Any], key: str) -> None:
     for part in parents:
         node = node[part]
     del node[last]
+
+
+def read_recipe(path: Path, _within: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The recipe at ``path``, its ``./`` paths resolved beside it; a recipe with ``base: PATH``
+    (relative to its own folder) is that recipe with this one's settings merged over it, key by
+    key (a mapping merges into the base's mapping, anything else replaces the base's value)."""
+    recipe: dict[str, Any] = recipe_relative(load_yaml(path), path.parent)
+    if "base" not in recipe:
+        return recipe
+    base = recipe.pop("base")
+    if not isinstance(base, str) or not base:
+        raise ConfigError(
+            f"{path}: base must be the path of another recipe (e.g. base: ./text_tiny.yaml), "
+            f"got {base!r}."
+        )
+    base_path = Path(base) if Path(base).is_absolute() else path.parent / base
+    chain = (*_within, path.resolve())
+    if base_path.resolve() in chain:
+        names = " -> ".join(p.name for p in (*chain, base_path.resolve()))
+        raise ConfigError(f"{path}: its base recipes form a cycle ({names}); break it.")
+    if not base_path.is_file():
+        raise ConfigError(f"{path}: its base recipe {base_path} does not exist; fix base.")
+    return _merged(read_recipe(base_path, chain), recipe)
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        mine = out.get(key)
+        out[key] = (
+            _merged(mine, value) if isinstance(mine, dict) and isinstance(value, dict) else value
+        )
+    return out
 
 
 def recipe_relative(raw: Any, folder: Path) -> Any:
