@@ -60,6 +60,7 @@ _EXPORTS: dict[str, str] = {
     "is_adapter_name": "engine_core.models",
     "adapted_modules": "engine_core.models",
     "RouteRecorder": "engine_core.moe",
+    "check_routes": "engine_core.moe",
     "ROUTED_EXPERTS": "engine_core.batch",
     "MOE_AUX": "engine_core.batch",
     "AdapterFolders": "engine_core.adapters",
@@ -215,7 +216,7 @@ if TYPE_CHECKING:
         is_adapter_name,
         merged_lora_tensors,
     )
-    from engine_core.moe import RouteRecorder
+    from engine_core.moe import RouteRecorder, check_routes
     from engine_core.optim import (
         SingleOptimizerMixin,
         build_lr_scheduler,

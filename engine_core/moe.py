@@ -36,6 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine_core.errors import BatchError
+
 __all__ = [
     "ROUTER_RULES",
     "RouterRule",
@@ -43,6 +45,7 @@ __all__ = [
     "RouteReplay",
     "RouterLogits",
     "balance_terms",
+    "check_routes",
     "checkpoint_contexts",
     "expert_load_spread",
     "num_experts_of",
@@ -218,6 +221,30 @@ class RouteRecorder(_RouterHooks):
         return [torch.stack(chosen) for chosen in zip(*self._seen, strict=True)]
 
 
+def check_routes(
+    routes: torch.Tensor, *, num_experts: int, what: str = "routes", distinct: bool = True
+) -> None:
+    """Refuse routes (``[..., top_k]``: each token's experts, for each MoE layer) that do not
+    hold integer ids, name an expert outside ``0..num_experts - 1``, or (``distinct``) name one
+    expert twice for a token and layer. Their shape against the model is the caller's to check
+    (layouts differ: ``[layers, tokens, top_k]`` for :class:`RouteReplay`, ``[tokens, layers,
+    top_k]`` in a batch). Padding positions may hold repeated ids: check ``distinct`` on real
+    tokens only."""
+    if routes.dtype.is_floating_point or routes.dtype == torch.bool:
+        raise BatchError(f"{what} must hold integer expert ids; got {routes.dtype}.")
+    if not routes.numel():
+        return
+    lo, hi = int(routes.min()), int(routes.max())
+    if lo < 0 or hi >= num_experts:
+        raise BatchError(f"{what} name experts outside 0..{num_experts - 1}: min {lo}, max {hi}.")
+    ordered = routes.sort(-1).values
+    if distinct and bool((ordered[..., 1:] == ordered[..., :-1]).any()):
+        raise BatchError(
+            f"{what} name an expert twice for one token and layer; each token goes to "
+            f"top_k={routes.shape[-1]} distinct experts."
+        )
+
+
 class RouteReplay(_RouterHooks):
     """Inside ``with RouteReplay(model, routes):`` the model's routers take the experts
     ``routes`` names (``[layers, tokens, top_k]``) instead of their own, the forwards of the
@@ -234,21 +261,18 @@ class RouteReplay(_RouterHooks):
                 f"routes must be [layers={len(self._routers)}, tokens, top_k], one row of "
                 f"experts per token and MoE layer of this model; got {tuple(routes.shape)}."
             )
-        if routes.dtype.is_floating_point or routes.dtype == torch.bool:
-            raise ValueError(f"routes must hold integer expert ids; got {routes.dtype}.")
-        lo, hi = (int(routes.min()), int(routes.max())) if routes.numel() else (0, 0)
+        experts = []
         for module in self._routers:
             router: Any = module  # transformers' routers carry top_k and num_experts
-            k, experts = int(router.top_k), int(router.num_experts)
+            k = int(router.top_k)
             if routes.shape[2] != k:
                 raise ValueError(
                     f"routes name {routes.shape[2]} experts per token; the model's routers "
                     f"take top_k={k}."
                 )
-            if lo < 0 or hi >= experts:
-                raise ValueError(
-                    f"routes name experts outside 0..{experts - 1}: min {lo}, max {hi}."
-                )
+            experts.append(int(router.num_experts))
+        # the rows of padding positions may repeat an id: only ids and range are checked here
+        check_routes(routes, num_experts=min(experts, default=0), distinct=False)
         self.routes = routes
         self._offset = [0] * len(self._routers)
 

@@ -70,7 +70,7 @@ BACKEND_SURFACE = {
     "EngineConfig", "FrozenModel", "LoraConfig", "ModelConfig", "OptimConfig",
     "BackendRegistry", "hookimpl",
     # models, optimizer, schedule, RNG
-    "DTYPES", "build_hf_config", "build_model", "is_adapter_name", "adapted_modules", "merged_lora_tensors", "checkpoint_tensors", "AdapterFolders", "split_peft_tensors", "RouteRecorder", "ROUTED_EXPERTS", "MOE_AUX", "CutBuckets", "WeightPart",
+    "DTYPES", "build_hf_config", "build_model", "is_adapter_name", "adapted_modules", "merged_lora_tensors", "checkpoint_tensors", "AdapterFolders", "split_peft_tensors", "RouteRecorder", "check_routes", "ROUTED_EXPERTS", "MOE_AUX", "CutBuckets", "WeightPart",
     "iter_buckets",
     "SingleOptimizerMixin",
     "build_lr_scheduler", "build_optimizer", "capture_rng", "clip_and_step", "lr_lambda",

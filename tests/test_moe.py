@@ -536,3 +536,21 @@ def test_gradient_checkpointing_recomputes_a_replayed_block_with_the_same_expert
     for name, g in grads.items():
         torch.testing.assert_close(ckpt_grads[name], g, atol=1e-6, rtol=1e-5, msg=name)
     assert any(n.endswith(".gate.weight") and float(g.abs().sum()) > 0 for n, g in grads.items())
+
+
+def test_route_checks_name_what_is_wrong() -> None:
+    from engine_core.errors import BatchError
+    from engine_core.moe import check_routes
+
+    good = torch.tensor([[[0, 3], [1, 2]], [[2, 1], [3, 0]]])  # [tokens, layers, top_k]
+    check_routes(good, num_experts=4)
+    with pytest.raises(
+        BatchError, match=r"routed_experts name experts outside 0\.\.3: min 0, max 4"
+    ):
+        check_routes(good + (good == 3).long(), num_experts=4, what="routed_experts")
+    twice = torch.tensor([[[1, 1]]])
+    with pytest.raises(BatchError, match="an expert twice.*top_k=2 distinct"):
+        check_routes(twice, num_experts=4)
+    check_routes(twice, num_experts=4, distinct=False)  # padding rows may repeat an id
+    with pytest.raises(BatchError, match="integer expert ids; got torch.bool"):
+        check_routes(good.bool(), num_experts=4)
