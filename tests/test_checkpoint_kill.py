@@ -37,6 +37,7 @@ WATCH = {"open", "os.rename", "os.replace", "os.remove", "os.unlink", "os.rmdir"
 
 def run(request):
     out, kill_at, record = request["out"], request["kill_at"], request["record"]
+    watch_from = request.get("watch_from", "global_step_2")
     seen, calls = [False], []
 
     def hook(event, hargs):
@@ -51,7 +52,7 @@ def run(request):
             len(hargs) > 1 and isinstance(hargs[1], str) and set(hargs[1]) & set("wax+")
         ):
             return
-        if "global_step_2" in path:
+        if watch_from in path:
             seen[0] = True
         if not seen[0]:
             return
@@ -76,8 +77,17 @@ class _Runs:
     def __init__(self) -> None:
         self.server = ForkServer(SETUP, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
 
-    def run(self, out: Path, args: list[str], kill_at: int = 0, record: str = "") -> int:
-        return self.server.run(out=str(out), args=args, kill_at=kill_at, record=record)
+    def run(
+        self,
+        out: Path,
+        args: list[str],
+        kill_at: int = 0,
+        record: str = "",
+        watch_from: str = "global_step_2",
+    ) -> int:
+        return self.server.run(
+            out=str(out), args=args, kill_at=kill_at, record=record, watch_from=watch_from
+        )
 
     def close(self) -> None:
         self.server.close()
@@ -103,6 +113,15 @@ def _overrides(out: Path, algorithm: str, keep: int) -> list[str]:
         "save_every=1",
         "log_every=1",
     ]
+
+
+def _quiet(main: Any, argv: list[str]) -> int:
+    with open(os.devnull, "w") as sink:
+        saved, sys.stdout = sys.stdout, sink
+        try:
+            return int(main(argv))
+        finally:
+            sys.stdout = saved
 
 
 def _rows(out: Path) -> list[dict[str, Any]]:
@@ -134,13 +153,38 @@ def test_a_kill_anywhere_in_a_save_leaves_a_run_that_resumes_exactly(
         out = tmp_path / f"killed-at-{point}"
         where = (point, calls[point - 1])
         assert runs.run(out, _overrides(out, algorithm, keep), kill_at=point) == -9, where
-        with open(os.devnull, "w") as sink:
-            saved, sys.stdout = sys.stdout, sink
-            try:
-                code = main(["run", *_overrides(out, algorithm, keep), "--resume"])
-            finally:
-                sys.stdout = saved
+        # --resume (strict) and --resume auto continue alike from a checkpoint
+        resume = ["--resume"] if keep == 1 else ["--resume", "auto"]
+        code = _quiet(main, ["run", *_overrides(out, algorithm, keep), *resume])
         assert code == 0, where
         assert _rows(out) == want, where
         kept = sorted(p.name for p in (out / "checkpoints").iterdir())
         assert kept == [f"global_step_{s}" for s in range(4 - keep, 4)], (where, kept)
+
+
+def test_a_run_killed_before_its_first_checkpoint_restarts_with_resume_auto(
+    runs: _Runs, tmp_path: Path
+) -> None:
+    """Killed at the first file its first save writes (step 1's row is logged, no checkpoint
+    exists): the same command with --resume auto starts fresh in the same folder and ends with
+    the uninterrupted run's metrics; strict --resume refuses the folder, naming --resume auto."""
+    from engine_core.errors import CheckpointError
+    from engine_core.plugins import load_plugins
+    from engine_core_roles.jobs.cli import load_recipe, main
+    from engine_core_roles.jobs.rl.run import run_rl_job
+
+    straight = tmp_path / "straight"
+    assert runs.run(straight, _overrides(straight, "grpo", 2)) == 0
+    out = tmp_path / "killed"
+    assert runs.run(out, _overrides(out, "grpo", 2), kill_at=1, watch_from="global_step_1") == -9
+    assert not any((out / "checkpoints").glob("global_step_*"))
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1  # step 1 was logged
+    raw = load_recipe(_overrides(out, "grpo", 2)[0], _overrides(out, "grpo", 2)[1:])
+    with pytest.raises(CheckpointError, match="--resume auto to start fresh"):
+        run_rl_job(raw, load_plugins(), resume=True)
+    assert _quiet(main, ["run", *_overrides(out, "grpo", 2), "--resume", "auto"]) == 0
+    assert _rows(out) == _rows(straight)
+    # the recipe's setting does the same; with checkpoints it continues from the newest (here:
+    # nothing more to train)
+    assert _quiet(main, ["run", *_overrides(out, "grpo", 2), "resume=auto"]) == 0
+    assert _rows(out) == _rows(straight)

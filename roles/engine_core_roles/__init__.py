@@ -5,7 +5,7 @@ functions, and as plugin classes (:class:`AdvantageEstimator`, :class:`PolicyLos
 ``TrainerConfig.algorithm``; the :class:`Actor`, :class:`Critic`, :class:`Reference` and :class:`RewardModel` roles
 on any :class:`engine_core.BaseEngine`, in-process or as worker groups (:mod:`engine_core_roles.distributed.workers`);
 the batches passed between a rollout and the roles, and the names of their fields
-(:mod:`engine_core_roles.batch.build`); and :class:`RLTrainer`, the GRPO / PPO loop over all of them
+(:mod:`engine_core_roles.batch.build`); and :class:`RLTrainer`, the RL loop (GRPO, PPO or any registered algorithm) over all of them
 (:mod:`engine_core_roles.trainer`).
 """
 

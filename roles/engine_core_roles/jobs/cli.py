@@ -174,18 +174,29 @@ def recipe_relative(raw: Any, folder: Path) -> Any:
     return raw
 
 
+def _resume_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        choices=["latest", "auto"],
+        default=None,
+        help="continue from the latest checkpoint in output_dir (none: an error); --resume "
+        "auto: continue from it when there is one, else start fresh (for restart loops); "
+        "default: the recipe's `resume` setting (never)",
+    )
+
+
 # -- engine-core run -----------------------------------------------------------------------------
 
 
 def _run_arguments(parser: argparse.ArgumentParser) -> None:
     _recipe_arguments(parser, DEFAULT_RL_RECIPE)
-    parser.add_argument(
-        "--resume", action="store_true", help="continue from the latest checkpoint in output_dir"
-    )
+    _resume_argument(parser)
 
 
 def run_rl(args: argparse.Namespace, settings: Settings) -> int:
-    """An RL run (GRPO, or PPO with a critic): :class:`engine_core_roles.RLTrainer` built from a recipe."""
+    """An RL run (any algorithm: trainer.algorithm): :class:`engine_core_roles.RLTrainer` built from a recipe."""
 
     run_rl_job(_recipe(args, DEFAULT_RL_RECIPE), load_plugins(settings), resume=args.resume)
     return 0
@@ -196,9 +207,7 @@ def run_rl(args: argparse.Namespace, settings: Settings) -> int:
 
 def _train_arguments(parser: argparse.ArgumentParser) -> None:
     _recipe_arguments(parser, DEFAULT_TRAIN_RECIPE)
-    parser.add_argument(
-        "--resume", action="store_true", help="continue from the latest checkpoint in output_dir"
-    )
+    _resume_argument(parser)
 
 
 def run_train(args: argparse.Namespace, settings: Settings) -> int:

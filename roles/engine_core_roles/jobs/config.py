@@ -6,7 +6,7 @@ own sections to it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, PositiveInt, model_validator
 
@@ -45,6 +45,13 @@ class JobConfig(FrozenModel):
         "is set.",
     )
     save_every: int = Field(50, ge=0, description="Checkpoint every N steps (0: only at the end).")
+    resume: Literal["never", "latest", "auto"] = Field(
+        "never",
+        description="never: a fresh run (a folder that holds a run is refused); latest: continue "
+        "from the newest checkpoint that verifies (none is an error; --resume); auto: continue "
+        "from it when there is one, else start fresh in the same folder (--resume auto: the "
+        "setting for a restart loop on a preemptible cluster). The command line's --resume wins.",
+    )
     max_ckpt_to_keep: PositiveInt | None = Field(
         2, description="Checkpoints kept, the newest (None: all)."
     )

@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from tensordict import TensorDict
 
-from engine_core.checkpoint import ROOT_PART, JobCheckpoints, latest_checkpoint
+from engine_core.checkpoint import ROOT_PART, JobCheckpoints
 from engine_core.config import EngineConfig, ModelConfig
 from engine_core.configio import prefix_validation_error
 from engine_core.engine import BaseEngine, loss_mask_of
@@ -41,9 +41,8 @@ from engine_core_roles.episodes.demos import DemoRenderer
 from engine_core_roles.jobs.config import JobConfig
 from engine_core_roles.jobs.tracking import (
     RunTracker,
-    claim_output_dir,
     failures_logged,
-    resume_point,
+    starting_point,
 )
 
 __all__ = ["SFTJobConfig", "run_sft", "chat_datasets", "Chats"]
@@ -130,11 +129,11 @@ def run_sft(
     raw: dict[str, Any],
     manager: PluginManager,
     *,
-    resume: bool = False,
+    resume: bool | str | None = None,
     console: Console | None = None,
 ) -> dict[str, Any]:
-    """Run the job described by ``raw``; with ``resume``, continue from the latest checkpoint
-    in its output_dir. Returns a summary (losses, files written)."""
+    """Run the job described by ``raw``; ``resume`` as for
+    :func:`~engine_core_roles.jobs.rl.run.run_rl_job`. Returns a summary (losses, files written)."""
     console = console or Console()
     try:
         job = SFTJobConfig.model_validate(raw)
@@ -142,16 +141,19 @@ def run_sft(
         raise prefix_validation_error(e, (), "SFTJobConfig") from None
     out_dir = Path(job.output_dir)
     ckpt_root = out_dir / "checkpoints"
-    if resume and latest_checkpoint(ckpt_root) is None:
-        raise CheckpointError(
-            f"--resume: no checkpoint under {ckpt_root}; run without --resume to start fresh."
-        )
     # refused before anything is built or overwritten: a folder holding another run, or one
-    # that cannot be written; then the engine's config, the tokenizer and every row
-    claim_output_dir(out_dir, command="engine-core train", resume=resume)
+    # that cannot be written, --resume without a checkpoint; then the engine's config, the
+    # tokenizer and every row
+    resume_from = starting_point(
+        out_dir,
+        [ROOT_PART],
+        resume=resume,
+        configured=job.resume,
+        command="engine-core train",
+        console=console,
+    )
     spec, engine_cfg = resolve_engine_config(job.engine, manager, path=("engine",))
     chats = None if job.data is None else chat_datasets(job.data, engine_cfg.model, console)
-    resume_from = resume_point(ckpt_root, [ROOT_PART], console) if resume else None
     safe = f"checkpoints already saved under {ckpt_root} are kept, and --resume continues"
     with failures_logged(out_dir, command="engine-core train", safe=safe):
         return _train(job, spec, engine_cfg, chats, resume_from, console)

@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 from rich.console import Console
 
-from engine_core.checkpoint import JobCheckpoints
+from engine_core.checkpoint import JobCheckpoints, latest_checkpoint
 from engine_core.errors import CheckpointError, ConfigError, PluginError, RunFailed
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "claim_output_dir",
     "failures_logged",
     "resume_point",
+    "starting_point",
     "RUN_LOG",
 ]
 
@@ -196,6 +197,41 @@ def _shown(sample: dict[str, Any]) -> str:
     if episode:
         return "\n".join(f"{m.get('role')}: {m.get('content')}" for m in episode)
     return f"{sample.get('prompt', '')}{sample.get('response', '')}"
+
+
+def starting_point(
+    out_dir: Path,
+    parts: list[str],
+    *,
+    resume: bool | str | None,
+    configured: str,
+    command: str,
+    console: Console,
+) -> str | None:
+    """Where a run starts, decided (and ``out_dir`` claimed) before anything is built: the
+    checkpoint to resume from, or ``None`` for a fresh start.
+
+    ``resume``: the command line's (``True``: ``--resume``, the strict ``latest``; ``"auto"``;
+    ``None``/``False``: the recipe's ``configured`` setting). ``latest`` refuses a folder without
+    a checkpoint; ``auto`` starts fresh there (the rows a run killed before its first checkpoint
+    logged are dropped as the new run logs its own) and says so; ``never`` refuses a folder
+    that holds a run."""
+    mode = "latest" if resume is True else (resume or configured)
+    if mode not in ("never", "latest", "auto"):
+        raise ConfigError(f"--resume takes auto (or nothing: the latest checkpoint); got {mode!r}.")
+    root = out_dir / "checkpoints"
+    if mode == "latest" and latest_checkpoint(root) is None:
+        raise CheckpointError(
+            f"--resume: no checkpoint under {root}; run without --resume to start fresh, or "
+            f"with --resume auto to start fresh whenever there is none."
+        )
+    claim_output_dir(out_dir, command=command, resume=mode != "never")
+    if mode == "never":
+        return None
+    if latest_checkpoint(root) is None:
+        console.print(f"--resume auto: no checkpoint under {root}; starting fresh.")
+        return None
+    return resume_point(root, parts, console)
 
 
 def resume_point(root: Path, parts: list[str], console: Console) -> str:

@@ -1,4 +1,4 @@
-"""``RLTrainer``: the GRPO / PPO loop over the roles, a rollout and a reward function.
+"""``RLTrainer``: the RL loop (any registered algorithm) over the roles, a rollout and a reward function.
 
 One :meth:`RLTrainer.step` reads as the algorithm: generate → score → old and reference
 log-probs → advantages → update → sync, then one row of metrics. What varies is a part picked
@@ -98,7 +98,8 @@ def _check_policy_loss(config: TrainerConfig, actor: PolicyRole) -> None:
 
 
 class RLTrainer:
-    """An RL algorithm (GRPO, PPO, RLOO, GSPO, ... any registered one) on an :class:`Actor` (plus optional :class:`Reference` and :class:`Critic`).
+    """An RL algorithm (GRPO, PPO, RLOO, GSPO, ...: any registered one, ``config.algorithm``) on
+    an :class:`Actor` (plus optional :class:`Reference` and :class:`Critic`).
 
     ``rollout`` generates with the actor's weights, synced and verified before the first step and
     after every update. ``reward_fn`` scores each sample (see :class:`RewardFn`), and/or

@@ -23,9 +23,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from engine_core import PluginManager, prefix_validation_error
-from engine_core.checkpoint import JobCheckpoints, latest_checkpoint
+from engine_core.checkpoint import JobCheckpoints
 from engine_core.config import ModelConfig
-from engine_core.errors import CheckpointError
 from engine_core.models import build_hf_config
 from engine_core.moe import num_experts_of
 from engine_core_roles.jobs.rl.build import Built, build, resolve, thread_plan
@@ -35,9 +34,8 @@ from engine_core_roles.jobs.rl.sources import Source, source_for
 from engine_core_roles.jobs.rl.text import TextParts, text_parts
 from engine_core_roles.jobs.tracking import (
     RunTracker,
-    claim_output_dir,
     failures_logged,
-    resume_point,
+    starting_point,
 )
 from engine_core_roles.trainer.loop import RLTrainer
 from engine_core_roles.trainer.metrics import plot_keys
@@ -49,10 +47,12 @@ def run_rl_job(
     raw: dict[str, Any],
     manager: PluginManager,
     *,
-    resume: bool = False,
+    resume: bool | str | None = None,
     console: Console | None = None,
 ) -> dict[str, Any]:
-    """Run the job in ``raw``; with ``resume``, continue from the latest checkpoint in its output_dir."""
+    """Run the job in ``raw``; ``resume``: ``True`` (or ``"latest"``) continues from the latest
+    checkpoint in its output_dir, ``"auto"`` from it when there is one (else fresh), ``None``
+    does what the job's ``resume`` setting says (see :func:`starting_point`)."""
     console = console or Console()
     try:
         job = RLJobConfig.model_validate(raw)
@@ -61,17 +61,16 @@ def run_rl_job(
     resolved = resolve(job, manager)  # every backend and its config: refused before any folder
     out_dir = Path(job.output_dir)
     ckpt_root = out_dir / "checkpoints"
-    latest = latest_checkpoint(ckpt_root)
-    if resume and latest is None:
-        raise CheckpointError(
-            f"--resume: no checkpoint under {ckpt_root}; run without --resume to start fresh."
-        )
     # refused before anything is built or overwritten: a folder holding another run, or one
-    # that cannot be written
-    claim_output_dir(out_dir, command="engine-core run", resume=resume)
-    resume_from = None
-    if resume:
-        resume_from = resume_point(ckpt_root, _parts(job), console)
+    # that cannot be written; --resume without a checkpoint
+    resume_from = starting_point(
+        out_dir,
+        _parts(job),
+        resume=resume,
+        configured=job.resume,
+        command="engine-core run",
+        console=console,
+    )
     text = text_parts(job, console)
     threads = thread_plan(job)
     before = torch.get_num_threads()
