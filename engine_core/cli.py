@@ -10,7 +10,8 @@ above it and imports only point down.
 Exit codes: 0 success; 1 the command ran and found a problem (``doctor``, a ``parity`` FAIL)
 or a run failed after it started (one line says what failed and what is still safe; the
 traceback is in the run's ``run.log``); 2 bad usage, config or environment (the message says
-what to fix). ``engine-core plugins`` exits 0 even when some
+what to fix); 3 a run stopped on request (a stop signal such as SIGTERM, or its wall-time limit)
+after writing a checkpoint: rerun the same command with ``--resume auto`` to continue. ``engine-core plugins`` exits 0 even when some
 plugins failed to load: the listing is informational and shows each failure with its fix.
 """
 
@@ -28,7 +29,7 @@ from rich.table import Table
 from rich.text import Text
 
 from engine_core import __version__
-from engine_core.errors import EngineCoreError, RunFailed
+from engine_core.errors import EXIT_STOPPED, EngineCoreError, RunFailed, RunStopped
 from engine_core.plugins import PluginInfo, load_plugins
 from engine_core.settings import Settings
 
@@ -258,6 +259,9 @@ def main(argv: Sequence[str] | None = None, commands: Sequence[Command] | None =
     except RunFailed as e:
         sys.stderr.write(f"{e}\n")
         return 1
+    except RunStopped as e:
+        sys.stderr.write(f"{e}\n")
+        return EXIT_STOPPED
     except (EngineCoreError, ValidationError) as e:
         sys.stderr.write(f"engine-core {command.name}: error: {e}\n")
         return 2

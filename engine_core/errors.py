@@ -23,7 +23,12 @@ __all__ = [
     "CheckpointError",
     "WeightSyncError",
     "RunFailed",
+    "RunStopped",
+    "EXIT_STOPPED",
 ]
+
+EXIT_STOPPED = 3
+"""The exit status of an ``engine-core`` run that stopped on request (:class:`RunStopped`)."""
 
 
 class EngineCoreError(Exception):
@@ -89,3 +94,15 @@ class RunFailed(EngineCoreError):
     def __init__(self, message: str, log_path: Path) -> None:
         super().__init__(message)
         self.log_path = log_path
+
+
+class RunStopped(EngineCoreError):
+    """A run stopped on request before its last step (a stop signal such as SIGTERM from a
+    scheduler, or its wall-time limit), after finishing the step in flight and writing a
+    checkpoint of it. The message is one line; ``engine-core`` exits with
+    :data:`EXIT_STOPPED` (3), which a requeue script tests before rerunning the same command
+    with ``--resume auto``."""
+
+    def __init__(self, message: str, checkpoint: str | None) -> None:
+        super().__init__(message)
+        self.checkpoint = checkpoint

@@ -188,3 +188,78 @@ def test_a_run_killed_before_its_first_checkpoint_restarts_with_resume_auto(
     # nothing more to train)
     assert _quiet(main, ["run", *_overrides(out, "grpo", 2), "resume=auto"]) == 0
     assert _rows(out) == _rows(straight)
+
+
+def test_a_run_stops_on_its_wall_time_with_a_checkpoint_and_resumes_exactly(
+    runs: _Runs, tmp_path: Path
+) -> None:
+    from engine_core.errors import RunStopped
+    from engine_core.plugins import load_plugins
+    from engine_core_roles.jobs.cli import load_recipe
+    from engine_core_roles.jobs.rl.run import run_rl_job
+
+    straight = tmp_path / "straight"
+    assert runs.run(straight, _overrides(straight, "grpo", 2)) == 0
+    out = tmp_path / "stopped"
+    args = [*_overrides(out, "grpo", 2), "save_every=0", "max_wall_time=1e-3"]
+    with open(os.devnull, "w") as sink:
+        from rich.console import Console
+
+        with pytest.raises(
+            RunStopped, match=r"stopped on max_wall_time=0.001s .* after step 1 of 3"
+        ):
+            run_rl_job(load_recipe(args[0], args[1:]), load_plugins(), console=Console(file=sink))
+    # the step in flight was finished and saved, though save_every=0 saves only at the end
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["global_step_1"]
+    assert _quiet(_main, ["run", *args[:-1], "--resume", "auto"]) == 0
+    assert _rows(out) == _rows(straight)
+
+
+def _main(argv: list[str]) -> int:
+    from engine_core_roles.jobs.cli import main
+
+    return int(main(argv))
+
+
+def test_sigterm_stops_the_run_at_a_step_and_a_second_one_does_not_corrupt_its_save(
+    runs: _Runs, tmp_path: Path
+) -> None:
+    """A real `engine-core run` process gets SIGTERM twice, right after its first step is
+    logged: it finishes the step in flight, writes its checkpoint, exits with status 3, and
+    --resume auto continues to the uninterrupted run's metrics."""
+    import signal
+    import subprocess
+    import time
+
+    from engine_core.errors import EXIT_STOPPED
+
+    # eight steps: the signal comes long before the last (a run past it exits 0)
+    straight = tmp_path / "straight"
+    assert runs.run(straight, [*_overrides(straight, "grpo", 2), "steps=8"]) == 0
+    out = tmp_path / "signalled"
+    args = [*_overrides(out, "grpo", 2), "save_every=0", "steps=8"]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine_core.cli", "run", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and metrics.read_text().strip()):
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        assert time.monotonic() < deadline, "the run logged no step in 240 s"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGTERM)  # a second one, while it finishes the step and saves
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == EXIT_STOPPED, err
+    assert "stopped on SIGTERM after step" in err and "--resume auto" in err
+    saved = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert len(saved) == 1 and saved[0].startswith("global_step_"), saved
+    step = int(saved[0].rsplit("_", 1)[1])
+    assert step < 8 and f"after step {step} of 8" in err
+    assert _quiet(_main, ["run", *args, "--resume", "auto"]) == 0
+    assert _rows(out) == _rows(straight)

@@ -56,6 +56,15 @@ def test_short_run_learns_writes_outputs_and_resumes_exactly(tmp_path: Path) -> 
     assert main(["train", str(RECIPE), f"output_dir={resumed}", *overrides, "--resume"]) == 0
     assert _rows(resumed) == rows
 
+    # stopped on its wall-time limit after step 1: exit status 3 with a checkpoint of that
+    # step, and --resume auto goes on to the straight run's rows
+    stopped = tmp_path / "stopped"
+    args = ["train", str(RECIPE), f"output_dir={stopped}", *overrides]
+    assert main([*args, "max_wall_time=1e-3"]) == 3
+    assert [s for s, _ in list_checkpoints(stopped / "checkpoints")] == [1]
+    assert main([*args, "--resume", "auto"]) == 0
+    assert _rows(stopped) == rows
+
 
 def test_bad_override_names_the_field(tmp_path: Path) -> None:
     raw = apply_overrides(

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, PositiveInt, model_validator
+from pydantic import BaseModel, Field, PositiveInt, field_validator, model_validator
 
 from engine_core.config import FrozenModel
 from engine_core_roles.data.tasks import TaskConfig
+from engine_core_roles.jobs.stopping import check_stop_signals
 
 __all__ = ["JobConfig", "SEEDED_SECTIONS", "seeded"]
 
@@ -45,6 +46,18 @@ class JobConfig(FrozenModel):
         "is set.",
     )
     save_every: int = Field(50, ge=0, description="Checkpoint every N steps (0: only at the end).")
+    stop_signals: list[str] = Field(
+        default_factory=lambda: ["SIGTERM"],
+        description="Signals that ask the run to stop: it finishes the step in flight, writes a "
+        "checkpoint and exits with status 3 (rerun with --resume auto). Add an earlier "
+        "warning a scheduler sends, e.g. [SIGTERM, SIGUSR1].",
+    )
+    max_wall_time: float | None = Field(
+        None,
+        gt=0,
+        description="Seconds after which the run stops as on a stop signal (checkpoint, exit "
+        "status 3); None: no limit.",
+    )
     resume: Literal["never", "latest", "auto"] = Field(
         "never",
         description="never: a fresh run (a folder that holds a run is refused); latest: continue "
@@ -60,6 +73,11 @@ class JobConfig(FrozenModel):
         description="The engine config of the model trained (an RL job's actor); validated by "
         "the config class of the backend it names.",
     )
+
+    @field_validator("stop_signals")
+    @classmethod
+    def _catchable(cls, names: list[str]) -> list[str]:
+        return check_stop_signals(names)
 
     @model_validator(mode="before")
     @classmethod

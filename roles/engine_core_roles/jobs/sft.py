@@ -29,7 +29,7 @@ from engine_core.checkpoint import ROOT_PART, JobCheckpoints
 from engine_core.config import EngineConfig, ModelConfig
 from engine_core.configio import prefix_validation_error
 from engine_core.engine import BaseEngine, loss_mask_of
-from engine_core.errors import CheckpointError
+from engine_core.errors import EXIT_STOPPED, CheckpointError, RunStopped
 from engine_core.models import build_hf_config
 from engine_core.plugins import BackendSpec, PluginManager
 from engine_core.resolve import resolve_engine_config
@@ -39,6 +39,7 @@ from engine_core_roles.data.tasks import DigitTask
 from engine_core_roles.data.tokenizer import load_tokenizer
 from engine_core_roles.episodes.demos import DemoRenderer
 from engine_core_roles.jobs.config import JobConfig
+from engine_core_roles.jobs.stopping import StopRequests
 from engine_core_roles.jobs.tracking import (
     RunTracker,
     failures_logged,
@@ -212,7 +213,8 @@ def _train(
         console=console,
         transient=True,
     )
-    with progress:
+    stop, saved_step, reason = StopRequests(job.stop_signals, job.max_wall_time), done, None
+    with progress, stop.installed():
         bar = progress.add_task(
             "train", total=job.steps, completed=done, loss=float("nan"), tps=0.0
         )
@@ -243,8 +245,20 @@ def _train(
                     f"gnorm {row['grad_norm']:.3f} lr {row['lr']:.1e} "
                     f"{row['tokens_per_s']:.0f} tok/s"
                 )
-            if step == job.steps or (job.save_every and step % job.save_every == 0):
+            reason = stop.requested() if step < job.steps else None
+            if reason or step == job.steps or (job.save_every and step % job.save_every == 0):
                 ckpt = checkpoints.save(step, parts, {"step": step, **position()})
+                saved_step = step
+            if reason:
+                break
+    if reason:
+        tracker.close()
+        raise RunStopped(
+            f"engine-core train stopped on {reason} after step {saved_step} of {job.steps} "
+            f"(the step in flight when it came was finished): checkpoint {ckpt} written; rerun "
+            f"the same command with --resume auto to continue (exit status {EXIT_STOPPED}).",
+            ckpt,
+        )
     hf_export = engine.export_hf(str(out_dir / "hf_export"))
     if chats is not None:  # a folder that from_pretrained and the tokenizer both load
         chats.tokenizer.save_pretrained(hf_export)

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from engine_core.checkpoint import JobCheckpoints, latest_checkpoint
-from engine_core.errors import CheckpointError, ConfigError, PluginError, RunFailed
+from engine_core.errors import CheckpointError, ConfigError, PluginError, RunFailed, RunStopped
 
 __all__ = [
     "RunTracker",
@@ -34,8 +34,9 @@ __all__ = [
 
 RUN_LOG = "run.log"  # in a run's output_dir: the traceback of each failure, appended
 
-# bad input found while a run is set up: reported as such (the CLI's usage exit), not logged
-_USAGE_ERRORS = (ConfigError, PluginError, ValidationError)
+# bad input found while a run is set up: reported as such (the CLI's usage exit), not logged;
+# and a stop on request, which is no failure
+_USAGE_ERRORS = (ConfigError, PluginError, ValidationError, RunStopped)
 
 
 @contextlib.contextmanager

@@ -377,12 +377,18 @@ class RLTrainer:
     # -- the run ---------------------------------------------------------------------------
 
     def fit(
-        self, max_steps: int, *, callbacks: Sequence[StepCallback] = ()
+        self,
+        max_steps: int,
+        *,
+        callbacks: Sequence[StepCallback] = (),
+        should_stop: Callable[[], object] | None = None,
     ) -> list[dict[str, Any]]:
         """Step until ``global_step`` reaches ``max_steps``; returns the rows of the steps run.
 
         Each callback gets ``(trainer, row)`` after every step, in order: log, plot, save a
         checkpoint there. A trainer resumed at step ``k`` runs steps ``k+1 .. max_steps``.
+        ``should_stop``, asked after each step's callbacks, ends the loop early when it returns
+        something true (a stop request: the caller checkpoints).
         """
         history = []
         while self.global_step < max_steps:
@@ -390,6 +396,8 @@ class RLTrainer:
             history.append(row)
             for callback in callbacks:
                 callback(self, row)
+            if should_stop is not None and should_stop():
+                break
         return history
 
     def state_dict(self) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from rich.table import Table
 from engine_core import PluginManager, prefix_validation_error
 from engine_core.checkpoint import JobCheckpoints
 from engine_core.config import ModelConfig
+from engine_core.errors import EXIT_STOPPED, RunStopped
 from engine_core.models import build_hf_config
 from engine_core.moe import num_experts_of
 from engine_core_roles.jobs.rl.build import Built, build, resolve, thread_plan
@@ -32,6 +33,7 @@ from engine_core_roles.jobs.rl.config import RLJobConfig
 from engine_core_roles.jobs.rl.evaluate import evaluate
 from engine_core_roles.jobs.rl.sources import Source, source_for
 from engine_core_roles.jobs.rl.text import TextParts, text_parts
+from engine_core_roles.jobs.stopping import StopRequests
 from engine_core_roles.jobs.tracking import (
     RunTracker,
     failures_logged,
@@ -128,11 +130,24 @@ def _run(
         source.warm_up(roles.actor_part)
     tracker = RunTracker(Path(job.output_dir), resume_after_step=trainer.global_step)
     save = _Save(job, checkpoints, built, source, resume_from)
-    with _StepLog(job, tracker, console, text, trainer.global_step) as log:
+    stop = StopRequests(job.stop_signals, job.max_wall_time)
+    with _StepLog(job, tracker, console, text, trainer.global_step) as log, stop.installed():
         try:
-            trainer.fit(job.steps, callbacks=[log, save])
+            trainer.fit(job.steps, callbacks=[log, save], should_stop=stop.requested)
+            reason = stop.requested() if trainer.global_step < job.steps else None
+            if reason is not None:  # the step in flight is done: its checkpoint, then out
+                save.now(trainer)
         finally:
             trainer.close()
+    if reason is not None:
+        tracker.close()
+        raise RunStopped(
+            f"engine-core run stopped on {reason} after step {trainer.global_step} of "
+            f"{job.steps} (the step in flight when it came was finished): checkpoint "
+            f"{save.last} written; rerun the same command with --resume auto to continue "
+            f"(exit status {EXIT_STOPPED}).",
+            save.last,
+        )
     return _finish(job, built, text, tracker, save.last, console)
 
 
@@ -225,12 +240,21 @@ class _Save:
             source,
         )
         self.last = resumed_from  # the newest checkpoint of the run
+        self.saved_step: int | None = None  # the step self.last holds, when this run saved it
 
     def __call__(self, trainer: RLTrainer, row: dict[str, Any]) -> None:
         step, job = row["step"], self.job
         if step == job.steps or (job.save_every and step % job.save_every == 0):
-            state = {self.source.key: self.source.position(), "trainer": trainer.state_dict()}
-            self.last = self.checkpoints.save(step, self.parts, state)
+            self.now(trainer)
+
+    def now(self, trainer: RLTrainer) -> None:
+        """A checkpoint of the trainer's step, unless it has one already."""
+        step = trainer.global_step
+        if self.saved_step == step:
+            return
+        state = {self.source.key: self.source.position(), "trainer": trainer.state_dict()}
+        self.last = self.checkpoints.save(step, self.parts, state)
+        self.saved_step = step
 
 
 def _finish(
