@@ -48,6 +48,7 @@ __all__ = [
     "check_max_ckpt_to_keep",
     "staging_dir",
     "commit_staging",
+    "remove_stale_staging",
     "is_file",
     "is_dir",
     "save_torch",
@@ -142,6 +143,22 @@ def staging_dir(root: str | Path, step: int) -> str:
         fs.rm(tmp_path, recursive=True)
     fs.makedirs(tmp_path, exist_ok=True)
     return tmp
+
+
+def remove_stale_staging(root: str | Path) -> list[str]:
+    """Remove the staging folders (``global_step_<N>.tmp``) that saves interrupted before their
+    commit left under ``root``: never a complete checkpoint. Returns what was removed. Call it
+    when a run starts, before anything saves."""
+    fs, path = _fs(root)
+    if not fs.isdir(path):
+        return []
+    removed = []
+    for entry in fs.ls(path, detail=True):
+        name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+        if name.endswith(".tmp") and STEP_DIR_PATTERN.match(name[: -len(".tmp")]):
+            fs.rm(entry["name"], recursive=True)
+            removed.append(join(root, name))
+    return removed
 
 
 def commit_staging(root: str | Path, step: int, max_ckpt_to_keep: int | None) -> str:

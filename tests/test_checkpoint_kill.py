@@ -177,13 +177,16 @@ def test_a_run_killed_before_its_first_checkpoint_restarts_with_resume_auto(
     assert runs.run(straight, _overrides(straight, "grpo", 2)) == 0
     out = tmp_path / "killed"
     assert runs.run(out, _overrides(out, "grpo", 2), kill_at=1, watch_from="global_step_1") == -9
-    assert not any((out / "checkpoints").glob("global_step_*"))
+    assert not any((out / "checkpoints").glob("global_step_?"))
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1  # step 1 was logged
+    # a staging folder no later save of this run would reuse: removed when the run restarts
+    (out / "checkpoints" / "global_step_7.tmp").mkdir(parents=True)
     raw = load_recipe(_overrides(out, "grpo", 2)[0], _overrides(out, "grpo", 2)[1:])
     with pytest.raises(CheckpointError, match="--resume auto to start fresh"):
         run_rl_job(raw, load_plugins(), resume=True)
     assert _quiet(main, ["run", *_overrides(out, "grpo", 2), "--resume", "auto"]) == 0
     assert _rows(out) == _rows(straight)
+    assert not list((out / "checkpoints").glob("*.tmp"))
     # the recipe's setting does the same; with checkpoints it continues from the newest (here:
     # nothing more to train)
     assert _quiet(main, ["run", *_overrides(out, "grpo", 2), "resume=auto"]) == 0

@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 from rich.console import Console
 
-from engine_core.checkpoint import JobCheckpoints, latest_checkpoint
+from engine_core.checkpoint import JobCheckpoints, latest_checkpoint, remove_stale_staging
 from engine_core.errors import CheckpointError, ConfigError, PluginError, RunFailed, RunStopped
 
 __all__ = [
@@ -227,6 +227,8 @@ def starting_point(
             f"with --resume auto to start fresh whenever there is none."
         )
     claim_output_dir(out_dir, command=command, resume=mode != "never")
+    for stale in remove_stale_staging(root):
+        console.print(f"removed {stale}: the staging folder of a save that never committed.")
     if mode == "never":
         return None
     if latest_checkpoint(root) is None:
