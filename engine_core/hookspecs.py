@@ -90,11 +90,13 @@ class AlgorithmNeed(StrEnum):
     """What an algorithm needs from the run, checked before anything is built.
 
     ``critic``: a value model (its values reach the estimator, its update follows it);
-    ``groups``: more than one sample per prompt.
+    ``groups``: more than one sample per prompt; ``reference``: the reference policy's
+    log-probs of the sampled tokens (the run computes them, and they reach the estimator).
     """
 
     CRITIC = "critic"
     GROUPS = "groups"
+    REFERENCE = "reference"
 
 
 _TARGET = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")

@@ -837,3 +837,43 @@ def test_a_gspo_job_runs_and_logs_its_loss(tmp_path: Path) -> None:
     assert rows[0]["actor/clipfrac"] == 0.0
     assert rows[0]["actor/approx_kl"] == pytest.approx(0.0, abs=1e-7)
     assert "actor/dual_clipfrac" not in rows[0]  # ppo_clip's, not GSPO's
+
+
+# -- an estimator that needs the reference --------------------------------------------------------
+
+
+class KLAdvantage(AdvantageEstimator):
+    """A test estimator that reads the reference: the advantage is ``ref - policy`` per token."""
+
+    def __call__(self, inputs: AdvantageInputs) -> Any:
+        from engine_core_roles.algorithms.base import AdvantageResult
+
+        assert inputs.log_probs is not None and inputs.ref_log_probs is not None
+        return AdvantageResult((inputs.ref_log_probs - inputs.log_probs) * inputs.mask)
+
+
+def test_an_estimator_that_needs_the_reference_gets_its_log_probs(manager: PluginManager) -> None:
+    from tensordict import TensorDict
+
+    from engine_core import LOSS_MASK
+    from engine_core.rollout import ROLLOUT_LOG_PROBS
+    from engine_core_roles.batch.keys import ADVANTAGES, REF_LOG_PROBS
+    from engine_core_roles.trainer.estimators import Advantages
+
+    target = f"{__name__}:KLAdvantage"
+    manager.register(_AlgorithmPlugin("advantage", "kl_adv", target, needs=("reference",)), "p")
+    resolved = resolve_algorithm(AlgorithmConfig(advantage="kl_adv"), manager)
+    assert resolved.needs == {AlgorithmNeed.REFERENCE}
+    with pytest.raises(ConfigError, match="advantage 'kl_adv' reads the reference policy's"):
+        check_needs(resolved, has_critic=False, samples_per_prompt=2, has_reference=False)
+    config = TrainerConfig(samples_per_prompt=2)
+    with pytest.raises(ConfigError, match="pass reference="):
+        Advantages(config, None, resolved, has_reference=False)
+    mask = torch.tensor([[1.0, 1, 0], [0, 1, 1]])
+    policy, ref = torch.tensor([[-1.0, -2, 9], [9, -0.5, -1]]), torch.full((2, 3), -1.0)
+    # no old-log-prob pass (the update computes them): the rollout's are the policy's
+    batch = TensorDict(
+        {LOSS_MASK: mask, ROLLOUT_LOG_PROBS: policy, REF_LOG_PROBS: ref}, batch_size=[2]
+    )
+    Advantages(config, None, resolved, has_reference=True)(batch, torch.zeros(2))
+    assert batch[ADVANTAGES].tolist() == [[0.0, 1.0, 0.0], [0.0, -0.5, 0.0]]

@@ -56,7 +56,10 @@ class AdvantageInputs:
     (``trainer.gamma``, ``trainer.lam``). ``token_rewards`` ``[N, L]``: rewards on single
     tokens besides the score (``-coef * KL`` per token with ``algorithm.kl_in_reward``), or
     ``None``; an estimator reads the total through :meth:`sequence_rewards` (per sample) or
-    :meth:`per_token_rewards` (per token).
+    :meth:`per_token_rewards` (per token). ``log_probs`` and ``ref_log_probs`` ``[N, L]``: the
+    policy's log-probs of the sampled tokens (the old-log-prob pass's, or the rollout's when the
+    update computes them) and the reference's, given to an estimator that needs a reference
+    (else ``None``).
     """
 
     scores: torch.Tensor
@@ -66,6 +69,8 @@ class AdvantageInputs:
     gamma: float = 1.0
     lam: float = 1.0
     token_rewards: torch.Tensor | None = None
+    log_probs: torch.Tensor | None = None
+    ref_log_probs: torch.Tensor | None = None
 
     def sequence_rewards(self) -> torch.Tensor:
         """``[N]``: each sample's score plus its token rewards over its loss tokens."""

@@ -268,12 +268,22 @@ def build_policy_loss(
 
 
 def check_needs(
-    resolved: ResolvedAlgorithm, *, has_critic: bool | None, samples_per_prompt: int
+    resolved: ResolvedAlgorithm,
+    *,
+    has_critic: bool | None,
+    samples_per_prompt: int,
+    has_reference: bool | None = None,
 ) -> None:
     """Refuse a run that lacks what its algorithm declared it needs, naming the part.
-    ``has_critic=None``: the critic is not known yet (not checked)."""
+    ``has_critic`` / ``has_reference`` ``None``: not known yet (not checked)."""
     for spec in (resolved.advantage, resolved.policy_loss):
         what = f"{spec.kind.replace('_', ' ')} {spec.name!r}"
+        if AlgorithmNeed.REFERENCE in spec.needs and has_reference is False:
+            raise ConfigError(
+                f"the {what} reads the reference policy's log-probs, and the run has no "
+                f"reference; pass reference=Reference(engine) (a frozen copy of the initial "
+                f"policy). engine-core run builds one for it."
+            )
         if AlgorithmNeed.CRITIC in spec.needs and has_critic is False:
             raise ConfigError(
                 f"the {what} estimates advantages from a critic's values, and the run has no "

@@ -52,6 +52,8 @@ class Advantages:
         config: TrainerConfig,
         critic: ValueRole | None,
         resolved: ResolvedAlgorithm | None = None,
+        *,
+        has_reference: bool | None = None,
     ) -> None:
         self.resolved = resolve_algorithm(config.algorithm) if resolved is None else resolved
         config.check_overlong()
@@ -59,10 +61,12 @@ class Advantages:
             self.resolved,
             has_critic=critic is not None,
             samples_per_prompt=config.samples_per_prompt,
+            has_reference=has_reference,
         )
         self.estimator = self.resolved.build_estimator()
         self.critic = critic
         self.config = config
+        self.wants_log_probs = AlgorithmNeed.REFERENCE in self.resolved.advantage.needs
 
     def __call__(self, batch: TensorDict, scores: torch.Tensor) -> dict[str, float]:
         cfg, mask = self.config, batch[LOSS_MASK]
@@ -87,6 +91,7 @@ class Advantages:
                 gamma=cfg.gamma,
                 lam=cfg.lam,
                 token_rewards=token_rewards,
+                **(self._log_probs(batch) if self.wants_log_probs else {}),
             )
         )
         name = self.resolved.advantage.name
@@ -108,13 +113,29 @@ class Advantages:
             metrics.update(self.critic.update_critic(batch))
         return metrics
 
+    @staticmethod
+    def _policy_key(batch: TensorDict) -> str:
+        return OLD_LOG_PROBS if OLD_LOG_PROBS in batch.keys() else ROLLOUT_LOG_PROBS
+
+    def _log_probs(self, batch: TensorDict) -> dict[str, torch.Tensor]:
+        """The policy's and the reference's log-probs, for an estimator that needs them."""
+        key = self._policy_key(batch)
+        missing = [k for k in (key, REF_LOG_PROBS) if k not in batch.keys()]
+        if missing:
+            raise ValueError(
+                f"advantage estimator {self.resolved.advantage.name!r} needs the batch fields "
+                f"{missing}: the reference's log-probs (pass reference=) and the policy's (the "
+                f"old-log-prob pass, or a rollout that returns log-probs)."
+            )
+        return {"log_probs": batch[key].float(), "ref_log_probs": batch[REF_LOG_PROBS].float()}
+
     def _kl_rewards(self, batch: TensorDict, metrics: dict[str, float]) -> torch.Tensor | None:
         """``-coef * KL`` per loss token with kl_in_reward (the policy's side: the old-log-prob
         pass's log-probs, or the rollout's when the update computes them), else ``None``."""
         kl_cfg = self.config.algorithm.kl_in_reward
         if kl_cfg is None:
             return None
-        policy_key = OLD_LOG_PROBS if OLD_LOG_PROBS in batch.keys() else ROLLOUT_LOG_PROBS
+        policy_key = self._policy_key(batch)
         missing = [k for k in (policy_key, REF_LOG_PROBS) if k not in batch.keys()]
         if missing:
             raise ValueError(

@@ -141,7 +141,7 @@ class RLTrainer:
                 "reward_model= (a RewardModel), or both."
             )
         # the algorithm's parts, found and checked against what it needs (a critic, groups)
-        advantages = Advantages(config, critic)
+        advantages = Advantages(config, critic, has_reference=reference is not None)
         _check_policy_loss(config, actor)
         if config.algorithm.kl_in_reward is not None and reference is None:
             raise ValueError(

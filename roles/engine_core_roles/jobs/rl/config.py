@@ -271,8 +271,11 @@ class RLJobConfig(JobConfig):
 
     @property
     def needs_reference(self) -> bool:
-        """Whether the run computes reference log-probs: a KL loss, or KL in the reward."""
-        return self.actor.use_kl_loss or self.trainer.algorithm.kl_in_reward is not None
+        """Whether the run computes reference log-probs: a KL loss, KL in the reward, or an
+        algorithm that reads them."""
+        if self.actor.use_kl_loss or self.trainer.algorithm.kl_in_reward is not None:
+            return True
+        return AlgorithmNeed.REFERENCE in resolve_algorithm(self.trainer.algorithm).needs
 
     @property
     def needs_critic(self) -> bool:
