@@ -43,6 +43,7 @@ from engine_core_roles.jobs.stopping import StopRequests
 from engine_core_roles.jobs.tracking import (
     RunTracker,
     failures_logged,
+    save_checkpoint,
     starting_point,
 )
 
@@ -213,49 +214,61 @@ def _train(
         console=console,
         transient=True,
     )
-    stop, saved_step, reason = StopRequests(job.stop_signals, job.max_wall_time), done, None
-    with progress, stop.installed():
-        bar = progress.add_task(
-            "train", total=job.steps, completed=done, loss=float("nan"), tps=0.0
-        )
-        for step in range(done + 1, job.steps + 1):
-            batch = next_batch()
-            t0 = time.perf_counter()
-            result = supervised_step(engine, batch)
-            dt = time.perf_counter() - t0
-            row: dict[str, Any] = {
-                "step": step,
-                **result,
-                "loss_tokens": int(loss_mask_of(batch).sum()),
-                "tokens_per_s": int(batch["attention_mask"].sum()) / dt,
-                "time_s": dt,
-            }
-            every = job.eval_every
-            if chats is not None and chats.val is not None and every:
-                if step % every == 0 or step == job.steps:
-                    val = supervised_loss(engine, chats.val.batches(job.batch_size))
-                    row.update({f"val/{k}": v for k, v in val.items()})
-            tracker.log(row)
-            progress.update(bar, advance=1, loss=row["loss"], tps=row["tokens_per_s"])
-            if step % job.log_every == 0 or step == job.steps:
-                val_text = f" val {row['val/loss']:.4f}" if "val/loss" in row else ""
-                console.print(
-                    f"step {step:>4}/{job.steps} loss {row['loss']:.4f}{val_text} "
-                    f"p_target {row.get('target_prob', float('nan')):.3f} "
-                    f"gnorm {row['grad_norm']:.3f} lr {row['lr']:.1e} "
-                    f"{row['tokens_per_s']:.0f} tok/s"
-                )
-            reason = stop.requested() if step < job.steps else None
-            if reason or step == job.steps or (job.save_every and step % job.save_every == 0):
-                ckpt = checkpoints.save(step, parts, {"step": step, **position()})
-                saved_step = step
-            if reason:
-                break
+    stop, reason, step = StopRequests(job.stop_signals, job.max_wall_time), None, done
+    try:
+        with progress, stop.installed():
+            bar = progress.add_task(
+                "train", total=job.steps, completed=done, loss=float("nan"), tps=0.0
+            )
+            for step in range(done + 1, job.steps + 1):
+                batch = next_batch()
+                t0 = time.perf_counter()
+                result = supervised_step(engine, batch)
+                dt = time.perf_counter() - t0
+                row: dict[str, Any] = {
+                    "step": step,
+                    **result,
+                    "loss_tokens": int(loss_mask_of(batch).sum()),
+                    "tokens_per_s": int(batch["attention_mask"].sum()) / dt,
+                    "time_s": dt,
+                }
+                every = job.eval_every
+                if chats is not None and chats.val is not None and every:
+                    if step % every == 0 or step == job.steps:
+                        val = supervised_loss(engine, chats.val.batches(job.batch_size))
+                        row.update({f"val/{k}": v for k, v in val.items()})
+                tracker.log(row)
+                progress.update(bar, advance=1, loss=row["loss"], tps=row["tokens_per_s"])
+                if step % job.log_every == 0 or step == job.steps:
+                    val_text = f" val {row['val/loss']:.4f}" if "val/loss" in row else ""
+                    console.print(
+                        f"step {step:>4}/{job.steps} loss {row['loss']:.4f}{val_text} "
+                        f"p_target {row.get('target_prob', float('nan')):.3f} "
+                        f"gnorm {row['grad_norm']:.3f} lr {row['lr']:.1e} "
+                        f"{row['tokens_per_s']:.0f} tok/s"
+                    )
+                reason = stop.requested() if step < job.steps else None
+                if reason or step == job.steps or (job.save_every and step % job.save_every == 0):
+                    saved = save_checkpoint(
+                        checkpoints,
+                        step,
+                        parts,
+                        {"step": step, **position()},
+                        last=ckpt,
+                        on_failure=job.on_save_failure,
+                        console=console,
+                    )
+                    ckpt = saved if saved is not None else ckpt
+                if reason:
+                    break
+    except BaseException:
+        tracker.close()  # whatever stopped the run: the rows written stay
+        raise
     if reason:
         tracker.close()
         raise RunStopped(
-            f"engine-core train stopped on {reason} after step {saved_step} of {job.steps} "
-            f"(the step in flight when it came was finished): checkpoint {ckpt} written; rerun "
+            f"engine-core train stopped on {reason} after step {step} of {job.steps} "
+            f"(the step in flight when it came was finished): newest checkpoint {ckpt}; rerun "
             f"the same command with --resume auto to continue (exit status {EXIT_STOPPED}).",
             ckpt,
         )

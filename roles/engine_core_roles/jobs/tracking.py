@@ -11,8 +11,10 @@ import contextlib
 import datetime
 import json
 import math
+import os
+import shutil
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,7 @@ __all__ = [
     "failures_logged",
     "resume_point",
     "starting_point",
+    "save_checkpoint",
     "RUN_LOG",
 ]
 
@@ -187,9 +190,29 @@ class RunTracker:
         return out
 
     def close(self) -> None:
-        self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        """Close the files (again: a no-op). On a full disk their last unwritten bytes are lost
+        and what was written stays; nothing is raised or printed for it."""
+        with contextlib.suppress(OSError):
+            self._file.close()
+        tb, self._tb = self._tb, None
+        if tb is not None:
+            try:
+                tb.close()
+            except OSError:
+                _abandon_event_writers(tb)
+
+
+def _abandon_event_writers(tb: Any) -> None:
+    """A TensorBoard writer whose last flush failed (a full disk): stop its thread and mark it
+    closed, so that its exit hook does not flush again and print the same failure."""
+    for writer in list((getattr(tb, "all_writers", None) or {}).values()):
+        events = getattr(writer, "event_writer", None)
+        worker = getattr(events, "_worker", None)
+        with contextlib.suppress(Exception):
+            if worker is not None:
+                worker.stop()
+        if events is not None:
+            events._closed = True
 
 
 def _shown(sample: dict[str, Any]) -> str:
@@ -235,6 +258,102 @@ def starting_point(
         console.print(f"--resume auto: no checkpoint under {root}; starting fresh.")
         return None
     return resume_point(root, parts, console)
+
+
+def _size(folder: str | None) -> int | None:
+    """Bytes under a local ``folder`` (None: not a local folder)."""
+    if folder is None or not os.path.isdir(folder):
+        return None
+    return sum(
+        os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder) for f in files
+    )
+
+
+def _free(root: Path) -> int | None:
+    try:
+        return shutil.disk_usage(root).free
+    except OSError:
+        return None
+
+
+def _gb(n: int | None) -> str:
+    return "unknown" if n is None else f"{n / 1e9:.2f} GB"
+
+
+def save_checkpoint(
+    checkpoints: JobCheckpoints,
+    step: int,
+    parts: Mapping[str, Any],
+    state: dict[str, Any],
+    *,
+    last: str | None,
+    on_failure: str,
+    console: Console,
+) -> str | None:
+    """Save step ``step``; return the committed folder, or None when the save failed and
+    ``on_failure`` is ``continue``.
+
+    Before the save, a warning when the last checkpoint (``last``) is larger than the free
+    space. A save that raises ``OSError`` (a full disk, a read-only folder) leaves every
+    committed step as it was; its staging folder is removed, and the failure is one sentence:
+    what failed, the space the save needs (the last one's size), the space free, the last safe
+    checkpoint and what to do. ``stop``: raised as :class:`CheckpointError`; ``continue``:
+    printed, and the run trains on."""
+    root = Path(checkpoints.root)
+    needed, free = _size(last), _free(root if root.exists() else root.parent)
+    if needed is not None and free is not None and free < needed:
+        console.print(
+            f"[yellow]step {step}: {_gb(free)} free under {root}, and the last checkpoint "
+            f"took {_gb(needed)}: this save may fail for want of space.[/yellow]",
+            soft_wrap=True,
+        )
+    try:
+        return checkpoints.save(step, parts, state)
+    except Exception as e:
+        free_after = _free(root if root.exists() else root.parent)
+        if not _a_write_failure(e, free_after):
+            raise
+        shutil.rmtree(root / f"global_step_{step}.tmp", ignore_errors=True)
+        free = _free(root if root.exists() else root.parent)
+        what = _write_failure(e)
+        message = (
+            f"saving the checkpoint of step {step} under {root} failed: {what}; it needs about "
+            f"{_gb(needed)} (the last save's size) and {_gb(free)} is free there. Every "
+            f"committed step is intact; the last safe one is {last or 'none yet'}. Free space, "
+            f"or move output_dir to a larger disk, and rerun with --resume auto."
+        )
+        if on_failure != "continue":
+            raise CheckpointError(message) from e
+        console.print(
+            f"[yellow]{message} on_save_failure=continue: training goes on, and the next save "
+            f"tries again.[/yellow]",
+            soft_wrap=True,
+        )
+        return None
+
+
+def _chain(e: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    current: BaseException | None = e
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def _a_write_failure(e: BaseException, free: int | None) -> bool:
+    """Whether a failed save failed for its writes: an ``OSError`` anywhere in its chain, or
+    (torch reports a full disk as a ``RuntimeError`` of its writer) no space left on the disk."""
+    if any(isinstance(x, OSError) for x in _chain(e)):
+        return True
+    return free is not None and free < 64 * 1024
+
+
+def _write_failure(e: BaseException) -> str:
+    for x in _chain(e):
+        if isinstance(x, OSError):
+            return f"{x.strerror or x}" + (f" ({x.filename})" if x.filename else "")
+    return "No space left on device"
 
 
 def resume_point(root: Path, parts: list[str], console: Console) -> str:

@@ -37,6 +37,7 @@ from engine_core_roles.jobs.stopping import StopRequests
 from engine_core_roles.jobs.tracking import (
     RunTracker,
     failures_logged,
+    save_checkpoint,
     starting_point,
 )
 from engine_core_roles.trainer.loop import RLTrainer
@@ -129,7 +130,26 @@ def _run(
     elif job.warmup_sft_steps:
         source.warm_up(roles.actor_part)
     tracker = RunTracker(Path(job.output_dir), resume_after_step=trainer.global_step)
-    save = _Save(job, checkpoints, built, source, resume_from)
+    try:
+        return _train(job, trainer, tracker, checkpoints, built, source, resume_from, console, text)
+    except BaseException:
+        tracker.close()  # whatever stopped the run: the rows and events written stay
+        raise
+
+
+def _train(
+    job: RLJobConfig,
+    trainer: RLTrainer,
+    tracker: RunTracker,
+    checkpoints: JobCheckpoints,
+    built: Built,
+    source: Source,
+    resume_from: str | None,
+    console: Console,
+    text: TextParts | None,
+) -> dict[str, Any]:
+    """The steps, each logged and saved as due; a stop on request checkpoints and raises."""
+    save = _Save(job, checkpoints, built, source, resume_from, console)
     stop = StopRequests(job.stop_signals, job.max_wall_time)
     with _StepLog(job, tracker, console, text, trainer.global_step) as log, stop.installed():
         try:
@@ -232,7 +252,9 @@ class _Save:
         built: Built,
         source: Source,
         resumed_from: str | None,
+        console: Console,
     ) -> None:
+        self.console = console
         self.job, self.checkpoints, self.parts, self.source = (
             job,
             checkpoints,
@@ -253,8 +275,17 @@ class _Save:
         if self.saved_step == step:
             return
         state = {self.source.key: self.source.position(), "trainer": trainer.state_dict()}
-        self.last = self.checkpoints.save(step, self.parts, state)
-        self.saved_step = step
+        saved = save_checkpoint(
+            self.checkpoints,
+            step,
+            self.parts,
+            state,
+            last=self.last,
+            on_failure=self.job.on_save_failure,
+            console=self.console,
+        )
+        if saved is not None:
+            self.last, self.saved_step = saved, step
 
 
 def _finish(
