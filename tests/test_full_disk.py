@@ -35,7 +35,8 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
     try:
         yield disk
     finally:
-        subprocess.run(["umount", str(disk)], check=False)
+        # lazily: a writer abandoned on the full disk may still hold its file open
+        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def _args(out: Path, *extra: str) -> list[str]:

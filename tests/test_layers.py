@@ -52,6 +52,11 @@ def problems(sources: dict[str, str]) -> list[str]:
     for module, text in sources.items():
         tree = ast.parse(text)
         top = {id(node) for node in tree.body}
+        # a module-level `if TYPE_CHECKING:` block holds imports for type checkers only (a lazy
+        # package's names): module level too
+        for node in tree.body:
+            if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+                top |= {id(child) for child in node.body}
         mine = layer_of(module)
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):

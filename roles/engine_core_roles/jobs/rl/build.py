@@ -6,10 +6,13 @@ them (:func:`build`), each registered for closing as soon as it exists; and the 
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+from rich.console import Console
 
 from engine_core import (
     BackendSpec,
@@ -37,6 +40,7 @@ from engine_core_roles.distributed.placement import (
     num_workers,
     start_group,
 )
+from engine_core_roles.distributed.ray_cluster import local_cluster
 from engine_core_roles.distributed.weights import WeightLink
 from engine_core_roles.distributed.workers import (
     ActorWorker,
@@ -178,8 +182,16 @@ def _grouped_roles(job: RLJobConfig, resolved: Resolved, stack: contextlib.ExitS
         import ray
 
         if not ray.is_initialized():
-            ray.init(address=job.ray.address, num_cpus=job.ray.num_cpus, log_to_driver=False)
-            stack.callback(ray.shutdown)
+            start = functools.partial(
+                ray.init, address=job.ray.address, num_cpus=job.ray.num_cpus, log_to_driver=False
+            )
+            if job.ray.address is None:  # a cluster of its own: ended with the job, or after
+                say = Console(stderr=True).print
+                out = Path(job.output_dir)
+                stack.enter_context(local_cluster(out, start, ray.shutdown, say))
+            else:  # a cluster it joined: left as it was
+                start()
+                stack.callback(ray.shutdown)
 
     def started(role: str, worker: type[Any], cfg: EngineConfig, *args: Any) -> WorkerGroup:
         dp = getattr(placement, role).dp

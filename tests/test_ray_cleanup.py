@@ -1,0 +1,77 @@
+"""The local Ray cluster a job starts does not outlive it: a job killed with SIGKILL leaves its
+head node's processes running (Ray's agents ignore SIGTERM), and the next run in the same folder
+ends them, with one line saying so; a run that ends normally leaves no record behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from engine_core_roles.distributed.ray_cluster import RECORD, _processes
+from engine_core_roles.jobs.cli import RECIPES
+
+pytestmark = pytest.mark.ray
+
+
+def _command(out: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "engine_core.cli",
+        "run",
+        str(RECIPES / "grpo_tiny.yaml"),
+        f"output_dir={out}",
+        "placement.executor=ray",
+        "ray.num_cpus=2",
+        "engine.backend=reference",
+        "prompts_per_step=2",
+        "trainer.samples_per_prompt=2",
+        "save_every=0",
+        *extra,
+    ]
+
+
+def _alive(session: str) -> list[int]:
+    return [pid for pid, command in _processes() if session in command]
+
+
+def test_a_killed_jobs_ray_cluster_is_ended_by_the_next_run(tmp_path: Path) -> None:
+    pytest.importorskip("ray")
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    out = tmp_path / "run"
+    job = subprocess.Popen(
+        _command(out, "steps=500"), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    record, metrics = out / RECORD, out / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (record.exists() and metrics.exists() and metrics.read_text().strip()):
+        assert job.poll() is None, job.stderr.read() if job.stderr else b""
+        assert time.monotonic() < deadline, "the job started no Ray cluster and step in 300 s"
+        time.sleep(0.1)
+    session = json.loads(record.read_text())["session_dir"]
+    job.send_signal(signal.SIGKILL)
+    job.wait(timeout=60)
+    time.sleep(2)
+    left = _alive(session)
+    assert left, "a killed driver's Ray cluster was expected to outlive it"
+
+    # the next run in the same folder (fresh: no checkpoint was saved) ends them first
+    again = subprocess.run(
+        [*_command(out, "steps=1"), "--resume", "auto"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert again.returncode == 0, again.stderr
+    said = " ".join(again.stderr.split())
+    assert f"ended {len(left)} processes of the local Ray cluster an earlier run in" in said, said
+    assert not _alive(session)
+    assert not record.exists()  # that run ended its own cluster, and its record with it
