@@ -319,8 +319,8 @@ def save_checkpoint(
         message = (
             f"saving the checkpoint of step {step} under {root} failed: {what}; it needs about "
             f"{_gb(needed)} (the last save's size) and {_gb(free)} is free there. Every "
-            f"committed step is intact; the last safe one is {last or 'none yet'}. Free space, "
-            f"or move output_dir to a larger disk, and rerun with --resume auto."
+            f"committed step is intact; the last safe one is {last or 'none yet'}. Free space (or "
+            f"make the folder writable), or move output_dir, and rerun with --resume auto."
         )
         if on_failure != "continue":
             raise CheckpointError(message) from e
@@ -342,16 +342,21 @@ def _chain(e: BaseException) -> Iterator[BaseException]:
 
 
 def _a_write_failure(e: BaseException, free: int | None) -> bool:
-    """Whether a failed save failed for its writes: an ``OSError`` anywhere in its chain, or
-    (torch reports a full disk as a ``RuntimeError`` of its writer) no space left on the disk."""
-    if any(isinstance(x, OSError) for x in _chain(e)):
+    """Whether a failed save failed for its writes: an ``OSError`` of the file system anywhere in
+    its chain (not a broken connection to a worker), or (torch reports a full disk as a
+    ``RuntimeError`` of its writer) no space left on the disk."""
+    if any(_a_file_error(x) for x in _chain(e)):
         return True
     return free is not None and free < 64 * 1024
 
 
+def _a_file_error(e: BaseException) -> bool:
+    return isinstance(e, OSError) and not isinstance(e, ConnectionError)
+
+
 def _write_failure(e: BaseException) -> str:
     for x in _chain(e):
-        if isinstance(x, OSError):
+        if isinstance(x, OSError) and _a_file_error(x):
             return f"{x.strerror or x}" + (f" ({x.filename})" if x.filename else "")
     return "No space left on device"
 
