@@ -12,7 +12,7 @@ import pytest
 
 from engine_core.cli import COMMANDS, Command, build_parser
 from engine_core.settings import Settings
-from engine_core_roles.jobs.cli import main
+from engine_core_roles.jobs.cli import RECIPES, main
 from tests.fixtures.plugins._install import install_test_plugins, run_python
 
 SCRIPT = Path(sys.executable).parent / "engine-core"
@@ -243,3 +243,21 @@ def test_installed_distributions_add_commands_and_a_broken_one_is_named(site: Pa
     assert "'testbroken'" in warnings[0] and "no_such_module" in warnings[0]
     hello = run_python(["-m", "engine_core.cli", "hello", "world"], site)
     assert (hello.returncode, hello.stdout) == (0, "hello world\n"), hello.stderr
+
+
+def test_resume_reads_auto_and_leaves_the_recipe_and_overrides_alone() -> None:
+    from engine_core.cli import build_parser
+    from engine_core_roles.jobs.cli import COMMANDS, _recipe
+
+    parser = build_parser(COMMANDS)
+    grpo = str(RECIPES / "grpo_tiny.yaml")
+    for argv, mode, steps in (
+        (["run", "--resume", "steps=7"], "latest", 7),  # the documented `--resume steps=900`
+        (["run", "--resume", "auto", "steps=7"], "auto", 7),
+        (["run", "--resume", grpo, "steps=7"], "latest", 7),
+        (["run", grpo, "steps=7", "--resume", "auto"], "auto", 7),
+        (["run", "steps=7"], None, 7),
+    ):
+        args = parser.parse_args(argv)
+        assert args.resume == mode, argv
+        assert _recipe(args, "grpo_tiny.yaml")["steps"] == steps, argv

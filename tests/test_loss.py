@@ -40,9 +40,19 @@ def test_seq_mean_token_sum_by_hand() -> None:
 @pytest.mark.parametrize("mode", list(LossAggregation))
 def test_split_sums_to_whole(mode: LossAggregation) -> None:
     """Any partition of the samples into micro-batches sums to the whole-batch value."""
-    whole = aggregate_loss(VALUES, MASK, mode, ctx())
-    parts = [aggregate_loss(VALUES[i : i + 1], MASK[i : i + 1], mode, ctx()) for i in range(3)]
+    norm = {"norm_length": 4}  # seq-mean-token-sum-norm's constant; ignored by the others
+    whole = aggregate_loss(VALUES, MASK, mode, ctx(), **norm)
+    parts = [
+        aggregate_loss(VALUES[i : i + 1], MASK[i : i + 1], mode, ctx(), **norm) for i in range(3)
+    ]
     assert float(sum(parts)) == pytest.approx(float(whole))
+
+
+def test_seq_mean_token_sum_norm_divides_by_one_constant() -> None:
+    got = aggregate_loss(VALUES, MASK, "seq-mean-token-sum-norm", ctx(), norm_length=4)
+    assert float(got) == pytest.approx((6 + 9 + 6) / 4 / 3)
+    with pytest.raises(ValueError, match="norm_length >= 1"):
+        aggregate_loss(VALUES, MASK, "seq-mean-token-sum-norm", ctx())
 
 
 def test_masked_values_are_ignored() -> None:

@@ -49,9 +49,12 @@ def _recipe_arguments(parser: argparse.ArgumentParser, default: str) -> None:
 
 def _recipe(args: argparse.Namespace, default: str) -> dict[str, Any]:
     """The recipe (or the shipped ``default``) with the command line's dotted overrides applied."""
-    recipe, overrides = args.recipe, list(args.overrides)
-    if recipe is not None and "=" in recipe:  # only overrides were given
-        recipe, overrides = None, [recipe, *overrides]
+    words = [args.recipe] if args.recipe is not None else []
+    took = getattr(args, "resume_took", None)  # the word a bare --resume read: the first one
+    words = ([took] if took is not None else []) + words + list(args.overrides)
+    paths = [w for w in words if "=" not in w]  # the recipe: the one word that sets nothing
+    recipe = paths[0] if paths else None
+    overrides = [w for w in words if w is not recipe]
     return load_recipe(recipe or RECIPES / default, overrides, on_drop=print)
 
 
@@ -174,12 +177,26 @@ def recipe_relative(raw: Any, folder: Path) -> Any:
     return raw
 
 
+class _Resume(argparse.Action):
+    """``--resume`` alone (the latest checkpoint) or ``--resume auto``. A word after a bare
+    ``--resume`` that is neither (``--resume steps=900``, ``--resume my.yaml``) is the command's
+    own argument, handed back to the recipe and its overrides (:func:`_recipe`)."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, value: Any, *_: Any
+    ) -> None:
+        if value in (None, "latest", "auto"):
+            setattr(namespace, self.dest, value or "latest")
+            return
+        setattr(namespace, self.dest, "latest")
+        namespace.resume_took = value
+
+
 def _resume_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--resume",
         nargs="?",
-        const="latest",
-        choices=["latest", "auto"],
+        action=_Resume,
         default=None,
         help="continue from the latest checkpoint in output_dir (none: an error); --resume "
         "auto: continue from it when there is one, else start fresh (for restart loops); "
