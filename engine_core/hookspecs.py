@@ -33,10 +33,10 @@ from __future__ import annotations
 import difflib
 import importlib
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import pluggy
 from pydantic import BaseModel
@@ -98,6 +98,8 @@ class AlgorithmNeed(StrEnum):
     GROUPS = "groups"
     REFERENCE = "reference"
 
+
+_E = TypeVar("_E", bound=StrEnum)
 
 _TARGET = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 _BACKEND_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
@@ -367,34 +369,11 @@ class BackendRegistry:
         description: str,
         override: bool,
     ) -> BackendSpec:
-        who = f"plugin {self._origin.plugin!r}"
-        if not isinstance(name, str) or not _BACKEND_NAME.match(name):
-            raise PluginError(
-                f"{who} registered {kind} name {name!r}; names use letters, digits, '_', '.', "
-                "'-' and start with a letter or digit, e.g. 'fsdp2'."
-            )
-        for label, ref in (("target", target), ("config", config)):
-            if not isinstance(ref, str) or not _TARGET.match(ref):
-                raise PluginError(
-                    f"{who} registered {kind} {name!r} with {label}={ref!r}; expected "
-                    "'package.module:Class', e.g. 'my_plugin.engine:MyEngine'."
-                )
-        caps: set[Capability] = set()
-        for c in capabilities:
-            try:
-                caps.add(Capability(c))
-            except ValueError:
-                raise PluginError(
-                    f"{who} registered {kind} {name!r} with unknown capability {c!r}; allowed: "
-                    f"{', '.join(str(x) for x in Capability)}."
-                ) from None
-        existing = self._specs[kind].get(name)
-        if existing is not None and not override:
-            raise DuplicateBackendError(
-                f"{kind} {name!r} is already registered by plugin {existing.plugin!r} "
-                f"({existing.target}); {who} tried to register it again ({target}). Choose "
-                "another name, or pass override=True to replace it deliberately."
-            )
+        self._check_registration(
+            kind, name, {"target": target, "config": config}, "fsdp2", "my_plugin.engine:MyEngine"
+        )
+        caps = self._members(Capability, capabilities, kind, name, "capability")
+        self._check_new(kind, name, target, self._specs[kind].get(name), override)
         spec = BackendSpec(
             name=name,
             kind=kind,
@@ -419,35 +398,10 @@ class BackendRegistry:
         description: str,
         override: bool,
     ) -> AlgorithmSpec:
-        who = f"plugin {self._origin.plugin!r}"
-        if not isinstance(name, str) or not _BACKEND_NAME.match(name):
-            raise PluginError(
-                f"{who} registered {kind} name {name!r}; names use letters, digits, '_', '.', "
-                "'-' and start with a letter or digit, e.g. 'rloo'."
-            )
-        refs = (("target", target),) + ((("params", params),) if params else ())
-        for label, ref in refs:
-            if not isinstance(ref, str) or not _TARGET.match(ref):
-                raise PluginError(
-                    f"{who} registered {kind} {name!r} with {label}={ref!r}; expected "
-                    "'package.module:Class', e.g. 'my_algos.rloo:RLOO'."
-                )
-        declared: set[AlgorithmNeed] = set()
-        for need in needs:
-            try:
-                declared.add(AlgorithmNeed(need))
-            except ValueError:
-                raise PluginError(
-                    f"{who} registered {kind} {name!r} with unknown need {need!r}; allowed: "
-                    f"{', '.join(str(x) for x in AlgorithmNeed)}."
-                ) from None
-        existing = self._algorithms[kind].get(name)
-        if existing is not None and not override:
-            raise DuplicateBackendError(
-                f"{kind} {name!r} is already registered by plugin {existing.plugin!r} "
-                f"({existing.target}); {who} tried to register it again ({target}). Choose "
-                "another name, or pass override=True to replace it deliberately."
-            )
+        refs = {"target": target, **({"params": params} if params else {})}
+        self._check_registration(kind, name, refs, "rloo", "my_algos.rloo:RLOO")
+        declared = self._members(AlgorithmNeed, needs, kind, name, "need")
+        self._check_new(kind, name, target, self._algorithms[kind].get(name), override)
         spec = AlgorithmSpec(
             name=name,
             kind=kind,
@@ -461,6 +415,55 @@ class BackendRegistry:
         )
         self._algorithms[kind][name] = spec
         return spec
+
+    def _check_registration(
+        self, kind: str, name: object, refs: Mapping[str, object], name_eg: str, ref_eg: str
+    ) -> None:
+        """Refuse a name or a ``"package.module:Class"`` reference that is malformed."""
+        who = f"plugin {self._origin.plugin!r}"
+        if not isinstance(name, str) or not _BACKEND_NAME.match(name):
+            raise PluginError(
+                f"{who} registered {kind} name {name!r}; names use letters, digits, '_', '.', "
+                f"'-' and start with a letter or digit, e.g. '{name_eg}'."
+            )
+        for label, ref in refs.items():
+            if not isinstance(ref, str) or not _TARGET.match(ref):
+                raise PluginError(
+                    f"{who} registered {kind} {name!r} with {label}={ref!r}; expected "
+                    f"'package.module:Class', e.g. '{ref_eg}'."
+                )
+
+    def _members(
+        self, enum: type[_E], values: Iterable[Any], kind: str, name: str, what: str
+    ) -> set[_E]:
+        """``values`` as members of ``enum``; an unknown one is refused with the allowed ones."""
+        members: set[_E] = set()
+        for value in values:
+            try:
+                members.add(enum(value))
+            except ValueError:
+                raise PluginError(
+                    f"plugin {self._origin.plugin!r} registered {kind} {name!r} with unknown "
+                    f"{what} {value!r}; allowed: {', '.join(str(x) for x in enum)}."
+                ) from None
+        return members
+
+    def _check_new(
+        self,
+        kind: str,
+        name: str,
+        target: str,
+        existing: BackendSpec | AlgorithmSpec | None,
+        override: bool,
+    ) -> None:
+        """Refuse a name another registration holds, unless ``override``."""
+        if existing is not None and not override:
+            raise DuplicateBackendError(
+                f"{kind} {name!r} is already registered by plugin {existing.plugin!r} "
+                f"({existing.target}); plugin {self._origin.plugin!r} tried to register it "
+                f"again ({target}). Choose another name, or pass override=True to replace it "
+                "deliberately."
+            )
 
     @contextmanager
     def _registering(self, origin: Origin) -> Iterator[None]:
