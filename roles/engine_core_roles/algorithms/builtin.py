@@ -7,6 +7,9 @@ point of ``engine-core-roles``). The maths are the pure functions of
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from pydantic import Field
 
@@ -41,6 +44,24 @@ __all__ = [
     "CISPO",
     "CISPOParams",
 ]
+
+
+def _with_inputs(
+    loss: Callable[..., dict[str, torch.Tensor]], inputs: PolicyLossInputs, **clip: Any
+) -> dict[str, torch.Tensor]:
+    """``loss`` (one of :mod:`~engine_core_roles.algorithms.losses`) on a micro-batch's inputs,
+    its aggregation and mismatch weights, with the loss's own clip settings."""
+    return loss(
+        inputs.log_probs,
+        inputs.old_log_probs,
+        inputs.advantages,
+        inputs.mask,
+        inputs.ctx,
+        aggregation=inputs.aggregation,
+        norm_length=inputs.norm_length,
+        weights=inputs.weights,
+        **clip,
+    )
 
 
 def _per_token(per_sample: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -128,18 +149,12 @@ class PPOClip(PolicyLoss):
     """PPO's clipped surrogate with dual clip, over ``actor.clip_ratio_low/high/c``."""
 
     def __call__(self, inputs: PolicyLossInputs) -> dict[str, torch.Tensor]:
-        return policy_loss(
-            inputs.log_probs,
-            inputs.old_log_probs,
-            inputs.advantages,
-            inputs.mask,
-            inputs.ctx,
+        return _with_inputs(
+            policy_loss,
+            inputs,
             clip_ratio_low=inputs.clip.low,
             clip_ratio_high=inputs.clip.high,
             clip_ratio_c=inputs.clip.dual,
-            aggregation=inputs.aggregation,
-            norm_length=inputs.norm_length,
-            weights=inputs.weights,
         )
 
 
@@ -156,17 +171,11 @@ class GSPO(PolicyLoss):
     params: GSPOParams
 
     def __call__(self, inputs: PolicyLossInputs) -> dict[str, torch.Tensor]:
-        return gspo_loss(
-            inputs.log_probs,
-            inputs.old_log_probs,
-            inputs.advantages,
-            inputs.mask,
-            inputs.ctx,
+        return _with_inputs(
+            gspo_loss,
+            inputs,
             clip_ratio_low=self.params.clip_ratio_low,
             clip_ratio_high=self.params.clip_ratio_high,
-            aggregation=inputs.aggregation,
-            norm_length=inputs.norm_length,
-            weights=inputs.weights,
         )
 
 
@@ -185,15 +194,9 @@ class CISPO(PolicyLoss):
     params: CISPOParams
 
     def __call__(self, inputs: PolicyLossInputs) -> dict[str, torch.Tensor]:
-        return cispo_loss(
-            inputs.log_probs,
-            inputs.old_log_probs,
-            inputs.advantages,
-            inputs.mask,
-            inputs.ctx,
+        return _with_inputs(
+            cispo_loss,
+            inputs,
             clip_ratio_low=self.params.clip_ratio_low,
             clip_ratio_high=self.params.clip_ratio_high,
-            aggregation=inputs.aggregation,
-            norm_length=inputs.norm_length,
-            weights=inputs.weights,
         )

@@ -211,14 +211,10 @@ class ResolvedAlgorithm:
         return self.advantage.needs | self.policy_loss.needs
 
     def build_estimator(self) -> AdvantageEstimator:
-        cls, _ = self.advantage.load()
-        _check_base(self.advantage, cls, AdvantageEstimator)
-        return cls(self.advantage_params)  # type: ignore[no-any-return]
+        return _built(self.advantage, self.advantage_params, AdvantageEstimator)
 
     def build_policy_loss(self) -> PolicyLoss:
-        cls, _ = self.policy_loss.load()
-        _check_base(self.policy_loss, cls, PolicyLoss)
-        return cls(self.policy_loss_params)  # type: ignore[no-any-return]
+        return _built(self.policy_loss, self.policy_loss_params, PolicyLoss)
 
 
 @functools.lru_cache(maxsize=1)
@@ -245,7 +241,7 @@ def resolve_algorithm(
 ) -> ResolvedAlgorithm:
     """Find ``config``'s estimator and loss and validate their parameters (imports their
     modules, builds nothing). Unknown names are refused with the registered ones."""
-    manager = algorithm_manager() if manager is None else ensure_shipped(manager)
+    manager = _manager(manager)
     advantage = _spec(manager, AlgorithmKind.ADVANTAGE, config.advantage, f"{path}.advantage")
     loss = _spec(manager, AlgorithmKind.POLICY_LOSS, config.policy_loss, f"{path}.policy_loss")
     return ResolvedAlgorithm(
@@ -260,11 +256,8 @@ def build_policy_loss(
     name: str, params: Mapping[str, Any], manager: PluginManager | None = None
 ) -> PolicyLoss:
     """The policy loss ``name`` with ``params`` (the actor's ``policy_loss`` settings)."""
-    manager = algorithm_manager() if manager is None else ensure_shipped(manager)
-    spec = _spec(manager, AlgorithmKind.POLICY_LOSS, name, "actor.policy_loss")
-    return ResolvedAlgorithm(
-        spec, NoParams(), spec, _params(spec, params, "actor.policy_loss_params")
-    ).build_policy_loss()
+    spec = _spec(_manager(manager), AlgorithmKind.POLICY_LOSS, name, "actor.policy_loss")
+    return _built(spec, _params(spec, params, "actor.policy_loss_params"), PolicyLoss)
 
 
 def check_needs(
@@ -323,9 +316,16 @@ def _params(spec: AlgorithmSpec, raw: Mapping[str, Any], where: str) -> BaseMode
         ) from None
 
 
-def _check_base(spec: AlgorithmSpec, cls: type, base: type) -> None:
+def _manager(manager: PluginManager | None) -> PluginManager:
+    return algorithm_manager() if manager is None else ensure_shipped(manager)
+
+
+def _built(spec: AlgorithmSpec, params: BaseModel, base: type) -> Any:
+    """``spec``'s class, checked to be a ``base``, built with its validated ``params``."""
+    cls, _ = spec.load()
     if not issubclass(cls, base):
         raise PluginError(
             f"{spec.kind} {spec.name!r} from plugin {spec.plugin!r}: {spec.target} is not a "
             f"subclass of {base.__module__}.{base.__name__}; fix the plugin's registration."
         )
+    return cls(params)
