@@ -17,8 +17,9 @@ conformance kit (``pytest --engine-core-backend=NAME``) checks every clause.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from engine_core._lazy import lazy_exports
 
 # public name -> module defining it
 _EXPORTS: dict[str, str] = {
@@ -262,17 +263,6 @@ if TYPE_CHECKING:
     )
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(
-            f"module 'engine_core.backend' has no attribute {name!r}; the backend surface is "
-            f"engine_core.backend.__all__"
-        )
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # cache: later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return list(__all__)
+__getattr__, __dir__ = lazy_exports(
+    __name__, _EXPORTS, globals(), "; the backend surface is engine_core.backend.__all__"
+)
