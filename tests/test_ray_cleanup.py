@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -72,6 +73,9 @@ def test_a_killed_jobs_ray_cluster_is_ended_by_the_next_run(tmp_path: Path) -> N
     )
     assert again.returncode == 0, again.stderr
     said = " ".join(again.stderr.split())
-    assert f"ended {len(left)} processes of the local Ray cluster an earlier run in" in said, said
+    # some of the orphans may exit on their own between the count above and the next start
+    ended = re.search(r"ended (\d+) processes of the local Ray cluster an earlier run in", said)
+    assert ended, said
+    assert 1 <= int(ended.group(1)) <= len(left), said
     assert not _alive(session)
     assert not record.exists()  # that run ended its own cluster, and its record with it
