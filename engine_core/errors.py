@@ -22,6 +22,7 @@ __all__ = [
     "MeshRegistrationError",
     "CheckpointError",
     "WeightSyncError",
+    "TrackerError",
     "RunFailed",
     "RunStopped",
     "EXIT_STOPPED",
@@ -84,6 +85,10 @@ class CheckpointError(EngineCoreError, RuntimeError):
 
 class WeightSyncError(EngineCoreError, RuntimeError):
     """Weights sent to a rollout did not match what it expected (names, shapes or checksums)."""
+
+
+class TrackerError(EngineCoreError, RuntimeError):
+    """A metrics tracker (Weights & Biases, MLflow) could not start; nothing was trained."""
 
 
 class RunFailed(EngineCoreError):

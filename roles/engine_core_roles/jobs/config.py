@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field, PositiveInt, field_validator, model_valid
 from engine_core.config import FrozenModel
 from engine_core_roles.data.tasks import TaskConfig
 from engine_core_roles.jobs.stopping import check_stop_signals
+from engine_core_roles.jobs.trackers import MlflowConfig, TrackerName, WandbConfig, check_trackers
 
 __all__ = ["JobConfig", "SEEDED_SECTIONS", "seeded"]
 
@@ -75,6 +76,18 @@ class JobConfig(FrozenModel):
     max_ckpt_to_keep: PositiveInt | None = Field(
         2, description="Checkpoints kept, the newest (None: all)."
     )
+    trackers: list[TrackerName] = Field(
+        default_factory=lambda: list[TrackerName](["tensorboard"]),
+        description="Where the metrics go besides metrics.jsonl (always written): any of "
+        "tensorboard, wandb, mlflow. Each gets the run's config, every step's numbers, the "
+        "decoded samples and the summary; --resume continues the same tracker runs.",
+    )
+    wandb: WandbConfig = Field(
+        default_factory=WandbConfig, description="The W&B run, when trackers has wandb."
+    )
+    mlflow: MlflowConfig = Field(
+        default_factory=MlflowConfig, description="The MLflow run, when trackers has mlflow."
+    )
     engine: dict[str, Any] = Field(
         ...,
         description="The engine config of the model trained (an RL job's actor); validated by "
@@ -85,6 +98,11 @@ class JobConfig(FrozenModel):
     @classmethod
     def _catchable(cls, names: list[str]) -> list[str]:
         return check_stop_signals(names)
+
+    @field_validator("trackers")
+    @classmethod
+    def _installed(cls, names: list[TrackerName]) -> list[TrackerName]:
+        return check_trackers(names)
 
     @model_validator(mode="before")
     @classmethod

@@ -204,7 +204,7 @@ def _train(
         f"[bold]engine-core train[/]: engine={spec.name} on {what}, steps={job.steps} "
         f"batch={job.batch_size} -> {out_dir}"
     )
-    tracker = RunTracker(out_dir, resume_after_step=done)
+    tracker = RunTracker.for_job(job, resume_after_step=done)
     progress = Progress(
         TextColumn("[bold blue]train"),
         BarColumn(),
@@ -265,7 +265,7 @@ def _train(
         tracker.close()  # whatever stopped the run: the rows written stay
         raise
     if reason:
-        tracker.close()
+        tracker.close("stopped")
         raise RunStopped(
             f"engine-core train stopped on {reason} after step {step} of {job.steps} "
             f"(the step in flight when it came was finished): newest checkpoint {ckpt}; rerun "
@@ -277,7 +277,6 @@ def _train(
         chats.tokenizer.save_pretrained(hf_export)
     rows = tracker.rows
     plot = tracker.plot(PLOT_KEYS, title=f"SFT on {what} ({job.steps} steps)")
-    tracker.close()
     vals = [r["val/loss"] for r in rows if "val/loss" in r]
     summary = {
         "engine": spec.name,
@@ -291,6 +290,7 @@ def _train(
         "checkpoint": ckpt,
         "hf_export": hf_export,
     }
+    tracker.close("finished", summary)
     console.print_json(data=summary)
     return summary
 

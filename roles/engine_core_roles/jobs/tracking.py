@@ -1,5 +1,6 @@
-"""Run outputs people read: metrics as JSONL and TensorBoard, a PNG plot at the end, and the
-run's log file holding the traceback of a failure.
+"""Run outputs people read: metrics as JSONL, TensorBoard and the trackers of
+:mod:`~engine_core_roles.jobs.trackers` (W&B, MLflow), a PNG plot at the end, and the run's log
+file holding the traceback of a failure.
 
 Resuming keeps the rows up to the resumed step and drops the rest, so a resumed run's file
 reads exactly like an uninterrupted one.
@@ -16,13 +17,24 @@ import shutil
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 from rich.console import Console
 
 from engine_core.checkpoint import JobCheckpoints, latest_checkpoint, remove_stale_staging
-from engine_core.errors import CheckpointError, ConfigError, PluginError, RunFailed, RunStopped
+from engine_core.errors import (
+    CheckpointError,
+    ConfigError,
+    PluginError,
+    RunFailed,
+    RunStopped,
+    TrackerError,
+)
+from engine_core_roles.jobs.trackers import Tracker, start_trackers
+
+if TYPE_CHECKING:
+    from engine_core_roles.jobs.config import JobConfig
 
 __all__ = [
     "RunTracker",
@@ -37,9 +49,9 @@ __all__ = [
 
 RUN_LOG = "run.log"  # in a run's output_dir: the traceback of each failure, appended
 
-# bad input found while a run is set up: reported as such (the CLI's usage exit), not logged;
-# and a stop on request, which is no failure
-_USAGE_ERRORS = (ConfigError, PluginError, ValidationError, RunStopped)
+# bad input found while a run is set up (a tracker's settings among it): reported as such (the
+# CLI's usage exit), not logged; and a stop on request, which is no failure
+_USAGE_ERRORS = (ConfigError, PluginError, ValidationError, TrackerError, RunStopped)
 
 
 @contextlib.contextmanager
@@ -112,10 +124,16 @@ def claim_output_dir(out_dir: str | Path, *, command: str, resume: bool = False)
 
 
 class RunTracker:
-    """Writes one JSON row per step to ``metrics.jsonl`` and the numbers to TensorBoard."""
+    """Writes one JSON row per step to ``metrics.jsonl``, and the numbers to TensorBoard and
+    ``trackers`` (started ones: :func:`~engine_core_roles.jobs.trackers.start_trackers`)."""
 
     def __init__(
-        self, out_dir: str | Path, *, resume_after_step: int | None = None, tensorboard: bool = True
+        self,
+        out_dir: str | Path,
+        *,
+        resume_after_step: int | None = None,
+        tensorboard: bool = True,
+        trackers: Sequence[Tracker] = (),
     ) -> None:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -133,6 +151,27 @@ class RunTracker:
             self._tb = SummaryWriter(
                 str(self.tensorboard_dir), purge_step=(resume_after_step or 0) + 1
             )
+        self.trackers = list(trackers)
+
+    @classmethod
+    def for_job(cls, job: JobConfig, *, resume_after_step: int | None) -> RunTracker:
+        """The tracker of ``job``'s run: its ``trackers`` started (one sentence,
+        :class:`~engine_core.errors.TrackerError`, for one that cannot start), continuing the
+        tracker runs of its output folder."""
+        out = Path(job.output_dir)
+        started = start_trackers(
+            job.trackers,
+            out,
+            config=job.model_dump(mode="json"),
+            wandb=job.wandb,
+            mlflow=job.mlflow,
+        )
+        return cls(
+            out,
+            resume_after_step=resume_after_step,
+            tensorboard="tensorboard" in job.trackers,
+            trackers=started,
+        )
 
     @property
     def rows(self) -> list[dict[str, Any]]:
@@ -146,6 +185,8 @@ class RunTracker:
             for key, value in row.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                     self._tb.add_scalar(key, value, row["step"])
+        for tracker in self.trackers:
+            tracker.log(row)
 
     def log_samples(self, step: int, samples: Sequence[dict[str, Any]]) -> None:
         """Decoded samples of ``step`` (prompt, response, reward, ...) for people to read: one
@@ -159,6 +200,8 @@ class RunTracker:
                 for s in samples
             )
             self._tb.add_text("samples", text, step)
+        for tracker in self.trackers:
+            tracker.log_samples(step, samples)
 
     def plot(self, keys: Sequence[str], path: str | Path | None = None, title: str = "") -> Path:
         """One panel per key that was logged, against the step; saved as PNG."""
@@ -189,9 +232,14 @@ class RunTracker:
         plt.close(fig)
         return out
 
-    def close(self) -> None:
-        """Close the files (again: a no-op). On a full disk their last unwritten bytes are lost
-        and what was written stays; nothing is raised or printed for it."""
+    def close(self, status: str = "failed", summary: Mapping[str, Any] | None = None) -> None:
+        """Finish the trackers' runs (``status``: finished, stopped or failed; ``summary``, the
+        run's final figures) and close the files; again: a no-op. On a full disk their last
+        unwritten bytes are lost and what was written stays; nothing is raised or printed for
+        it."""
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            tracker.finish(summary, status)
         with contextlib.suppress(OSError):
             self._file.close()
         tb, self._tb = self._tb, None

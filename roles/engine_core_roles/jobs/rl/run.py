@@ -129,7 +129,7 @@ def _run(
         console.print(f"resumed from {resume_from} (next step {trainer.global_step + 1})")
     elif job.warmup_sft_steps:
         source.warm_up(roles.actor_part)
-    tracker = RunTracker(Path(job.output_dir), resume_after_step=trainer.global_step)
+    tracker = RunTracker.for_job(job, resume_after_step=trainer.global_step)
     try:
         return _train(job, trainer, tracker, checkpoints, built, source, resume_from, console, text)
     except BaseException:
@@ -160,7 +160,7 @@ def _train(
         finally:
             trainer.close()
     if reason is not None:
-        tracker.close()
+        tracker.close("stopped")
         raise RunStopped(
             f"engine-core run stopped on {reason} after step {trainer.global_step} of "
             f"{job.steps} (the step in flight when it came was finished): checkpoint "
@@ -307,7 +307,6 @@ def _finish(
     )
     title = f"{job.trainer.algorithm.name.upper()} on '{what}' ({job.steps} steps)"
     plot = tracker.plot(plot_keys(rows), title=title)
-    tracker.close()
     rewards = [r["reward"] for r in rows]
     first, last = rewards[: min(10, len(rewards))], rewards[-min(10, len(rewards)) :]
     summary = {
@@ -327,6 +326,7 @@ def _finish(
         summary.update(
             {"best_val": best[key], "best_val_metric": key, "best_val_step": best["step"]}
         )
+    tracker.close("finished", summary)
     _print_summary(console, summary)
     return summary
 
