@@ -2,7 +2,8 @@
 
 ``engine-core run`` runs in child processes with an audit hook (``sys.addaudithook``) that
 watches the file-system calls Python makes under the run's output folder (files opened for
-writing, renames, deletions, new folders). A first run records the calls of the save at step 2;
+writing, renames, deletions, new folders). One test kills at random calls of whole runs, each
+restarted with ``--resume auto``. Another: a first run records the calls of the save at step 2;
 then, for a spread of those calls, a fresh run is killed with ``SIGKILL`` by its own hook right
 before the call. Each killed run is resumed (``--resume``) to step 3 in this process, and its
 metrics must equal those of the uninterrupted run, step by step.
@@ -193,6 +194,37 @@ def test_a_run_killed_before_its_first_checkpoint_restarts_with_resume_auto(
     assert _rows(out) == _rows(straight)
 
 
+def test_random_kills_anywhere_in_a_run_and_restarts_with_resume_auto_end_exactly(
+    runs: _Runs, tmp_path: Path
+) -> None:
+    """SIGKILL at random moments of a whole run (any write under its folder: before the first
+    checkpoint, inside a save, during the export), each time restarted by the same command
+    with --resume auto, until a restart runs to the end: its metrics are the uninterrupted
+    run's. The moments differ from one test run to the next; a failure names its seed."""
+    import random
+
+    straight, record = tmp_path / "straight", tmp_path / "calls.json"
+    code = runs.run(straight, _overrides(straight, "grpo", 2), record=str(record), watch_from="")
+    assert code == 0
+    total = len(json.loads(record.read_text()))
+    assert total > 20, total  # a run writes its rows, three checkpoints and the export
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = random.Random(seed)
+    out, kills = tmp_path / "killed", []
+    args = [*_overrides(out, "grpo", 2), "--resume", "auto"]
+    while len(kills) < 4:
+        # the first kill falls anywhere in the run; a restart's, anywhere in what a run writes
+        at = rng.randint(1, total)
+        code = runs.run(out, args, kill_at=at, watch_from="")
+        if code == 0:
+            break  # the restart finished before its kill
+        assert code == -9, (seed, kills, at, code)
+        kills.append(at)
+    assert kills, seed  # the first run makes as many writes as the straight one
+    assert runs.run(out, args) == 0, (seed, kills)
+    assert _rows(out) == _rows(straight), (seed, kills)
+
+
 def test_a_run_stops_on_its_wall_time_with_a_checkpoint_and_resumes_exactly(
     runs: _Runs, tmp_path: Path
 ) -> None:
@@ -227,9 +259,11 @@ def _main(argv: list[str]) -> int:
 def test_sigterm_stops_the_run_at_a_step_and_a_second_one_does_not_corrupt_its_save(
     runs: _Runs, tmp_path: Path
 ) -> None:
-    """A real `engine-core run` process gets SIGTERM twice, right after its first step is
-    logged: it finishes the step in flight, writes its checkpoint, exits with status 3, and
-    --resume auto continues to the uninterrupted run's metrics."""
+    """A real `engine-core run` process gets SIGTERM twice, right after a random step (1 to 5
+    of 8; the seed is in a failure's message) is logged: it finishes the step in flight,
+    writes its checkpoint, exits with status 3, and --resume auto continues to the
+    uninterrupted run's metrics."""
+    import random
     import signal
     import subprocess
     import time
@@ -249,20 +283,22 @@ def test_sigterm_stops_the_run_at_a_step_and_a_second_one_does_not_corrupt_its_s
         text=True,
         env=env,
     )
+    seed = int.from_bytes(os.urandom(4), "little")
+    after = random.Random(seed).randint(1, 5)
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 240
-    while not (metrics.exists() and metrics.read_text().strip()):
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= after):
         assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
         assert time.monotonic() < deadline, "the run logged no step in 240 s"
         time.sleep(0.02)
     proc.send_signal(signal.SIGTERM)
     proc.send_signal(signal.SIGTERM)  # a second one, while it finishes the step and saves
     _, err = proc.communicate(timeout=240)
-    assert proc.returncode == EXIT_STOPPED, err
+    assert proc.returncode == EXIT_STOPPED, (seed, err)
     assert "stopped on SIGTERM after step" in err and "--resume auto" in err
     saved = sorted(p.name for p in (out / "checkpoints").iterdir())
-    assert len(saved) == 1 and saved[0].startswith("global_step_"), saved
+    assert len(saved) == 1 and saved[0].startswith("global_step_"), (seed, saved)
     step = int(saved[0].rsplit("_", 1)[1])
-    assert step < 8 and f"after step {step} of 8" in err
+    assert after <= step < 8 and f"after step {step} of 8" in err, (seed, err)
     assert _quiet(_main, ["run", *args, "--resume", "auto"]) == 0
-    assert _rows(out) == _rows(straight)
+    assert _rows(out) == _rows(straight), seed
