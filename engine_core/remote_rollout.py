@@ -43,7 +43,7 @@ import contextlib
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal
 
 import torch
@@ -318,7 +318,8 @@ class ProcessRollout:
 
     ``worker_cls`` (a :class:`RolloutWorker`) is built in each process with the config's dict
     and ``worker_args``: a subclass can wrap the backend it hosts (the roles' episode rollout
-    does, so an episode's turns all run on one replica)."""
+    does, so an episode's turns all run on one replica). On Ray, each replica is placed with
+    ``resources`` by ``strategy`` (:class:`~engine_core.executors.ray.RayWorkerGroup`)."""
 
     def __init__(
         self,
@@ -331,6 +332,8 @@ class ProcessRollout:
         threads_per_replica: int | None = None,
         worker_args: tuple[Any, ...] = (),
         python: str | None = None,
+        resources: Mapping[str, float] | None = None,
+        strategy: str = "PACK",
     ) -> None:
         self.replicas = _check_replicas(replicas)
         if executor not in ("local", "ray"):
@@ -380,6 +383,8 @@ class ProcessRollout:
                 env=env,
                 timeout_s=timeout_s,
                 executor=executor,
+                resources=resources,
+                strategy=strategy,
             )
         try:
             caps, expected, pad = self._group.call_all("describe")[0]
@@ -519,6 +524,8 @@ def _start_replicas(
     env: dict[str, str],
     timeout_s: float,
     executor: str = "local",
+    resources: Mapping[str, float] | None = None,
+    strategy: str = "PACK",
 ) -> WorkerGroup:
     """One worker group of ``replicas`` workers (processes, or Ray actors), started at once; a
     replica that fails to start is named and the group is shut down."""
@@ -533,5 +540,7 @@ def _start_replicas(
             init_args=init_args,
             env=env,
             call_timeout_s=timeout_s,
+            resources=resources,
+            strategy=strategy,
         ),
     )

@@ -169,6 +169,19 @@ def test_a_replica_given_corrupted_weights_stops_the_job_naming_it(
         (["placement.actor.dp=0"], r"placement\.actor\.dp"),
         (["rollout_replicas=2"], r"rollout_replicas=2.*rollout_placement=process"),
         (["ray.address=auto"], r"ray\.address is set but placement\.executor=in_process"),
+        (
+            [
+                "placement.executor=local",
+                "placement.actor.num_gpus=1",
+                "placement.rollout.strategy=SPREAD",
+            ],
+            r"place Ray actors; placement\.actor, placement\.rollout .* executor=local",
+        ),
+        (["placement.executor=ray", "placement.actor.strategy=FAR"], r"placement\.actor\.strategy"),
+        (
+            ["placement.executor=ray", "placement.critic.num_cpus=-1"],
+            r"placement\.critic\.num_cpus",
+        ),
     ],
 )
 def test_bad_placements_are_refused_before_anything_starts(

@@ -41,10 +41,13 @@ def start_worker_group(
     env: Mapping[str, str] | None = None,
     call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
     collective_timeout_s: float | None = None,
+    resources: Mapping[str, float] | None = None,
+    strategy: str = "PACK",
 ) -> WorkerGroup:
     """``workers`` instances of ``worker_cls`` as processes (``local``) or Ray actors (``ray``),
     each given its share of this machine's cores (``OMP_NUM_THREADS``, unless ``env`` sets it;
-    the driver keeps its own)."""
+    the driver keeps its own). On Ray, ``resources`` per worker and the placement ``strategy``
+    (:class:`~engine_core.executors.ray.RayWorkerGroup`); local processes take neither."""
     kwargs: dict[str, Any] = {
         "init_args": init_args,
         "env": {"OMP_NUM_THREADS": str(threads_per_process(workers)), **(env or {})},
@@ -54,7 +57,12 @@ def start_worker_group(
     if executor == "ray":
         from engine_core.executors.ray import RayWorkerGroup
 
-        return RayWorkerGroup(worker_cls, workers, **kwargs)
+        return RayWorkerGroup(worker_cls, workers, resources=resources, strategy=strategy, **kwargs)
+    if resources or strategy != "PACK":
+        raise ValueError(
+            f"resources and strategy place Ray actors; the local executor got "
+            f"resources={dict(resources or {})}, strategy={strategy!r}. Use executor='ray'."
+        )
     return LocalWorkerGroup(worker_cls, workers, **kwargs)
 
 

@@ -3,16 +3,24 @@
 Needs the optional extra: ``pip install 'engine-core[ray]'``. Ray is imported only when a
 ``RayWorkerGroup`` is created. Ray writes an auth token under the home directory unless
 ``RAY_AUTH_MODE=disabled`` is set before ``ray.init``; set it where that matters (tests do).
-Actors ask for ``num_cpus`` each (default 0.01) so small hosts can place several. The timeouts
-are the local executor's: ``call_timeout_s`` per call (and for the actors to start),
+Each worker is one bundle of a Ray placement group: ``resources`` per worker (default
+``{"CPU": 0.01}``, so small hosts can place several; ``GPU`` and custom resources as Ray names
+them), the bundles placed by ``strategy`` (``PACK``: as few nodes as fit, ``SPREAD``,
+``STRICT_PACK``, ``STRICT_SPREAD``). A group the cluster has no room for is refused, naming what
+each node has free. The workers meet at this node's address, so a group may span nodes; a worker
+whose node leaves the cluster is named with that node. The timeouts are the local executor's:
+``call_timeout_s`` per call (and for the group to be placed and its actors to start),
 ``collective_timeout_s`` for the workers' process group. A worker's errors are raised as the
 local executor raises them (:mod:`engine_core.executors.worker_errors`).
+
+Run here on one machine, with several raylets as separate nodes (Ray's test cluster); never on
+separate machines.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from engine_core.errors import DispatchError
@@ -24,11 +32,16 @@ from engine_core.executors.base import (
     WorkerGroup,
     enter_worker_env,
     host_rendezvous,
+    meeting_host,
     worker_env,
 )
 from engine_core.executors.worker_errors import WorkerErrorInfo, error_payload, worker_failure
 
-__all__ = ["RayWorkerGroup"]
+__all__ = ["RayWorkerGroup", "STRATEGIES"]
+
+STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+# how long a failed call waits for the cluster to say whether an unreachable worker's node left
+NODE_LOSS_WAIT_S = 60.0
 
 
 def _import_ray() -> Any:
@@ -62,6 +75,12 @@ class _Host:
         """None once the worker is built; else the error its construction raised."""
         return self.failed
 
+    def node(self) -> tuple[str, str]:
+        """The Ray node this worker runs on: its id and address."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
     def call(self, method: str, args: tuple, kwargs: dict) -> tuple[str, Any]:
         try:
             return ("ok", getattr(self.worker, method)(*args, **kwargs))
@@ -83,6 +102,8 @@ class RayWorkerGroup(WorkerGroup):
         init_kwargs: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
         num_cpus: float = 0.01,
+        resources: Mapping[str, float] | None = None,
+        strategy: str = "PACK",
         call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
         collective_timeout_s: float | None = None,
     ) -> None:
@@ -99,10 +120,28 @@ class RayWorkerGroup(WorkerGroup):
                 "creating a RayWorkerGroup."
             )
         self._ray = ray
-        host = ray.remote(num_cpus=num_cpus)(_Host)
+        self._placement: Any = None
+        #: (node id, address) of each worker, in worker order
+        self.nodes: list[tuple[str, str]] = []
+        bundle = _bundle(num_cpus, resources)
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}; got {strategy!r}.")
+        self._placement = _placed(ray, bundle, num_workers, strategy, self.call_timeout_s)
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        host = ray.remote(_Host)
         self._store, port = host_rendezvous(num_workers)
+        # the group's members meet at this node's address: Ray may place them on other nodes
+        meet = {**(env or {}), "MASTER_ADDR": meeting_host(True)}
         self._actors = [
-            host.remote(
+            host.options(
+                num_cpus=bundle.get("CPU", 0),
+                num_gpus=bundle.get("GPU", 0),
+                resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self._placement, placement_group_bundle_index=r
+                ),
+            ).remote(
                 worker_cls,
                 init_args,
                 dict(init_kwargs or {}),
@@ -110,7 +149,7 @@ class RayWorkerGroup(WorkerGroup):
                     r,
                     num_workers,
                     port,
-                    env,
+                    meet,
                     collective_timeout_s=self.collective_timeout_s,
                     hosted=True,
                 ),
@@ -127,9 +166,45 @@ class RayWorkerGroup(WorkerGroup):
                     described = WorkerErrorInfo.parse(failed).describe()
                     summary = f"worker {i} failed to start: {described}"
                     raise worker_failure(summary, {i: failed}, method="__init__")
+            self.nodes = [tuple(n) for n in ray.get([a.node.remote() for a in self._actors])]
         except BaseException:
             self.shutdown()
             raise
+
+    def where(self) -> str:
+        """Where the workers run: each node's address and id, with how many workers."""
+        counts: dict[tuple[str, str], int] = {}
+        for node in self.nodes:
+            counts[node] = counts.get(node, 0) + 1
+        return ", ".join(f"{n} on node {ip} ({nid[:8]})" for (nid, ip), n in counts.items())
+
+    def _gone_nodes(self, wait_for: Sequence[int] = ()) -> set[str] | None:
+        """The ids of this group's nodes that are no longer in the cluster (None: unknown).
+
+        With ``wait_for`` (workers Ray could not reach), up to :data:`NODE_LOSS_WAIT_S` for
+        the cluster to tell whether their nodes left: it marks a node dead only after missed
+        health checks."""
+        deadline = time.monotonic() + (NODE_LOSS_WAIT_S if wait_for else 0.0)
+        while True:
+            try:
+                alive = {n["NodeID"] for n in self._ray.nodes() if n.get("Alive")}
+            except Exception:
+                return None
+            gone = {node_id for node_id, _ in self.nodes if node_id not in alive}
+            if all(self._on(i, gone) for i in wait_for) or time.monotonic() > deadline:
+                return gone
+            time.sleep(0.5)
+
+    def _on(self, worker: int, nodes: set[str] | None) -> bool:
+        return bool(nodes) and worker < len(self.nodes) and self.nodes[worker][0] in nodes
+
+    def _node_of(self, worker: int, gone: set[str] | None) -> str:
+        """The node of ``worker``, and whether it left the cluster."""
+        if worker >= len(self.nodes):
+            return ""
+        node_id, ip = self.nodes[worker]
+        left = ", which left the cluster" if self._on(worker, gone) else ""
+        return f" on node {ip} ({node_id[:8]}{left})"
 
     def _submit(self, method: str, calls: Calls) -> WorkerFuture:
         if not self._actors:
@@ -175,10 +250,18 @@ class RayWorkerGroup(WorkerGroup):
                 )
             )
         if errors or raised:
+            unavailable = [
+                i for i, e in errors.items() if isinstance(e, ray.exceptions.ActorUnavailableError)
+            ]
+            gone = self._gone_nodes(wait_for=unavailable)
             died = sorted(
-                i for i, e in errors.items() if isinstance(e, ray.exceptions.ActorDiedError)
+                i
+                for i, e in errors.items()
+                if isinstance(e, ray.exceptions.ActorDiedError)
+                # an actor of a node that just left reads as unavailable, not yet as dead
+                or (isinstance(e, ray.exceptions.ActorUnavailableError) and self._on(i, gone))
             )
-            lines = [f"worker {i} died during {method!r}" for i in died]
+            lines = [f"worker {i} died during {method!r}{self._node_of(i, gone)}" for i in died]
             head = [f"{'; '.join(lines)}; the other failures follow from it:"] if died else []
             failures = {i: f"worker {i} raised in {method!r}:\n{e}" for i, e in errors.items()}
             for i, payload in raised.items():
@@ -195,3 +278,44 @@ class RayWorkerGroup(WorkerGroup):
             self._ray.kill(actor)
         self._actors = []
         self._store = None
+        placement, self._placement = getattr(self, "_placement", None), None
+        if placement is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(placement)
+
+
+def _bundle(num_cpus: float, resources: Mapping[str, float] | None) -> dict[str, float]:
+    """One worker's resources: ``resources`` (Ray's names: ``CPU``, ``GPU``, custom ones), its
+    ``CPU`` defaulting to ``num_cpus``."""
+    bundle = {"CPU": float(num_cpus), **{k: float(v) for k, v in (resources or {}).items()}}
+    bad = {k: v for k, v in bundle.items() if not v >= 0}
+    if bad:
+        raise ValueError(f"resources must be numbers >= 0; got {bad}.")
+    return {k: v for k, v in bundle.items() if v > 0}
+
+
+def _placed(ray: Any, bundle: dict[str, float], workers: int, strategy: str, timeout: float) -> Any:
+    """A placement group of ``workers`` bundles, ready; refused with what each node has free
+    when the cluster cannot place it within ``timeout`` seconds."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    group = placement_group([dict(bundle) for _ in range(workers)], strategy=strategy)
+    if group.wait(timeout_seconds=timeout):
+        return group
+    remove_placement_group(group)
+    free = []
+    for node in ray.nodes():
+        if node.get("Alive"):
+            have = {
+                k: v
+                for k, v in node.get("Resources", {}).items()
+                if k in ("CPU", "GPU") or k in bundle
+            }
+            free.append(f"{node.get('NodeManagerAddress')} ({node['NodeID'][:8]}): {have}")
+    raise DispatchError(
+        f"the Ray cluster has no room for {workers} workers of {bundle} each placed {strategy} "
+        f"(waited {timeout:g} s); its nodes have (in all, not free): {'; '.join(free) or 'none'}. "
+        f"Add nodes with those resources, ask for less per worker, or place them another way "
+        f"(strategy PACK fills nodes one after another)."
+    )

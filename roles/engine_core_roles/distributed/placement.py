@@ -33,6 +33,7 @@ __all__ = [
     "CriticGroup",
     "PlacementConfig",
     "RayConfig",
+    "RayPlacement",
     "ReferenceGroup",
     "RewardModelGroup",
     "RoleGroup",
@@ -43,8 +44,40 @@ __all__ = [
 Executor = Literal["in_process", "local", "ray"]
 
 
-class RolePlacement(FrozenModel):
-    """How many data-parallel replicas of one role's engine run."""
+class RayPlacement(FrozenModel):
+    """On Ray (``executor: ray``): what each worker of a group asks the cluster for, and how the
+    group's workers are spread over its nodes (one Ray placement group per worker group)."""
+
+    num_cpus: float = Field(
+        0.01,
+        ge=0,
+        description="ray: CPUs each worker holds (a share by default, so small "
+        "hosts can place several).",
+    )
+    num_gpus: float = Field(0, ge=0, description="ray: GPUs each worker holds.")
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="ray: custom resources each worker holds, as the nodes declare them (e.g. "
+        "{trainer: 1} places the workers on nodes started with --resources '{\"trainer\": N}').",
+    )
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK",
+        description="ray: PACK fills as few nodes as fit; SPREAD spreads the workers over the "
+        "nodes; STRICT_PACK one node or nothing; STRICT_SPREAD one worker per node.",
+    )
+
+    def bundle(self) -> dict[str, float]:
+        """One worker's resources, as Ray names them."""
+        return {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
+
+    @property
+    def placed(self) -> bool:
+        """Whether anything here differs from the defaults (which only Ray reads)."""
+        return bool(self.model_fields_set & {"num_cpus", "num_gpus", "resources", "strategy"})
+
+
+class RolePlacement(RayPlacement):
+    """How many data-parallel replicas of one role's engine run, and where on Ray."""
 
     dp: PositiveInt = Field(
         1,
@@ -88,6 +121,11 @@ class PlacementConfig(FrozenModel):
     reward_model: RolePlacement = Field(
         default_factory=RolePlacement, description="Only with a reward_model."
     )
+    rollout: RayPlacement = Field(
+        default_factory=RayPlacement,
+        description="ray, rollout_placement=process: each rollout replica's resources and how "
+        "the replicas are spread (their number is rollout_replicas).",
+    )
     call_timeout_s: float = Field(
         DEFAULT_CALL_TIMEOUT_S,
         gt=0,
@@ -102,6 +140,14 @@ class PlacementConfig(FrozenModel):
 
     @model_validator(mode="after")
     def _check(self) -> PlacementConfig:
+        roles = ("actor", "critic", "reference", "reward_model", "rollout")
+        placed = [r for r in roles if getattr(self, r).placed]
+        if placed and self.executor != "ray":
+            raise ValueError(
+                f"num_cpus, num_gpus, resources and strategy place Ray actors; "
+                f"{', '.join(f'placement.{r}' for r in placed)} set them with "
+                f"executor={self.executor}. Set executor=ray, or remove them."
+            )
         if self.executor == "in_process":
             wide = [
                 f"{role}.dp={p.dp}"
@@ -139,11 +185,16 @@ def start_group(
     worker_cls: type,
     workers: int,
     init_args: tuple[Any, ...],
+    role: RayPlacement | None = None,
 ) -> WorkerGroup:
     """``workers`` instances of a role worker class on ``placement.executor``, each with its
-    share of this machine's cores."""
+    share of this machine's cores; on Ray placed as ``role`` says (default: the defaults)."""
+    role = role if role is not None else RayPlacement()
     if placement.executor == "in_process":  # grouped placements only
         raise ValueError("start_group runs roles on 'local' processes or 'ray', not in_process.")
+    where: dict[str, Any] = {}
+    if placement.executor == "ray":
+        where = {"resources": role.bundle(), "strategy": role.strategy}
     return start_worker_group(
         placement.executor,
         worker_cls,
@@ -151,6 +202,7 @@ def start_group(
         init_args=init_args,
         call_timeout_s=placement.call_timeout_s,
         collective_timeout_s=placement.collective_timeout_s,
+        **where,
     )
 
 

@@ -194,9 +194,12 @@ def _grouped_roles(job: RLJobConfig, resolved: Resolved, stack: contextlib.ExitS
                 stack.callback(ray.shutdown)
 
     def started(role: str, worker: type[Any], cfg: EngineConfig, *args: Any) -> WorkerGroup:
-        dp = getattr(placement, role).dp
-        group = start_group(placement, worker, num_workers(dp, cfg), (cfg.model_dump(), *args))
+        where = getattr(placement, role)
+        group = start_group(
+            placement, worker, num_workers(where.dp, cfg), (cfg.model_dump(), *args), where
+        )
         stack.callback(group.shutdown)
+        _say_where(role, group)
         return group
 
     engine_cfg, actor_cfg = resolved.engine[1], job.actor_config()
@@ -242,6 +245,9 @@ def _rollout(
         hosting: dict[str, Any] = {}  # the replicas' worker: the plain one unless episodes
         if episodes:
             hosting = {"worker_cls": EpisodeWorker, "worker_args": (episodes,)}
+        if job.placement.executor == "ray":
+            where = job.placement.rollout
+            hosting.update(resources=where.bundle(), strategy=where.strategy)
         remote = ProcessRollout(
             rollout_cfg,
             replicas=job.rollout_replicas,
@@ -251,6 +257,7 @@ def _rollout(
             **hosting,
         )
         stack.callback(remote.shutdown)
+        _say_where("rollout", remote.worker_group)
         return remote
     backend: BaseRollout = spec.load_class()(rollout_cfg)
     stack.callback(backend.shutdown)
@@ -265,6 +272,13 @@ def _rollout(
             step_timeout_s=job.env.step_timeout_s,
         )
     return backend
+
+
+def _say_where(role: str, group: WorkerGroup) -> None:
+    """One line naming the nodes a Ray group's workers run on."""
+    where = getattr(group, "where", None)
+    if where is not None:
+        Console(stderr=True).print(f"placement: {role} workers: {where()}", soft_wrap=True)
 
 
 @dataclass(frozen=True)

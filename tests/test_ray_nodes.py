@@ -1,0 +1,172 @@
+"""Worker groups on a Ray cluster of several nodes: two raylets on this machine (Ray's test
+cluster, each node with its own CPUs and a resource naming it). Groups are placed where they
+fit (spread over both nodes, or on the node a resource names); a group the cluster has no room
+for is refused with what the nodes have; a worker whose node leaves the cluster is named with
+that node (the actor's ranks and the rollout replicas one a node, the weights synced across
+them), and the job stops with one line, its checkpoints intact, and resumes with
+``--resume auto`` once the cluster has room again. Nothing here has run on separate machines."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine_core_roles.jobs.cli import RECIPES
+
+pytestmark = pytest.mark.ray
+
+ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    nodes = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "resources": {"first": 1}, "include_dashboard": False},
+    )
+    try:
+        yield nodes
+    finally:
+        nodes.shutdown()
+
+
+SCRIPT = r"""
+import json, sys, ray
+from engine_core.errors import DispatchError
+from engine_core.executors.ray import RayWorkerGroup
+from tests._workers import MeshWorker
+
+ray.init(address=sys.argv[1], log_to_driver=False)
+out = {}
+spread = RayWorkerGroup(MeshWorker, 2, resources={"CPU": 1}, strategy="SPREAD")
+out["spread"] = [ip_id[0] for ip_id in spread.nodes]
+out["echo"] = spread.call_all("echo", 1)
+spread.shutdown()
+named = RayWorkerGroup(MeshWorker, 1, resources={"second": 1})
+out["named"] = named.nodes[0][0]
+named.shutdown()
+try:
+    RayWorkerGroup(MeshWorker, 3, strategy="STRICT_SPREAD", call_timeout_s=5)
+except DispatchError as e:
+    out["refused"] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_groups_are_placed_where_they_fit_and_refused_where_nothing_fits(
+    cluster: Any, tmp_path: Path
+) -> None:
+    second = cluster.add_node(num_cpus=1, resources={"second": 1})
+    try:
+        cluster.wait_for_nodes()
+        done = subprocess.run(
+            [sys.executable, "-c", SCRIPT, cluster.address],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=ENV,
+            cwd=Path(__file__).parents[1],
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        out = json.loads(done.stdout.strip().splitlines()[-1])
+        head = cluster.head_node.node_id
+        assert sorted(out["spread"]) == sorted([head, second.node_id])  # one worker each
+        assert sorted(out["echo"]) == [10, 11]  # both answer, each with its rank
+        assert out["named"] == second.node_id  # the node with the resource asked for
+        assert "no room for 3 workers" in out["refused"] and "STRICT_SPREAD" in out["refused"]
+        assert out["refused"].count("CPU") >= 2  # each node's resources are named
+    finally:
+        cluster.remove_node(second)
+
+
+def _job(out: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "engine_core.cli",
+        "run",
+        str(RECIPES / "grpo_tiny.yaml"),
+        f"output_dir={out}",
+        "engine.backend=reference",
+        "prompts_per_step=2",
+        "trainer.samples_per_prompt=2",
+        "save_every=1",
+        "placement.executor=ray",
+        "placement.actor.dp=2",
+        "placement.actor.num_cpus=0.5",
+        "placement.actor.strategy=STRICT_SPREAD",
+        "rollout_placement=process",
+        "rollout_replicas=2",
+        "placement.rollout.num_cpus=0.25",
+        "placement.rollout.strategy=STRICT_SPREAD",
+        "placement.call_timeout_s=60",
+        *extra,
+    ]
+
+
+def test_a_job_spans_two_nodes_stops_when_one_leaves_and_resumes_on_a_new_one(
+    cluster: Any, tmp_path: Path
+) -> None:
+    second = cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    out = tmp_path / "run"
+    job = subprocess.Popen(
+        [*_job(out, "steps=200", f"ray.address={cluster.address}")],
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert job.poll() is None, job.stderr.read() if job.stderr else ""
+        assert time.monotonic() < deadline, "the job logged no two steps in 300 s"
+        time.sleep(0.1)
+    cluster.remove_node(second, allow_graceful=False)  # the node goes, mid-run
+    _, err = job.communicate(timeout=300)
+    assert job.returncode == 1, err
+    for role in ("actor", "rollout"):  # one worker of each group on each node
+        placed = next(line for line in err.splitlines() if line.startswith(f"placement: {role}"))
+        assert placed.count("1 on node") == 2, placed
+    said = [line for line in err.splitlines() if "engine-core run failed" in line]
+    assert len(said) == 1, err
+    assert "died during" in said[0] and "which left the cluster" in said[0], said[0]
+    assert "checkpoints already saved" in said[0]
+    assert "Traceback" not in err
+    # the committed steps (a save the loss broke off leaves its staging folder, *.tmp)
+    saved = sorted(
+        (p.name for p in (out / "checkpoints").iterdir() if p.name.split("_")[-1].isdigit()),
+        key=lambda name: int(name.split("_")[-1]),
+    )
+    assert saved, list((out / "checkpoints").iterdir())
+
+    # a new node: the same command with --resume auto continues from the newest checkpoint
+    third = cluster.add_node(num_cpus=1)
+    try:
+        cluster.wait_for_nodes()
+        last = int(saved[-1].rsplit("_", 1)[1])
+        done = subprocess.run(
+            [*_job(out, f"steps={last + 1}", f"ray.address={cluster.address}"), "--resume", "auto"],
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        assert [r["step"] for r in rows] == list(range(1, last + 2))
+        assert not list((out / "checkpoints").glob("*.tmp"))  # removed at the start
+    finally:
+        cluster.remove_node(third)
