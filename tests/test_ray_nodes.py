@@ -34,7 +34,13 @@ def cluster() -> Iterator[Any]:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     nodes = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 1, "resources": {"first": 1}, "include_dashboard": False},
+        head_node_args={
+            "num_cpus": 1,
+            "resources": {"first": 1},
+            "include_dashboard": False,
+            # a node that stops answering is declared dead after ~2 s (Ray's default: ~15 s)
+            "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 4},
+        },
     )
     try:
         yield nodes

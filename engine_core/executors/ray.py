@@ -196,7 +196,7 @@ class RayWorkerGroup(WorkerGroup):
             time.sleep(0.5)
 
     def _on(self, worker: int, nodes: set[str] | None) -> bool:
-        return bool(nodes) and worker < len(self.nodes) and self.nodes[worker][0] in nodes
+        return nodes is not None and worker < len(self.nodes) and self.nodes[worker][0] in nodes
 
     def _node_of(self, worker: int, gone: set[str] | None) -> str:
         """The node of ``worker``, and whether it left the cluster."""
