@@ -332,7 +332,10 @@ class BaseEngine(abc.ABC):
     # ------------------------------------------------------------------ lifecycle
     @abc.abstractmethod
     def init_model(self) -> None:
-        """Build or load the model, the optimizer and the LR scheduler."""
+        """Build or load the model as ``config.model`` says, the optimizer and the LR scheduler.
+
+        Also called in a plain process with no process group (a script, ``engine-core run``):
+        the engine then creates the one-rank group it needs, or runs without collectives."""
 
     @contextlib.contextmanager
     def train_mode(self) -> Iterator[None]:
@@ -405,7 +408,10 @@ class BaseEngine(abc.ABC):
         return dist.is_available() and dist.is_initialized()
 
     def shard_data(self, batch: TensorDict) -> TensorDict:
-        """This DP rank's contiguous chunk of a global batch (SPMD use under ``torchrun``)."""
+        """This DP rank's contiguous chunk of a global batch (SPMD use under ``torchrun``).
+
+        A batch that does not divide by ``dp_size`` is an
+        :class:`~engine_core.errors.EngineCoreError`."""
         n = int(batch.batch_size[0])
         if n % self.dp_size:
             raise EngineCoreError(
@@ -445,7 +451,21 @@ class BaseEngine(abc.ABC):
         """Run every micro-batch of this rank's ``batch``; accumulate gradients unless forward-only.
 
         Gradients are the sum over micro-batches and DP ranks of each micro-batch's loss
-        gradient (see :mod:`engine_core.loss`), complete when this returns.
+        gradient (see :mod:`engine_core.loss`), complete when this returns. A forward-only step
+        runs no backward and leaves the gradients as they were. On a token budget every DP rank
+        runs the same number of micro-batches (the plan is agreed over the DP group). The
+        caller's ``batch`` is left as it was: no key added, removed or changed.
+
+        Refused before anything runs, the engine unchanged: a batch that
+        :func:`~engine_core.batch.validate_batch` refuses, a token id outside the model's
+        vocabulary or a sample longer than its ``max_position_embeddings``
+        (:class:`~engine_core.errors.BatchError`); ``routed_experts``, ``BatchMeta.moe_aux`` or
+        ``BatchMeta.return_routes`` on an engine without ``routing_replay``
+        (:class:`~engine_core.errors.CapabilityError`); a training step with no loss function
+        (:class:`~engine_core.errors.EngineCoreError`). An exception raised while the step runs
+        (the loss function's, say) propagates as raised; gradients the micro-batches before it
+        accumulated stay until :meth:`optimizer_zero_grad`, after which the engine trains on as
+        before.
         """
         validate_batch(batch)
         self._check_model_limits(batch)
@@ -634,7 +654,9 @@ class BaseEngine(abc.ABC):
         """Call the model; with ``inputs.head``, its output layer gives log-probs and entropy
         (:func:`~engine_core.log_probs.chunked_head`) instead of logits. With
         ``activation_offload``, inside the engine's
-        :class:`~engine_core.activation_offload.OffloadActivations`."""
+        :class:`~engine_core.activation_offload.OffloadActivations`. With ``inputs.routes`` the
+        mixture-of-experts routers take the given experts; with ``inputs.record_routes`` their
+        own choice is left in ``inputs.recorded`` (:mod:`engine_core.moe`)."""
         module = self.require_module()
         request = inputs.head
         offload = self.__offload if self.__offload is not None else contextlib.nullcontext()
@@ -767,7 +789,9 @@ class BaseEngine(abc.ABC):
 
     @abc.abstractmethod
     def optimizer_step(self) -> float:
-        """Clip, step and return the grad norm; on a non-finite norm skip the update."""
+        """Clip, step and return the grad norm (before clipping); on a non-finite norm skip the
+        update: the weights and the optimizer's state (AdamW's moments and step count) stay as
+        they were, and the non-finite norm is returned."""
 
     @abc.abstractmethod
     def lr_scheduler_step(self) -> float:
@@ -967,7 +991,10 @@ class BaseEngine(abc.ABC):
     def named_full_params(
         self, bucket_bytes: int = BUCKET_BYTES
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF parameter name, full tensor), materialising at most ``bucket_bytes`` at a time."""
+        """Yield (HF parameter name, full tensor) for every weight, in the model's dtype.
+
+        ``bucket_bytes`` is how much an engine that gathers shards holds at a time (a tensor
+        bigger than that alone); it changes no name or value."""
 
     def named_lora_params(
         self, bucket_bytes: int = BUCKET_BYTES, *, adapters_only: bool = False

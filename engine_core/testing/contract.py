@@ -14,7 +14,7 @@ import torch
 
 from engine_core.batch import ENTROPY, LOG_PROBS, VALUES
 from engine_core.capabilities import Capability
-from engine_core.errors import CapabilityError, PluginError
+from engine_core.errors import CapabilityError, EngineCoreError, PluginError
 from engine_core.plugins import load_plugins
 from engine_core.resolve import resolve_engine_config
 from engine_core.testing.distributed import run_distributed
@@ -22,15 +22,19 @@ from engine_core.testing.kit import (
     CAPABILITY_TRIGGERS,
     MIXED_PRECISION_OPTIM,
     UPDATE_CAUSES,
+    UPDATE_OPTIM,
     UPDATE_STEPS,
     Baseline,
     declared_capabilities,
     eval_batch,
     make_baseline,
+    masked_batch,
     no_process_group_checks,
     plain_log_probs,
+    plain_loss_and_grad_norm,
     plain_update,
     single_process_checks,
+    train_batch,
     two_process_checks,
 )
 from engine_core.testing.models import engine_config
@@ -939,3 +943,461 @@ def test_registered_class_declares_the_registered_capabilities(engine_core_backe
         f"[capabilities] the registry lists {sorted(map(str, spec.capabilities))} but "
         f"{cls.__name__}.capabilities is {sorted(map(str, cls.capabilities))}"
     )
+
+
+# ---------------------------------------------------------------------------- promises
+# BaseEngine's docstrings, clause by clause (docs/conformance.md, "Promises and the clauses
+# that check them"), what an engine does when something goes wrong among them.
+def _what(raised: dict[str, Any] | None) -> str:
+    if raised is None:
+        return "nothing"
+    return f"{raised['types'][0]}: {raised['message'][:300]}"
+
+
+def _is(raised: dict[str, Any] | None, error: str, phrase: str = "") -> bool:
+    return raised is not None and error in raised["types"] and phrase in raised["message"]
+
+
+def _exception(call: Any) -> Exception | None:
+    try:
+        call()
+    except Exception as e:  # the clause says which one it wanted
+        return e
+    return None
+
+
+def _probe(step: dict[str, Any], baseline: Baseline) -> str:
+    """What a probe step (on the weights the engine was built with) shows, '' when nothing."""
+    loss, norm = step["loss"], step["norm"]
+    wrong = []
+    if loss is None or not abs(loss - baseline.loss) <= RTOL * abs(baseline.loss):
+        wrong.append(f"loss {loss}, want {baseline.loss:.8g} (the weights changed)")
+    if not abs(norm - baseline.grad_norm) <= RTOL * baseline.grad_norm:
+        wrong.append(
+            f"grad norm {norm:.8g}, want {baseline.grad_norm:.8g} (a gradient was left behind)"
+        )
+    return "; ".join(wrong)
+
+
+def test_an_engine_takes_a_resolved_config_and_init_model_first(
+    engine_core_backend: str, caps: frozenset
+) -> None:
+    manager = load_plugins()
+    cls = manager.get_engine(engine_core_backend).load_class()
+    raw = engine_config(backend=engine_core_backend, use_packing=Capability.PACKING in caps)
+    refused = _exception(lambda: cls(raw))
+    if not isinstance(refused, TypeError) or "resolve_engine_config" not in str(refused):
+        pytest.fail(
+            f"[construction] {cls.__name__}(<a raw config dict>) raised {refused!r}; want a "
+            f"TypeError saying to resolve the config with resolve_engine_config() "
+            f"(BaseEngine.__init__ checks config_class: call it first)."
+        )
+    _, config = resolve_engine_config(raw, manager)
+    engine = cls(config)
+    calls = {
+        "require_module()": engine.require_module,
+        "forward_backward_step(forward_only=True)": lambda: engine.forward_backward_step(
+            train_batch(), forward_only=True
+        ),
+    }
+    for name, call in calls.items():
+        got = _exception(call)
+        if not isinstance(got, EngineCoreError) or "init_model" not in str(got):
+            pytest.fail(
+                f"[construction] {name} before init_model() raised {got!r}; want an "
+                f"EngineCoreError saying to call init_model() first (BaseEngine.require_module)."
+            )
+
+
+def test_a_subclass_cannot_redefine_a_private_helper(engine_core_backend: str) -> None:
+    cls = load_plugins().get_engine(engine_core_backend).load_class()
+    refused = _exception(lambda: type("Shadowing", (cls,), {"_check_model_limits": len}))
+    if not isinstance(refused, TypeError) or "_check_model_limits" not in str(refused):
+        pytest.fail(
+            f"[private names] a subclass of {cls.__name__} redefining BaseEngine's "
+            f"_check_model_limits gave {refused!r}; want a TypeError naming it "
+            f"(BaseEngine.__init_subclass__: keep it, or call super().__init_subclass__())."
+        )
+
+
+def test_a_refused_batch_changes_nothing(single: dict, kit_baseline: Baseline) -> None:
+    got = _get(single, "no_trace", "refused")
+    for case, (error, raised) in got["refused"].items():
+        if not _is(raised, error):
+            pytest.fail(
+                f"[refused] forward_backward_step with {case} raised {_what(raised)}; want a "
+                f"{error} before anything runs (BaseEngine.forward_backward_step checks the "
+                f"batch, the model's limits, routing keys and the loss first: call it before "
+                f"running the model, or check the same)."
+            )
+    wrong = _probe(got["after_refused"], kit_baseline)
+    if wrong:
+        pytest.fail(
+            f"[refused] after the refused calls ({', '.join(got['refused'])}) a training step "
+            f"gave {wrong}: a refused call must leave the engine as it was."
+        )
+
+
+def test_forward_only_accumulates_no_gradient(single: dict, kit_baseline: Baseline) -> None:
+    got = _get(single, "no_trace", "forward only")
+    fo = got["forward_only"]
+    loss = fo["loss"]
+    if loss is None or not abs(loss - kit_baseline.loss) <= RTOL * abs(kit_baseline.loss):
+        pytest.fail(
+            f"[forward only] forward_backward_step(forward_only=True) with a loss function set "
+            f"returned loss {loss}; want the global loss {kit_baseline.loss:.8g}, as a "
+            f"training step reports it."
+        )
+    if fo["loss_without_fn"] is not None:
+        pytest.fail(
+            f"[forward only] after set_loss_fn(None) the step returned loss "
+            f"{fo['loss_without_fn']}; want None (EngineOutput.loss without a loss function)."
+        )
+    assert fo["loss_fn_kept"], "[forward only] loss_fn is not what set_loss_fn() last set"
+    wrong = _probe(got["after_forward_only"], kit_baseline)
+    if wrong:
+        pytest.fail(
+            f"[forward only] after two forward-only steps in train_mode() (autograd on) a "
+            f"training step gave {wrong}: forward_only=True must run no backward (the default "
+            f"loop runs the micro-batches under torch.no_grad())."
+        )
+
+
+def test_optimizer_zero_grad_clears_a_failed_step(single: dict, kit_baseline: Baseline) -> None:
+    got = _get(single, "no_trace", "failed step")
+    if not _is(got["failed"], "RuntimeError", "kit: the loss function failed"):
+        pytest.fail(
+            f"[failed step] the loss function raised RuntimeError('kit: the loss function "
+            f"failed on micro-batch 2') in a step of 3 micro-batches; the step raised "
+            f"{_what(got['failed'])}. Let an exception inside a step propagate as raised."
+        )
+    wrong = _probe(got["after_failed"], kit_baseline)
+    if wrong:
+        pytest.fail(
+            f"[failed step] after the failed step and optimizer_zero_grad() a training step "
+            f"gave {wrong}: optimizer_zero_grad() must clear what the micro-batches before the "
+            f"failure accumulated, and the engine train on as before (no gradient sync or "
+            f"schedule state left half-way)."
+        )
+
+
+@pytest.fixture(scope="session")
+def first_step_oracle(kit_baseline: Baseline) -> dict[str, Any]:
+    """The plain loop's first step on the update oracle's first batch: its grad norm (before
+    clipping) and the weights after it."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(kit_baseline.policy_dir, dtype=torch.float32)
+    _, norm = plain_loss_and_grad_norm(model, masked_batch(0))
+    return {"norm": norm, "params": plain_update(kit_baseline.policy_dir, steps=1)}
+
+
+def test_a_skipped_step_leaves_the_optimizer_as_it_was(
+    single: dict, kit_baseline: Baseline, request: pytest.FixtureRequest
+) -> None:
+    got = _get(single, "skipped_step", "skipped step")
+    oracle = request.getfixturevalue("first_step_oracle")
+    norm, clip = got["norm"], UPDATE_OPTIM["clip_grad"]
+    if abs(norm - clip) <= 1e-3 * clip < abs(oracle["norm"] - clip):
+        pytest.fail(
+            f"[optimizer] optimizer_step() returned {norm:.8g}, the norm after clipping to "
+            f"{clip}; return the norm before clipping ({oracle['norm']:.8g} here)."
+        )
+    if not abs(norm - oracle["norm"]) <= RTOL * oracle["norm"]:
+        pytest.fail(
+            f"[skipped step] the step after one skipped for a NaN grad norm "
+            f"({got['skipped_norm']}) had grad norm {norm:.8g}, a plain loop's first step "
+            f"{oracle['norm']:.8g}: the skipped step's gradients outlived optimizer_zero_grad()."
+        )
+    if got["params"] is not None:
+        rel, worst, worst_rel = _distance(got["params"], oracle["params"], kit_baseline.state_dict)
+    else:
+        start = {"log_probs": kit_baseline.log_probs}
+        want = {"log_probs": _oracle_log_probs(oracle["params"], kit_baseline)}
+        rel, worst, worst_rel = _distance({"log_probs": got["log_probs"]}, want, start)
+    if not rel <= UPDATE_TOL:
+        pytest.fail(
+            f"[skipped step] after a step skipped for a NaN grad norm, the next step's weights "
+            f"differ from a plain AdamW loop's first step by {rel:.3g} of the update's size "
+            f"(tolerance {UPDATE_TOL:g}; worst: {worst}, {worst_rel:.3g}): the skipped step "
+            f"changed the optimizer's state (AdamW's moments or step count) or the learning "
+            f"rate. On a non-finite norm return before optimizer.step() (clip_and_step does)."
+        )
+
+
+def test_values_at_token_read_the_head_at_each_token(
+    single: dict, caps: frozenset, kit_baseline: Baseline
+) -> None:
+    if Capability.VALUE_HEAD not in caps:
+        pytest.skip("value_head not declared")
+    got = _get(single, "at_token", "values at token")
+    want = kit_baseline.values_at_token
+    if got.shape == want.shape and torch.allclose(got, want, atol=ATOL):
+        return
+    shifted = got.shape == want.shape and torch.allclose(got, kit_baseline.values, atol=ATOL)
+    diff = float((got - want).abs().max()) if got.shape == want.shape else float("nan")
+    hint = (
+        "they are the default values (each token's prefix before it): read the head at each "
+        "token itself, unshifted, when values_at_token is set"
+        if shifted
+        else "read the value head's output at every real token, unshifted; padding holds 0"
+    )
+    pytest.fail(
+        f"[values at token] values with BatchMeta(values_at_token=True), shape "
+        f"{tuple(got.shape)}, differ from the value head's output at each token by {diff:.3g} "
+        f"(atol {ATOL}): {hint} (BaseEngine.prepare_model_outputs does)."
+    )
+
+
+def test_activation_offload_takes_the_models_saved_tensors(
+    single: dict, caps: frozenset, kit_baseline: Baseline
+) -> None:
+    if Capability.ACTIVATION_OFFLOAD not in caps:
+        pytest.skip("activation_offload not declared")
+    got = _get(single, "saved_tensors", "activation offload")
+    if got["reached"]:
+        pytest.fail(
+            f"[activation offload] with activation_offload: true, {got['reached']} tensors the "
+            f"model's forward saved for the backward reached saved-tensor hooks entered around "
+            f"the step, not the engine's own: run the model inside the engine's "
+            f"OffloadActivations (BaseEngine.forward_model does)."
+        )
+    _check_step(got["step"], kit_baseline, "activation offload")
+
+
+def test_save_checkpoint_commits_the_step_folder_and_job_state(single: dict) -> None:
+    got = _get(single, "saving", "checkpoint: sequence")
+    want = f"{got['root']}/global_step_1"
+    if got["folder"].rstrip("/") != want:
+        pytest.fail(
+            f"[checkpoint: sequence] save_checkpoint returned {got['folder']!r}, want {want!r}"
+        )
+    if got["job_state"] != {"data_position": 7}:
+        pytest.fail(
+            f"[checkpoint: sequence] load_job_state() of a checkpoint saved with job_state="
+            f"{{'data_position': 7}} gave {got['job_state']!r}: commit job_state with the "
+            f"checkpoint (BaseEngine.save_checkpoint does)."
+        )
+    if not _is(got["again"], "CheckpointError") or got["kept_after_again"] != [1]:
+        pytest.fail(
+            f"[checkpoint: sequence] saving step 1 again raised {_what(got['again'])} and left "
+            f"steps {got['kept_after_again']}; want a CheckpointError and step 1 as it was (an "
+            f"existing checkpoint is never overwritten)."
+        )
+
+
+def test_a_refused_or_interrupted_save_commits_nothing(single: dict) -> None:
+    got = _get(single, "saving", "checkpoint: sequence")
+    for what in ("save", "load"):
+        raised = got[f"preflight_{what}"]
+        if not _is(raised, "CheckpointError", f"kit: checkpoint_preflight refuses to {what}"):
+            pytest.fail(
+                f"[checkpoint: sequence] with a checkpoint_preflight() that refuses, "
+                f"{what}_checkpoint raised {_what(raised)}; want its CheckpointError "
+                f"(call checkpoint_preflight first, as BaseEngine.{what}_checkpoint does)."
+            )
+    if got["preflight_wrote"] or got["preflight_read"]:
+        done = "wrote a folder" if got["preflight_wrote"] else "loaded the checkpoint"
+        pytest.fail(
+            f"[checkpoint: sequence] checkpoint_preflight() refused, yet the engine {done}: "
+            f"nothing may be written or read before it passes."
+        )
+    if not _is(got["interrupted"], "RuntimeError", "kit: the save was interrupted"):
+        pytest.fail(
+            f"[checkpoint: sequence] a save whose save_shards() raised after writing raised "
+            f"{_what(got['interrupted'])}; want that RuntimeError, as raised."
+        )
+    if got["committed_interrupted"] or got["listed_after_interrupt"] != [1]:
+        pytest.fail(
+            f"[checkpoint: sequence] after a save interrupted in save_shards(), "
+            f"list_checkpoints() gives steps {got['listed_after_interrupt']}, want [1]: an "
+            f"interrupted save must leave only its .tmp staging folder (stage, then commit)."
+        )
+
+
+def test_load_shards_refuses_a_folder_without_its_files(single: dict) -> None:
+    folder, raised = _get(single, "saving", "checkpoint: sequence")["empty"]
+    if not _is(raised, "CheckpointError", folder):
+        pytest.fail(
+            f"[checkpoint: sequence] load_shards() of an empty folder raised {_what(raised)}; "
+            f"want a CheckpointError naming the folder and what it lacks."
+        )
+
+
+def test_a_resharded_load_keeps_each_ranks_rng(single: dict) -> None:
+    read, kept = _get(single, "saving", "checkpoint: RNG")["resharded_rng"]
+    if read != kept:
+        pytest.fail(
+            f"[checkpoint: RNG] reading a checkpoint saved by another number of ranks changed "
+            f"this rank's random streams (draws {read[:2]}, not {kept[:2]}): streams belong to "
+            f"ranks, so a resharded load keeps its own (BaseEngine.read_checkpoint_files "
+            f"restores them only when the world sizes match)."
+        )
+
+
+def test_a_damaged_checkpoint_is_refused_on_every_rank(double: list) -> None:
+    for rank, r in enumerate(double):
+        got = _get(r, "damaged", "checkpoint: damaged")
+        if got["job_state"] is not None:
+            pytest.fail(
+                f"[checkpoint: sequence] load_job_state() of a checkpoint saved without "
+                f"job_state gave {got['job_state']!r}; want None."
+            )
+        if not _is(got["refused"], "CheckpointError", got["file"]):
+            pytest.fail(
+                f"[checkpoint: damaged] rank {rank}: load_checkpoint() of a checkpoint with one "
+                f"byte flipped in {got['file']} raised {_what(got['refused'])}; want a "
+                f"CheckpointError naming the file on every rank (BaseEngine.load_checkpoint "
+                f"verifies every file against the manifest first)."
+            )
+        if got["weights_moved"]:
+            pytest.fail(
+                f"[checkpoint: damaged] rank {rank}: the refused load changed the weights: "
+                f"verify the files before load_shards() reads any."
+            )
+
+
+def test_weight_streams_give_the_full_params(single: dict, caps: frozenset) -> None:
+    if Capability.WEIGHT_EXPORT not in caps:
+        pytest.skip("weight_export not declared")
+    got = _get(single, "weight_stream", "export")
+    calls = {
+        "small_buckets": "named_full_params(bucket_bytes=1)",
+        "named_weights": "named_weights('model')",
+        "weight_buckets": f"weight_buckets('model', {got['bucket_bytes']}), joined",
+    }
+    for key, call in calls.items():
+        if got[key]:
+            pytest.fail(
+                f"[export] {call} differs from named_full_params() in {got[key][:3]}: every "
+                f"way out gives the same full tensors, whatever the bucket size."
+            )
+    if got["oversized"]:
+        pytest.fail(
+            f"[export] weight_buckets(bucket_bytes={got['bucket_bytes']}) gave a bucket of "
+            f"{got['oversized'][0][:4]}, more bytes than that: cut before the tensor that does "
+            f"not fit (a tensor bigger than the bucket goes alone)."
+        )
+
+
+def test_export_hf_writes_replaces_and_survives_a_failure(single: dict, caps: frozenset) -> None:
+    if Capability.WEIGHT_EXPORT not in caps:
+        pytest.skip("weight_export not declared")
+    got = _get(single, "weight_stream", "export")
+    target, written = got["export_path"]
+    if written != target or got["export"] or got["export_config"] != "qwen2":
+        pytest.fail(
+            f"[export] export_hf({target!r}) returned {written!r}; its model.safetensors "
+            f"differs from named_full_params() in {got['export'][:3]}, its config.json says "
+            f"model_type {got['export_config']!r}: want the path, the same tensors and qwen2."
+        )
+    if (
+        not _is(got["failed_export"], "RuntimeError", "kit: the export failed")
+        or (got["after_failed_export"])
+    ):
+        pytest.fail(
+            f"[export] an export whose gather failed raised {_what(got['failed_export'])} and "
+            f"left {got['after_failed_export'][:3]} changed in the previous export: let the "
+            f"error through and leave an existing export whole (write aside, then swap)."
+        )
+    if got["replaced"]:
+        pytest.fail(
+            f"[export] exported again after a step, model.safetensors still differs from the "
+            f"weights in {got['replaced'][:3]}: an existing export is replaced."
+        )
+
+
+def test_hf_config_is_the_models(single: dict, caps: frozenset) -> None:
+    if Capability.WEIGHT_EXPORT not in caps:
+        pytest.skip("weight_export not declared")
+    from engine_core.testing.models import TINY_QWEN2
+
+    got = _get(single, "weight_stream", "export")["hf_config"]
+    want = {k: TINY_QWEN2[k] for k in got}
+    assert got == want, f"[hf_config] the engine's hf_config gives {got}, the model is {want}"
+
+
+def test_named_lora_params_refuses_without_lora(single: dict, caps: frozenset) -> None:
+    if Capability.LORA in caps:
+        pytest.skip("lora declared: test_lora_trains_adapters_only checks named_lora_params")
+    if Capability.WEIGHT_EXPORT not in caps:
+        pytest.skip("weight_export not declared")
+    raised = _get(single, "weight_stream", "lora")["lora_refused"]
+    if not _is(raised, "NotImplementedError"):
+        pytest.fail(
+            f"[lora] named_lora_params() of an engine without lora raised {_what(raised)}; "
+            f"want NotImplementedError (BaseEngine's default) saying what serves LoRA."
+        )
+
+
+def test_named_weights_sends_a_lora_models_parts(single: dict, caps: frozenset) -> None:
+    if Capability.LORA not in caps:
+        pytest.skip("lora not declared")
+    parts = _get(single, "lora", "lora")["parts"]
+    assert not parts, (
+        "[lora] named_weights('peft') and named_weights('adapters') must give "
+        "named_lora_params() and named_lora_params(adapters_only=True): " + "; ".join(parts)
+    )
+
+
+def test_dp_group_holds_the_dp_ranks(double: list) -> None:
+    for r in double:
+        got = _get(r, "ranks", "layout")
+        if tuple(got["group"]) != tuple(got["dp"]):
+            pytest.fail(
+                f"[layout] rank {got['rank']}: dp_group has this rank at {got['group'][0]} of "
+                f"{got['group'][1]}, but dp_rank, dp_size = {tuple(got['dp'])}: dp_rank and "
+                f"dp_size are this rank's place in dp_group."
+            )
+
+
+def test_one_rank_writes_the_full_params(double: list) -> None:
+    layout = [_get(r, "ranks", "layout") for r in double]
+    writers = [r["rank"] for r in layout if r["writes"]]
+    want = [r["rank"] for r in layout if r["dp"][0] == 0 and r["collect"]]
+    if writers != want or len(writers) != 1:
+        pytest.fail(
+            f"[layout] writes_full_params is True on ranks {writers}; want exactly the collect "
+            f"rank of DP rank 0 ({want}): one rank writes the export and sends the weights."
+        )
+
+
+def test_is_distributed_follows_the_default_process_group(double: list, plain: dict) -> None:
+    seen = [
+        ("dp=2, rank " + str(i), _get(r, "ranks", "layout")["is_distributed"])
+        for i, r in enumerate(double)
+    ]
+    seen.append(
+        ("no process group", _get(plain, "lifecycle", "no process group")["is_distributed"])
+    )
+    for where, (says, initialized) in seen:
+        if says != initialized:
+            pytest.fail(
+                f"[layout] {where}: is_distributed is {says}, but a default process group "
+                f"{'is' if initialized else 'is not'} initialized."
+            )
+
+
+def test_shard_data_refuses_a_batch_that_does_not_split(double: list) -> None:
+    for rank, r in enumerate(double):
+        raised = _get(r, "ranks", "layout")["uneven"]
+        if not _is(raised, "EngineCoreError", "dp_size"):
+            pytest.fail(
+                f"[layout] rank {rank}: shard_data() of 3 samples on 2 DP ranks raised "
+                f"{_what(raised)}; want an EngineCoreError saying it does not divide by dp_size."
+            )
+
+
+def test_global_context_counts_every_dp_rank(double: list) -> None:
+    from engine_core.engine import loss_mask_of
+
+    mask = loss_mask_of(masked_batch(0))
+    want = (int(mask.sum()), int(mask.any(-1).sum()))
+    for rank, r in enumerate(double):
+        got = tuple(_get(r, "ranks", "layout")["counts"])
+        if got != want:
+            pytest.fail(
+                f"[loss contract] rank {rank}: global_context() of this rank's half of a batch "
+                f"counts (loss tokens, samples) = {got}, the whole batch has {want}: sum the "
+                f"counts over the DP group."
+            )

@@ -110,6 +110,7 @@ class Baseline:
     log_probs: torch.Tensor
     entropy: torch.Tensor
     values: torch.Tensor
+    values_at_token: torch.Tensor
     loss: float
     grad_norm: float
     state_dict: dict[str, torch.Tensor]
@@ -158,15 +159,22 @@ def plain_log_probs(
     return lp, ent
 
 
-def plain_values(model: torch.nn.Module, batch: TensorDict) -> torch.Tensor:
-    """A value head's outputs aligned like log-probs (position t: the prefix before t)."""
+def plain_values(
+    model: torch.nn.Module, batch: TensorDict, *, at_token: bool = False
+) -> torch.Tensor:
+    """A value head's outputs aligned like log-probs (position t: the prefix before t), or with
+    ``at_token`` the head's output at each token itself (``BatchMeta.values_at_token``)."""
     ids, mask = batch[INPUT_IDS], batch[ATTENTION_MASK]
     out = torch.zeros(ids.shape)
     with torch.no_grad():
         for i in range(ids.shape[0]):
             real = mask[i].bool()
-            head = model(input_ids=ids[i][real].unsqueeze(0)).logits.float()[0, :-1, 0]
-            out[i, real.nonzero().squeeze(-1)[1:]] = head
+            head = model(input_ids=ids[i][real].unsqueeze(0)).logits.float()[0, :, 0]
+            where = real.nonzero().squeeze(-1)
+            if at_token:
+                out[i, where] = head
+            else:
+                out[i, where[1:]] = head[:-1]
     return out
 
 
@@ -331,6 +339,7 @@ def make_baseline(root: str | None = None) -> Baseline:
         log_probs=lp,
         entropy=ent,
         values=plain_values(critic, batch),
+        values_at_token=plain_values(critic, batch, at_token=True),
         loss=loss,
         grad_norm=norm,
         state_dict={k: v.clone() for k, v in policy.state_dict().items()},
@@ -682,6 +691,352 @@ def _same(a: TensorDict, b: TensorDict, key: str) -> bool:
     return bool(a.get_non_tensor(key) == b.get_non_tensor(key))
 
 
+# ---------------------------------------------------------------------------- promises
+# what the engine does when something goes wrong, and BaseEngine's smaller promises
+# (docs/conformance.md, "Promises and the clauses that check them")
+
+# an lr too small to move any weight: a probe step (first_step on train_batch(), whose loss and
+# grad norm the baseline holds) then runs on the weights the engine was built with, however
+# many came before it, and shows what an earlier call left behind (a gradient, say)
+PROBE_OPTIM: dict[str, Any] = {"lr": 1e-30, "clip_grad": None}
+
+
+def _raised(call: Callable[[], Any]) -> dict[str, Any] | None:
+    """What ``call`` raised: the names of the exception's class and its bases, and its
+    message; None when it returned."""
+    try:
+        call()
+    except Exception as e:  # the clause says which exception it wanted
+        return {"types": [c.__name__ for c in type(e).__mro__], "message": str(e)}
+    return None
+
+
+def _refused_batches(caps: frozenset[Capability]) -> dict[str, tuple[str, TensorDict]]:
+    """Training batches a step must refuse before anything runs: {case: (error, batch)}."""
+    from engine_core.batch import ROUTED_EXPERTS
+
+    wrong_mask = train_batch()
+    wrong_mask[ATTENTION_MASK] = wrong_mask[ATTENTION_MASK][:, :-1]
+    outside = train_batch()
+    outside[INPUT_IDS][0, 0] = TINY_QWEN2["vocab_size"]  # a real token: batches pad on the right
+    longest = TINY_QWEN2["max_position_embeddings"] + 1
+    cases = {
+        "attention_mask of another shape than input_ids": ("BatchError", wrong_mask),
+        "a token id outside the model's vocabulary": ("BatchError", outside),
+        "a sample longer than max_position_embeddings": (
+            "BatchError",
+            random_batch(2, seq_len=longest, min_len=longest),
+        ),
+    }
+    if Capability.ROUTING_REPLAY not in caps:
+        routed = train_batch()
+        routed[ROUTED_EXPERTS] = torch.zeros(*routed[INPUT_IDS].shape, 1, 1, dtype=torch.long)
+        cases["routed_experts without routing_replay"] = ("CapabilityError", routed)
+        for field_name in ("moe_aux", "return_routes"):
+            cases[f"BatchMeta({field_name}=True) without routing_replay"] = (
+                "CapabilityError",
+                with_meta(train_batch(), **{field_name: True}),
+            )
+    return cases
+
+
+def _no_trace(backend: str, policy: dict[str, Any]) -> dict[str, Any]:
+    """Calls that must leave the engine as it was, each kind followed by a probe step: refused
+    batches and a training step without a loss function; forward-only steps (in train mode,
+    autograd on); a step whose loss function raises on its second micro-batch, then
+    ``optimizer_zero_grad()``."""
+    engine = build(backend, model=policy, optim=dict(PROBE_OPTIM), micro_batch_size=3)
+
+    def train(batch: TensorDict) -> None:
+        with engine.train_mode():
+            engine.forward_backward_step(batch)
+
+    refused = {
+        case: (error, _raised(partial(train, batch)))
+        for case, (error, batch) in _refused_batches(declared_capabilities(backend)).items()
+    }
+    engine.set_loss_fn(None)
+    refused["a training step with no loss function"] = (
+        "EngineCoreError",
+        _raised(partial(train, train_batch())),
+    )
+    engine.set_loss_fn(nll_loss)
+    after_refused = first_step(engine, train_batch())
+
+    with engine.train_mode():
+        with_loss = engine.forward_backward_step(train_batch(), forward_only=True).loss
+        engine.set_loss_fn(None)
+        cleared = engine.loss_fn is None
+        without_loss = engine.forward_backward_step(train_batch(), forward_only=True).loss
+        engine.set_loss_fn(nll_loss)
+    forward_only = {
+        "loss": with_loss,
+        "loss_without_fn": without_loss,
+        "loss_fn_kept": cleared and engine.loss_fn is nll_loss,
+    }
+    after_forward_only = first_step(engine, train_batch())
+
+    calls: list[int] = []
+
+    def failing(mb: TensorDict, out: TensorDict, ctx: Any) -> Any:
+        calls.append(len(calls))
+        if len(calls) == 2:
+            raise RuntimeError("kit: the loss function failed on micro-batch 2")
+        return nll_loss(mb, out, ctx)
+
+    engine.set_loss_fn(failing)
+    failed = _raised(partial(train, train_batch()))
+    engine.set_loss_fn(nll_loss)
+    engine.optimizer_zero_grad()
+    return {
+        "refused": refused,
+        "after_refused": after_refused,
+        "forward_only": forward_only,
+        "after_forward_only": after_forward_only,
+        "failed": failed,
+        "after_failed": first_step(engine, train_batch()),
+    }
+
+
+def _skipped_step(backend: str, policy: dict[str, Any]) -> dict[str, Any]:
+    """A step skipped for a NaN gradient norm, then the update oracle's first step: its
+    grad norm and the weights after it (the log-probs, without ``weight_export``)."""
+    engine = build(backend, model=policy, optim=dict(UPDATE_OPTIM), micro_batch_size=3)
+    skipped = _skip_a_step(engine)
+    with engine.train_mode():
+        engine.forward_backward_step(engine.shard_data(masked_batch(0)))
+        norm = engine.optimizer_step()
+        engine.lr_scheduler_step()
+        engine.optimizer_zero_grad()
+    export = Capability.WEIGHT_EXPORT in declared_capabilities(backend)
+    return {
+        "skipped_norm": skipped,
+        "norm": norm,
+        "params": _params(engine) if export else None,
+        "log_probs": None if export else forward(engine, eval_batch())[LOG_PROBS],
+    }
+
+
+def _values_at_token(backend: str, critic: dict[str, Any]) -> torch.Tensor:
+    from engine_core.batch import VALUES
+
+    engine = build(backend, model=critic, micro_batch_size=3)
+    return forward(engine, with_meta(eval_batch(), values_at_token=True))[VALUES]
+
+
+def _saved_tensors(backend: str, policy: dict[str, Any]) -> dict[str, Any]:
+    """One training step with ``activation_offload``, under saved-tensor hooks of the caller's:
+    how many tensors saved inside the model's forward reached them (the engine's own hooks,
+    entered around the model, must take every one), and the step's loss and grad norm."""
+    engine = build(
+        backend, model=policy, activation_offload=True, optim={"lr": 1e-3, "clip_grad": None}
+    )
+    module = engine.module
+    assert module is not None
+    inside, reached = [False], [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        reached[0] += inside[0]
+        return t
+
+    def enter(*_: Any) -> None:
+        inside[0] = True
+
+    def leave(*_: Any) -> None:
+        inside[0] = False
+
+    hooks = [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step = first_step(engine, train_batch())
+    for h in hooks:
+        h.remove()
+    return {"reached": reached[0], "step": step}
+
+
+def _saving(backend: str, policy: dict[str, Any], root: str) -> dict[str, Any]:
+    """The checkpoint sequence's promises on one rank: the folder save_checkpoint returns and
+    the job state committed with it; a second save of a step, a refusing
+    ``checkpoint_preflight`` and a save interrupted after ``save_shards`` (each must commit
+    nothing); ``load_shards`` of an empty folder; a checkpoint read as one written by two
+    ranks (each rank's RNG streams stay its own)."""
+    from engine_core.checkpoint import is_dir, list_checkpoints, load_torch, save_torch
+    from engine_core.engine import CHECKPOINT_STATE_FILE
+    from engine_core.errors import CheckpointError
+
+    root = str(Path(root) / "saving")
+    engine = build(backend, model=policy, optim={"lr": 1e-2, "clip_grad": None})
+    first_step(engine, train_batch(0))  # megatron has no optimizer state to save before a step
+    folder = engine.save_checkpoint(root, step=1, job_state={"data_position": 7})
+    first_step(engine, train_batch(1))  # so that a checkpoint read would change the weights
+    moved = _fingerprint(engine)
+    out: dict[str, Any] = {
+        "root": root,
+        "folder": folder,
+        "job_state": type(engine).load_job_state(folder),
+        "again": _raised(lambda: engine.save_checkpoint(root, step=1)),
+    }
+    out["kept_after_again"] = [s for s, _ in list_checkpoints(root)]
+
+    def refuse(path: str, *, saving: bool) -> None:
+        raise CheckpointError(
+            f"kit: checkpoint_preflight refuses to {'save' if saving else 'load'}"
+        )
+
+    engine.checkpoint_preflight = refuse  # type: ignore[method-assign]
+    out["preflight_save"] = _raised(lambda: engine.save_checkpoint(root, step=2))
+    out["preflight_load"] = _raised(lambda: engine.load_checkpoint(folder))
+    del engine.checkpoint_preflight  # the class's own again
+    out["preflight_wrote"] = is_dir(f"{root}/global_step_2") or is_dir(f"{root}/global_step_2.tmp")
+    out["preflight_read"] = _fingerprint(engine) != moved
+
+    shards = engine.save_shards
+
+    def interrupted(folder: str) -> None:
+        shards(folder)
+        raise RuntimeError("kit: the save was interrupted after save_shards")
+
+    engine.save_shards = interrupted  # type: ignore[method-assign]
+    out["interrupted"] = _raised(lambda: engine.save_checkpoint(root, step=3))
+    del engine.save_shards
+    out["listed_after_interrupt"] = [s for s, _ in list_checkpoints(root)]
+    out["committed_interrupted"] = is_dir(f"{root}/global_step_3")
+
+    empty = Path(root) / "empty"
+    empty.mkdir()
+    out["empty"] = (str(empty), _raised(lambda: engine.load_shards(str(empty))))
+
+    # a checkpoint written by two ranks, read by one: rank 0's core state file says world 2
+    # (the folder no longer matches its manifest: read it as read_checkpoint_files does,
+    # unverified); this rank's streams must go on as they were, not restart from the file's
+    state_file = str(Path(folder) / CHECKPOINT_STATE_FILE.format(rank=0))
+    core = load_torch(state_file)
+    save_torch({**core, "world_size": 2}, state_file)
+    _rng_draws()  # the streams move on from the saved ones
+    streams = engine.rng_state()
+    engine.read_checkpoint_files(folder)
+    read = _rng_draws()
+    engine.set_rng_state(streams)
+    out["resharded_rng"] = (read, _rng_draws())
+    return out
+
+
+def _damaged(backend: str, policy: dict[str, Any], root: str) -> dict[str, Any]:
+    """A checkpoint saved without a job state, then with one byte flipped in its biggest file,
+    loaded on every rank: what each rank raised, and whether its weights (moved on since the
+    save) changed."""
+    import torch.distributed as dist
+
+    from engine_core.checkpoint import MANIFEST_FILE
+
+    root = str(Path(root) / "damaged")
+    engine = build(backend, model=policy, optim={"lr": 1e-2, "clip_grad": None})
+    first_step(engine, train_batch(0))
+    folder = engine.save_checkpoint(root, step=1)
+    first_step(engine, train_batch(1))  # so that a checkpoint read would change the weights
+    moved = _fingerprint(engine)
+    files = [p for p in Path(folder).rglob("*") if p.is_file() and p.name != MANIFEST_FILE]
+    victim = max(files, key=lambda p: (p.stat().st_size, str(p)))
+    dist.barrier()  # every rank has chosen before the file changes
+    if dist.get_rank() == 0:
+        with victim.open("r+b") as f:  # one bit, in place: the size stays
+            f.seek(victim.stat().st_size // 2)
+            byte = f.read(1)[0]
+            f.seek(-1, 1)
+            f.write(bytes([byte ^ 0x01]))
+    dist.barrier()
+    return {
+        "job_state": type(engine).load_job_state(folder),
+        "file": victim.relative_to(folder).as_posix(),
+        "refused": _raised(lambda: engine.load_checkpoint(folder)),
+        "weights_moved": _fingerprint(engine) != moved,
+    }
+
+
+def _weight_stream(backend: str, policy: dict[str, Any], root: str) -> dict[str, Any]:
+    """What the export methods give against ``named_full_params()``: with a bucket smaller
+    than any tensor, through ``named_weights("model")`` and ``weight_buckets`` (and the
+    buckets' sizes), in an ``export_hf`` folder (written, replaced after a step, kept when an
+    export fails), and ``named_lora_params`` of an engine without ``lora``."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from engine_core.config import BUCKET_BYTES
+
+    engine = build(backend, model=policy, optim={"lr": 1e-2, "clip_grad": None})
+    full = _params(engine)
+
+    def differ(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
+        if got.keys() != want.keys():
+            return sorted(got.keys() ^ want.keys())
+        return sorted(k for k in want if not torch.equal(got[k], want[k]))
+
+    bucket_bytes = 4096  # cuts the tiny model's weights into many buckets; the embedding alone
+    buckets = [
+        [(n, t.clone()) for n, t in bucket]
+        for bucket in engine.weight_buckets("model", bucket_bytes)
+    ]
+    oversized = [
+        [n for n, _ in b]
+        for b in buckets
+        if len(b) > 1 and sum(t.numel() * t.element_size() for _, t in b) > bucket_bytes
+    ]
+    out: dict[str, Any] = {
+        "small_buckets": differ({n: t.clone() for n, t in engine.named_full_params(1)}, full),
+        "named_weights": differ({n: t.clone() for n, t in engine.named_weights("model")}, full),
+        "weight_buckets": differ({n: t for b in buckets for n, t in b}, full),
+        "oversized": oversized,
+        "bucket_bytes": bucket_bytes,
+        "hf_config": {
+            k: getattr(engine.hf_config, k, None)
+            for k in ("model_type", "vocab_size", "max_position_embeddings")
+        },
+    }
+    target = str(Path(root) / "hf-export")
+    written = engine.export_hf(target)
+    out["export_path"] = (target, written)
+    out["export"] = differ(load_file(str(Path(written) / "model.safetensors")), full)
+    out["export_config"] = json.loads((Path(written) / "config.json").read_text())["model_type"]
+    first_step(engine, train_batch())
+    stepped = _params(engine)
+    own = engine.named_full_params
+
+    def failing(bucket_bytes: int = BUCKET_BYTES) -> Any:
+        names = own(bucket_bytes)
+        yield next(names)
+        raise RuntimeError("kit: the export failed while gathering")
+
+    engine.named_full_params = failing  # type: ignore[method-assign]
+    out["failed_export"] = _raised(lambda: engine.export_hf(target))
+    del engine.named_full_params
+    out["after_failed_export"] = differ(load_file(str(Path(written) / "model.safetensors")), full)
+    engine.export_hf(target)
+    out["replaced"] = differ(load_file(str(Path(written) / "model.safetensors")), stepped)
+    if Capability.LORA not in declared_capabilities(backend):
+        out["lora_refused"] = _raised(lambda: next(iter(engine.named_lora_params())))
+    return out
+
+
+def _ranks(backend: str, policy: dict[str, Any]) -> dict[str, Any]:
+    """The layout properties against the process group, ``shard_data`` of a batch that does
+    not split over the DP ranks, and ``global_context`` of this rank's share of a batch."""
+    import torch.distributed as dist
+
+    engine = build(backend, model=policy)
+    group = engine.dp_group
+    ctx = engine.global_context(engine.shard_data(masked_batch(0)), 1)
+    return {
+        "rank": dist.get_rank(),
+        "dp": (engine.dp_rank, engine.dp_size),
+        "group": (dist.get_rank(group), dist.get_world_size(group)),
+        "collect": engine.is_collect_rank,
+        "writes": engine.writes_full_params,
+        "is_distributed": (engine.is_distributed, dist.is_initialized()),
+        "uneven": _raised(lambda: engine.shard_data(random_batch(engine.dp_size + 1))),
+        "counts": (ctx.global_num_tokens, ctx.global_num_samples),
+    }
+
+
 def no_process_group_checks(
     rank: int, world: int, backend: str, baseline: dict[str, str]
 ) -> dict[str, Any]:
@@ -695,12 +1050,20 @@ def no_process_group_checks(
 
     def lifecycle() -> dict[str, Any]:
         engine = build(backend, model=policy, optim={"lr": 1e-3, "clip_grad": None})
+        # whether a default process group exists, as the engine says and as torch says
+        distributed = (engine.is_distributed, dist.is_available() and dist.is_initialized())
         out = forward(engine, eval_batch())
         step = first_step(engine, train_batch())
         folder = engine.save_checkpoint(baseline["checkpoint_root"], step=1)
         loaded = build(backend, model=policy).load_checkpoint(folder)
         exported = len(_params(engine))
-        return {"log_probs": out[LOG_PROBS], "step": step, "loaded": loaded, "exported": exported}
+        return {
+            "log_probs": out[LOG_PROBS],
+            "step": step,
+            "loaded": loaded,
+            "exported": exported,
+            "is_distributed": distributed,
+        }
 
     _record(results, "lifecycle", lifecycle)
     return results
@@ -716,7 +1079,12 @@ def _lora(backend: str, policy_dir: str) -> dict[str, Any]:
     changed = sorted(k for k in before if not torch.equal(before[k], after[k]))
     with module.disable_adapter():  # type: ignore[operator]
         base = forward(engine, eval_batch())[LOG_PROBS]
-    return {"changed": changed, "base_log_probs": base, "stream": _lora_stream(engine, after)}
+    return {
+        "changed": changed,
+        "base_log_probs": base,
+        "stream": _lora_stream(engine, after),
+        "parts": _weight_parts(engine),
+    }
 
 
 def _routing(backend: str, root: str) -> dict[str, float]:
@@ -779,6 +1147,20 @@ def _lora_stream(engine: BaseEngine, held: dict[str, torch.Tensor]) -> list[str]
         wrong = sorted(n for n in want & set(got) if not torch.equal(got[n], held[n]))
         if wrong:
             problems.append(f"{call} gives other values than the model holds for {wrong[:3]}")
+    return problems
+
+
+def _weight_parts(engine: BaseEngine) -> list[str]:
+    """Where ``named_weights`` of a LoRA model's parts differs from ``named_lora_params``."""
+    problems = []
+    for part, adapters_only in (("peft", False), ("adapters", True)):
+        want = {n: t.clone() for n, t in engine.named_lora_params(adapters_only=adapters_only)}
+        got = {n: t.clone() for n, t in engine.named_weights(part)}  # type: ignore[arg-type]
+        wrong = sorted(got.keys() ^ want.keys()) or sorted(
+            n for n in want if not torch.equal(got[n], want[n])
+        )
+        if wrong:
+            problems.append(f"named_weights({part!r}) differs in {wrong[:3]}")
     return problems
 
 
@@ -857,8 +1239,20 @@ def single_process_checks(
         results, "checkpoint", lambda: _checkpoint(backend, policy, baseline["checkpoint_root"])
     )
     _record(results, "inputs", lambda: _inputs_unmodified(backend, policy))
+    _record(results, "no_trace", lambda: _no_trace(backend, policy))
+    _record(results, "skipped_step", lambda: _skipped_step(backend, policy))
+    _record(results, "saving", lambda: _saving(backend, policy, baseline["checkpoint_root"]))
+    if Capability.VALUE_HEAD in caps:
+        _record(results, "at_token", lambda: _values_at_token(backend, critic))
+    if Capability.ACTIVATION_OFFLOAD in caps:
+        _record(results, "saved_tensors", lambda: _saved_tensors(backend, policy))
     if Capability.WEIGHT_EXPORT in caps:
         _record(results, "export", lambda: _params(build(backend, model=policy)))
+        _record(
+            results,
+            "weight_stream",
+            lambda: _weight_stream(backend, policy, baseline["checkpoint_root"]),
+        )
     if Capability.LORA in caps:
         _record(results, "lora", lambda: _lora(backend, baseline["policy_dir"]))
     if Capability.ROUTING_REPLAY in caps:
@@ -948,4 +1342,6 @@ def two_process_checks(
     _record(
         results, "checkpoint", lambda: _checkpoint(backend, policy, baseline["checkpoint_root"])
     )
+    _record(results, "ranks", lambda: _ranks(backend, policy))
+    _record(results, "damaged", lambda: _damaged(backend, policy, baseline["checkpoint_root"]))
     return results
