@@ -9,6 +9,7 @@ the reference read it from there. The gap guard stops a run whose rollout and tr
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -47,9 +48,13 @@ def _rollout(backend: str) -> BaseRollout:
 
 
 @pytest.fixture(scope="module", params=["hf", "vllm"])
-def rollout(request: pytest.FixtureRequest) -> BaseRollout:
-    """One rollout per backend for the module: each trainer syncs its actor's weights first."""
-    return _rollout(request.param)
+def rollout(request: pytest.FixtureRequest) -> Iterator[BaseRollout]:
+    """One rollout per backend for the module: each trainer syncs its actor's weights first.
+    Shut down at the module's end: a vLLM engine left to the garbage collector resets vLLM's
+    process-wide state whenever it is collected, under a later test's engine."""
+    made = _rollout(request.param)
+    yield made
+    made.shutdown()
 
 
 class RecordingReference(Reference):
