@@ -149,7 +149,9 @@ def _flat(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
-def _sample_text(sample: Mapping[str, Any]) -> tuple[str, str]:
+def sample_text(sample: Mapping[str, Any]) -> tuple[str, str]:
+    """A sample's prompt and response as text; an episode is its turns (role: content) as the
+    response."""
     episode = sample.get("episode")
     if episode:
         turns = "\n".join(f"{m.get('role')}: {m.get('content')}" for m in episode)
@@ -193,7 +195,7 @@ class _Wandb:
     def log_samples(self, step: int, samples: Sequence[Mapping[str, Any]]) -> None:
         table = self._wandb.Table(columns=["step", "prompt", "response", "reward"])
         for sample in samples:
-            table.add_data(step, *_sample_text(sample), sample.get("reward"))
+            table.add_data(step, *sample_text(sample), sample.get("reward"))
         self.run.log({"samples": table}, step=step)
 
     def finish(self, summary: Mapping[str, Any] | None, status: str) -> None:
@@ -253,7 +255,7 @@ class _Mlflow:
             self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
 
     def log_samples(self, step: int, samples: Sequence[Mapping[str, Any]]) -> None:
-        texts = [_sample_text(s) for s in samples]
+        texts = [sample_text(s) for s in samples]
         table = {
             "step": [step] * len(samples),
             "prompt": [t[0] for t in texts],

@@ -31,7 +31,7 @@ from engine_core.errors import (
     RunStopped,
     TrackerError,
 )
-from engine_core_roles.jobs.trackers import Tracker, start_trackers
+from engine_core_roles.jobs.trackers import Tracker, sample_text, start_trackers
 
 if TYPE_CHECKING:
     from engine_core_roles.jobs.config import JobConfig
@@ -265,10 +265,8 @@ def _abandon_event_writers(tb: Any) -> None:
 
 def _shown(sample: dict[str, Any]) -> str:
     """A sample as text: an episode turn by turn (role: content), else prompt then response."""
-    episode = sample.get("episode")
-    if episode:
-        return "\n".join(f"{m.get('role')}: {m.get('content')}" for m in episode)
-    return f"{sample.get('prompt', '')}{sample.get('response', '')}"
+    prompt, response = sample_text(sample)
+    return prompt + response
 
 
 def starting_point(
