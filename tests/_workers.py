@@ -80,6 +80,13 @@ class MeshWorker(Worker):
             raise ValueError(f"worker {self.rank} fails before the collective")
         return self.all_reduce_rank()
 
+    def raise_or_nap(self, raiser: int, seconds: float) -> int:
+        """Worker ``raiser`` raises at once; the others answer after ``seconds``."""
+        if self.rank == raiser:
+            raise ValueError(f"worker {self.rank} fails on purpose")
+        time.sleep(seconds)
+        return self.rank
+
     def all_reduce_rank(self) -> float:
         join_process_group("gloo")  # with the executor's collective timeout
         t = torch.tensor([float(self.rank)])

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from engine_core.executors.base import FAILURE_GRACE_S
 from engine_core_roles.jobs.cli import RECIPES
 
 pytestmark = pytest.mark.ray
@@ -95,6 +96,54 @@ def test_groups_are_placed_where_they_fit_and_refused_where_nothing_fits(
         assert out["refused"].count("CPU") >= 2  # each node's resources are named
     finally:
         cluster.remove_node(second)
+
+
+SILENT = r"""
+import json, sys, ray
+from engine_core.errors import DispatchError
+from engine_core.executors.ray import RayWorkerGroup
+from tests._workers import MeshWorker
+
+ray.init(address=sys.argv[1], log_to_driver=False)
+group = RayWorkerGroup(MeshWorker, 2, strategy="STRICT_SPREAD", call_timeout_s=120)
+raiser = 1 - [node for node, _ in group.nodes].index(sys.argv[2])  # the one staying
+print(json.dumps({"raiser": raiser}), flush=True)
+try:
+    group.call_all("raise_or_nap", raiser, 600)
+except DispatchError as e:
+    print(json.dumps({"said": str(e)}), flush=True)
+"""
+
+
+def test_a_worker_cut_off_with_its_node_is_named_though_it_said_nothing(
+    cluster: Any, tmp_path: Path
+) -> None:
+    """One worker raises at once; the other, on a node that leaves the cluster only after
+    the grace period for the others' answers, never answers: it is still named, with its
+    node, and the raised error follows it."""
+    second = cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    script = subprocess.Popen(
+        [sys.executable, "-c", SILENT, cluster.address, second.node_id],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+        cwd=Path(__file__).parents[1],
+    )
+    assert script.stdout is not None
+    first = next((line for line in script.stdout if line.startswith('{"raiser"')), "{}")
+    raiser = json.loads(first).get("raiser")
+    assert raiser is not None, script.communicate(timeout=60)[1][-3000:]
+    time.sleep(FAILURE_GRACE_S + 2)  # the raised error has waited out its grace period
+    cluster.remove_node(second, allow_graceful=False)
+    out, err = script.communicate(timeout=120)
+    said = next(json.loads(s)["said"] for s in out.splitlines() if s.startswith('{"said"'))
+    lines = said.splitlines()
+    silent = 1 - raiser
+    assert lines[0].startswith(f"worker {silent} died during 'raise_or_nap' on node"), said
+    assert "which left the cluster" in lines[0], said
+    assert f"worker {raiser} raised in 'raise_or_nap'" in said, said
 
 
 def _job(out: Path, *extra: str) -> list[str]:

@@ -250,16 +250,22 @@ class RayWorkerGroup(WorkerGroup):
                 )
             )
         if errors or raised:
+            silent = sorted(index[r] for r in pending)  # no answer within the grace period
             unavailable = [
                 i for i, e in errors.items() if isinstance(e, ray.exceptions.ActorUnavailableError)
             ]
-            gone = self._gone_nodes(wait_for=unavailable)
+            # a worker whose node was cut off says nothing (or that it is unreachable) until
+            # the cluster misses enough of the node's health checks, which takes longer than
+            # the grace period: when the group spans nodes, wait for those workers' nodes too,
+            # so that the lost node is named rather than the errors it caused on the others
+            spans = len({node_id for node_id, _ in self.nodes}) > 1
+            gone = self._gone_nodes(
+                wait_for=unavailable + (sorted(errors) + silent if spans else [])
+            )
             died = sorted(
                 i
-                for i, e in errors.items()
-                if isinstance(e, ray.exceptions.ActorDiedError)
-                # an actor of a node that just left reads as unavailable, not yet as dead
-                or (isinstance(e, ray.exceptions.ActorUnavailableError) and self._on(i, gone))
+                for i, e in [*errors.items(), *((i, None) for i in silent)]
+                if isinstance(e, ray.exceptions.ActorDiedError) or self._on(i, gone)
             )
             lines = [f"worker {i} died during {method!r}{self._node_of(i, gone)}" for i in died]
             head = [f"{'; '.join(lines)}; the other failures follow from it:"] if died else []
@@ -267,6 +273,11 @@ class RayWorkerGroup(WorkerGroup):
             for i, payload in raised.items():
                 described = WorkerErrorInfo.parse(payload).describe()
                 failures[i] = f"worker {i} raised in {method!r}: {described}"
+            for i in silent:
+                failures[i] = (
+                    f"worker {i}: no answer to {method!r} within {FAILURE_GRACE_S:g} s of the "
+                    "failure above (it may wait on that worker)"
+                )
             rest = [failures[i] for i in sorted(failures) if i not in died]
             summary = "\n".join(head + rest)
             # as the local executor: the first error raised keeps its type (when allowed)
