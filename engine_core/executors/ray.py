@@ -251,17 +251,19 @@ class RayWorkerGroup(WorkerGroup):
             )
         if errors or raised:
             silent = sorted(index[r] for r in pending)  # no answer within the grace period
-            unavailable = [
-                i for i, e in errors.items() if isinstance(e, ray.exceptions.ActorUnavailableError)
-            ]
             # a worker whose node was cut off says nothing (or that it is unreachable) until
             # the cluster misses enough of the node's health checks, which takes longer than
             # the grace period: when the group spans nodes, wait for those workers' nodes too,
             # so that the lost node is named rather than the errors it caused on the others
-            spans = len({node_id for node_id, _ in self.nodes}) > 1
-            gone = self._gone_nodes(
-                wait_for=unavailable + (sorted(errors) + silent if spans else [])
-            )
+            if len({node_id for node_id, _ in self.nodes}) > 1:
+                wait_for = sorted(errors) + silent
+            else:  # one node: only an unreachable worker may be on a node that left
+                wait_for = [
+                    i
+                    for i, e in errors.items()
+                    if isinstance(e, ray.exceptions.ActorUnavailableError)
+                ]
+            gone = self._gone_nodes(wait_for=wait_for)
             died = sorted(
                 i
                 for i, e in [*errors.items(), *((i, None) for i in silent)]
