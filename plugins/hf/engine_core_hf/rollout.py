@@ -33,7 +33,7 @@ from typing import Any, ClassVar, cast
 import torch
 from pydantic import Field, PositiveInt
 from tensordict import NonTensorStack, TensorDict
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from engine_core.backend import (
     FINISH_REASON,
@@ -83,6 +83,7 @@ class HFRollout(BaseRollout):
             self.pad_token_id = int(pad)
         # names and shapes are fixed once built: asked at every sync, read once
         self._shapes = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+        self._generation_configs: dict[tuple[Any, ...], GenerationConfig] = {}
 
     # -- generation -----------------------------------------------------------------------
     @torch.no_grad()
@@ -126,6 +127,38 @@ class HFRollout(BaseRollout):
             out[ROUTED_EXPERTS] = routed
         return out
 
+    def _generation_config(self, params: SamplingParams, sample: bool) -> GenerationConfig:
+        """``generate``'s whole ``GenerationConfig`` for ``params``, made once per setting
+        (given none, ``generate`` rebuilds the model's config on every call to look for stray
+        generation settings in it: about a millisecond a call here).
+
+        ``sample``: ``generate`` samples itself (unseeded prompts) at the params' temperature,
+        top-p and top-k. Otherwise it takes the argmax (greedy, or after ``_RowSampler`` has
+        kept only each row's drawn token). Every sampling setting is given (the defaults, which
+        transformers does not warn about, where ``generate`` does not sample; ``top_k`` 0 is
+        off), so that nothing of a checkpoint's ``generation_config.json`` (its temperature,
+        top-k, ...) is merged in."""
+        stop = tuple(params.stop_token_ids)
+        top_k = max(params.top_k, 0)  # ours -1, transformers' 0: off
+        warpers = (params.temperature, params.top_p, top_k) if sample else (1.0, 1.0, 50)
+        key = (params.max_new_tokens, stop, self.pad_token_id, sample, warpers)
+        config = self._generation_configs.get(key)
+        if config is None:
+            temperature, top_p, top_k = warpers
+            config = GenerationConfig(
+                max_new_tokens=params.max_new_tokens,
+                do_sample=sample,
+                pad_token_id=self.pad_token_id,
+                eos_token_id=list(stop) or None,
+                return_dict_in_generate=True,
+                output_logits=True,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+            )
+            self._generation_configs[key] = config
+        return config
+
     def _generate_chunk(
         self,
         ids: torch.Tensor,
@@ -133,31 +166,16 @@ class HFRollout(BaseRollout):
         params: SamplingParams,
         row_seeds: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str], Any]:
-        stop = list(params.stop_token_ids)
-        kwargs: dict[str, Any] = {
-            "max_new_tokens": params.max_new_tokens,
-            "do_sample": not params.greedy and row_seeds is None,
-            "pad_token_id": self.pad_token_id,
-            "eos_token_id": stop or None,
-            "return_dict_in_generate": True,
-            "output_logits": True,
-        }
+        sample = not params.greedy and row_seeds is None
+        kwargs: dict[str, Any] = {"generation_config": self._generation_config(params, sample)}
         if row_seeds is not None:  # our sampler picks each row's token; generate takes argmax
-            kwargs.update(temperature=None, top_p=None, top_k=None)
             kwargs["logits_processor"] = LogitsProcessorList([_RowSampler(row_seeds, params)])
-        elif not params.greedy:
-            kwargs.update(
-                temperature=params.temperature,
-                top_p=params.top_p,
-                top_k=params.top_k if params.top_k > 0 else None,
-            )
-        else:  # neutralise sampling defaults a checkpoint's generation_config may carry
-            kwargs.update(temperature=None, top_p=None, top_k=None)
         recorder = RouteRecorder(self.model) if params.return_routes else contextlib.nullcontext()
         with recorder:
             out = self.model.generate(
                 input_ids=ids.to(self.device), attention_mask=mask.to(self.device), **kwargs
             )
+        stop = list(params.stop_token_ids)
         resp = out.sequences[:, ids.shape[1] :].cpu()
         logits = torch.stack(out.logits, dim=1).float().cpu() / params.log_prob_temperature
         logps = torch.log_softmax(logits, -1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)

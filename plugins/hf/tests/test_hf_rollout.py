@@ -81,6 +81,26 @@ def test_sampled_log_probs_equal_a_trainer_forward(temperature: float) -> None:
     assert (out["rollout_log_probs"][~m] == 0).all()
 
 
+@pytest.mark.parametrize("seeded", [True, False])
+def test_a_checkpoints_sampling_defaults_change_nothing(seeded: bool) -> None:
+    """A model whose own generation config samples (temperature 0.3, top-k 2, as a checkpoint's
+    ``generation_config.json`` may say) generates exactly what one without it does: greedy,
+    seeded and unseeded, at the params' settings alone."""
+    plain, odd = rollout(), rollout()
+    odd.model.generation_config.update(do_sample=True, temperature=0.3, top_k=2, top_p=0.5)
+    p = prompts(4, seed=3)  # no prompt_seed column: seed=None leaves generate to sample
+    for params in (
+        SamplingParams(temperature=0, max_new_tokens=6),
+        SamplingParams(temperature=1.0, max_new_tokens=6, n=4, seed=5 if seeded else None),
+    ):
+        torch.manual_seed(11)
+        want = plain.generate(p, params)
+        torch.manual_seed(11)
+        got = odd.generate(p, params)
+        assert torch.equal(got["response_ids"], want["response_ids"])
+        assert torch.equal(got["rollout_log_probs"], want["rollout_log_probs"])
+
+
 def test_n_samples_are_adjacent_and_seeded() -> None:
     r = rollout()
     p = prompts(2)
