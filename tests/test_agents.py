@@ -11,12 +11,13 @@ import multiprocessing
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
 
 from engine_core import BaseRollout, ConfigError, SamplingParams, load_plugins
+from engine_core.batch import ROUTED_EXPERTS
 from engine_core.configio import load_yaml
 from engine_core.resolve import resolve_rollout_config
 from engine_core.rollout import (
@@ -652,3 +653,59 @@ def test_episodes_pad_as_the_rollout_they_wrap(tokenizer: Any) -> None:
     worker = RolloutWorker.__new__(RolloutWorker)  # the replica's probe, on the same rollout
     worker.rollout = inner
     assert worker.pad_id() == inner.pad_token_id
+
+
+# -- routes across turns (mixtures of experts) ---------------------------------------------------
+
+MOE_MODEL = {
+    **MODEL,
+    "config": {
+        **MODEL["config"],
+        "model_type": "qwen3_moe",
+        "moe_intermediate_size": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "head_dim": 32,
+    },
+}
+
+
+@pytest.mark.parametrize("budget", [256, 52], ids=["max-turns", "token-budget"])
+def test_episode_routes_are_each_tokens_experts_across_turns(tokenizer: Any, budget: int) -> None:
+    """An MoE episode's routes, stitched from its turns, are on every token the experts its
+    model's routers choose in one forward over the whole episode (fp32; the last token, fed to
+    no forward, aside): three-turn episodes, and episodes that end on environment tokens after
+    their budget ran out (fed once more for those routes, the token drawn then dropped)."""
+    from engine_core.moe import RouteRecorder
+
+    spec, cfg = resolve_rollout_config({"backend": "hf", "model": MOE_MODEL}, load_plugins())
+    inner: BaseRollout = spec.load_class()(cfg)
+    episodes = EpisodeRollout(inner, Chatter, tokenizer, max_turns=3, max_episode_tokens=budget)
+    stops = list(range(0, 80, 2))  # a turn ends soon, on any even token
+    params = SamplingParams(max_new_tokens=8, n=4, seed=3, return_routes=True, stop_token_ids=stops)
+    out = episodes.generate(_prompts(["ab", "cd"]), params)
+    routes = out[ROUTED_EXPERTS]
+    width = out[PROMPT_IDS].shape[1]
+    assert routes.shape[:2] == (8, width + out[RESPONSE_IDS].shape[1])
+    records = out[EPISODE].tolist()
+    if budget == 256:
+        assert max(r["turns"] for r in records) == 3
+    else:  # the path that feeds an episode once more: it ended on the environment's tokens
+        ended_on_env = [
+            k
+            for k, r in enumerate(records)
+            if r["end"] == "token_budget"
+            and out[RESPONSE_LOSS_MASK][k][out[RESPONSE_MASK][k].bool()][-1] == 0
+        ]
+        assert ended_on_env, [r["end"] for r in records]
+    model = cast(Any, inner).model
+    for k in range(out.batch_size[0]):
+        p, r = out[PROMPT_MASK][k].bool(), out[RESPONSE_MASK][k].bool()
+        ids = torch.cat([out[PROMPT_IDS][k][p], out[RESPONSE_IDS][k][r]])
+        with torch.no_grad(), RouteRecorder(model) as rec:
+            model(ids[None])
+        want = rec.routes().permute(1, 0, 2)  # [tokens, layers, top_k]
+        got = torch.cat([routes[k, :width][p], routes[k, width:][r]])
+        same = (got.sort(-1).values == want.sort(-1).values).all(-1).all(-1)
+        assert bool(same[:-1].all()), f"episode {k}: tokens {(~same[:-1]).nonzero().flatten()}"

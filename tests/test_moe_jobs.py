@@ -18,7 +18,6 @@ from engine_core.moe import route_mismatch
 from engine_core.plugins import load_plugins
 from engine_core.rollout import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK
 from engine_core_roles.jobs.cli import RECIPES, load_recipe
-from engine_core_roles.jobs.rl.config import RLJobConfig
 from engine_core_roles.jobs.rl.run import run_rl_job
 from engine_core_roles.trainer.dynamic_sampling import _cat_left_padded
 from engine_core_roles.trainer.routing import counted_tokens
@@ -97,10 +96,38 @@ def test_routing_replay_is_refused_before_anything_is_built(
     assert not (tmp_path / "run").exists()
 
 
-def test_episodes_refuse_the_rollouts_routes() -> None:
-    raw = load_recipe(RECIPES / "agent_tiny.yaml", ["trainer.routing_replay=rollout"])
-    with pytest.raises(ValueError, match="episodes .env. do not carry them"):
-        RLJobConfig.model_validate(raw)
+def test_multi_turn_episodes_replay_the_rollouts_routes(tmp_path: Path) -> None:
+    """The shipped agent recipe on a Qwen3-MoE (fp32): each episode's routes, stitched across
+    its turns, are the trainer's own on every counted token, and the log-probs agree."""
+    moe = {
+        "model_type": "qwen3_moe",
+        "moe_intermediate_size": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "head_dim": 32,
+    }
+    overrides = [f"engine.model.config.{k}={str(v).lower()}" for k, v in moe.items()]
+    out = tmp_path / "agent"
+    raw = load_recipe(
+        RECIPES / "agent_tiny.yaml",
+        [
+            f"output_dir={out}",
+            "steps=2",
+            "prompts_per_step=2",
+            "trainer.samples_per_prompt=4",
+            "warmup_sft_steps=1",
+            "eval.every=0",
+            "log_every=1",
+            "trainer.routing_replay=rollout",
+            *overrides,
+        ],
+    )
+    run_rl_job(raw, load_plugins())
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout/route_mismatch"] for r in rows] == [0.0, 0.0]
+    assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-5
+    assert max(r["episode/turns"] for r in rows) > 1  # turns were stitched
 
 
 def test_counted_tokens_leave_out_padding_and_each_rows_last_token() -> None:

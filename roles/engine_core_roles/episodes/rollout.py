@@ -7,6 +7,13 @@ what the environment answered, and goes on until every episode is over or stoppe
 sampled and appended (never a re-tokenization of the decoded conversation), with
 :data:`~engine_core.rollout.RESPONSE_LOSS_MASK` 1 on the model's tokens only.
 :class:`EpisodeWorker` is a rollout replica that runs whole episodes.
+
+Asked for routes (``SamplingParams.return_routes``, an inner rollout that declares
+``routing_replay``), an episode's :data:`~engine_core.batch.ROUTED_EXPERTS` are stitched from its
+turns: each token's experts are those of the forward that first fed it to the model (the turn
+that sampled it; the next turn's prompt for a turn's last token and for the environment's
+tokens). An episode that ends on environment tokens no turn has fed (its token budget reached
+after a tool's answer) is fed once more, for those routes only (the one token drawn is dropped).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import torch
 from tensordict import NonTensorStack, TensorDict
 
 from engine_core import BaseRollout, SamplingParams
-from engine_core.capabilities import Capability
+from engine_core.batch import ROUTED_EXPERTS
 from engine_core.errors import ConfigError
 from engine_core.remote_rollout import RolloutWorker
 from engine_core.rollout import (
@@ -36,6 +43,7 @@ from engine_core.rollout import (
     ROLLOUT_LOG_PROBS,
     WeightBucket,
     derive_seed,
+    place_routes,
     sample_seeds,
 )
 from engine_core_roles.batch.build import prompt_batch
@@ -59,11 +67,30 @@ class _Running:
     log_probs: list[float] = field(default_factory=list)
     finish: str = "stop"
     seed: int | None = None
+    # with routes asked for: the experts of positions 0 .. routed - 1 of prompt + tokens, each
+    # from the forward that first fed that token to the model; and those a turn gave its last
+    # sampled token, which that turn did not feed back (its rollout's filler)
+    routes: list[torch.Tensor] = field(default_factory=list)
+    routed: int = 0
+    last_route: torch.Tensor | None = None
 
     def append(self, ids: Sequence[int], lps: Sequence[float] | None) -> None:
         self.tokens += ids
         self.trained += [1 if lps is not None else 0] * len(ids)
         self.log_probs += list(lps) if lps is not None else [0.0] * len(ids)
+
+    def add_routes(self, rows: torch.Tensor, fed: int) -> None:
+        """``rows``: a ``generate`` call's routes of this episode's input and sampled tokens, of
+        which the first ``fed`` were fed to the model."""
+        if fed > self.routed:
+            self.routes.append(rows[self.routed : fed])
+            self.routed = fed
+        self.last_route = rows[fed] if fed < rows.shape[0] else None
+
+    def all_routes(self) -> torch.Tensor:
+        """``[length, layers, top_k]``."""
+        parts = self.routes if self.last_route is None else [*self.routes, self.last_route[None]]
+        return torch.cat(parts)[: self.length]
 
     @property
     def length(self) -> int:
@@ -95,8 +122,7 @@ class EpisodeRollout(BaseRollout):
     ) -> None:
         super().__init__(inner.config)
         self.inner, self.environment, self.tokenizer = inner, environment, tokenizer
-        # an episode's turns are not stitched with their routes (yet): no routing replay
-        self.capabilities = frozenset(inner.capabilities) - {Capability.ROUTING_REPLAY}  # type: ignore[misc]
+        self.capabilities = frozenset(inner.capabilities)  # type: ignore[misc]
         self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
         self.step_timeout_s = step_timeout_s
         self.pad_token_id = inner.pad_token_id  # responses padded as the inner rollout pads
@@ -163,6 +189,8 @@ class EpisodeRollout(BaseRollout):
             resp, mask = out[RESPONSE_IDS], out[RESPONSE_MASK]
             lps = out[ROLLOUT_LOG_PROBS]
             reasons = out[FINISH_REASON].tolist() if FINISH_REASON in out.keys() else None
+            if params.return_routes:
+                _take_routes(active, out, mask)
             stepping = []
             for j, r in enumerate(active):
                 keep = mask[j].bool()
@@ -209,7 +237,29 @@ class EpisodeRollout(BaseRollout):
                 extra = _call_quietly(r.env.score, r.episode)
                 if isinstance(extra, int | float) and not isinstance(extra, bool):
                     r.episode.reward += float(extra)
-        return self._result(running, t_env)
+        out = self._result(running, t_env)
+        if params.return_routes:
+            out[ROUTED_EXPERTS] = self._routes(out, running, params, turn + 1)
+        return out
+
+    def _routes(
+        self, out: TensorDict, running: list[_Running], params: SamplingParams, turn: int
+    ) -> torch.Tensor:
+        """Every episode's routes, placed as a ``generate`` result places them. Episodes with
+        tokens no turn fed (and no filler for the last) are fed once more first, for the routes
+        of their whole sequence (one token drawn and dropped)."""
+        unfed = [r for r in running if r.routed + (r.last_route is not None) < r.length]
+        if unfed:
+            batch = prompt_batch(
+                [r.prompt + r.tokens for r in unfed], pad_token_id=self.pad_token_id
+            )
+            if all(r.seed is not None for r in unfed):
+                seeds = [derive_seed(r.seed, turn) for r in unfed]  # type: ignore[arg-type]
+                batch[PROMPT_SEED] = torch.tensor(seeds, dtype=torch.int64)
+            once = params.model_copy(update={"n": 1, "max_new_tokens": 1})
+            fed = self.inner.generate(batch, once)
+            _take_routes(unfed, fed, torch.zeros_like(fed[RESPONSE_MASK]))
+        return place_routes(out, [r.all_routes() for r in running])
 
     def _start(self, row: dict[str, Any]) -> _Running:
         try:
@@ -290,6 +340,22 @@ class EpisodeRollout(BaseRollout):
         out[FINISH_REASON] = NonTensorStack.from_list(finish)
         out[EPISODE] = NonTensorStack.from_list([_record(r.episode, env_wait_s) for r in running])
         return out
+
+
+def _take_routes(episodes: list[_Running], out: TensorDict, sampled: torch.Tensor) -> None:
+    """Give each episode its rows of ``out``'s routes (a ``generate`` call over ``episodes``,
+    before their sampled tokens, ``sampled`` ``[rows, R]`` 1 where valid, are appended)."""
+    if ROUTED_EXPERTS not in out.keys():
+        raise ConfigError(
+            f"the episode rollout asked its inner rollout for routes "
+            f"(SamplingParams.return_routes) and got none; it returned {sorted(out.keys())}."
+        )
+    routes = out[ROUTED_EXPERTS]
+    width = out[PROMPT_IDS].shape[1]
+    for j, r in enumerate(episodes):
+        h, m = r.length, int(sampled[j].sum())
+        rows = torch.cat([routes[j, width - h : width], routes[j, width : width + m]])
+        r.add_routes(rows, h + max(m - 1, 0))
 
 
 def _record(ep: Episode, env_wait_s: float) -> dict[str, Any]:

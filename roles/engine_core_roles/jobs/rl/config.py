@@ -301,12 +301,6 @@ class RLJobConfig(JobConfig):
         mode = self.trainer.routing_replay
         if mode == "off":
             return
-        if self.env is not None and mode in ("rollout", "measure"):
-            raise ValueError(
-                f"trainer.routing_replay={mode} takes the rollout's routes with its samples; "
-                f"episodes (env) do not carry them across turns yet. Use routing_replay=trainer "
-                f"or off with env."
-            )
         check_routing_replay(mode, self.actor_config().old_log_probs_from_update)
 
     def trainer_config(self, task: DigitTask) -> TrainerConfig:
