@@ -37,6 +37,7 @@ __all__ = [
     "free_port",
     "host_rendezvous",
     "join_process_group",
+    "no_answer",
     "worker_env",
 ]
 
@@ -46,6 +47,18 @@ DEFAULT_CALL_TIMEOUT_S = 600.0
 # after a first worker fails a call, how long its peers may take to report: they fail (or
 # hang) in collectives waiting for it, and the failed one is named now, not at the deadline
 FAILURE_GRACE_S = 10.0
+
+
+def no_answer(worker: int, method: str, *, after_failure: bool, call_timeout_s: float) -> str:
+    """The line naming a worker that did not answer ``method``: within the call's timeout, or
+    (``after_failure``) within the grace period that follows another worker's failure."""
+    waited = (
+        f"within {FAILURE_GRACE_S:g} s of the failure above (it may wait on that worker)"
+        if after_failure
+        else f"within call_timeout_s={call_timeout_s:g} s"
+    )
+    return f"worker {worker}: no answer to {method!r} {waited}"
+
 
 Calls = list[tuple[tuple[Any, ...], dict[str, Any]]]
 

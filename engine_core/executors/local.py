@@ -32,6 +32,7 @@ from engine_core.executors.base import (
     WorkerGroup,
     enter_worker_env,
     host_rendezvous,
+    no_answer,
     worker_env,
 )
 from engine_core.executors.worker_errors import WorkerErrorInfo, error_payload, worker_failure
@@ -180,12 +181,10 @@ class LocalWorkerGroup(WorkerGroup):
         for i in pending:  # no answer in time
             proc = self._procs[i]
             alive = "alive" if proc.is_alive() else f"dead (exit code {proc.exitcode})"
-            waited = (
-                f"within call_timeout_s={self.call_timeout_s:g} s"
-                if not (failures or died)
-                else f"within {FAILURE_GRACE_S:g} s of the failure above (it may wait on that worker)"
+            line = no_answer(
+                i, method, after_failure=bool(failures or died), call_timeout_s=self.call_timeout_s
             )
-            failures[i] = f"worker {i}: no answer to {method!r} {waited} ({alive})"
+            failures[i] = f"{line} ({alive})"
         if died or failures:
             # a dead worker leaves its peers failing (or hanging) in collectives: name it first
             head = (

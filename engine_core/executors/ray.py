@@ -33,6 +33,7 @@ from engine_core.executors.base import (
     enter_worker_env,
     host_rendezvous,
     meeting_host,
+    no_answer,
     worker_env,
 )
 from engine_core.executors.worker_errors import WorkerErrorInfo, error_payload, worker_failure
@@ -244,8 +245,7 @@ class RayWorkerGroup(WorkerGroup):
         if not (errors or raised) and pending:
             raise DispatchError(
                 "\n".join(
-                    f"worker {i}: no answer to {method!r} within call_timeout_s="
-                    f"{self.call_timeout_s:g} s"
+                    no_answer(i, method, after_failure=False, call_timeout_s=self.call_timeout_s)
                     for i in sorted(index[r] for r in pending)
                 )
             )
@@ -276,9 +276,8 @@ class RayWorkerGroup(WorkerGroup):
                 described = WorkerErrorInfo.parse(payload).describe()
                 failures[i] = f"worker {i} raised in {method!r}: {described}"
             for i in silent:
-                failures[i] = (
-                    f"worker {i}: no answer to {method!r} within {FAILURE_GRACE_S:g} s of the "
-                    "failure above (it may wait on that worker)"
+                failures[i] = no_answer(
+                    i, method, after_failure=True, call_timeout_s=self.call_timeout_s
                 )
             rest = [failures[i] for i in sorted(failures) if i not in died]
             summary = "\n".join(head + rest)
