@@ -572,16 +572,20 @@ class MegatronEngine(BaseEngine):
     def _routing_request(self, micro_batch: TensorDict) -> tuple[torch.Tensor | None, bool, bool]:
         """The batch's routes (checked against the model) and whether to record and balance."""
         assert self.layout is not None
-        unsupported = None
-        if self.config.model.gradient_checkpointing:
-            unsupported = "gradient checkpointing (set model.gradient_checkpointing: false)"
-        routed, record, balance = routing_request(micro_batch, unsupported=unsupported)
+        routed, record, balance = routing_request(micro_batch)
         if not (routed is not None or record or balance):
             return None, False, False
         if not self.layout.moe:
             raise BatchError(
                 f"the batch asks for {ROUTED_EXPERTS} or {MOE_AUX}, and this model is dense "
                 f"(no mixture-of-experts router); turn routing replay off for it."
+            )
+        if balance and self.config.model.gradient_checkpointing:
+            raise BatchError(
+                f"{MOE_AUX} (the load-balancing loss) with gradient checkpointing is not "
+                f"supported yet on megatron (the routers' logits of the first forward carry no "
+                f"graph under full recompute); set actor.moe_aux_loss_coef: 0 or "
+                f"model.gradient_checkpointing: false."
             )
         if balance and self.config.pipeline_parallel_size > 1:  # type: ignore[attr-defined]
             raise BatchError(
@@ -689,6 +693,8 @@ class MegatronEngine(BaseEngine):
                 f"virtual_pipeline_parallel_size."
             )
         prepared = [(mb, self.prepare_model_inputs(mb)) for mb in micro_batches]
+        if self._routing is not None:  # full recompute runs the layers again in the backward
+            self._routing.start(recomputed=cfg.model.gradient_checkpointing and not forward_only)
         acc = MetricAccumulator()
         outputs: list[TensorDict] = []
         loss_sum = torch.zeros((), dtype=torch.float64)

@@ -11,6 +11,13 @@ choice (a softmax over every expert gathered at the chosen ones with
 ``moe_router_pre_softmax``, else a softmax over the chosen logits): the router keeps its
 gradient, and replaying the router's own choice changes nothing.
 
+Under megatron-core's full recompute (``model.gradient_checkpointing``), each checkpointed
+layer runs its forward again in the backward. A replayed router then takes again the experts
+its first forward took (kept in order per router: every schedule here runs a router's
+backwards in the order of its forwards), with logits computed again from the live weight, so
+the router's gradient is that of the forward it recomputes; the routers' own choice and balance
+terms are read in the first forward only.
+
 Its own ``moe_enable_routing_replay`` is not used: it keeps its routers in one process-wide
 list (every model of the process, the reference's too), and a router either records or
 replays, while the engine returns the routers' own choice while it replays another.
@@ -18,6 +25,7 @@ replays, while the engine returns the routers' own choice while it replays anoth
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,14 +59,25 @@ class RouterHooks:
         self.pre_softmax = pre_softmax
         self.step: RoutingStep | None = None
         self.layers: list[int] = []  # global MoE layer index of each hooked router
+        # with recompute: the experts each replayed forward used, per layer, until its backward
+        self.recomputed = False
+        self._used: dict[int, deque[torch.Tensor]] = {}
         for chunk in chunks:
             for layer in chunk.module.decoder.layers:
                 global_layer = int(layer.layer_number) - 1
                 layer.mlp.router.register_forward_hook(self._hook(global_layer))
                 self.layers.append(global_layer)
 
+    def start(self, recomputed: bool) -> None:
+        """A new ``forward_backward_step``: ``recomputed``, whether its layers' forwards run
+        again in its backward (training under full recompute)."""
+        self.recomputed = recomputed
+        self._used.clear()
+
     def _hook(self, layer: int) -> Any:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
+            if torch._C._current_graph_task_id() != -1:  # a layer recomputed in the backward
+                return self._again(module, args, layer)
             step = self.step
             if step is None:
                 return None
@@ -83,11 +102,29 @@ class RouterHooks:
                 # replaying the router's own choice computes exactly what no replay does
                 used = torch.where(given >= 0, given, own)
                 output = self._replayed(logits, used)
+                if self.recomputed:
+                    self._used.setdefault(layer, deque()).append(used.detach())
             if step.balance:
                 step.logits[layer] = (logits, used)
             return output
 
         return hook
+
+    def _again(self, module: torch.nn.Module, args: Any, layer: int) -> Any:
+        """A replayed router's recomputation: the experts its forward took, from live logits."""
+        queue = self._used.get(layer)
+        if not queue:  # not replayed: the router chooses again as it chose
+            return None
+        router: Any = module
+        logits = router.gating(args[0])
+        logits = logits.reshape(-1, logits.shape[-1])
+        used = queue.popleft().to(logits.device)
+        if used.shape[0] != logits.shape[0]:
+            raise RuntimeError(
+                f"recomputing MoE layer {layer}: its forward replayed {used.shape[0]} tokens, "
+                f"the recomputation sees {logits.shape[0]}."
+            )
+        return self._replayed(logits, used)
 
     def _replayed(
         self, logits: torch.Tensor, experts: torch.Tensor
