@@ -1,7 +1,8 @@
 """A tiny mixture of experts and routes for it, for the conformance kit and the tests.
 
 :data:`TINY_QWEN3_MOE` is a Qwen3-MoE of 8 experts, top-2, with an odd vocabulary, and
-:data:`TINY_MIXTRAL` a Mixtral of other odd shapes;
+:data:`TINY_MIXTRAL` a Mixtral of other odd shapes and :data:`TINY_QWEN2_MOE` a Qwen2-MoE (a gated
+shared expert beside the routed ones);
 :func:`routed_batch` gives a batch of random sequences and routes a rollout could have chosen
 for it (a bf16 copy's, with every third token sent one expert further, so they surely differ
 from the model's own). The oracle is ``engine_core.testing.kit.plain_log_probs`` with the routes:
@@ -20,7 +21,7 @@ from engine_core.batch import ATTENTION_MASK, INPUT_IDS
 from engine_core.moe import RouteRecorder, replaying
 from engine_core.testing.models import random_batch
 
-__all__ = ["TINY_MIXTRAL", "TINY_QWEN3_MOE", "own_routes", "routed_batch"]
+__all__ = ["TINY_MIXTRAL", "TINY_QWEN2_MOE", "TINY_QWEN3_MOE", "own_routes", "routed_batch"]
 
 TINY_QWEN3_MOE: dict[str, Any] = {
     "model_type": "qwen3_moe",
@@ -50,6 +51,25 @@ TINY_MIXTRAL: dict[str, Any] = {
     "head_dim": 10,
     "num_local_experts": 8,
     "num_experts_per_tok": 2,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+}
+# a shared-expert family: Qwen2-MoE's shared expert (its own width) on every token, scaled by a
+# sigmoid gate, beside 8 routed experts whose top-2 probabilities are not renormalised; q/k/v
+# biases, no q/k norms
+TINY_QWEN2_MOE: dict[str, Any] = {
+    "model_type": "qwen2_moe",
+    "vocab_size": 69,
+    "hidden_size": 48,
+    "intermediate_size": 80,
+    "moe_intermediate_size": 24,
+    "shared_expert_intermediate_size": 56,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": False,
     "max_position_embeddings": 64,
     "tie_word_embeddings": False,
 }

@@ -58,10 +58,10 @@ __all__ = [
     "hf_parameter_names",
 ]
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
 # model types whose attention normalises queries and keys per head before the rotary embedding
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,9 @@ class ModelLayout:
     expert_ffn_size: int = 0
     normalize_top_k: bool = False  # the chosen experts' probabilities renormalised to sum 1
     expert_parallel: int = 1
+    # Qwen2-MoE's shared expert, on every token beside the routed ones and scaled by a sigmoid
+    # gate of its own: its MLP width (0: none)
+    shared_ffn_size: int = 0
 
     @property
     def heads_per_group(self) -> int:
@@ -124,22 +127,35 @@ def _moe_facts(hf: Any, model_type: str, ep: int) -> dict[str, Any]:
         if float(getattr(hf, "router_jitter_noise", 0.0) or 0.0):
             raise ConfigError("megatron: router_jitter_noise > 0 is not mapped; set it to 0.")
     else:
+        family = "Qwen2-MoE" if model_type == "qwen2_moe" else "Qwen3-MoE"
         experts, ffn = hf.num_experts, hf.moe_intermediate_size
         normalize = bool(getattr(hf, "norm_topk_prob", False))
         sparse = getattr(hf, "decoder_sparse_step", 1)
         dense = list(getattr(hf, "mlp_only_layers", None) or [])
         if sparse != 1 or dense:
             raise ConfigError(
-                f"megatron: a Qwen3-MoE with dense layers (decoder_sparse_step={sparse}, "
+                f"megatron: a {family} with dense layers (decoder_sparse_step={sparse}, "
                 f"mlp_only_layers={dense}) is not mapped; every layer must be an MoE layer "
                 f"(decoder_sparse_step: 1, mlp_only_layers: []). Use fsdp2 for this model."
+            )
+        if model_type == "qwen2_moe" and getattr(hf, "use_sliding_window", False):
+            raise ConfigError(
+                "megatron: a Qwen2-MoE with use_sliding_window=true is not mapped (megatron-core's "
+                "local attention is full causal); set use_sliding_window: false or use fsdp2."
             )
     if experts % ep:
         raise ConfigError(
             f"megatron: expert_parallel_size={ep} must divide the number of experts "
             f"({experts}); choose a divisor of it."
         )
+    shared = int(getattr(hf, "shared_expert_intermediate_size", 0) or 0)
+    if model_type == "qwen2_moe" and not shared:
+        raise ConfigError(
+            "megatron: a Qwen2-MoE needs shared_expert_intermediate_size > 0 (its shared "
+            "expert); got 0."
+        )
     return {
+        "shared_ffn_size": shared if model_type == "qwen2_moe" else 0,
         "num_experts": int(experts),
         "top_k": int(hf.num_experts_per_tok),
         "expert_ffn_size": int(ffn),
@@ -175,6 +191,11 @@ def layout_of(hf: Any, *, value_head: bool, tp: int, ep: int = 1) -> ModelLayout
             f"megatron: expert_parallel_size={ep} needs a mixture-of-experts model; "
             f"{model_type!r} is dense. Set expert_parallel_size: 1."
         )
+    if moe.get("shared_ffn_size", 0) % tp:
+        raise ConfigError(
+            f"megatron: tensor_parallel_size={tp} must divide shared_expert_intermediate_size "
+            f"({moe['shared_ffn_size']}), which is cut over the TP ranks."
+        )
     if not moe and hf.intermediate_size % tp:
         raise ConfigError(
             f"megatron: tensor_parallel_size={tp} must divide intermediate_size "
@@ -182,7 +203,11 @@ def layout_of(hf: Any, *, value_head: bool, tp: int, ep: int = 1) -> ModelLayout
         )
     vocab = hf.vocab_size
     padded = -(-vocab // tp) * tp
-    qkv_bias = model_type == "qwen2" or bool(getattr(hf, "attention_bias", False))
+    qkv_bias = (
+        model_type == "qwen2"
+        or (model_type == "qwen2_moe" and bool(getattr(hf, "qkv_bias", True)))
+        or bool(getattr(hf, "attention_bias", False))
+    )
     return ModelLayout(
         num_layers=hf.num_hidden_layers,
         hidden_size=hf.hidden_size,
@@ -257,6 +282,12 @@ def transformer_config_kwargs(
             # ranks need NCCL, and small experts gain little from being cut
             expert_tensor_parallel_size=1,
         )
+    if layout.shared_ffn_size:  # cut over the TP ranks as a dense MLP is
+        config.update(
+            moe_shared_expert_intermediate_size=layout.shared_ffn_size,
+            moe_shared_expert_gate=True,  # sigmoid(x . gate_weight) times its output
+            moe_shared_expert_overlap=False,
+        )
     return config, model
 
 
@@ -276,6 +307,15 @@ def layer_parts(layout: ModelLayout) -> list[str]:
             ["mlp.experts.linear_fc1.weight", "mlp.experts.linear_fc2.weight", "mlp.router.weight"]
             if layout.moe
             else ["mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+        ),
+        *(
+            [
+                "mlp.shared_experts.linear_fc1.weight",
+                "mlp.shared_experts.linear_fc2.weight",
+                "mlp.shared_experts.gate_weight",
+            ]
+            if layout.shared_ffn_size
+            else []
         ),
         "input_layernorm.weight",
         "pre_mlp_layernorm.weight",
@@ -310,6 +350,12 @@ _LAYER_PARTS = {
     "mlp.router.weight": ("mlp.gate.weight",),
     "mlp.experts.linear_fc1.weight": ("mlp.experts.gate_up_proj",),
     "mlp.experts.linear_fc2.weight": ("mlp.experts.down_proj",),
+    "mlp.shared_experts.linear_fc1.weight": (
+        "mlp.shared_expert.gate_proj.weight",
+        "mlp.shared_expert.up_proj.weight",
+    ),
+    "mlp.shared_experts.linear_fc2.weight": ("mlp.shared_expert.down_proj.weight",),
+    "mlp.shared_experts.gate_weight": ("mlp.shared_expert_gate.weight",),
 }
 # one expert of an expert-parallel rank: its part of the layer's stacked expert tensor
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)$")

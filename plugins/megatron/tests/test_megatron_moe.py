@@ -1,11 +1,13 @@
-"""Mixtures of experts on megatron-core: a Qwen3-MoE and a Mixtral, expert parallelism.
+"""Mixtures of experts on megatron-core: a Qwen3-MoE, a Mixtral and a Qwen2-MoE, expert
+parallelism.
 
-Two unseen tiny families (8 experts, top-2, odd vocabularies; Qwen3-MoE with per-head q/k norms
-and renormalised top-k, Mixtral without either norm), every weight random, saved with
-``save_pretrained``. The megatron engine at TP2 without expert parallelism, at EP2, EP2 with the experts' own data parallelism
-(4 ranks), EP2 x TP2 (sequence parallel) and EP2 with PP2, on real gloo groups and
-megatron-core's all-to-all token dispatcher, against transformers' own forward; the same
-updates as fsdp2's; a checkpoint written at EP2 loaded at EP1 and at TP2.
+Three unseen tiny families (8 experts, top-2, odd vocabularies; Qwen3-MoE with per-head q/k
+norms and renormalised top-k, Mixtral without either norm, Qwen2-MoE with q/k/v biases, top-k
+not renormalised and a gated shared expert of its own width), every weight random, saved with
+``save_pretrained``. The megatron engine at TP2 without expert parallelism, at EP2, EP2 with the
+experts' own data parallelism (4 ranks), EP2 x TP2 (sequence parallel) and EP2 with PP2, on
+real gloo groups and megatron-core's all-to-all token dispatcher, against transformers' own
+forward; the same updates as fsdp2's; a checkpoint written at EP2 loaded at EP1 and at TP2.
 """
 
 from __future__ import annotations
@@ -24,15 +26,16 @@ from engine_core.errors import ConfigError  # noqa: E402
 from engine_core.testing.distributed import run_distributed  # noqa: E402
 from engine_core.testing.kit import build, eval_batch, forward, plain_log_probs  # noqa: E402
 from engine_core.testing.models import save_with_own_norms, train_steps  # noqa: E402
-from engine_core.testing.moe import TINY_MIXTRAL, TINY_QWEN3_MOE  # noqa: E402
+from engine_core.testing.moe import TINY_MIXTRAL, TINY_QWEN2_MOE, TINY_QWEN3_MOE  # noqa: E402
 
 PRELOAD = (
     "engine_core_megatron.engine",
     "engine_core_fsdp.fsdp2",
     "transformers.models.qwen3_moe.modeling_qwen3_moe",
     "transformers.models.mixtral.modeling_mixtral",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe",
 )
-FAMILIES = {"qwen3_moe": TINY_QWEN3_MOE, "mixtral": TINY_MIXTRAL}
+FAMILIES = {"qwen3_moe": TINY_QWEN3_MOE, "mixtral": TINY_MIXTRAL, "qwen2_moe": TINY_QWEN2_MOE}
 OPTIM = {"lr": 1e-2, "clip_grad": 1.0, "warmup_steps": 1}
 SP = {"tensor_parallel_size": 2, "sequence_parallel": True}
 LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
@@ -149,6 +152,9 @@ def test_expert_parallel_checkpoint_loads_resharded(runs: dict[str, Any], layout
         ("qwen3_moe", {"decoder_sparse_step": 2}, 1, 1, "decoder_sparse_step=2"),
         ("qwen3_moe", {}, 1, 3, "expert_parallel_size=3 must divide the number of experts"),
         ("mixtral", {"sliding_window": 16}, 1, 1, "sliding_window=16"),
+        ("qwen2_moe", {"use_sliding_window": True}, 1, 1, "use_sliding_window=true"),
+        ("qwen2_moe", {"mlp_only_layers": [0]}, 1, 1, "a Qwen2-MoE with dense layers"),
+        ("qwen2_moe", {"shared_expert_intermediate_size": 57}, 2, 1, "divide shared_expert"),
     ],
 )
 def test_unmappable_moe_is_refused(
