@@ -138,10 +138,14 @@ def _moe_facts(hf: Any, model_type: str, ep: int) -> dict[str, Any]:
                 f"mlp_only_layers={dense}) is not mapped; every layer must be an MoE layer "
                 f"(decoder_sparse_step: 1, mlp_only_layers: []). Use fsdp2 for this model."
             )
-        if model_type == "qwen2_moe" and getattr(hf, "use_sliding_window", False):
+        kinds = sorted(set(getattr(hf, "layer_types", None) or []) - {"full_attention"})
+        if model_type == "qwen2_moe" and (getattr(hf, "use_sliding_window", False) or kinds):
             raise ConfigError(
-                "megatron: a Qwen2-MoE with use_sliding_window=true is not mapped (megatron-core's "
-                "local attention is full causal); set use_sliding_window: false or use fsdp2."
+                f"megatron: a Qwen2-MoE with a sliding window (use_sliding_window="
+                f"{str(bool(getattr(hf, 'use_sliding_window', False))).lower()}, layer_types "
+                f"{kinds or ['full_attention']}) is not mapped (megatron-core's local attention "
+                f"is full causal); set use_sliding_window: false and every layer_types entry to "
+                f"full_attention, or use fsdp2."
             )
     if experts % ep:
         raise ConfigError(

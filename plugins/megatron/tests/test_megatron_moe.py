@@ -153,6 +153,7 @@ def test_expert_parallel_checkpoint_loads_resharded(runs: dict[str, Any], layout
         ("qwen3_moe", {}, 1, 3, "expert_parallel_size=3 must divide the number of experts"),
         ("mixtral", {"sliding_window": 16}, 1, 1, "sliding_window=16"),
         ("qwen2_moe", {"use_sliding_window": True}, 1, 1, "use_sliding_window=true"),
+        ("qwen2_moe", {"layer_types": ["sliding_attention", "full_attention"]}, 1, 1, "sliding"),
         ("qwen2_moe", {"mlp_only_layers": [0]}, 1, 1, "a Qwen2-MoE with dense layers"),
         ("qwen2_moe", {"shared_expert_intermediate_size": 57}, 2, 1, "divide shared_expert"),
     ],
