@@ -80,8 +80,11 @@ class MeshWorker(Worker):
             raise ValueError(f"worker {self.rank} fails before the collective")
         return self.all_reduce_rank()
 
-    def raise_or_nap(self, raiser: int, seconds: float) -> int:
-        """Worker ``raiser`` raises at once; the others answer after ``seconds``."""
+    def raise_or_nap(self, raiser: int, seconds: float, peer_lost: bool = False) -> int:
+        """Worker ``raiser`` raises at once (with ``peer_lost``, the error gloo raises when a
+        collective's peer went away); the others answer after ``seconds``."""
+        if self.rank == raiser and peer_lost:
+            raise RuntimeError("[gloo/transport/tcp/pair.cc] Read error: Connection reset by peer")
         if self.rank == raiser:
             raise ValueError(f"worker {self.rank} fails on purpose")
         time.sleep(seconds)

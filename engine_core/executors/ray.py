@@ -43,6 +43,13 @@ __all__ = ["RayWorkerGroup", "STRATEGIES"]
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 # how long a failed call waits for the cluster to say whether an unreachable worker's node left
 NODE_LOSS_WAIT_S = 60.0
+# what a worker's error says when a collective's peer went away (gloo, NCCL)
+PEER_LOST = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "remote process exited",
+)
 
 
 def _import_ray() -> Any:
@@ -179,20 +186,26 @@ class RayWorkerGroup(WorkerGroup):
             counts[node] = counts.get(node, 0) + 1
         return ", ".join(f"{n} on node {ip} ({nid[:8]})" for (nid, ip), n in counts.items())
 
-    def _gone_nodes(self, wait_for: Sequence[int] = ()) -> set[str] | None:
+    def _gone_nodes(self, wait_for: Sequence[int] = (), any_node: bool = False) -> set[str] | None:
         """The ids of this group's nodes that are no longer in the cluster (None: unknown).
 
         With ``wait_for`` (workers Ray could not reach), up to :data:`NODE_LOSS_WAIT_S` for
         the cluster to tell whether their nodes left: it marks a node dead only after missed
-        health checks."""
-        deadline = time.monotonic() + (NODE_LOSS_WAIT_S if wait_for else 0.0)
+        health checks. With ``any_node``, as long for any of the group's nodes to leave."""
+        waiting = bool(wait_for) or any_node
+        deadline = time.monotonic() + (NODE_LOSS_WAIT_S if waiting else 0.0)
         while True:
             try:
                 alive = {n["NodeID"] for n in self._ray.nodes() if n.get("Alive")}
             except Exception:
                 return None
             gone = {node_id for node_id, _ in self.nodes if node_id not in alive}
-            if all(self._on(i, gone) for i in wait_for) or time.monotonic() > deadline:
+            if (
+                not waiting
+                or (wait_for and all(self._on(i, gone) for i in wait_for))
+                or (any_node and gone)
+                or time.monotonic() > deadline
+            ):
                 return gone
             time.sleep(0.5)
 
@@ -255,7 +268,8 @@ class RayWorkerGroup(WorkerGroup):
             # the cluster misses enough of the node's health checks, which takes longer than
             # the grace period: when the group spans nodes, wait for those workers' nodes too,
             # so that the lost node is named rather than the errors it caused on the others
-            if len({node_id for node_id, _ in self.nodes}) > 1:
+            spans = len({node_id for node_id, _ in self.nodes}) > 1
+            if spans:
                 wait_for = sorted(errors) + silent
             else:  # one node: only an unreachable worker may be on a node that left
                 wait_for = [
@@ -263,14 +277,25 @@ class RayWorkerGroup(WorkerGroup):
                     for i, e in errors.items()
                     if isinstance(e, ray.exceptions.ActorUnavailableError)
                 ]
-            gone = self._gone_nodes(wait_for=wait_for)
+            # a collective's peer lost (a connection error) while the rest of this group answered:
+            # the peer may be another group's, on one of this group's nodes that is leaving
+            peer_lost = spans and any(
+                any(sign in WorkerErrorInfo.parse(p).describe() for sign in PEER_LOST)
+                for p in raised.values()
+            )
+            gone = self._gone_nodes(wait_for=wait_for, any_node=peer_lost)
             died = sorted(
                 i
                 for i, e in [*errors.items(), *((i, None) for i in silent)]
                 if isinstance(e, ray.exceptions.ActorDiedError) or self._on(i, gone)
             )
             lines = [f"worker {i} died during {method!r}{self._node_of(i, gone)}" for i in died]
-            head = [f"{'; '.join(lines)}; the other failures follow from it:"] if died else []
+            lines += [  # answered, then went with its node: the call's peers lost theirs
+                f"worker {i} answered {method!r}{self._node_of(i, gone)} and was lost with it"
+                for i in sorted(results)
+                if self._on(i, gone)
+            ]
+            head = [f"{'; '.join(lines)}; the other failures follow from it:"] if lines else []
             failures = {i: f"worker {i} raised in {method!r}:\n{e}" for i, e in errors.items()}
             for i, payload in raised.items():
                 described = WorkerErrorInfo.parse(payload).describe()
@@ -282,7 +307,7 @@ class RayWorkerGroup(WorkerGroup):
             rest = [failures[i] for i in sorted(failures) if i not in died]
             summary = "\n".join(head + rest)
             # as the local executor: the first error raised keeps its type (when allowed)
-            raise worker_failure(summary, raised, method=method, typed=not died)
+            raise worker_failure(summary, raised, method=method, typed=not lines)
         return [results[i] for i in range(len(refs))]
 
     def shutdown(self) -> None:
