@@ -106,9 +106,10 @@ from tests._workers import MeshWorker
 
 ray.init(address=sys.argv[1], log_to_driver=False)
 group = RayWorkerGroup(MeshWorker, 2, strategy="STRICT_SPREAD", call_timeout_s=120)
-raiser = 1 - [node for node, _ in group.nodes].index(sys.argv[2])  # the one staying
+leaving = [node for node, _ in group.nodes].index(sys.argv[2])
+raiser = leaving if sys.argv[3] == "raised_there" else 1 - leaving
 print(json.dumps({"raiser": raiser}), flush=True)
-answered = sys.argv[3] == "answered"  # the other answers at once; the raiser lost a peer
+answered = sys.argv[3] != "silent"  # the other answers at once; the raiser lost a peer
 try:
     group.call_all("raise_or_nap", raiser, 0 if answered else 600, answered)
 except DispatchError as e:
@@ -116,15 +117,15 @@ except DispatchError as e:
 """
 
 
-@pytest.mark.parametrize("other", ["silent", "answered"])
+@pytest.mark.parametrize("other", ["silent", "answered", "raised_there"])
 def test_a_worker_cut_off_with_its_node_is_named_though_it_said_nothing(
     cluster: Any, tmp_path: Path, other: str
 ) -> None:
     """One worker raises at once; the other is on a node that leaves the cluster only after
     the grace period for the others' answers. ``silent``: it never answers; ``answered``: it
     answered at once, and the raiser's error is a collective's lost peer (the peer may be
-    another group's, on that node). Either way it is named first, with its node, and the
-    raised error follows it."""
+    another group's, on that node); ``raised_there``: the raiser is the one on the leaving node.
+    The worker on the node that left is named first, with its node."""
     second = cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
     script = subprocess.Popen(
@@ -144,9 +145,9 @@ def test_a_worker_cut_off_with_its_node_is_named_though_it_said_nothing(
     out, err = script.communicate(timeout=120)
     said = next(json.loads(s)["said"] for s in out.splitlines() if s.startswith('{"said"'))
     lines = said.splitlines()
-    lost = 1 - raiser
-    named = "died during" if other == "silent" else "answered"
-    assert lines[0].startswith(f"worker {lost} {named} 'raise_or_nap' on node"), said
+    lost = raiser if other == "raised_there" else 1 - raiser
+    named = "died during 'raise_or_nap' on node" if other == "silent" else "was on node"
+    assert lines[0].startswith(f"worker {lost} {named}"), said
     assert "which left the cluster" in lines[0], said
     assert f"worker {raiser} raised in 'raise_or_nap'" in said, said
 
@@ -202,9 +203,9 @@ def test_a_job_spans_two_nodes_stops_when_one_leaves_and_resumes_on_a_new_one(
         assert placed.count("1 on node") == 2, placed
     said = [line for line in err.splitlines() if "engine-core run failed" in line]
     assert len(said) == 1, err
-    # the lost node named: a worker of the failed call's group on it died during the call, or
-    # answered it and went with the node while its peers still needed it
-    lost = "died during" in said[0] or "and was lost with it" in said[0]
+    # the lost node named first: the failed call's worker on it died during the call, or it
+    # answered (or raised) and went with the node, with the call's peers of other groups there
+    lost = "died during" in said[0] or " was on node " in said[0]
     assert lost and "which left the cluster" in said[0], said[0]
     assert "checkpoints already saved" in said[0]
     assert "Traceback" not in err

@@ -290,9 +290,11 @@ class RayWorkerGroup(WorkerGroup):
                 if isinstance(e, ray.exceptions.ActorDiedError) or self._on(i, gone)
             )
             lines = [f"worker {i} died during {method!r}{self._node_of(i, gone)}" for i in died]
-            lines += [  # answered, then went with its node: the call's peers lost theirs
-                f"worker {i} answered {method!r}{self._node_of(i, gone)} and was lost with it"
-                for i in sorted(results)
+            # workers that answered (or raised) before their node went: its other processes
+            # (another group's) were the peers the call lost
+            lines += [
+                f"worker {i} was{self._node_of(i, gone)} during {method!r}"
+                for i in sorted({*results, *raised})
                 if self._on(i, gone)
             ]
             head = [f"{'; '.join(lines)}; the other failures follow from it:"] if lines else []
