@@ -279,9 +279,9 @@ class RayWorkerGroup(WorkerGroup):
                 ]
             # a collective's peer lost (a connection error) while the rest of this group answered:
             # the peer may be another group's, on one of this group's nodes that is leaving
+            described = {i: WorkerErrorInfo.parse(p).describe() for i, p in raised.items()}
             peer_lost = spans and any(
-                any(sign in WorkerErrorInfo.parse(p).describe() for sign in PEER_LOST)
-                for p in raised.values()
+                sign in text for text in described.values() for sign in PEER_LOST
             )
             gone = self._gone_nodes(wait_for=wait_for, any_node=peer_lost)
             died = sorted(
@@ -299,9 +299,8 @@ class RayWorkerGroup(WorkerGroup):
             ]
             head = [f"{'; '.join(lines)}; the other failures follow from it:"] if lines else []
             failures = {i: f"worker {i} raised in {method!r}:\n{e}" for i, e in errors.items()}
-            for i, payload in raised.items():
-                described = WorkerErrorInfo.parse(payload).describe()
-                failures[i] = f"worker {i} raised in {method!r}: {described}"
+            for i, text in described.items():
+                failures[i] = f"worker {i} raised in {method!r}: {text}"
             for i in silent:
                 failures[i] = no_answer(
                     i, method, after_failure=True, call_timeout_s=self.call_timeout_s
