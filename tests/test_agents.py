@@ -29,6 +29,7 @@ from engine_core.rollout import (
     ROLLOUT_LOG_PROBS,
     sent_buckets,
 )
+from engine_core.testing.moe import AS_QWEN3_MOE
 from engine_core_roles import Actor, ActorConfig, training_batch
 from engine_core_roles.batch.keys import EPISODE, ROW
 from engine_core_roles.data.tiny_agent import demonstration, lookup, value_of, write_files
@@ -657,18 +658,7 @@ def test_episodes_pad_as_the_rollout_they_wrap(tokenizer: Any) -> None:
 
 # -- routes across turns (mixtures of experts) ---------------------------------------------------
 
-MOE_MODEL = {
-    **MODEL,
-    "config": {
-        **MODEL["config"],
-        "model_type": "qwen3_moe",
-        "moe_intermediate_size": 32,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "norm_topk_prob": True,
-        "head_dim": 32,
-    },
-}
+MOE_MODEL = {**MODEL, "config": {**MODEL["config"], **AS_QWEN3_MOE}}
 
 
 @pytest.mark.parametrize("budget", [256, 52], ids=["max-turns", "token-budget"])

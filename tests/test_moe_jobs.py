@@ -17,6 +17,7 @@ from engine_core.errors import CapabilityError
 from engine_core.moe import route_mismatch
 from engine_core.plugins import load_plugins
 from engine_core.rollout import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK
+from engine_core.testing.moe import AS_QWEN3_MOE
 from engine_core_roles.jobs.cli import RECIPES, load_recipe
 from engine_core_roles.jobs.rl.run import run_rl_job
 from engine_core_roles.trainer.dynamic_sampling import _cat_left_padded
@@ -99,15 +100,7 @@ def test_routing_replay_is_refused_before_anything_is_built(
 def test_multi_turn_episodes_replay_the_rollouts_routes(tmp_path: Path) -> None:
     """The shipped agent recipe on a Qwen3-MoE (fp32): each episode's routes, stitched across
     its turns, are the trainer's own on every counted token, and the log-probs agree."""
-    moe = {
-        "model_type": "qwen3_moe",
-        "moe_intermediate_size": 32,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "norm_topk_prob": True,
-        "head_dim": 32,
-    }
-    overrides = [f"engine.model.config.{k}={str(v).lower()}" for k, v in moe.items()]
+    overrides = [f"engine.model.config.{k}={str(v).lower()}" for k, v in AS_QWEN3_MOE.items()]
     out = tmp_path / "agent"
     raw = load_recipe(
         RECIPES / "agent_tiny.yaml",

@@ -21,7 +21,14 @@ from engine_core.batch import ATTENTION_MASK, INPUT_IDS
 from engine_core.moe import RouteRecorder, replaying
 from engine_core.testing.models import random_batch
 
-__all__ = ["TINY_MIXTRAL", "TINY_QWEN2_MOE", "TINY_QWEN3_MOE", "own_routes", "routed_batch"]
+__all__ = [
+    "AS_QWEN3_MOE",
+    "TINY_MIXTRAL",
+    "TINY_QWEN2_MOE",
+    "TINY_QWEN3_MOE",
+    "own_routes",
+    "routed_batch",
+]
 
 TINY_QWEN3_MOE: dict[str, Any] = {
     "model_type": "qwen3_moe",
@@ -53,6 +60,16 @@ TINY_MIXTRAL: dict[str, Any] = {
     "num_experts_per_tok": 2,
     "max_position_embeddings": 64,
     "tie_word_embeddings": False,
+}
+# what turns a dense Qwen2-style config into a Qwen3-MoE of 8 experts, top-2 (head size 32):
+# the shipped agent recipe's model as a mixture of experts, in the episode-routing tests
+AS_QWEN3_MOE: dict[str, Any] = {
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 32,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "head_dim": 32,
 }
 # a shared-expert family: Qwen2-MoE's shared expert (its own width) on every token, scaled by a
 # sigmoid gate, beside 8 routed experts whose top-2 probabilities are not renormalised; q/k/v
