@@ -64,6 +64,8 @@ _EXPORTS: dict[str, str] = {
     "check_routes": "engine_core.moe",
     "ROUTED_EXPERTS": "engine_core.batch",
     "MOE_AUX": "engine_core.batch",
+    "MoeAuxLoss": "engine_core.batch",
+    "balance_loss": "engine_core.moe",
     "AdapterFolders": "engine_core.adapters",
     "split_peft_tensors": "engine_core.adapters",
     "CutBuckets": "engine_core.rollout",
@@ -160,6 +162,7 @@ if TYPE_CHECKING:
         ROUTED_EXPERTS,
         VALUES,
         BatchMeta,
+        MoeAuxLoss,
         get_meta,
     )
     from engine_core.capabilities import Capability, StrEnum
@@ -217,7 +220,7 @@ if TYPE_CHECKING:
         is_adapter_name,
         merged_lora_tensors,
     )
-    from engine_core.moe import RouteRecorder, check_routes
+    from engine_core.moe import RouteRecorder, balance_loss, check_routes
     from engine_core.optim import (
         SingleOptimizerMixin,
         build_lr_scheduler,

@@ -16,10 +16,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tensordict import NonTensorStack, TensorDict
 
 from engine_core.errors import BatchError
+from engine_core.loss import LossAggregation
 
 __all__ = [
     "INPUT_IDS",
@@ -31,6 +32,7 @@ __all__ = [
     "VALUES",
     "META_KEY",
     "BatchMeta",
+    "MoeAuxLoss",
     "make_batch",
     "get_meta",
     "set_meta",
@@ -53,10 +55,44 @@ VALUES = "values"
 #: (by the rollout that sampled it); an engine that declares ``routing_replay`` routes the same.
 #: Also an output: with ``BatchMeta.return_routes``, the engine's own routers' choice
 ROUTED_EXPERTS = "routed_experts"
-#: output, float ``[B, L]`` with gradient (``BatchMeta.moe_aux``): each token's share of the
-#: routers' sequence-level load-balancing loss (:func:`engine_core.moe.balance_terms`)
+#: output, float ``[B, L]`` (``BatchMeta.moe_aux``): each token's share of the routers'
+#: sequence-level load-balancing loss (:func:`engine_core.moe.balance_terms`), detached: the
+#: engine adds the loss itself (:class:`MoeAuxLoss`)
 MOE_AUX = "moe_aux"
 META_KEY = "meta"
+
+
+class MoeAuxLoss(BaseModel):
+    """The routers' load-balancing loss an engine adds to a training step's loss.
+
+    Each micro-batch adds ``coef * aggregate_loss(moe_aux, loss_mask, aggregation, ctx,
+    norm_length=norm_length)`` (:func:`engine_core.loss.aggregate_loss`) to its loss before the
+    backward: the per-token balance terms scaled like a per-token loss, the same for every
+    micro-batch and DP size. The engine adds it, not the loss function, because a model split
+    into pipeline stages (or recomputed in the backward) has each router's terms only on its
+    own stage, in its own forward. The step's outputs carry the terms as ``moe_aux``, detached;
+    the value is part of the step's loss, and the terms' token mean over the loss mask is
+    reported as the metric ``moe_aux_loss``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    coef: float = Field(gt=0, description="Weight of the balance loss in the step's loss.")
+    aggregation: LossAggregation = Field(
+        LossAggregation.TOKEN_MEAN,
+        description="How the per-token terms become one scalar (as the policy loss's).",
+    )
+    norm_length: int | None = Field(
+        None, ge=1, description="The constant divisor of seq-mean-token-sum-norm."
+    )
+
+    @model_validator(mode="after")
+    def _norm_length_given(self) -> MoeAuxLoss:
+        if self.aggregation is LossAggregation.SEQ_MEAN_TOKEN_SUM_NORM and self.norm_length is None:
+            raise ValueError(
+                f"aggregation {self.aggregation} divides each sequence's token sum by "
+                f"norm_length, which is unset; give norm_length (the generation budget, say)."
+            )
+        return self
 
 
 class BatchMeta(BaseModel):
@@ -76,12 +112,12 @@ class BatchMeta(BaseModel):
             "of aligned like log-probs (the prefix before it). Reward models score this way."
         ),
     )
-    moe_aux: bool = Field(
-        False,
+    moe_aux: MoeAuxLoss | None = Field(
+        None,
         description=(
-            "Also return moe_aux [B, L] (with gradient): each token's share of the routers' "
-            "sequence-level load-balancing loss, to aggregate like a per-token loss. Engines "
-            "that declare routing_replay."
+            "Add the routers' sequence-level load-balancing loss to the step's loss, weighted "
+            "and aggregated as given (MoeAuxLoss; needs loss_mask), and return each token's "
+            "share of it as moe_aux [B, L], detached. Engines that declare routing_replay."
         ),
     )
     return_routes: bool = Field(
@@ -150,9 +186,11 @@ def set_meta(batch: TensorDict, meta: BatchMeta) -> None:
 
 
 def with_meta(batch: TensorDict, **fields: Any) -> TensorDict:
-    """A shallow copy of ``batch`` whose metadata has ``fields`` replaced; the input is untouched."""
+    """A shallow copy of ``batch`` whose metadata has ``fields`` replaced (validated, as the
+    metadata's class validates them); the input is untouched."""
     copy_ = batch.clone(recurse=False)
-    set_meta(copy_, get_meta(batch).model_copy(update=fields))
+    meta: BatchMeta = get_meta(batch)
+    set_meta(copy_, type(meta).model_validate({**dict(meta), **fields}))
     return copy_
 
 

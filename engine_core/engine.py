@@ -48,7 +48,7 @@ from engine_core.errors import BatchError, CapabilityError, EngineCoreError
 from engine_core.log_probs import chunked_head, head_of, token_log_probs
 from engine_core.loss import GlobalBatchContext, LossFn, MetricAccumulator
 from engine_core.microbatch import prepare_micro_batches
-from engine_core.moe import RouteRecorder, RouterLogits, balance_terms, replaying
+from engine_core.moe import RouteRecorder, RouterLogits, balance_loss, balance_terms, replaying
 from engine_core.packing import PackedSequences, pack, pack_tensor, sequence_start_mask, unpack
 from engine_core.rollout import CutBuckets, gather_bytes, iter_buckets
 
@@ -210,7 +210,7 @@ def routing_request(
     it is refused (a forward that would route on its own)."""
     routed = micro_batch.get(ROUTED_EXPERTS, None)
     meta: BatchMeta = get_meta(micro_batch)
-    record, balance = meta.return_routes, meta.moe_aux
+    record, balance = meta.return_routes, meta.moe_aux is not None
     if (routed is not None or record or balance) and unsupported:
         raise BatchError(
             f"{ROUTED_EXPERTS} (replayed or returned) or {MOE_AUX} with {unsupported} is not "
@@ -458,8 +458,8 @@ class BaseEngine(abc.ABC):
 
         Refused before anything runs, the engine unchanged: a batch that
         :func:`~engine_core.batch.validate_batch` refuses, a token id outside the model's
-        vocabulary or a sample longer than its ``max_position_embeddings``
-        (:class:`~engine_core.errors.BatchError`); ``routed_experts``, ``BatchMeta.moe_aux`` or
+        vocabulary, a sample longer than its ``max_position_embeddings`` or ``BatchMeta.moe_aux``
+        without ``loss_mask`` (:class:`~engine_core.errors.BatchError`); ``routed_experts``, ``BatchMeta.moe_aux`` or
         ``BatchMeta.return_routes`` on an engine without ``routing_replay``
         (:class:`~engine_core.errors.CapabilityError`); a training step with no loss function
         (:class:`~engine_core.errors.EngineCoreError`). An exception raised while the step runs
@@ -469,17 +469,17 @@ class BaseEngine(abc.ABC):
         """
         validate_batch(batch)
         self._check_model_limits(batch)
+        meta: BatchMeta = get_meta(batch)
         if Capability.ROUTING_REPLAY not in self.capabilities:
-            meta: BatchMeta = get_meta(batch)
             if ROUTED_EXPERTS in batch.keys():
                 raise CapabilityError(
                     f"the batch carries {ROUTED_EXPERTS} (a rollout's choice of experts), which "
                     f"{type(self).__name__} does not replay (it does not declare "
                     f"routing_replay); drop the key or use an engine that declares it."
                 )
-            if meta.moe_aux:
+            if meta.moe_aux is not None:
                 raise CapabilityError(
-                    f"BatchMeta(moe_aux=True) asks for the routers' load-balancing loss, which "
+                    f"BatchMeta.moe_aux asks for the routers' load-balancing loss, which "
                     f"{type(self).__name__} does not compute (it does not declare "
                     f"routing_replay); set moe_aux_loss_coef=0 or use an engine that declares it."
                 )
@@ -489,6 +489,12 @@ class BaseEngine(abc.ABC):
                     f"chose, which {type(self).__name__} does not record (it does not declare "
                     f"routing_replay); turn routing replay off or use an engine that declares it."
                 )
+        if meta.moe_aux is not None and LOSS_MASK not in batch.keys():
+            raise BatchError(
+                f"BatchMeta.moe_aux asks for the routers' load-balancing loss, aggregated over "
+                f"the batch's {LOSS_MASK}, and the batch has none (keys: {sorted(batch.keys())}); "
+                f"add {LOSS_MASK} or unset moe_aux."
+            )
         if not forward_only and self.loss_fn is None:
             raise EngineCoreError(
                 "forward_backward_step(forward_only=False) needs a loss; call set_loss_fn() first."
@@ -539,13 +545,19 @@ class BaseEngine(abc.ABC):
                 out = self.prepare_model_outputs(raw, inputs, mb)
                 if inputs.recorded is not None:
                     out[ROUTED_EXPERTS] = row_to_batch(inputs.recorded.transpose(0, 1), inputs, mb)
+                terms: torch.Tensor | None = None
                 if inputs.router_logits is not None:
                     balance = inputs.router_logits
                     layers = [_whole_layer(x, inputs.shard) for x in balance.layers()]
-                    terms = balance_of(layers, balance.num_experts, inputs, mb)
-                    out[MOE_AUX] = row_to_batch(terms, inputs, mb)
+                    terms = row_to_batch(
+                        balance_of(layers, balance.num_experts, inputs, mb), inputs, mb
+                    )
+                    out[MOE_AUX] = terms.detach()
                 if self.loss_fn is not None:
                     loss, metrics = self.loss_fn(mb, out, ctx)
+                    if terms is not None:  # BatchMeta.moe_aux: the engine adds the balance loss
+                        aux, metric = balance_loss(terms, mb, ctx)
+                        loss, metrics = loss + aux, {**metrics, "moe_aux_loss": metric}
                     if not forward_only:
                         self.backward(loss)
                     local_loss += loss.detach().double().cpu()

@@ -34,9 +34,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from tensordict import TensorDict
 from torch import nn
 
+from engine_core.batch import LOSS_MASK, MoeAuxLoss, get_meta
 from engine_core.errors import BatchError
+from engine_core.loss import GlobalBatchContext, Metric, aggregate_loss, token_mean_metric
 
 __all__ = [
     "ROUTER_RULES",
@@ -44,6 +47,7 @@ __all__ = [
     "RouteRecorder",
     "RouteReplay",
     "RouterLogits",
+    "balance_loss",
     "balance_terms",
     "check_routes",
     "checkpoint_contexts",
@@ -369,6 +373,21 @@ def balance_terms(
         total = term if total is None else total + term
     assert total is not None
     return (total / len(layers)) * real.to(total.dtype)
+
+
+def balance_loss(
+    terms: torch.Tensor, micro_batch: TensorDict, ctx: GlobalBatchContext
+) -> tuple[torch.Tensor, Metric]:
+    """The load-balancing loss ``micro_batch``'s ``BatchMeta.moe_aux`` asks for, from balance
+    terms ``[B, L]`` (:func:`balance_terms`, all layers or some): ``coef`` times the terms
+    aggregated over its ``loss_mask`` as :class:`~engine_core.batch.MoeAuxLoss` says (with the
+    terms' gradient), and their token mean, the metric ``moe_aux_loss``."""
+    spec: MoeAuxLoss | None = get_meta(micro_batch).moe_aux
+    if spec is None:
+        raise ValueError("balance_loss: the micro-batch's BatchMeta.moe_aux is unset.")
+    mask = micro_batch[LOSS_MASK].to(terms.device)
+    loss = aggregate_loss(terms, mask, spec.aggregation, ctx, norm_length=spec.norm_length)
+    return spec.coef * loss, token_mean_metric(terms, mask, ctx)
 
 
 def route_mismatch(a: torch.Tensor, b: torch.Tensor) -> float:

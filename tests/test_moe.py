@@ -417,7 +417,6 @@ def _hand_balance(model: nn.Module, batch: Any) -> torch.Tensor:
 def _balance_grads(
     rank: int, world: int, folder: str, batch: Any, mbs: int | None, cp: int = 1
 ) -> Any:
-    from engine_core.batch import MOE_AUX
     from engine_core.loss import aggregate_loss
 
     settings: dict[str, Any] = (
@@ -427,13 +426,13 @@ def _balance_grads(
         settings["context_parallel_size"] = cp
     engine = build("fsdp2", model={"path": folder}, optim={"lr": 1e-2}, **settings)
 
-    def loss(mb: Any, out: Any, ctx: Any) -> Any:
-        nll = aggregate_loss(-out[LOG_PROBS], mb[LOSS_MASK], "token-mean", ctx)
-        return nll + aggregate_loss(out[MOE_AUX], mb[LOSS_MASK], "token-mean", ctx), {}
+    def loss(mb: Any, out: Any, ctx: Any) -> Any:  # the engine adds the balance loss
+        return aggregate_loss(-out[LOG_PROBS], mb[LOSS_MASK], "token-mean", ctx), {}
 
     engine.set_loss_fn(loss)
+    given = with_meta(batch, moe_aux={"coef": 1.0})
     with engine.train_mode():
-        result = engine.forward_backward_step(engine.shard_data(with_meta(batch, moe_aux=True)))
+        result = engine.forward_backward_step(engine.shard_data(given))
     grads = [
         p.grad for n, p in engine.require_module().named_parameters() if n.endswith(".gate.weight")
     ]
@@ -449,8 +448,9 @@ def _balance_grads(
 def test_the_balance_loss_is_one_loss_however_the_batch_is_split(
     world: int, mbs: int | None, cp: int, tmp_path: Any
 ) -> None:
-    """``BatchMeta(moe_aux=True)``: the engine's per-token balance terms, aggregated as the
-    policy loss is and added to it, give the hand-written loss and its router gradients,
+    """``BatchMeta(moe_aux=...)``: the engine's per-token balance terms, aggregated as the
+    policy loss is and added to it by the engine, give the hand-written loss and its router
+    gradients,
     packed, padded in micro-batches of 2, split over two ranks, and with each row split over
     two context-parallel ranks."""
     model = _model(QWEN3_MOE)
@@ -468,6 +468,27 @@ def test_the_balance_loss_is_one_loss_however_the_batch_is_split(
         assert loss == pytest.approx(float(want), rel=1e-5)
         for got, expected in zip(grads, want_grads, strict=True):
             torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-4)
+
+
+def test_the_balance_loss_setting_is_refused_where_it_is_given() -> None:
+    """``BatchMeta.moe_aux`` is validated when it is set on a batch: a weight of 0, an
+    aggregation that needs a length without one, or the old boolean."""
+    from pydantic import ValidationError
+
+    from engine_core.batch import MoeAuxLoss, get_meta
+    from engine_core.testing.kit import train_batch
+
+    batch = train_batch()
+    for bad, words in (
+        ({"coef": 0.0}, "greater than 0"),
+        ({"coef": 0.1, "aggregation": "seq-mean-token-sum-norm"}, "norm_length"),
+        (True, "MoeAuxLoss"),
+    ):
+        with pytest.raises(ValidationError, match=words):
+            with_meta(batch, moe_aux=bad)
+    spec = MoeAuxLoss(coef=0.1, aggregation="seq-mean-token-sum-norm", norm_length=8)
+    assert get_meta(with_meta(batch, moe_aux=spec)).moe_aux == spec
+    assert get_meta(batch).moe_aux is None  # the batch given is left as it was
 
 
 def test_balance_terms_are_top_k_when_perfectly_balanced() -> None:
@@ -492,19 +513,17 @@ def test_expert_load_spread_is_one_when_balanced_and_experts_over_top_k_at_worst
 
 
 def _checkpointed_update(rank: int, world: int, folder: str, batch: Any, routes: Any) -> Any:
-    from engine_core.batch import MOE_AUX
     from engine_core.loss import aggregate_loss
 
-    def loss(mb: Any, out: Any, ctx: Any) -> Any:
-        nll = aggregate_loss(-out[LOG_PROBS], mb[LOSS_MASK], "token-mean", ctx)
-        return nll + 0.1 * aggregate_loss(out[MOE_AUX], mb[LOSS_MASK], "token-mean", ctx), {}
+    def loss(mb: Any, out: Any, ctx: Any) -> Any:  # the engine adds the balance loss
+        return aggregate_loss(-out[LOG_PROBS], mb[LOSS_MASK], "token-mean", ctx), {}
 
     out = {}
     for checkpointed in (False, True):
         model = {"path": folder, "gradient_checkpointing": checkpointed}
         engine = build("fsdp2", model=model, optim={"lr": 1e-2}, micro_batch_size=2)
         engine.set_loss_fn(loss)
-        given = with_meta(batch, moe_aux=True, return_routes=True)
+        given = with_meta(batch, moe_aux={"coef": 0.1}, return_routes=True)
         given[ROUTED_EXPERTS] = routes
         with engine.train_mode():
             result = engine.forward_backward_step(engine.shard_data(given))

@@ -732,11 +732,17 @@ def _refused_batches(caps: frozenset[Capability]) -> dict[str, tuple[str, Tensor
         routed = train_batch()
         routed[ROUTED_EXPERTS] = torch.zeros(*routed[INPUT_IDS].shape, 1, 1, dtype=torch.long)
         cases["routed_experts without routing_replay"] = ("CapabilityError", routed)
-        for field_name in ("moe_aux", "return_routes"):
-            cases[f"BatchMeta({field_name}=True) without routing_replay"] = (
+        asks: dict[str, Any] = {"moe_aux": {"coef": 0.1}, "return_routes": True}
+        for field_name, value in asks.items():
+            cases[f"BatchMeta({field_name}={value}) without routing_replay"] = (
                 "CapabilityError",
-                with_meta(train_batch(), **{field_name: True}),
+                with_meta(train_batch(), **{field_name: value}),
             )
+    else:
+        cases["BatchMeta.moe_aux without the loss_mask it aggregates over"] = (
+            "BatchError",
+            with_meta(train_batch(), moe_aux={"coef": 0.1}),
+        )
     return cases
 
 

@@ -64,6 +64,7 @@ from engine_core.backend import (
     MicroBatchResults,
     ModelInputs,
     all_reduce_cpu,
+    balance_loss,
     balance_of,
     build_hf_config,
     build_model,
@@ -580,19 +581,6 @@ class MegatronEngine(BaseEngine):
                 f"the batch asks for {ROUTED_EXPERTS} or {MOE_AUX}, and this model is dense "
                 f"(no mixture-of-experts router); turn routing replay off for it."
             )
-        if balance and self.config.model.gradient_checkpointing:
-            raise BatchError(
-                f"{MOE_AUX} (the load-balancing loss) with gradient checkpointing is not "
-                f"supported yet on megatron (the routers' logits of the first forward carry no "
-                f"graph under full recompute); set actor.moe_aux_loss_coef: 0 or "
-                f"model.gradient_checkpointing: false."
-            )
-        if balance and self.config.pipeline_parallel_size > 1:  # type: ignore[attr-defined]
-            raise BatchError(
-                f"{MOE_AUX} (the load-balancing loss) with pipeline_parallel_size > 1 is not "
-                f"supported yet (the routers of earlier stages are not on the last one, where "
-                f"the loss is taken); set actor.moe_aux_loss_coef: 0 or pipeline_parallel_size: 1."
-            )
         if routed is not None:
             layout = self.layout
             want = (layout.num_layers, layout.top_k)
@@ -712,8 +700,6 @@ class MegatronEngine(BaseEngine):
                 out = self.place_next_token_outputs({LOG_PROBS: -output[:, :-1]}, inputs, mb)
             else:
                 out = self.prepare_model_outputs(SimpleNamespace(logits=output), inputs, mb)
-            if inputs.balance:  # one stage (no PP): every router's logits are here
-                out[MOE_AUX] = self._balance_terms(steps[id(inputs)], inputs, mb)
             outputs.append(out.detach())
             if self.loss_fn is None:
                 return torch.zeros((), device=output.device, requires_grad=False), one, {}
@@ -729,7 +715,7 @@ class MegatronEngine(BaseEngine):
             kwargs = {k: v for k, v in inputs.kwargs.items() if k != "length"}
             if self._routing is not None:  # what this micro-batch asks of the routers
                 if id(inputs) not in steps:  # one per micro-batch, for every model chunk
-                    steps[id(inputs)] = self._routing_step(inputs)
+                    steps[id(inputs)] = self._routing_step(inputs, mb, ctx)
                 self._routing.step = steps[id(inputs)]
             # only the chunk that ends the pipeline has the output layer (model: DDP-wrapped)
             head = self._chunked_head_request(inputs, mb) if model.module.post_process else None
@@ -780,6 +766,12 @@ class MegatronEngine(BaseEngine):
         for (mb, inputs), out in zip(prepared, results.outputs, strict=True):
             if inputs.record_routes:
                 out[ROUTED_EXPERTS] = self._recorded_routes(steps[id(inputs)], inputs, mb)
+            if inputs.balance:
+                out[MOE_AUX] = self._balance_terms(steps[id(inputs)], mb)
+                if self.loss_fn is not None:  # the step's loss includes every stage's share
+                    aux, metric = balance_loss(out[MOE_AUX], mb, ctx)
+                    results.loss = results.loss + aux.detach().double().cpu()
+                    results.metrics.add("moe_aux_loss", metric)
         return results
 
     # ------------------------------------------------------------------ routing
@@ -793,13 +785,18 @@ class MegatronEngine(BaseEngine):
         share = total // tp
         return slice(self.tp_rank * share, (self.tp_rank + 1) * share)
 
-    def _routing_step(self, inputs: ModelInputs) -> RoutingStep:
+    def _routing_step(
+        self, inputs: ModelInputs, micro_batch: TensorDict, ctx: GlobalBatchContext
+    ) -> RoutingStep:
         routes = None
         if inputs.routes is not None:
             mine = self._token_slice(inputs)
             assert self._routing is not None
             routes = {layer: inputs.routes[layer, mine] for layer in self._routing.layers}
-        return RoutingStep(routes=routes, record=inputs.record_routes, balance=inputs.balance)
+        step = RoutingStep(routes=routes, record=inputs.record_routes)
+        if inputs.balance:
+            step.balance = functools.partial(self._layer_balance, step, inputs, micro_batch, ctx)
+        return step
 
     def _row_major(self, per_token: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
         """Values per token in megatron-core's sequence-major order over the padded row
@@ -824,19 +821,36 @@ class MegatronEngine(BaseEngine):
         dist.all_gather(parts, x.contiguous(), group=group)
         return torch.cat(parts)
 
-    def _balance_terms(
-        self, step: RoutingStep, inputs: ModelInputs, micro_batch: TensorDict
+    def _layer_balance(
+        self,
+        step: RoutingStep,
+        inputs: ModelInputs,
+        micro_batch: TensorDict,
+        ctx: GlobalBatchContext,
+        layer: int,
+        logits: torch.Tensor,
+        used: torch.Tensor,
     ) -> torch.Tensor:
-        """The micro-batch's load-balancing terms, ``[b, L]`` (:func:`balance_of`)."""
-        assert self.layout is not None and self._routing is not None
-        layers = []
-        for layer in self._routing.layers:
-            logits, used = step.logits[layer]
-            logits = self._row_major(self._gather_tokens(logits, grad=True), inputs)
-            used = self._row_major(self._gather_tokens(used, grad=False), inputs)
-            layers.append((logits, used))
-        terms = balance_of(layers, self.layout.num_experts, inputs, micro_batch)
-        return row_to_batch(terms, inputs, micro_batch)
+        """One router's share of the micro-batch's balance loss (``BatchMeta.moe_aux``), from
+        its logits and the experts used on this rank's tokens; its terms ``[b, L]`` (this
+        layer's of :func:`balance_of`'s mean over the model's layers) are kept in ``step``."""
+        assert self.layout is not None
+        logits = self._row_major(self._gather_tokens(logits, grad=True), inputs)
+        used = self._row_major(self._gather_tokens(used, grad=False), inputs)
+        terms = balance_of([(logits, used)], self.layout.num_experts, inputs, micro_batch)
+        terms = row_to_batch(terms / self.layout.num_layers, inputs, micro_batch)
+        step.terms.setdefault(layer, terms.detach().cpu())  # a recomputation's are the same
+        return balance_loss(terms, micro_batch, ctx)[0]
+
+    def _balance_terms(self, step: RoutingStep, micro_batch: TensorDict) -> torch.Tensor:
+        """The micro-batch's balance terms ``[b, L]``, every layer's: this stage's, summed over
+        the pipeline stages."""
+        terms = torch.zeros(micro_batch[INPUT_IDS].shape, dtype=torch.float32)
+        for layer_terms in step.terms.values():
+            terms = terms + layer_terms.float()
+        if self.config.pipeline_parallel_size > 1:  # type: ignore[attr-defined]
+            terms = all_reduce_cpu(terms, group=self._ps.get_pipeline_model_parallel_group())
+        return terms
 
     def _recorded_routes(
         self, step: RoutingStep, inputs: ModelInputs, micro_batch: TensorDict

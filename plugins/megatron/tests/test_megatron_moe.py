@@ -206,14 +206,16 @@ PACKINGS: dict[str, dict[str, Any]] = {
 }
 
 
-def _policy_and_aux(mb: Any, out: Any, ctx: Any) -> Any:
-    """The policy's NLL plus the routers' balance terms, both token means over the loss mask."""
-    from engine_core.batch import LOSS_MASK, MOE_AUX
+#: the routers' balance loss the engine adds (BatchMeta.moe_aux): a token mean over the loss mask
+BALANCE = {"coef": 0.1}
+
+
+def _policy(mb: Any, out: Any, ctx: Any) -> Any:
+    """The policy's NLL, a token mean over the loss mask (the engine adds the balance loss)."""
+    from engine_core.batch import LOSS_MASK
     from engine_core.loss import aggregate_loss
 
-    nll = aggregate_loss(-out[LOG_PROBS], mb[LOSS_MASK], "token-mean", ctx)
-    aux = aggregate_loss(out[MOE_AUX], mb[LOSS_MASK], "token-mean", ctx)
-    return nll + 0.1 * aux, {}
+    return aggregate_loss(-out[LOG_PROBS], mb[LOSS_MASK], "token-mean", ctx), {}
 
 
 def _replaying(
@@ -239,13 +241,13 @@ def _replaying(
         again = asked.clone()
         again[ROUTED_EXPERTS] = own[ROUTED_EXPERTS]
         out[name]["own_replayed"] = forward(engine, again)[LOG_PROBS]
-        if sizes.get("pipeline_parallel_size", 1) == 1:  # the balance loss: one stage
-            engine.set_loss_fn(_policy_and_aux)
-            update = with_meta(given, moe_aux=True)
-            with engine.train_mode():
-                result = engine.forward_backward_step(engine.shard_data(update))
-                norm = engine.optimizer_step()
-            out[name]["update"] = (result.loss, norm, forward(engine, batch.clone())[LOG_PROBS])
+        engine.set_loss_fn(_policy)  # an update with the balance loss, on every stage's routers
+        update = with_meta(given, moe_aux=BALANCE)
+        with engine.train_mode():
+            result = engine.forward_backward_step(engine.shard_data(update))
+            norm = engine.optimizer_step()
+        after = forward(engine, batch.clone())[LOG_PROBS]
+        out[name]["update"] = (result.loss, norm, after, result.metrics["moe_aux_loss"])
     return out
 
 
@@ -300,15 +302,18 @@ def test_megatron_replays_the_routes_a_batch_carries(
 
 
 @pytest.mark.parametrize("packing", sorted(PACKINGS))
-@pytest.mark.parametrize("layout", ["ep2", "ep2_tp2"])
+@pytest.mark.parametrize("layout", sorted(REPLAY_LAYOUTS))
 def test_megatron_update_with_the_balance_loss_equals_fsdp2(
     replays: dict[str, Any], layout: str, packing: str
 ) -> None:
-    """One update under replay with the routers' balance loss added to the policy's: the loss,
-    the gradient norm (the routers' gradient included) and the log-probs after the step equal
-    fsdp2's, whose balance loss is checked against a hand-written one (tests/test_moe.py)."""
-    loss, norm, after = replays[layout][packing]["update"]
-    want_loss, want_norm, want_after = replays["fsdp2"][packing]["update"]
+    """One update under replay with the routers' balance loss added to the policy's, also over
+    two pipeline stages (each stage's routers backpropagate their own share): the loss, the
+    balance metric, the gradient norm (the routers' gradient included) and the log-probs after
+    the step equal fsdp2's, whose balance loss is checked against a hand-written one
+    (tests/test_moe.py)."""
+    loss, norm, after, aux = replays[layout][packing]["update"]
+    want_loss, want_norm, want_after, want_aux = replays["fsdp2"][packing]["update"]
+    assert aux == pytest.approx(want_aux, rel=1e-5) and aux > 1.0  # top_k (2) when balanced
     assert loss == pytest.approx(want_loss, rel=1e-5)
     assert norm == pytest.approx(want_norm, rel=1e-5)
     # Adam's first step divides each gradient by its own magnitude: rounding-level gradient
@@ -329,17 +334,13 @@ def _recomputed(rank: int, world: int, folder: str, batch: Any, routes: Any) -> 
             pipeline_parallel_size=2,
             **PACKINGS["padded"],  # micro-batches of 2 rows through the 1F1B schedule
         )
-        given = batch.clone()
+        engine.set_loss_fn(_policy)
+        given = with_meta(batch, moe_aux=BALANCE)
         given[ROUTED_EXPERTS] = routes
         with engine.train_mode():
             result = engine.forward_backward_step(engine.shard_data(given))
             norm = engine.optimizer_step()
         out[checkpointing] = (result.loss, norm, forward(engine, batch.clone())[LOG_PROBS])
-    try:  # the balance loss needs the first forward's graph, which full recompute drops
-        engine.forward_backward_step(engine.shard_data(with_meta(given, moe_aux=True)))
-        out["balance"] = "ran"
-    except Exception as e:  # noqa: BLE001 - the message is the result
-        out["balance"] = str(e)
     return out
 
 
@@ -348,9 +349,9 @@ def test_replay_under_megatrons_full_recompute_equals_replay_without(
 ) -> None:
     """``model.gradient_checkpointing`` (megatron-core's full recompute, each layer run again in
     the backward) under replay, EP2 x PP2, micro-batches through the 1F1B schedule: the update's
-    loss, gradient norm and the log-probs after it are those of the same update without
-    recompute, bit for bit (each recomputed router takes the experts its forward took). The
-    balance loss with recompute is refused."""
+    loss (the balance loss included), gradient norm and the log-probs after it are those of
+    the same update without recompute, bit for bit (each recomputed router takes the experts
+    its forward took, and attaches its balance loss again, now with its graph)."""
     out = run_distributed(
         _recomputed,
         4,
@@ -362,7 +363,6 @@ def test_replay_under_megatrons_full_recompute_equals_replay_without(
     plain, recomputed = out[False], out[True]
     assert recomputed[0] == plain[0] and recomputed[1] == plain[1]
     assert torch.equal(recomputed[2], plain[2])
-    assert "gradient checkpointing is not supported yet on megatron" in out["balance"]
 
 
 def _misrouted(rank: int, world: int, folder: str, batch: Any, routes: Any) -> list[str]:

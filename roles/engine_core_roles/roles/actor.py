@@ -27,13 +27,12 @@ from engine_core import (
     GlobalBatchContext,
     LossAggregation,
     Metric,
-    aggregate_loss,
     require_keys,
     require_token_shaped,
     token_mean_metric,
     with_meta,
 )
-from engine_core.batch import MOE_AUX, ROUTED_EXPERTS
+from engine_core.batch import ROUTED_EXPERTS, MoeAuxLoss
 from engine_core.config import BUCKET_BYTES
 from engine_core.rollout import ROLLOUT_LOG_PROBS
 from engine_core_roles.algorithms.base import ClipRange, PolicyLossInputs
@@ -279,12 +278,8 @@ class Actor:
             kl_loss = entropy_loss(kl, mask, ctx, cfg.loss_agg_mode, norm_length=norm)
             loss = loss + cfg.kl_loss_coef * kl_loss
             metrics["kl_loss"] = token_mean_metric(kl, mask, ctx)
-        if MOE_AUX in out.keys():  # moe_aux_loss_coef > 0: the routers' balance, same scaling
-            aux = out[MOE_AUX]
-            loss = loss + cfg.moe_aux_loss_coef * aggregate_loss(
-                aux, mask, cfg.loss_agg_mode, ctx, norm_length=norm
-            )
-            metrics["moe_aux_loss"] = token_mean_metric(aux.detach(), mask, ctx)
+        # moe_aux_loss_coef > 0: the engine adds the routers' balance loss itself, aggregated as
+        # this loss is (BatchMeta.moe_aux, see update_actor), and reports moe_aux_loss
         return loss, metrics
 
     def _mismatch_weights(
@@ -297,6 +292,18 @@ class Actor:
         if cfg.mismatch_correction is MismatchCorrection.TIS:
             return tis_weights(*args, cap=cfg.tis_cap)
         return mis_weights(*args, low=cfg.mis_low, high=cfg.mis_high, level=cfg.mis_level)
+
+    def _balance_loss(self) -> MoeAuxLoss | None:
+        """The routers' load-balancing loss the engine adds, weighted by moe_aux_loss_coef and
+        aggregated as the policy loss is (None: not computed)."""
+        cfg = self.config
+        if cfg.moe_aux_loss_coef <= 0:
+            return None
+        return MoeAuxLoss(
+            coef=cfg.moe_aux_loss_coef,
+            aggregation=cfg.loss_agg_mode,
+            norm_length=cfg.loss_norm_length,
+        )
 
     def update_actor(self, batch: TensorDict) -> ActorUpdate:
         """PPO epochs over mini-batches; one optimizer step per mini-batch, one LR step per call.
@@ -318,7 +325,7 @@ class Actor:
         )
         if correct:
             _require_aligned_rollout_log_probs(batch)
-        batch = with_meta(batch, compute_entropy=True, moe_aux=self.config.moe_aux_loss_coef > 0)
+        batch = with_meta(batch, compute_entropy=True, moe_aux=self._balance_loss())
         history, lr, first = run_updates(
             self.engine,
             batch,
