@@ -219,13 +219,21 @@ def _policy(mb: Any, out: Any, ctx: Any) -> Any:
 
 
 def _replaying(
-    rank: int, world: int, folder: str, backend: str, sizes: dict[str, Any], batch: Any, routes: Any
+    rank: int,
+    world: int,
+    folder: str,
+    backend: str,
+    sizes: dict[str, Any],
+    batch: Any,
+    routes: Any,
+    packings: tuple[str, ...] = tuple(PACKINGS),
 ) -> Any:
     from engine_core.batch import ROUTED_EXPERTS, with_meta
 
     out: dict[str, Any] = {}
     asked = with_meta(batch, return_routes=True)
-    for name, packing in PACKINGS.items():
+    for name in packings:
+        packing = PACKINGS[name]
         engine = build(backend, model={"path": folder}, optim=OPTIM, **sizes, **packing)
         given = asked.clone()
         given[ROUTED_EXPERTS] = routes
@@ -251,21 +259,28 @@ def _replaying(
     return out
 
 
-@pytest.fixture(scope="module")
-def replays(folders: dict[str, str]) -> dict[str, Any]:
+def _routed(family: str, folder: str) -> dict[str, Any]:
+    """The family's model as saved in ``folder``, a batch with a loss mask after each
+    sequence's first three tokens, and routes that are not the model's own."""
     from engine_core.batch import LOSS_MASK, POSITION_IDS
     from engine_core.models import build_model
     from engine_core.testing.moe import routed_batch
 
     torch.manual_seed(0)
-    model: Any = build_model(ModelConfig(config=dict(TINY_QWEN3_MOE))).eval()
-    folder = folders["qwen3_moe"]
+    model: Any = build_model(ModelConfig(config=dict(FAMILIES[family]))).eval()
     model.load_state_dict(
         __import__("transformers").AutoModelForCausalLM.from_pretrained(folder).state_dict()
     )
     batch, routes = routed_batch(model)
     batch[LOSS_MASK] = (batch["attention_mask"].bool() & (batch[POSITION_IDS] >= 3)).long()
-    out: dict[str, Any] = {"model": model, "batch": batch, "routes": routes}
+    return {"model": model, "batch": batch, "routes": routes}
+
+
+@pytest.fixture(scope="module")
+def replays(folders: dict[str, str]) -> dict[str, Any]:
+    folder = folders["qwen3_moe"]
+    out = _routed("qwen3_moe", folder)
+    batch, routes = out["batch"], out["routes"]
     out["fsdp2"] = run_distributed(
         _replaying, 1, folder, "fsdp2", {}, batch, routes, preload=PRELOAD
     )[0]
@@ -319,6 +334,41 @@ def test_megatron_update_with_the_balance_loss_equals_fsdp2(
     # Adam's first step divides each gradient by its own magnitude: rounding-level gradient
     # differences of near-zero entries move the weights by more than that
     assert float((after - want_after).abs().max()) <= 1e-4
+
+
+def test_a_shared_expert_family_replays_and_updates_as_fsdp2(folders: dict[str, str]) -> None:
+    """The Qwen2-MoE (a gated shared expert beside the routed ones, top-k not renormalised) at
+    EP2 x TP2, packed: replayed log-probs are transformers' with the routes, the routers' own
+    choice is returned, and an update with the balance loss equals fsdp2's."""
+    from engine_core.moe import route_mismatch
+    from engine_core.testing.moe import own_routes
+
+    given = _routed("qwen2_moe", folders["qwen2_moe"])
+    model, batch, routes = given["model"], given["batch"], given["routes"]
+    runs = {
+        backend: run_distributed(
+            _replaying,
+            world,
+            folders["qwen2_moe"],
+            backend,
+            sizes,
+            batch,
+            routes,
+            ("packed",),
+            preload=PRELOAD,
+        )[0]["packed"]
+        for backend, world, sizes in (("fsdp2", 1, {}), ("megatron", *REPLAY_LAYOUTS["ep2_tp2"]))
+    }
+    got, want_update = runs["megatron"], runs["fsdp2"]["update"]
+    want, _ = plain_log_probs(model, batch, routes)
+    assert float((got["replayed"] - want).abs().max()) <= 1e-5
+    real = batch["attention_mask"].bool()
+    assert route_mismatch(got["chosen"][real], own_routes(model, batch)[real]) == 0.0
+    loss, norm, after, aux = got["update"]
+    assert loss == pytest.approx(want_update[0], rel=1e-5)
+    assert norm == pytest.approx(want_update[1], rel=1e-5)
+    assert aux == pytest.approx(want_update[3], rel=1e-5)
+    assert float((after - want_update[2]).abs().max()) <= 1e-4
 
 
 def _recomputed(rank: int, world: int, folder: str, batch: Any, routes: Any) -> Any:
