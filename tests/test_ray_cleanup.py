@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,8 +44,29 @@ def _alive(session: str) -> list[int]:
     return [pid for pid, command in _processes() if session in command]
 
 
-def test_a_killed_jobs_ray_cluster_is_ended_by_the_next_run(tmp_path: Path) -> None:
+@pytest.fixture
+def recorded_cluster() -> Any:
+    """A cluster on this machine that a job without ``ray.address`` must leave alone: its head
+    is recorded where ``ray start`` records one (Ray's own ``ray.init()`` would join it)."""
     pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
+    )
+    try:
+        yield cluster
+    finally:
+        cluster.shutdown()
+
+
+def test_a_killed_jobs_ray_cluster_is_ended_by_the_next_run(
+    tmp_path: Path, recorded_cluster: Any
+) -> None:
+    """Also with another cluster recorded on the machine (a ``ray start``): the job starts one
+    of its own, and neither run touches the other."""
+    other = recorded_cluster.head_node.get_session_dir_path()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     out = tmp_path / "run"
     job = subprocess.Popen(
@@ -57,6 +79,7 @@ def test_a_killed_jobs_ray_cluster_is_ended_by_the_next_run(tmp_path: Path) -> N
         assert time.monotonic() < deadline, "the job started no Ray cluster and step in 300 s"
         time.sleep(0.1)
     session = json.loads(record.read_text())["session_dir"]
+    assert session != other, "the job joined the recorded cluster instead of starting its own"
     job.send_signal(signal.SIGKILL)
     job.wait(timeout=60)
     time.sleep(2)
@@ -79,3 +102,4 @@ def test_a_killed_jobs_ray_cluster_is_ended_by_the_next_run(tmp_path: Path) -> N
     assert 1 <= int(ended.group(1)) <= len(left), said
     assert not _alive(session)
     assert not record.exists()  # that run ended its own cluster, and its record with it
+    assert _alive(other), "a run ended the recorded cluster it did not start"

@@ -92,8 +92,8 @@ class RayConfig(FrozenModel):
     address: str | None = Field(
         None,
         description="None: start a Ray instance on this machine for the job (stopped at its "
-        "end); 'auto': join the cluster this machine belongs to; 'host:port' or "
-        "'ray://host:port': join that cluster.",
+        "end), also where a `ray start` cluster runs or RAY_ADDRESS is set; 'auto': join the "
+        "cluster this machine belongs to; 'host:port' or 'ray://host:port': join that cluster.",
     )
     num_cpus: PositiveInt | None = Field(
         None, description="CPUs of the Ray instance the job starts (None: every core)."

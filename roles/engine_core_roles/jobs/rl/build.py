@@ -182,8 +182,12 @@ def _grouped_roles(job: RLJobConfig, resolved: Resolved, stack: contextlib.ExitS
         import ray
 
         if not ray.is_initialized():
+            # no address: a new instance of its own ("local"); Ray's own default would join the
+            # cluster a `ray start` on this machine recorded, or RAY_ADDRESS's, and the job would
+            # then take that cluster for its own (and end it if killed, at the next start)
+            address = job.ray.address or "local"
             start = functools.partial(
-                ray.init, address=job.ray.address, num_cpus=job.ray.num_cpus, log_to_driver=False
+                ray.init, address=address, num_cpus=job.ray.num_cpus, log_to_driver=False
             )
             if job.ray.address is None:  # a cluster of its own: ended with the job, or after
                 say = Console(stderr=True).print
