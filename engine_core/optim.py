@@ -79,11 +79,19 @@ def clip_and_step(
         return norm, True
     if max_norm is not None:
         coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
+        if coef < 1.0:  # one multiply per mesh, not one per gradient (a DTensor op each)
+            for group in _by_mesh(grads).values():
+                torch._foreach_mul_(group, coef)
     optimizer.step()
     return norm, False
+
+
+def _by_mesh(grads: list[torch.Tensor]) -> dict[object, list[torch.Tensor]]:
+    """``grads`` grouped by their DTensor device mesh (None: plain tensors)."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault(getattr(g, "device_mesh", None), []).append(g)
+    return groups
 
 
 def total_grad_norm(grads: list[torch.Tensor]) -> float:
@@ -93,11 +101,8 @@ def total_grad_norm(grads: list[torch.Tensor]) -> float:
     weights, 1-D for replicated norms); each mesh's group is reduced on its own mesh, then the
     group norms are combined.
     """
-    groups: dict[object, list[torch.Tensor]] = {}
-    for g in grads:
-        groups.setdefault(getattr(g, "device_mesh", None), []).append(g)
     squares = 0.0
-    for group in groups.values():
+    for group in _by_mesh(grads).values():
         norm_t = torch.nn.utils.get_total_norm(group, 2.0)
         if hasattr(norm_t, "full_tensor"):
             norm_t = norm_t.full_tensor()

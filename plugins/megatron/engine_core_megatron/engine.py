@@ -839,7 +839,7 @@ class MegatronEngine(BaseEngine):
         used = self._row_major(self._gather_tokens(used, grad=False), inputs)
         terms = balance_of([(logits, used)], self.layout.num_experts, inputs, micro_batch)
         terms = row_to_batch(terms / self.layout.num_layers, inputs, micro_batch)
-        step.terms.setdefault(layer, terms.detach().cpu())  # a recomputation's are the same
+        step.terms.setdefault(layer, terms.detach())  # a recomputation's are the same
         return balance_loss(terms, micro_batch, ctx)[0]
 
     def _balance_terms(self, step: RoutingStep, micro_batch: TensorDict) -> torch.Tensor:
@@ -847,7 +847,7 @@ class MegatronEngine(BaseEngine):
         the pipeline stages."""
         terms = torch.zeros(micro_batch[INPUT_IDS].shape, dtype=torch.float32)
         for layer_terms in step.terms.values():
-            terms = terms + layer_terms.float()
+            terms = terms + layer_terms.float().cpu()
         if self.config.pipeline_parallel_size > 1:  # type: ignore[attr-defined]
             terms = all_reduce_cpu(terms, group=self._ps.get_pipeline_model_parallel_group())
         return terms
