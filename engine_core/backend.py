@@ -66,6 +66,7 @@ _EXPORTS: dict[str, str] = {
     "MOE_AUX": "engine_core.batch",
     "MoeAuxLoss": "engine_core.batch",
     "balance_loss": "engine_core.moe",
+    "balance_metric": "engine_core.moe",
     "AdapterFolders": "engine_core.adapters",
     "split_peft_tensors": "engine_core.adapters",
     "CutBuckets": "engine_core.rollout",
@@ -220,7 +221,7 @@ if TYPE_CHECKING:
         is_adapter_name,
         merged_lora_tensors,
     )
-    from engine_core.moe import RouteRecorder, balance_loss, check_routes
+    from engine_core.moe import RouteRecorder, balance_loss, balance_metric, check_routes
     from engine_core.optim import (
         SingleOptimizerMixin,
         build_lr_scheduler,

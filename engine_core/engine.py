@@ -48,7 +48,14 @@ from engine_core.errors import BatchError, CapabilityError, EngineCoreError
 from engine_core.log_probs import chunked_head, head_of, token_log_probs
 from engine_core.loss import GlobalBatchContext, LossFn, MetricAccumulator
 from engine_core.microbatch import prepare_micro_batches
-from engine_core.moe import RouteRecorder, RouterLogits, balance_loss, balance_terms, replaying
+from engine_core.moe import (
+    RouteRecorder,
+    RouterLogits,
+    balance_loss,
+    balance_metric,
+    balance_terms,
+    replaying,
+)
 from engine_core.packing import PackedSequences, pack, pack_tensor, sequence_start_mask, unpack
 from engine_core.rollout import CutBuckets, gather_bytes, iter_buckets
 
@@ -459,8 +466,8 @@ class BaseEngine(abc.ABC):
         Refused before anything runs, the engine unchanged: a batch that
         :func:`~engine_core.batch.validate_batch` refuses, a token id outside the model's
         vocabulary, a sample longer than its ``max_position_embeddings`` or ``BatchMeta.moe_aux``
-        without ``loss_mask`` (:class:`~engine_core.errors.BatchError`); ``routed_experts``, ``BatchMeta.moe_aux`` or
-        ``BatchMeta.return_routes`` on an engine without ``routing_replay``
+        without ``loss_mask`` (:class:`~engine_core.errors.BatchError`); ``routed_experts``,
+        ``BatchMeta.moe_aux`` or ``BatchMeta.return_routes`` on an engine without ``routing_replay``
         (:class:`~engine_core.errors.CapabilityError`); a training step with no loss function
         (:class:`~engine_core.errors.EngineCoreError`). An exception raised while the step runs
         (the loss function's, say) propagates as raised; gradients the micro-batches before it
@@ -556,8 +563,8 @@ class BaseEngine(abc.ABC):
                 if self.loss_fn is not None:
                     loss, metrics = self.loss_fn(mb, out, ctx)
                     if terms is not None:  # BatchMeta.moe_aux: the engine adds the balance loss
-                        aux, metric = balance_loss(terms, mb, ctx)
-                        loss, metrics = loss + aux, {**metrics, "moe_aux_loss": metric}
+                        loss = loss + balance_loss(terms, mb, ctx)
+                        metrics = {**metrics, "moe_aux_loss": balance_metric(terms, mb, ctx)}
                     if not forward_only:
                         self.backward(loss)
                     local_loss += loss.detach().double().cpu()

@@ -48,6 +48,7 @@ __all__ = [
     "RouteReplay",
     "RouterLogits",
     "balance_loss",
+    "balance_metric",
     "balance_terms",
     "check_routes",
     "checkpoint_contexts",
@@ -377,17 +378,23 @@ def balance_terms(
 
 def balance_loss(
     terms: torch.Tensor, micro_batch: TensorDict, ctx: GlobalBatchContext
-) -> tuple[torch.Tensor, Metric]:
+) -> torch.Tensor:
     """The load-balancing loss ``micro_batch``'s ``BatchMeta.moe_aux`` asks for, from balance
     terms ``[B, L]`` (:func:`balance_terms`, all layers or some): ``coef`` times the terms
     aggregated over its ``loss_mask`` as :class:`~engine_core.batch.MoeAuxLoss` says (with the
-    terms' gradient), and their token mean, the metric ``moe_aux_loss``."""
+    terms' gradient). No host sync: a pipeline stage takes it per router, in the forward."""
     spec: MoeAuxLoss | None = get_meta(micro_batch).moe_aux
     if spec is None:
         raise ValueError("balance_loss: the micro-batch's BatchMeta.moe_aux is unset.")
     mask = micro_batch[LOSS_MASK].to(terms.device)
     loss = aggregate_loss(terms, mask, spec.aggregation, ctx, norm_length=spec.norm_length)
-    return spec.coef * loss, token_mean_metric(terms, mask, ctx)
+    return spec.coef * loss
+
+
+def balance_metric(terms: torch.Tensor, micro_batch: TensorDict, ctx: GlobalBatchContext) -> Metric:
+    """The metric ``moe_aux_loss``: the micro-batch's balance terms ``[B, L]`` (every layer's)
+    as a token mean over the global batch's ``loss_mask``."""
+    return token_mean_metric(terms, micro_batch[LOSS_MASK].to(terms.device), ctx)
 
 
 def route_mismatch(a: torch.Tensor, b: torch.Tensor) -> float:

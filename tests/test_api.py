@@ -65,7 +65,7 @@ BACKEND_SURFACE = {
     "BaseEngine", "CHECKPOINT_STATE_FILE", "EngineOutput", "MicroBatchResults", "ModelInputs",
     "loss_mask_of", "predicted_mask", "token_log_probs", "chunked_token_log_probs", "CP_GROUP_ATTR",
     "HeadRequest", "chunk_tokens_for", "HeadGrads", "logits_grad_", "chunk_logits_",
-    "logits_buffer", "row_to_batch", "balance_of", "balance_loss", "routing_request",
+    "logits_buffer", "row_to_batch", "balance_of", "balance_loss", "balance_metric", "routing_request",
     "Capability", "StrEnum",
     "EngineConfig", "FrozenModel", "LoraConfig", "ModelConfig", "OptimConfig",
     "BackendRegistry", "hookimpl",

@@ -65,6 +65,7 @@ from engine_core.backend import (
     ModelInputs,
     all_reduce_cpu,
     balance_loss,
+    balance_metric,
     balance_of,
     build_hf_config,
     build_model,
@@ -769,9 +770,9 @@ class MegatronEngine(BaseEngine):
             if inputs.balance:
                 out[MOE_AUX] = self._balance_terms(steps[id(inputs)], mb)
                 if self.loss_fn is not None:  # the step's loss includes every stage's share
-                    aux, metric = balance_loss(out[MOE_AUX], mb, ctx)
+                    aux = balance_loss(out[MOE_AUX], mb, ctx)
                     results.loss = results.loss + aux.detach().double().cpu()
-                    results.metrics.add("moe_aux_loss", metric)
+                    results.metrics.add("moe_aux_loss", balance_metric(out[MOE_AUX], mb, ctx))
         return results
 
     # ------------------------------------------------------------------ routing
@@ -840,7 +841,7 @@ class MegatronEngine(BaseEngine):
         terms = balance_of([(logits, used)], self.layout.num_experts, inputs, micro_batch)
         terms = row_to_batch(terms / self.layout.num_layers, inputs, micro_batch)
         step.terms.setdefault(layer, terms.detach())  # a recomputation's are the same
-        return balance_loss(terms, micro_batch, ctx)[0]
+        return balance_loss(terms, micro_batch, ctx)
 
     def _balance_terms(self, step: RoutingStep, micro_batch: TensorDict) -> torch.Tensor:
         """The micro-batch's balance terms ``[b, L]``, every layer's: this stage's, summed over
