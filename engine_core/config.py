@@ -154,7 +154,9 @@ class EngineConfig(FrozenModel):
         description=(
             "Log-probs and entropy computed from the output layer this many tokens at a time, "
             "never holding the full [tokens, vocab] logits; 'auto': chunks of about 2**22 "
-            "logits; null: full logits (the output layer's plain forward)."
+            "logits (engines with the default output layer: full logits when a micro-batch's "
+            "fit in one chunk, where chunks save nothing); null: full logits (the output "
+            "layer's plain forward)."
         ),
     )
     compute_dtype: DtypeName | None = Field(

@@ -45,7 +45,7 @@ from engine_core.comm import all_reduce_cpu, collective_device
 from engine_core.config import BUCKET_BYTES, EngineConfig
 from engine_core.context_parallel import SequenceShard, gather_sequence, shard_row
 from engine_core.errors import BatchError, CapabilityError, EngineCoreError
-from engine_core.log_probs import chunked_head, head_of, token_log_probs
+from engine_core.log_probs import DEFAULT_CHUNK_ELEMENTS, chunked_head, head_of, token_log_probs
 from engine_core.loss import GlobalBatchContext, LossFn, MetricAccumulator
 from engine_core.microbatch import prepare_micro_batches
 from engine_core.moe import (
@@ -665,9 +665,14 @@ class BaseEngine(abc.ABC):
         head, _ = head_of(self.require_module())
         if head is None:
             return None
+        targets = _targets(inputs)
+        if setting == "auto" and targets.numel() * head.weight.shape[0] <= DEFAULT_CHUNK_ELEMENTS:
+            # one chunk would hold every token's logits and keep them for the backward: the
+            # plain layer holds no more, and autograd's own backward is cheaper than the chunks'
+            return None
         chunk = None if setting == "auto" else int(setting)
         meta: BatchMeta = get_meta(micro_batch)
-        return HeadRequest(head, _targets(inputs), meta.temperature, meta.compute_entropy, chunk)
+        return HeadRequest(head, targets, meta.temperature, meta.compute_entropy, chunk)
 
     def forward_model(self, inputs: ModelInputs) -> Any:
         """Call the model; with ``inputs.head``, its output layer gives log-probs and entropy
@@ -753,9 +758,13 @@ class BaseEngine(abc.ABC):
             if inputs.head.entropy:
                 data[ENTROPY] = logits[..., 1]
         else:
-            scores = logits
+            scores = logits.float()  # divided in float32, as the chunked head does
             if meta.temperature != 1.0:  # x / 1.0 == x: skip a pass over the logits
-                scores = scores / meta.temperature
+                scores = (
+                    scores.div_(meta.temperature)
+                    if scores is not logits
+                    else scores / meta.temperature
+                )
             lp, ent = self.token_log_probs(
                 scores, _targets(inputs, logits.shape[1]), entropy=meta.compute_entropy
             )
