@@ -22,7 +22,7 @@ import torch
 from engine_core_roles.jobs.config import seeded
 from engine_core_roles.jobs.rl.config import RLJobConfig
 
-__all__ = ["minimal_grpo"]
+__all__ = ["MinimalGRPO", "minimal_grpo"]
 
 
 def _prompt_source(raw: dict[str, Any]) -> tuple[Any, Any, int, list[int]]:
@@ -135,43 +135,47 @@ def _warm_up(raw: dict[str, Any], model: Any, opt: torch.optim.Optimizer) -> Non
         opt.step()
 
 
-def minimal_grpo(
-    raw: dict[str, Any], steps: int, parts: dict[str, list[float]] | None = None
-) -> list[tuple[float, float]]:
-    """(seconds, mean reward) of each of ``steps`` steps of the minimal loop on recipe ``raw``
-    (overrides applied; paths resolved). ``parts``, when given, gets each step's seconds of
-    generation (drawing the prompts included), scoring and the update appended."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+class MinimalGRPO:
+    """The loop's state (model, optimizer, prompt source) built from recipe ``raw`` (overrides
+    applied; paths resolved), the recipe's warm-up done; :meth:`step` runs one step.
+    ``parts``, when given, gets each step's seconds of generation (drawing the prompts
+    included), scoring and the update appended."""
 
-    raw = seeded(raw, RLJobConfig)  # each section's seed, as the job reads them
-    engine = raw["engine"]
-    torch.manual_seed(int(engine.get("seed", 0)))
-    model_cfg = engine["model"]
-    if model_cfg.get("config"):
-        kwargs = dict(model_cfg["config"])
-        config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
-        model = AutoModelForCausalLM.from_config(config)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(Path(model_cfg["path"]))
-    optim = engine.get("optim", {})
-    opt = torch.optim.AdamW(
-        model.parameters(),
-        lr=float(optim.get("lr", 1e-5)),
-        weight_decay=float(optim.get("weight_decay", 0.0)),  # the engines' default
-        betas=tuple(optim.get("betas", (0.9, 0.999))),
-        eps=float(optim.get("eps", 1e-8)),
-    )
-    clip = float(optim.get("clip_grad", 1.0))
-    _warm_up(raw, model, opt)
-    entropy_coeff = float(raw.get("actor", {}).get("entropy_coeff", 0.0))
-    trainer = raw.get("trainer", {})
-    n = int(trainer.get("samples_per_prompt", 8))
-    temperature = float(trainer.get("temperature", 1.0))
-    draw, score, max_new, stops = _prompt_source(raw)
-    out = []
-    for _ in range(steps):
+    def __init__(self, raw: dict[str, Any], parts: dict[str, list[float]] | None = None) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        raw = seeded(raw, RLJobConfig)  # each section's seed, as the job reads them
+        engine = raw["engine"]
+        torch.manual_seed(int(engine.get("seed", 0)))
+        model_cfg = engine["model"]
+        if model_cfg.get("config"):
+            kwargs = dict(model_cfg["config"])
+            config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+            self.model = AutoModelForCausalLM.from_config(config)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(Path(model_cfg["path"]))
+        optim = engine.get("optim", {})
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=float(optim.get("lr", 1e-5)),
+            weight_decay=float(optim.get("weight_decay", 0.0)),  # the engines' default
+            betas=tuple(optim.get("betas", (0.9, 0.999))),
+            eps=float(optim.get("eps", 1e-8)),
+        )
+        self.clip = float(optim.get("clip_grad", 1.0))
+        _warm_up(raw, self.model, self.opt)
+        self.entropy_coeff = float(raw.get("actor", {}).get("entropy_coeff", 0.0))
+        trainer = raw.get("trainer", {})
+        self.n = int(trainer.get("samples_per_prompt", 8))
+        self.temperature = float(trainer.get("temperature", 1.0))
+        self.draw, self.score, self.max_new, self.stops = _prompt_source(raw)
+        self.parts = parts
+
+    def step(self) -> tuple[float, float]:
+        """One step: (its seconds, its mean reward)."""
+        model, n, temperature = self.model, self.n, self.temperature
         t0 = time.perf_counter()
-        prompt, pmask, rows = draw()
+        prompt, pmask, rows = self.draw()
         model.eval()
         with torch.no_grad():
             seqs = model.generate(
@@ -180,18 +184,18 @@ def minimal_grpo(
                 do_sample=True,
                 temperature=temperature,
                 top_k=0,
-                max_new_tokens=max_new,
+                max_new_tokens=self.max_new,
                 num_return_sequences=n,
-                eos_token_id=stops,
+                eos_token_id=self.stops,
                 pad_token_id=0,
             )
         t1 = time.perf_counter()
         p = prompt.shape[1]
         response = seqs[:, p:]
-        stop = torch.isin(response, torch.tensor(stops))
+        stop = torch.isin(response, torch.tensor(self.stops))
         done = torch.cumsum(stop.long(), 1) - stop.long()  # tokens after the first stop: padding
         mask = (done == 0).float()
-        scores = score(seqs[:, :p], response, mask, rows)
+        scores = self.score(seqs[:, :p], response, mask, rows)
         grouped = scores.view(-1, n)
         adv = (grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)
         t2 = time.perf_counter()
@@ -202,17 +206,25 @@ def minimal_grpo(
         logp = all_logp.gather(-1, response.unsqueeze(-1)).squeeze(-1)
         ratio = torch.exp(logp - logp.detach())  # on-policy: 1, with the policy's gradient
         loss = -(ratio * adv.view(-1, 1) * mask).sum() / mask.sum()
-        if entropy_coeff:  # the recipe's entropy bonus, token-mean like the loss
+        if self.entropy_coeff:  # the recipe's entropy bonus, token-mean like the loss
             entropy = -(all_logp.exp() * all_logp).sum(-1)
-            loss = loss - entropy_coeff * (entropy * mask).sum() / mask.sum()
-        opt.zero_grad()
+            loss = loss - self.entropy_coeff * (entropy * mask).sum() / mask.sum()
+        self.opt.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), self.clip)
+        self.opt.step()
         t3 = time.perf_counter()
-        if parts is not None:
-            parts["generation"].append(t1 - t0)
-            parts["scoring"].append(t2 - t1)
-            parts["update"].append(t3 - t2)
-        out.append((t3 - t0, float(scores.mean())))
-    return out
+        if self.parts is not None:
+            self.parts["generation"].append(t1 - t0)
+            self.parts["scoring"].append(t2 - t1)
+            self.parts["update"].append(t3 - t2)
+        return t3 - t0, float(scores.mean())
+
+
+def minimal_grpo(
+    raw: dict[str, Any], steps: int, parts: dict[str, list[float]] | None = None
+) -> list[tuple[float, float]]:
+    """(seconds, mean reward) of each of ``steps`` steps of the minimal loop on recipe ``raw``
+    (see :class:`MinimalGRPO`)."""
+    loop = MinimalGRPO(raw, parts)
+    return [loop.step() for _ in range(steps)]

@@ -17,12 +17,17 @@ same overrides, for ``--steps`` steps in this process, one after the other:
 
 The two alternate over ``--rounds`` runs each (A B B A ...), so a machine that speeds up or
 slows down during the benchmark weighs on both alike. Reports the median wall time per step
-after ``--warmup`` steps of every run for each, their ratio, each run's median, the mean reward
+after ``--warmup`` steps of every run for each, their ratio, each run's median, the ratio of
+each round's two runs (which ran next to each other) and the median of those ratios, the mean reward
 of the last 10 steps of each loop's first run, where the minimal loop's step goes (median
 seconds of generation, scoring and the update) and where ``engine_core``'s goes (generation,
 old log-probs, update, weight sync and the rest) by timing the roles' calls; on a text recipe
 also the text path's own work (drawing the prompts' token ids, inside generation; decoding and
 the reward function) and its share of the step.
+Then one more run of each, interleaved step by step in this process (after each of the job's
+steps, outside its time, one step of the minimal loop): their medians, the ratio of those and
+the median ratio of each step to the minimal step right after it. A machine whose speed drifts
+within seconds weighs on both alike there.
 Prints one JSON object.
 """
 
@@ -45,7 +50,7 @@ import torch
 from engine_core_roles.jobs.cli import DEFAULT_RL_RECIPE, RECIPES, load_recipe
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _minimal import minimal_grpo  # noqa: E402  (benchmarks/ is on sys.path as a script)
+from _minimal import MinimalGRPO, minimal_grpo  # noqa: E402  (benchmarks/ is on sys.path as a script)
 
 DEFAULT_RECIPE = RECIPES / DEFAULT_RL_RECIPE
 
@@ -84,15 +89,28 @@ def timed_calls() -> list[tuple[Any, str, str]]:
 
 
 def _engine_core(
-    steps: int, recipe: Path, extra: list[str]
+    steps: int, recipe: Path, extra: list[str], after_step: Callable[[], None] | None = None
 ) -> tuple[list[tuple[float, float]], dict[str, list[float]]]:
+    """(seconds, mean reward) of each step of one ``engine-core run`` and the timed calls'
+    seconds. ``after_step`` runs after each step's own time was taken (outside ``time_s``)."""
     from rich.console import Console
 
     from engine_core.plugins import load_plugins
     from engine_core_roles.jobs.rl.run import run_rl_job
+    from engine_core_roles.trainer.loop import RLTrainer
 
     times: dict[str, list[float]] = collections.defaultdict(list)
     restore = [_timed(times, owner, name, label) for owner, name, label in timed_calls()]
+    if after_step is not None:
+        step = RLTrainer.step
+
+        def stepped(self: RLTrainer) -> dict[str, Any]:
+            row = step(self)
+            after_step()
+            return row
+
+        RLTrainer.step = stepped  # type: ignore[method-assign]
+        restore.append(lambda: setattr(RLTrainer, "step", step))
     try:
         with tempfile.TemporaryDirectory() as tmp:
             overrides = [f"output_dir={tmp}/run", f"steps={steps}", f"save_every={steps}", *extra]
@@ -152,8 +170,26 @@ def main() -> None:
     def last10(runs: list[list[tuple[float, float]]]) -> float:
         return round(statistics.fmean(r for _, r in runs[0][-10:]), 4)
 
+    # step by step: after each of the job's steps one of the minimal loop's, in one process, so
+    # the two alternate every ~0.1 s and share the machine's state of that moment
+    loop = MinimalGRPO(load_recipe(args.recipe, args.overrides))
+    minimal_steps: list[tuple[float, float]] = []
+    ours_steps, _ = _engine_core(
+        args.steps, args.recipe, args.overrides, lambda: minimal_steps.append(loop.step())
+    )
+    pairs = [o / m for (o, _), (m, _) in zip(ours_steps, minimal_steps, strict=True)]
+    interleaved = {
+        "minimal_median_step_s": round(median([minimal_steps]), 4),
+        "engine_core_median_step_s": round(median([ours_steps]), 4),
+        "ratio_of_medians": round(median([ours_steps]) / median([minimal_steps]), 3),
+        "median_ratio_of_step_pairs": round(statistics.median(pairs[args.warmup :]), 3),
+    }
+
     minimal, ours = minimal_runs, ours_runs
     step = median(ours)
+    # each round's two runs ran next to each other: their ratio is free of the drift between
+    # rounds, and the median of those ratios of one round's outlier
+    paired = [median([o]) / median([m]) for o, m in zip(ours, minimal, strict=True)]
     breakdown = {k: statistics.median(v) for k, v in parts.items()}
     nested = {"text_prompts"}  # timed inside generation
     breakdown["rest"] = step - sum(v for k, v in breakdown.items() if k not in nested)
@@ -174,6 +210,9 @@ def main() -> None:
                 "minimal_median_step_s": round(median(minimal), 4),
                 "engine_core_median_step_s": round(step, 4),
                 "ratio_engine_core_to_minimal": round(step / median(minimal), 3),
+                "per_round_ratio": [round(x, 3) for x in paired],
+                "median_per_round_ratio": round(statistics.median(paired), 3),
+                "interleaved_steps": interleaved,
                 "minimal_reward_last10": last10(minimal),
                 "engine_core_reward_last10": last10(ours),
                 "minimal_step_breakdown_s": {
