@@ -228,20 +228,23 @@ def policy_loss(
     if weights is not None:
         per_token = per_token * weights.detach()
     token_mean = LossAggregation.TOKEN_MEAN
-    return PolicyLossTerms(
-        pg_loss=aggregate_loss(per_token, mask, aggregation, ctx, norm_length=norm_length),
-        clipfrac=aggregate_loss(clipfrac, mask, token_mean, ctx).detach(),
-        dual_clipfrac=aggregate_loss(dual, mask, token_mean, ctx).detach(),
-        approx_kl=_approx_kl(log_ratio, mask, ctx),
-    )
+    pg_loss = aggregate_loss(per_token, mask, aggregation, ctx, norm_length=norm_length)
+    with torch.no_grad():  # diagnostics: no graph to build
+        return PolicyLossTerms(
+            pg_loss=pg_loss,
+            clipfrac=aggregate_loss(clipfrac, mask, token_mean, ctx),
+            dual_clipfrac=aggregate_loss(dual, mask, token_mean, ctx),
+            approx_kl=_approx_kl(log_ratio, mask, ctx),
+        )
 
 
 def _approx_kl(
     log_ratio: torch.Tensor, mask: torch.Tensor, ctx: GlobalBatchContext
 ) -> torch.Tensor:
     # k3 of KL(old || current), clamped: rounding must not turn a true 0 into a tiny negative
+    log_ratio = log_ratio.detach()
     k3 = (torch.expm1(log_ratio) - log_ratio).clamp_min(0)
-    return aggregate_loss(k3.detach(), mask, LossAggregation.TOKEN_MEAN, ctx)
+    return aggregate_loss(k3, mask, LossAggregation.TOKEN_MEAN, ctx)
 
 
 def gspo_loss(

@@ -45,7 +45,9 @@ def run_updates(
     with engine.train_mode():
         for _ in range(epochs):
             for start in range(0, n, size):
-                out = engine.forward_backward_step(batch[start : start + size])
+                # the whole batch as it is when one mini-batch holds it (a slice is a new TensorDict)
+                part = batch if size == n else batch[start : start + size]
+                out = engine.forward_backward_step(part)
                 first = out.outputs if first is None else first
                 grad_norm = engine.optimizer_step()
                 engine.optimizer_zero_grad()
