@@ -666,7 +666,8 @@ class BaseEngine(abc.ABC):
         if head is None:
             return None
         targets = _targets(inputs)
-        if setting == "auto" and targets.numel() * head.weight.shape[0] <= DEFAULT_CHUNK_ELEMENTS:
+        # out_features, not the weight's shape: a sharded weight's shape is its shard's
+        if setting == "auto" and targets.numel() * head.out_features <= DEFAULT_CHUNK_ELEMENTS:
             # one chunk would hold every token's logits and keep them for the backward: the
             # plain layer holds no more, and autograd's own backward is cheaper than the chunks'
             return None

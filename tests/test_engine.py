@@ -202,3 +202,39 @@ def test_length_buckets_share_calls_within_the_padding_bound() -> None:
     for b in buckets:
         members = [n for n in lengths if n in b]
         assert max(b) ** 2 * len(members) <= MAX_PADDED_COST * sum(n * n for n in members)
+
+
+def test_auto_chunks_the_output_layer_only_where_a_chunk_holds_less_than_the_logits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # logits_chunk_tokens='auto': full logits while a micro-batch's [tokens, vocab] fit in one
+    # chunk (chunks would hold as much), chunks once they do not; an explicit size always chunks
+    import engine_core.engine as engine_module
+
+    used: list[int] = []
+    real = engine_module.chunked_head
+
+    def counted(*args: object, **kwargs: object) -> object:
+        used.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine_module, "chunked_head", counted)
+    batch = random_batch(6)
+    tokens = 3 * int(batch[INPUT_IDS].shape[1])  # a micro-batch of 3, padded
+    vocab = int(TINY_QWEN2["vocab_size"])
+
+    def log_probs(budget: int, setting: object = "auto") -> torch.Tensor:
+        monkeypatch.setattr(engine_module, "DEFAULT_CHUNK_ELEMENTS", budget)
+        used.clear()
+        engine = make_engine(micro_batch_size=3, use_packing=False, logits_chunk_tokens=setting)
+        with engine.eval_mode():
+            out = engine.forward_backward_step(batch, forward_only=True).outputs[LOG_PROBS]
+        return out
+
+    full = log_probs(tokens * vocab)
+    assert not used
+    chunked = log_probs(tokens * vocab - 1)
+    assert len(used) == 2  # one per micro-batch
+    log_probs(tokens * vocab, setting=5)
+    assert len(used) == 2
+    torch.testing.assert_close(chunked, full, rtol=0, atol=1e-6)
