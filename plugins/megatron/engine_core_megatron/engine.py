@@ -846,9 +846,12 @@ class MegatronEngine(BaseEngine):
     def _balance_terms(self, step: RoutingStep, micro_batch: TensorDict) -> torch.Tensor:
         """The micro-batch's balance terms ``[b, L]``, every layer's: this stage's, summed over
         the pipeline stages."""
-        terms = torch.zeros(micro_batch[INPUT_IDS].shape, dtype=torch.float32)
-        for layer_terms in step.terms.values():
-            terms = terms + layer_terms.float().cpu()
+        layers = list(step.terms.values())
+        device = layers[0].device if layers else torch.device("cpu")
+        terms = torch.zeros(micro_batch[INPUT_IDS].shape, dtype=torch.float32, device=device)
+        for layer_terms in layers:  # summed where they are: one copy to the host, not one a layer
+            terms = terms + layer_terms.float()
+        terms = terms.cpu()
         if self.config.pipeline_parallel_size > 1:  # type: ignore[attr-defined]
             terms = all_reduce_cpu(terms, group=self._ps.get_pipeline_model_parallel_group())
         return terms
