@@ -132,7 +132,7 @@ _EXPORTS: dict[str, str] = {
     "sent_buckets": "engine_core.rollout",
     "SentBucket": "engine_core.rollout",
     "BUCKET_BYTES": "engine_core.rollout",
-    "FINISH_REASON": "engine_core.rollout",
+    "TRUNCATED": "engine_core.rollout",
     "PROMPT_IDS": "engine_core.rollout",
     "PROMPT_MASK": "engine_core.rollout",
     "PROMPT_SEED": "engine_core.rollout",
@@ -236,13 +236,13 @@ if TYPE_CHECKING:
     from engine_core.packing import PackedSequences, pack, sequence_start_mask, unpack
     from engine_core.rollout import (
         BUCKET_BYTES,
-        FINISH_REASON,
         PROMPT_IDS,
         PROMPT_MASK,
         PROMPT_SEED,
         RESPONSE_IDS,
         RESPONSE_MASK,
         ROLLOUT_LOG_PROBS,
+        TRUNCATED,
         BaseRollout,
         CutBuckets,
         RolloutConfig,

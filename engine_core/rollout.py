@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 import xxhash
 from pydantic import Field, PositiveInt, model_validator
-from tensordict import NonTensorStack, TensorDict
+from tensordict import TensorDict
 
 from engine_core.batch import ROUTED_EXPERTS
 from engine_core.capabilities import Capability
@@ -58,7 +58,7 @@ __all__ = [
     "RESPONSE_MASK",
     "RESPONSE_LOSS_MASK",
     "ROLLOUT_LOG_PROBS",
-    "FINISH_REASON",
+    "TRUNCATED",
     "ROUTED_EXPERTS",
     "ROLLOUT_REPLICA",
     "PROMPT_SEED",
@@ -72,7 +72,8 @@ RESPONSE_MASK = "response_mask"
 # environment's turns in an episode); the core names it because merging replicas pads it
 RESPONSE_LOSS_MASK = "response_loss_mask"
 ROLLOUT_LOG_PROBS = "rollout_log_probs"
-FINISH_REASON = "finish_reason"
+# bool [N]: True where a sample ended at its token limit, False where it ended on a stop token
+TRUNCATED = "truncated"
 ROLLOUT_REPLICA = "rollout_replica"  # which replica of a multi-process rollout generated a row
 # optional int64 column of a prompt batch: the prompt's own sampling seed (see prompt_seeds)
 PROMPT_SEED = "prompt_seed"
@@ -245,10 +246,10 @@ def response_batch(
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
     n: int,
-    samples: Sequence[tuple[Sequence[int], Sequence[float], str]],
+    samples: Sequence[tuple[Sequence[int], Sequence[float], bool]],
     pad_token_id: int,
 ) -> TensorDict:
-    """The ``generate`` result from per-sample (token ids, log-probs, finish reason).
+    """The ``generate`` result from per-sample (token ids, log-probs, truncated).
 
     ``samples[k]`` is sample ``k % n`` of prompt ``k // n``; responses are right-padded with
     ``pad_token_id`` (log-prob 0 there) to the longest one (at least 1 column).
@@ -269,11 +270,10 @@ def response_batch(
             RESPONSE_IDS: resp,
             RESPONSE_MASK: resp_mask,
             ROLLOUT_LOG_PROBS: logps,
+            TRUNCATED: torch.tensor([bool(cut) for _, _, cut in samples], dtype=torch.bool),
         },
         batch_size=[total],
     )
-    reasons: list[Any] = [reason for _, _, reason in samples]
-    out[FINISH_REASON] = NonTensorStack.from_list(reasons)
     return out
 
 
@@ -507,7 +507,8 @@ class BaseRollout(abc.ABC):
         ``B * n`` samples (the ``n`` samples of a prompt adjacent) with ``prompt_ids``,
         ``prompt_mask``, right-padded ``response_ids`` / ``response_mask`` ``[B*n, R]``,
         ``rollout_log_probs`` ``[B*n, R]`` (log-prob of each sampled token, 0 at padding) and a
-        per-sample ``finish_reason`` ("stop" or "length"). With ``params.return_routes`` (a
+        per-sample ``truncated`` ``[B*n]`` (bool: True where the sample reached
+        ``max_new_tokens`` without a stop token, False where a stop token ended it). With ``params.return_routes`` (a
         rollout that declares ``routing_replay``; :meth:`check_params` refuses it otherwise),
         also ``routed_experts`` ``[B*n, P+R, layers, top_k]``: the experts each token of
         ``prompt_ids`` followed by ``response_ids`` went to in each MoE layer.

@@ -27,6 +27,7 @@ from engine_core.rollout import (
     RESPONSE_LOSS_MASK,
     RESPONSE_MASK,
     ROLLOUT_LOG_PROBS,
+    TRUNCATED,
     sent_buckets,
 )
 from engine_core.testing.moe import AS_QWEN3_MOE
@@ -320,6 +321,7 @@ def test_three_turn_episodes_keep_exact_tokens_and_log_probs(
     records = gen[EPISODE].tolist()
     assert [r["turns"] for r in records] == [3] * 6, records
     assert {r["end"] for r in records} == {"max_turns"}
+    assert gen[TRUNCATED].tolist() == [True] * 6  # ended by a limit, not by the model
     assert [r["reward"] for r in records] == [0.75] * 6  # each turn answered, the last too
     template = _Template(tokenizer, None)
     for k, rec in enumerate(records):
@@ -430,6 +432,8 @@ def test_episode_limits_and_environment_failures(tokenizer: Any, actor: Actor) -
     gen = broken.generate(_prompts(["ab", "cd"]), params)
     records = gen[EPISODE].tolist()
     assert all(r["end"] in ("env_error", "max_new_tokens") for r in records)
+    # the turn's token limit truncates an episode; an environment's failure does not
+    assert gen[TRUNCATED].tolist() == [r["end"] == "max_new_tokens" for r in records]
     errors = [m["content"] for r in records for m in r["messages"] if m["role"] == "error"]
     assert errors and all(
         "Broken.step raised RuntimeError: cannot" in e or "returned str" in e for e in errors

@@ -87,7 +87,7 @@ BACKEND_SURFACE = {
     "BaseRollout", "RolloutConfig", "SamplingParams", "WeightBucket", "confirm_bucket",
     "model_weight_shapes", "prompt_tensors", "response_batch", "place_routes", "meta_model", "saved_model_folder",
     "tensor_checksum", "verified_buckets", "sent_buckets", "checked_buckets", "SentBucket",
-    "BUCKET_BYTES", "FINISH_REASON", "PROMPT_IDS", "PROMPT_MASK", "PROMPT_SEED",
+    "BUCKET_BYTES", "TRUNCATED", "PROMPT_IDS", "PROMPT_MASK", "PROMPT_SEED",
     "RESPONSE_IDS", "RESPONSE_MASK", "ROLLOUT_LOG_PROBS", "prompt_seeds", "sample_seeds",
     "derive_seed",
     # errors

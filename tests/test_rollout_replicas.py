@@ -32,7 +32,6 @@ from engine_core.remote_rollout import (
     _replica_bounds,
 )
 from engine_core.rollout import (
-    FINISH_REASON,
     PROMPT_IDS,
     PROMPT_MASK,
     PROMPT_SEED,
@@ -40,6 +39,7 @@ from engine_core.rollout import (
     RESPONSE_MASK,
     ROLLOUT_LOG_PROBS,
     ROLLOUT_REPLICA,
+    TRUNCATED,
     SamplingParams,
     derive_seed,
     prompt_seeds,
@@ -136,7 +136,7 @@ def test_every_replica_samples_from_the_sent_weights_in_prompt_order(
     assert torch.equal(out[PROMPT_IDS], prompts[PROMPT_IDS].repeat_interleave(n, 0))
     assert out[ROLLOUT_REPLICA].dtype == torch.int64
     assert out[ROLLOUT_REPLICA].tolist() == [0] * 3 * n + [1] * 2 * n
-    assert len(out[FINISH_REASON].tolist()) == 5 * n
+    assert out[TRUNCATED].shape == (5 * n,)
     model = _model(SENT)
     for replica in (0, 1):
         rows = out[ROLLOUT_REPLICA] == replica
@@ -281,10 +281,11 @@ def _part(rows: int, width: int, token: int) -> TensorDict:
             RESPONSE_IDS: torch.full((rows, width), token),
             RESPONSE_MASK: torch.ones(rows, width, dtype=torch.long),
             ROLLOUT_LOG_PROBS: torch.full((rows, width), -0.5),
+            TRUNCATED: torch.full((rows,), token == 6),
         },
         batch_size=[rows],
     )
-    td[FINISH_REASON] = NonTensorStack.from_list([f"r{token}"] * rows)
+    td["note"] = NonTensorStack.from_list([f"r{token}"] * rows)  # rows' records ride along
     return td
 
 
@@ -295,7 +296,8 @@ def test_replica_results_are_padded_to_the_widest_and_concatenated() -> None:
     assert out[RESPONSE_MASK].tolist() == [[1, 1, 1], [1, 1, 1], [1, 0, 0]]
     assert out[ROLLOUT_LOG_PROBS].tolist() == [[-0.5] * 3, [-0.5] * 3, [-0.5, 0.0, 0.0]]
     assert out[PROMPT_IDS][:, 0].tolist() == [5, 5, 6]
-    assert out[FINISH_REASON].tolist() == ["r5", "r5", "r6"]
+    assert out["note"].tolist() == ["r5", "r5", "r6"]
+    assert out[TRUNCATED].tolist() == [False, False, True]
     assert out[ROLLOUT_REPLICA].tolist() == [0, 0, 1]
     single = _merge_replica_outputs([(0, _part(2, 3, 5))], pad_token_id=9)
     assert single[ROLLOUT_REPLICA].tolist() == [0, 0]

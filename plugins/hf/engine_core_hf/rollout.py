@@ -26,23 +26,25 @@ before its token); so do positions after a stop.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar, cast
 
+import numpy as np
 import torch
 from pydantic import Field, PositiveInt
-from tensordict import NonTensorStack, TensorDict
+from tensordict import TensorDict
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from engine_core.backend import (
-    FINISH_REASON,
     PROMPT_IDS,
     PROMPT_MASK,
     RESPONSE_IDS,
     RESPONSE_MASK,
     ROLLOUT_LOG_PROBS,
     ROUTED_EXPERTS,
+    TRUNCATED,
     BaseRollout,
     Capability,
     RolloutConfig,
@@ -106,7 +108,6 @@ class HFRollout(BaseRollout):
         resp = torch.cat([_pad_right(p[0], width, self.pad_token_id) for p in parts])
         resp_mask = torch.cat([_pad_right(p[1], width, 0) for p in parts])
         logps = torch.cat([_pad_right(p[2], width, 0.0) for p in parts])
-        reasons = [r for p in parts for r in p[3]]
         routed = None
         if params.return_routes:  # [rows, P + R, layers, top_k], the response part padded
             routed = torch.cat(
@@ -119,10 +120,10 @@ class HFRollout(BaseRollout):
                 RESPONSE_IDS: resp,
                 RESPONSE_MASK: resp_mask,
                 ROLLOUT_LOG_PROBS: logps,
+                TRUNCATED: torch.cat([p[3] for p in parts]),
             },
             batch_size=[ids.shape[0]],
         )
-        out[FINISH_REASON] = NonTensorStack.from_list(reasons)
         if routed is not None:
             out[ROUTED_EXPERTS] = routed
         return out
@@ -165,7 +166,7 @@ class HFRollout(BaseRollout):
         mask: torch.Tensor,
         params: SamplingParams,
         row_seeds: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str], Any]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any]:
         sample = not params.greedy and row_seeds is None
         kwargs: dict[str, Any] = {"generation_config": self._generation_config(params, sample)}
         if row_seeds is not None:  # our sampler picks each row's token; generate takes argmax
@@ -187,12 +188,12 @@ class HFRollout(BaseRollout):
         resp_mask = (~after_stop).long()
         resp = resp.masked_fill(after_stop, self.pad_token_id)
         logps = logps.masked_fill(after_stop, 0.0)
-        reasons = ["stop" if stopped else "length" for stopped in is_stop.any(-1).tolist()]
+        truncated = ~is_stop.any(-1)
         routes = None
         if isinstance(recorder, RouteRecorder):
             routes = _generation_routes(recorder.forwards(), ids.shape, resp.shape[1])
             routes[1][after_stop] = torch.arange(routes[1].shape[-1])
-        return resp, resp_mask, logps, reasons, routes
+        return resp, resp_mask, logps, truncated, routes
 
     # -- weights --------------------------------------------------------------------------
     def expected_weights(self) -> dict[str, tuple[int, ...]]:
@@ -239,14 +240,28 @@ def _finalize_(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _mix64_(x: torch.Tensor) -> torch.Tensor:
-    """``engine_core.rollout._mix64`` on an int64 tensor, in place."""
-    return _finalize_(x.add_(_GAMMA))
+_U_GAMMA, _U_MUL1, _U_MUL2 = (
+    np.uint64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+)
 
 
-def _derive_seeds(seeds: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``engine_core.rollout.derive_seed`` on int64 tensors (broadcast), bit for bit."""
-    return _shr(_mix64_(_mix64_(seeds.clone()) ^ index), 1)
+def _mix64_np(x: np.ndarray) -> np.ndarray:
+    """``engine_core.rollout._mix64`` on a uint64 array, as a new array: numpy's uint64
+    arithmetic wraps modulo 2**64 and shifts logically, as the masked Python version does."""
+    x = x + _U_GAMMA
+    x ^= x >> np.uint64(30)
+    x *= _U_MUL1
+    x ^= x >> np.uint64(27)
+    x *= _U_MUL2
+    x ^= x >> np.uint64(31)
+    return x
+
+
+def _derive_seeds(seeds: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """``engine_core.rollout.derive_seed`` on uint64 arrays (broadcast), bit for bit. On the
+    host in numpy, not in torch: a call derives a few hundred seeds, where each of torch's 30
+    operations would cost more in overhead than in arithmetic."""
+    return _mix64_np(_mix64_np(seeds) ^ index) >> np.uint64(1)
 
 
 def _sample_seeds(prompts: TensorDict, params: SamplingParams) -> torch.Tensor | None:
@@ -255,9 +270,10 @@ def _sample_seeds(prompts: TensorDict, params: SamplingParams) -> torch.Tensor |
     seeds = prompt_seeds(prompts, params)
     if seeds is None:
         return None
-    # a Python int of [2**63, 2**64) is kept as its int64 bit pattern, as derive_seed masks it
-    column = torch.tensor([_signed(s & ((1 << 64) - 1)) for s in seeds], dtype=torch.int64)
-    return _derive_seeds(column.unsqueeze(1), torch.arange(params.n)).flatten()
+    # derive_seed masks a seed to 64 bits: a negative one (an int64 column's) by its bit pattern
+    column = np.array([s & ((1 << 64) - 1) for s in seeds], dtype=np.uint64)
+    rows = _derive_seeds(column[:, None], np.arange(params.n, dtype=np.uint64)).reshape(-1)
+    return torch.from_numpy(rows.astype(np.int64))  # derived seeds are below 2**63
 
 
 _NOISE_BLOCK = 1 << 20
@@ -280,8 +296,9 @@ class _RowSampler(LogitsProcessor):
 
     def __init__(self, row_seeds: torch.Tensor, params: SamplingParams) -> None:
         # every position's start, derive_seed(s, t), at once: [max_new_tokens, rows]
-        positions = torch.arange(params.max_new_tokens).unsqueeze(1)
-        self.starts = _derive_seeds(row_seeds.unsqueeze(0), positions)
+        positions = np.arange(params.max_new_tokens, dtype=np.uint64)[:, None]
+        rows = row_seeds.numpy().astype(np.uint64)[None, :]  # seeds from _sample_seeds: >= 0
+        self.starts = torch.from_numpy(_derive_seeds(rows, positions).astype(np.int64))
         self.offsets = torch.empty(0, dtype=torch.int64)  # (v + 1) * gamma, made when first used
         self.position = 0  # of the next call
         self.noise = torch.empty(0)  # Gumbel noise of positions [noise_from, noise_from + len)
@@ -327,6 +344,11 @@ class _RowSampler(LogitsProcessor):
         choice = (logits + self.gumbel(vocab, logits.device)).argmax(-1, keepdim=True)
         picked = torch.full_like(scores, float("-inf"))
         return cast(torch.FloatTensor, picked.scatter(-1, choice, 0.0))
+
+
+# transformers' LogitsProcessorList reads each processor's signature at every token: stored
+# once, reading it is a lookup (a third of parsing the function's each time)
+setattr(_RowSampler.__call__, "__signature__", inspect.signature(_RowSampler.__call__))  # noqa: B010
 
 
 @contextmanager

@@ -289,14 +289,14 @@ def parse_outputs(
 
 def _parse_one(
     k: int, out: Mapping[str, Any], prompt_len: int
-) -> tuple[list[int], list[float], str]:
+) -> tuple[list[int], list[float], bool]:
     meta = out.get("meta_info")
     if "output_ids" not in out or not isinstance(meta, Mapping):
         raise BatchError(
             f"SGLang output {k}: expected 'output_ids' and a 'meta_info' dict, got keys "
             f"{sorted(out)}."
         )
-    reason = _finish_reason(k, meta.get("finish_reason"))
+    truncated = _truncated(k, meta.get("finish_reason"))
     toks = [int(t) for t in out["output_ids"]]
     entries = meta.get("output_token_logprobs")
     if entries is None:
@@ -321,13 +321,15 @@ def _parse_one(
             f"SGLang output {k} answers a {got}-token prompt, but its slot belongs to a "
             f"{prompt_len}-token prompt: the outputs are not in request order."
         )
-    return toks, lps, reason
+    return toks, lps, truncated
 
 
-def _finish_reason(k: int, reason: Any) -> str:
+def _truncated(k: int, reason: Any) -> bool:
+    """Whether SGLang's ``finish_reason`` says the sample hit its token limit ("length"), not a
+    stop token ("stop")."""
     kind = reason.get("type") if isinstance(reason, Mapping) else None
     if kind in _FINISHED:
-        return str(kind)
+        return kind == "length"
     if kind == "abort":
         raise BatchError(f"SGLang aborted sample {k}: {reason.get('message')}")
     raise BatchError(

@@ -34,13 +34,13 @@ from engine_core.capabilities import Capability
 from engine_core.config import ModelConfig
 from engine_core.errors import BatchError, ConfigError, WeightSyncError
 from engine_core.rollout import (
-    FINISH_REASON,
     PROMPT_IDS,
     PROMPT_MASK,
     PROMPT_SEED,
     RESPONSE_IDS,
     RESPONSE_MASK,
     ROLLOUT_LOG_PROBS,
+    TRUNCATED,
     RolloutConfig,
     SamplingParams,
     confirm_bucket,
@@ -188,7 +188,7 @@ def test_outputs_become_the_contract_batch() -> None:
     assert out[RESPONSE_IDS].dtype == torch.long and out[ROLLOUT_LOG_PROBS].dtype == torch.float32
     assert out[ROLLOUT_LOG_PROBS][0].tolist() == [-0.5, -1.0, -0.25, 0.0]
     assert out[ROLLOUT_LOG_PROBS][2].tolist() == [-2.0, 0.0, 0.0, 0.0]
-    assert [out[FINISH_REASON][i] for i in range(6)] == ["stop", "length"] * 3
+    assert out[TRUNCATED].tolist() == [False, True] * 3
 
 
 @pytest.mark.parametrize(

@@ -235,7 +235,7 @@ class VLLMRollout(BaseRollout):
             for c in out.outputs:
                 toks = list(c.token_ids)
                 lps = [lp[t].logprob for lp, t in zip(c.logprobs, toks, strict=True)]
-                samples.append((toks, lps, "stop" if c.finish_reason == "stop" else "length"))
+                samples.append((toks, lps, c.finish_reason != "stop"))
                 if params.return_routes:  # [prompt + response - 1, layers, top_k] (numpy)
                     routes.append(torch.from_numpy(c.routed_experts))
         result = response_batch(ids, mask, params.n, samples, self.pad_token_id)

@@ -15,12 +15,12 @@ pytest.importorskip("vllm", reason="the vllm plugin's tests need vLLM (make setu
 from engine_core.batch import BatchMeta, make_batch, set_meta  # noqa: E402
 from engine_core.errors import WeightSyncError  # noqa: E402
 from engine_core.rollout import (  # noqa: E402
-    FINISH_REASON,
     PROMPT_IDS,
     PROMPT_MASK,
     RESPONSE_IDS,
     RESPONSE_MASK,
     ROLLOUT_LOG_PROBS,
+    TRUNCATED,
     SamplingParams,
 )
 from engine_core.testing.kit import forward  # noqa: E402
@@ -126,7 +126,7 @@ def test_greedy_equals_transformers_generate(rollout: Any, folder: str) -> None:
         with torch.no_grad():
             seq = model.generate(real, max_new_tokens=6, do_sample=False, pad_token_id=0)
         assert out[RESPONSE_IDS][i].tolist() == seq[0, real.shape[1] :].tolist()
-        assert out[FINISH_REASON][i] == "length"
+        assert bool(out[TRUNCATED][i])
 
 
 def test_stop_tokens_end_a_sample(rollout: Any) -> None:
@@ -138,7 +138,7 @@ def test_stop_tokens_end_a_sample(rollout: Any) -> None:
     first = out[RESPONSE_IDS][0]
     end = first.tolist().index(stop)
     assert out[RESPONSE_MASK][0].sum() == end + 1  # the stop token is kept, nothing after it
-    assert out[FINISH_REASON][0] == "stop"
+    assert not out[TRUNCATED][0]
 
 
 def test_sync_after_a_training_step_is_verified_and_followed(rollout: Any, folder: str) -> None:

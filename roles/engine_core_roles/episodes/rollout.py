@@ -33,7 +33,6 @@ from engine_core.batch import ROUTED_EXPERTS
 from engine_core.errors import ConfigError
 from engine_core.remote_rollout import RolloutWorker
 from engine_core.rollout import (
-    FINISH_REASON,
     PROMPT_IDS,
     PROMPT_MASK,
     PROMPT_SEED,
@@ -41,6 +40,7 @@ from engine_core.rollout import (
     RESPONSE_LOSS_MASK,
     RESPONSE_MASK,
     ROLLOUT_LOG_PROBS,
+    TRUNCATED,
     WeightBucket,
     derive_seed,
     place_routes,
@@ -65,7 +65,7 @@ class _Running:
     tokens: list[int] = field(default_factory=list)
     trained: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
-    finish: str = "stop"
+    truncated: bool = False  # ended at a token limit (its turn's, the budget, the turns')
     seed: int | None = None
     # with routes asked for: the experts of positions 0 .. routed - 1 of prompt + tokens, each
     # from the forward that first fed that token to the model; and those a turn gave its last
@@ -173,7 +173,7 @@ class EpisodeRollout(BaseRollout):
             fits = []
             for r in active:
                 if r.length + params.max_new_tokens > self.max_episode_tokens:
-                    r.episode.end, r.finish = "token_budget", "length"
+                    r.episode.end, r.truncated = "token_budget", True
                 else:
                     fits.append(r)
             active = fits
@@ -188,7 +188,7 @@ class EpisodeRollout(BaseRollout):
             out = self.inner.generate(batch, turn_params)
             resp, mask = out[RESPONSE_IDS], out[RESPONSE_MASK]
             lps = out[ROLLOUT_LOG_PROBS]
-            reasons = out[FINISH_REASON].tolist() if FINISH_REASON in out.keys() else None
+            cut = out[TRUNCATED].tolist() if TRUNCATED in out.keys() else [False] * len(active)
             if params.return_routes:
                 _take_routes(active, out, mask)
             stepping = []
@@ -198,11 +198,10 @@ class EpisodeRollout(BaseRollout):
                 r.append(sampled, lps[j][keep].tolist())
                 r.episode.turns += 1
                 text = self.tokenizer.decode(sampled, skip_special_tokens=False)
-                stopped = (reasons[j] if reasons is not None else "stop") == "stop"
                 content = str(self.tokenizer.decode(sampled, skip_special_tokens=True))
                 r.episode.messages.append({"role": "assistant", "content": content})
-                if not stopped:
-                    r.episode.end, r.finish = "max_new_tokens", "length"
+                if cut[j]:
+                    r.episode.end, r.truncated = "max_new_tokens", True
                     continue
                 stepping.append((r, text))
             t1 = time.perf_counter()
@@ -222,12 +221,12 @@ class EpisodeRollout(BaseRollout):
                     r.episode.end = "done"
                     continue
                 if r.episode.turns >= self.max_turns:
-                    r.episode.end, r.finish = "max_turns", "length"
+                    r.episode.end, r.truncated = "max_turns", True
                     continue
                 assert r.env is not None
                 obs_ids = self._template(r.env.tools).after_turn(text, res.messages)
                 if r.length + len(obs_ids) + 1 > self.max_episode_tokens:
-                    r.episode.end, r.finish = "token_budget", "length"
+                    r.episode.end, r.truncated = "token_budget", True
                     continue
                 r.episode.messages += res.messages
                 r.append(obs_ids, None)
@@ -272,7 +271,7 @@ class EpisodeRollout(BaseRollout):
             episode.end = "env_error"
             episode.counts["env_errors"] = 1.0
             pad = [int(self.pad_token_id)]
-            return _Running(None, episode, pad, finish="length")
+            return _Running(None, episode, pad, truncated=True)
         return _Running(env, Episode(row, list(first)), ids)
 
     def _step_all(self, work: list[tuple[_Running, Message]]) -> list[StepResult | str]:
@@ -333,11 +332,10 @@ class EpisodeRollout(BaseRollout):
                 RESPONSE_MASK: mask,
                 RESPONSE_LOSS_MASK: trained,
                 ROLLOUT_LOG_PROBS: lps,
+                TRUNCATED: torch.tensor([r.truncated for r in running], dtype=torch.bool),
             },
             batch_size=[total],
         )
-        finish: list[Any] = [r.finish for r in running]
-        out[FINISH_REASON] = NonTensorStack.from_list(finish)
         out[EPISODE] = NonTensorStack.from_list([_record(r.episode, env_wait_s) for r in running])
         return out
 
