@@ -20,6 +20,10 @@ Variables (all optional):
     Seconds a collective of a worker's process group may wait for the other ranks before it
     fails (a positive number); unset: torch's default. The executors set it for their workers
     from their ``collective_timeout_s`` argument.
+``ENGINE_CORE_WORKER_START``
+    How the local executor starts worker processes: ``spawn`` (default: a fresh interpreter
+    each, which imports torch and the engine again) or ``forkserver`` (each forked from a server
+    that imported them once: seconds less per worker; :mod:`engine_core.executors.forkserver`).
 
 Every worker process calls :meth:`Settings.from_env` for itself, so set these before launching.
 """
@@ -44,6 +48,7 @@ __all__ = [
     "ENV_EXTRA_PLUGINS",
     "ENV_LOG_LEVEL",
     "ENV_COLLECTIVE_TIMEOUT",
+    "ENV_WORKER_START",
     "BUILTIN_PLUGIN",
     "LogLevel",
     "Settings",
@@ -54,10 +59,13 @@ ENV_PLUGINS = "ENGINE_CORE_PLUGINS"
 ENV_EXTRA_PLUGINS = "ENGINE_CORE_EXTRA_PLUGINS"
 ENV_LOG_LEVEL = "ENGINE_CORE_LOG_LEVEL"
 ENV_COLLECTIVE_TIMEOUT = "ENGINE_CORE_COLLECTIVE_TIMEOUT_S"
+ENV_WORKER_START = "ENGINE_CORE_WORKER_START"
 # Entry-point name of the core's own plugin; never filtered out.
 BUILTIN_PLUGIN = "builtin"
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+WorkerStart = Literal["spawn", "forkserver"]
+_WORKER_STARTS: tuple[str, ...] = ("spawn", "forkserver")
 _LOG_LEVELS: tuple[str, ...] = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
@@ -75,6 +83,7 @@ class Settings(BaseModel):
     extra_plugins: tuple[tuple[str, str], ...] = ()  # (name, module)
     log_level: LogLevel = "WARNING"
     collective_timeout_s: float | None = None  # None: torch's default
+    worker_start: WorkerStart = "spawn"
 
     @field_validator("plugins")
     @classmethod
@@ -118,6 +127,7 @@ class Settings(BaseModel):
             collective_timeout_s=_parse_seconds(
                 ENV_COLLECTIVE_TIMEOUT, env.get(ENV_COLLECTIVE_TIMEOUT)
             ),
+            worker_start=_parse_worker_start(env.get(ENV_WORKER_START)),
         )
 
     @property
@@ -147,6 +157,16 @@ def _parse_bool(var: str, raw: str | None) -> bool:
         f"{var}={raw!r} is not a boolean; allowed: {', '.join(_TRUE)} (on) or "
         f"{', '.join(v for v in _FALSE if v)} or empty (off). Fix or unset the variable."
     )
+
+
+def _parse_worker_start(raw: str | None) -> WorkerStart:
+    value = (raw or "").strip().lower() or "spawn"
+    if value not in _WORKER_STARTS:
+        raise ConfigError(
+            f"{ENV_WORKER_START}={raw!r} is not a start method; allowed: "
+            f"{', '.join(_WORKER_STARTS)}. Fix or unset the variable (unset: spawn)."
+        )
+    return cast(WorkerStart, value)
 
 
 def _parse_plugins(raw: str | None) -> tuple[str, ...] | None:

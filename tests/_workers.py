@@ -53,6 +53,9 @@ class MeshWorker(Worker):
     def whoami(self) -> int:
         return self.rank
 
+    def getenv(self, name: str) -> str | None:
+        return os.environ.get(name)
+
     def fail(self) -> None:
         raise ValueError(f"worker {self.rank} fails on purpose")
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from engine_core.settings import ENV_EXTRA_PLUGINS
+from engine_core.settings import ENV_EXTRA_PLUGINS, ENV_WORKER_START
 from engine_core_roles.jobs.cli import RECIPES
 
 EXAMPLE_ENGINE = Path(__file__).parent / "fixtures" / "example_engine"
@@ -41,6 +41,19 @@ def _use_example_engine() -> None:
 
 
 _use_example_engine()
+
+
+def _fork_workers() -> None:
+    """Worker processes forked from a fork server that imported torch and the engines once
+    (``ENGINE_CORE_WORKER_START=forkserver``), not spawned: seconds of imports less per worker,
+    over the suite's few hundred. On CPU hosts only; tests of the start methods set their own."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault(ENV_WORKER_START, "forkserver")
+
+
+_fork_workers()
 
 
 @pytest.fixture(scope="session")

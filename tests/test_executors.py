@@ -15,7 +15,7 @@ from tensordict import TensorDict
 from engine_core.errors import ConfigError, DispatchError, MeshRegistrationError
 from engine_core.executors import LocalWorkerGroup, WorkerGroup, worker_env
 from engine_core.executors.base import host_rendezvous
-from engine_core.settings import ENV_COLLECTIVE_TIMEOUT, Settings
+from engine_core.settings import ENV_COLLECTIVE_TIMEOUT, ENV_WORKER_START, Settings
 from tests._workers import MeshWorker
 
 EXECUTORS = ["in_process", "processes", pytest.param("ray", marks=pytest.mark.ray)]
@@ -239,3 +239,32 @@ def test_a_second_call_while_one_is_in_flight_is_refused(request: pytest.Fixture
             group.call_all("whoami")
         assert pending.result() == [0, 1]
         assert group.call_all("whoami") == [0, 1]
+
+
+@pytest.mark.parametrize("start", ["spawn", "forkserver"])
+def test_workers_start_either_way_with_the_callers_environment(
+    start: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Spawned, or forked from a fork server: the workers form their gloo group and see the
+    environment of the call that started them, not the one the fork server started with."""
+    monkeypatch.setenv(ENV_WORKER_START, start)
+    with LocalWorkerGroup(MeshWorker, 2, init_kwargs={"world": 2}) as first:
+        first.execute("setup", [0, 1])
+        assert first.call_all("all_reduce_rank") == [1.0, 1.0]
+        # a changed environment starts a new fork server while the first one's workers live
+        # (it must not wait for them to end); the new workers see the new value
+        monkeypatch.setenv("ENGINE_CORE_TEST_MARK", start)
+        with LocalWorkerGroup(MeshWorker, 2, init_kwargs={"world": 2}) as second:
+            second.execute("setup", [0, 1])
+            assert second.call_all("getenv", "ENGINE_CORE_TEST_MARK") == [start, start]
+            assert second.call_all("getenv", "RANK") == ["0", "1"]
+        assert first.call_all("getenv", "ENGINE_CORE_TEST_MARK") == [None, None]
+        assert first.call_all("all_reduce_rank") == [1.0, 1.0]
+
+
+def test_an_unknown_start_method_is_refused_before_any_worker_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(ENV_WORKER_START, "thread")
+    with pytest.raises(ConfigError, match="ENGINE_CORE_WORKER_START='thread' is not a start"):
+        LocalWorkerGroup(MeshWorker, 2, init_kwargs={"world": 2})

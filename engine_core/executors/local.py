@@ -16,12 +16,12 @@ class where that is an engine-core or builtin one (:mod:`engine_core.executors.w
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import time
 from collections.abc import Mapping
 from multiprocessing.connection import wait
 from typing import Any
-
-import torch.multiprocessing as mp
 
 from engine_core.errors import DispatchError
 from engine_core.executors.base import (
@@ -35,6 +35,7 @@ from engine_core.executors.base import (
     no_answer,
     worker_env,
 )
+from engine_core.executors.forkserver import caller_environment, worker_context
 from engine_core.executors.worker_errors import WorkerErrorInfo, error_payload, worker_failure
 
 __all__ = ["LocalWorkerGroup"]
@@ -42,7 +43,16 @@ __all__ = ["LocalWorkerGroup"]
 _STOP = "__stop__"
 
 
-def _serve(conn: Any, cls: type, init_args: tuple, init_kwargs: dict, env: dict[str, str]) -> None:
+def _serve(
+    conn: Any,
+    cls: type,
+    init_args: tuple,
+    init_kwargs: dict,
+    env: dict[str, str],
+    caller_env: dict[str, str] | None = None,
+) -> None:
+    if caller_env is not None:  # forked from a fork server: its environment, not the caller's
+        caller_environment(caller_env)
     enter_worker_env(env)
     try:
         worker = cls(*init_args, **init_kwargs)
@@ -62,6 +72,27 @@ def _serve(conn: Any, cls: type, init_args: tuple, init_kwargs: dict, env: dict[
             conn.send(("ok", getattr(worker, method)(*args, **kwargs)))
         except BaseException as e:
             conn.send(("error", error_payload(e)))
+
+
+# what a fork server imports besides the worker's own module, where installed: the engines and
+# the rollout every role worker builds, and what they import
+_PRELOAD = (
+    "transformers",
+    "engine_core_fsdp.fsdp2",
+    "engine_core_fsdp.fsdp1",
+    "engine_core_hf.rollout",
+)
+
+
+def _preloaded() -> list[str]:
+    return [m for m in _PRELOAD if _installed(m)]
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # its package is not installed
+        return False
 
 
 class LocalWorkerGroup(WorkerGroup):
@@ -111,9 +142,11 @@ class LocalWorkerGroup(WorkerGroup):
         init_kwargs: dict,
         env: Mapping[str, str] | None,
     ) -> None:
-        """One spawned process per worker, each with a pipe (``self._conns``) it answers on."""
+        """One process per worker, each with a pipe (``self._conns``) it answers on: spawned,
+        or forked from a fork server (``ENGINE_CORE_WORKER_START=forkserver``)."""
         num_workers = self.num_workers
-        ctx = mp.get_context("spawn")
+        ctx = worker_context([worker_cls.__module__, *_preloaded()])
+        caller_env = None if ctx.get_start_method() == "spawn" else dict(os.environ)
         self._store, port = host_rendezvous(num_workers)
         for rank in range(num_workers):
             parent, child = ctx.Pipe()
@@ -132,6 +165,7 @@ class LocalWorkerGroup(WorkerGroup):
                         collective_timeout_s=self.collective_timeout_s,
                         hosted=True,
                     ),
+                    caller_env,
                 ),
                 # not daemonic: a worker may start processes of its own (megatron-core's
                 # checkpoint writers do); shutdown() stops every worker, and a worker whose

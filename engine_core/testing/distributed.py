@@ -28,12 +28,9 @@ changed since it started (modules may read them on import), or when a module to 
 from __future__ import annotations
 
 import multiprocessing
-import multiprocessing.forkserver as forkserver
 import os
 import pickle
 import queue as queue_mod
-import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -41,9 +38,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from engine_core.executors.base import free_port, host_rendezvous, worker_env
+from engine_core.executors.forkserver import caller_environment, fork_server
 
 __all__ = ["free_port", "run_distributed"]
 
@@ -58,8 +55,7 @@ def _entry(
     pg_backend: str | None,
     env: dict[str, str],
 ) -> None:
-    os.environ.clear()  # the caller's environment, as a spawned child has it
-    os.environ.update(env)
+    caller_environment(env)  # the caller's environment, as a spawned child has it
     # the rendezvous variables every executor's worker gets (worker_env), the caller hosting the
     # store; a plain process, as `engine-core run` starts, has none of them
     rendezvous = worker_env(rank, world_size, port, hosted=True)
@@ -111,7 +107,7 @@ def run_distributed(
     ctx: Any = (
         multiprocessing.get_context("spawn")
         if pg_backend == "nccl"
-        else _fork_server([fn.__module__, *preload])
+        else fork_server([fn.__module__, *preload])
     )
     queue = ctx.Queue()
     # this process hosts the rendezvous on a port it keeps: no other process can take the port
@@ -157,40 +153,3 @@ def run_distributed(
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r] for r in range(world_size)]
-
-
-# what the running fork server was started with: (environment, working folder, sys.path) and
-# the modules it imported
-_SERVER_LOCK = threading.Lock()
-_server_key: tuple[Any, ...] | None = None
-_server_modules: frozenset[str] = frozenset()
-# set by pytest for each test; not read on import, and each child gets the caller's value
-_VOLATILE = ("PYTEST_CURRENT_TEST",)
-
-
-def _fork_server(modules: Sequence[str]) -> Any:
-    """The ``forkserver`` context, its server (re)started as the module docstring says."""
-    global _server_key, _server_modules
-    ctx = mp.get_context("forkserver")
-    wanted = frozenset(m for m in modules if m and m != "__main__")
-    env = {k: v for k, v in os.environ.items() if k not in _VOLATILE}
-    key = (tuple(sorted(env.items())), os.getcwd(), tuple(sys.path))
-    with _SERVER_LOCK:
-        server = forkserver._forkserver
-        if key != _server_key or not wanted <= _server_modules:
-            server._stop()  # type: ignore[attr-defined]  # children already forked run on
-            _server_modules = wanted | (_server_modules if key == _server_key else frozenset())
-            _server_key = key
-            ctx.set_forkserver_preload(sorted(_server_modules))
-            # the server imports with this process's sys.path (a test module's folder, say)
-            path = os.pathsep.join(p for p in sys.path if p)
-            saved = os.environ.get("PYTHONPATH")
-            os.environ["PYTHONPATH"] = path
-            try:
-                server.ensure_running()
-            finally:
-                if saved is None:
-                    del os.environ["PYTHONPATH"]
-                else:
-                    os.environ["PYTHONPATH"] = saved
-    return ctx
