@@ -1,4 +1,4 @@
-"""The local executor: workers in this process, or one ``torch.multiprocessing`` process each.
+"""The local executor: workers in this process, or one process each (spawned by default).
 
 Multi-process workers get the rendezvous environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT``, ...) before their class is constructed, so they can form a real gloo (or NCCL)
@@ -96,7 +96,8 @@ def _installed(module: str) -> bool:
 
 
 class LocalWorkerGroup(WorkerGroup):
-    """``num_workers`` instances of ``worker_cls``, in this process or in spawned processes."""
+    """``num_workers`` instances of ``worker_cls``, in this process or in processes of their own
+    (spawned, or forked from a fork server: :mod:`engine_core.executors.forkserver`)."""
 
     def __init__(
         self,
