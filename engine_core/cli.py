@@ -29,6 +29,7 @@ from rich.table import Table
 from rich.text import Text
 
 from engine_core import __version__
+from engine_core.configio import describe_validation_error
 from engine_core.errors import EXIT_STOPPED, EngineCoreError, RunFailed, RunStopped
 from engine_core.plugins import PluginInfo, load_plugins
 from engine_core.settings import Settings
@@ -262,7 +263,10 @@ def main(argv: Sequence[str] | None = None, commands: Sequence[Command] | None =
     except RunStopped as e:
         sys.stderr.write(f"{e}\n")
         return EXIT_STOPPED
-    except (EngineCoreError, ValidationError) as e:
+    except ValidationError as e:
+        sys.stderr.write(f"engine-core {command.name}: error: {describe_validation_error(e)}\n")
+        return 2
+    except EngineCoreError as e:
         sys.stderr.write(f"engine-core {command.name}: error: {e}\n")
         return 2
 

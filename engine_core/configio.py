@@ -3,7 +3,9 @@
 Owns :func:`load_yaml` (a local path or an fsspec URL to a plain mapping), :func:`apply_overrides`
 (``a.b.c=value`` strings applied to a copy), :func:`prefix_validation_error` (a nested model's
 pydantic errors re-raised with their full field path, e.g. ``engine.micro_batch_size``) and
-:func:`explain_unknown_keys` (a refused key's error names the close matches and the valid keys).
+:func:`explain_unknown_keys` (a refused key's error names the close matches and the valid keys)
+and :func:`describe_validation_error` (the errors as the command line prints them: one line each,
+``path: message``).
 Validation itself belongs to the config models; this module only moves plain data around.
 """
 
@@ -25,7 +27,13 @@ from pydantic_core.core_schema import ErrorType
 
 from engine_core.errors import ConfigError
 
-__all__ = ["load_yaml", "apply_overrides", "prefix_validation_error", "explain_unknown_keys"]
+__all__ = [
+    "load_yaml",
+    "apply_overrides",
+    "prefix_validation_error",
+    "explain_unknown_keys",
+    "describe_validation_error",
+]
 
 _BUILTIN_ERROR_TYPES = frozenset(get_args(ErrorType))
 
@@ -235,3 +243,38 @@ def _rebuild(e: ErrorDetails, loc: tuple[str | int, ...]) -> InitErrorDetails:
             "input": e["input"],
         }
     return detail
+
+
+# pydantic's prefixes on a validator's own message; the message itself is the sentence to show
+_MESSAGE_PREFIXES = ("Value error, ", "Assertion failed, ")
+
+
+def describe_validation_error(err: ValidationError) -> str:
+    """The problems of ``err`` as a person reads them: one line per error, ``path: message``.
+
+    pydantic's own rendering frames each message with the model's name, the error type, the
+    whole input mapping and a link; this keeps the field's dotted path, the message, and the
+    received value where the message does not already say it (a scalar, shortened).
+    """
+    lines = [_error_line(e) for e in err.errors()]
+    if len(lines) == 1:
+        return lines[0]
+    return f"{len(lines)} problems:\n" + "\n".join(f"  - {line}" for line in lines)
+
+
+def _error_line(e: ErrorDetails) -> str:
+    message = e["msg"]
+    for prefix in _MESSAGE_PREFIXES:
+        if message.startswith(prefix):
+            message = message[len(prefix) :]
+            break
+    received = e.get("input")
+    if (
+        e["type"] not in ("value_error", "assertion_error", "extra_forbidden", "missing")
+        and _is_builtin_message(e)
+        and isinstance(received, (str, int, float, bool))
+    ):
+        shown = repr(received)
+        message += f" (received {shown if len(shown) <= 60 else shown[:57] + '...'})"
+    path = ".".join(str(part) for part in e["loc"])
+    return f"{path}: {message}" if path else message

@@ -184,8 +184,41 @@ def test_run_refuses_unknown_keys_with_suggestions(
     clean_env.chdir(tmp_path)  # the recipe's output_dir is relative: no earlier run is found
     assert main(["run", override]) == 2
     err = capsys.readouterr().err
-    assert f"\n{loc}\n" in err and f"did you mean {suggestion}?" in err
+    assert err.startswith(f"engine-core run: error: {loc}: Unknown key; did you mean {suggestion}?")
     assert "Valid keys here: " in err and valid in err.split("Valid keys here: ")[1]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "printed"),
+    [
+        (["steps=-1"], "steps: Input should be greater than 0 (received -1)"),
+        (
+            ["trainer.temperature=abc"],
+            "trainer.temperature: Input should be a valid number, unable to parse string as a "
+            "number (received 'abc')",
+        ),
+        (
+            ["engine.optim.lr=x", "engine.micro_batch_size=0"],
+            "2 problems:\n"
+            "  - engine.optim.lr: Input should be a valid number, unable to parse string as a "
+            "number (received 'x')\n"
+            "  - engine.micro_batch_size: Input should be greater than 0 (received 0)",
+        ),
+    ],
+)
+def test_a_config_error_prints_the_sentence_without_pydantics_framing(
+    overrides: list[str],
+    printed: str,
+    tmp_path: Path,
+    clean_env: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+) -> None:
+    """What the user wrote wrong, where (the dotted path) and what was received: no model
+    name, error type, whole input mapping or documentation link around it."""
+    clean_env.chdir(tmp_path)
+    assert main(["run", *overrides]) == 2
+    assert capsys.readouterr().err == f"engine-core run: error: {printed}\n"
+    assert not (tmp_path / "outputs").exists()  # refused before any folder is made
 
 
 def test_a_run_that_fails_after_it_started_is_one_line_and_a_logged_traceback(
