@@ -238,29 +238,9 @@ def test_a_run_that_fails_after_it_started_is_one_line_and_a_logged_traceback(
 
 
 def test_the_core_command_line_knows_no_command_above_it() -> None:
-    """``run`` and ``train`` are the jobs' (engine_core_roles.jobs.cli), added on top of the core's table; the
-    core's modules import nothing from the roles."""
-    import ast
-
-    import engine_core
-
+    """``run`` and ``train`` are the jobs' (engine_core_roles.jobs.cli), added on top of the
+    core's table (that no core module imports the roles is tests/test_layers.py's rule)."""
     assert {c.name for c in COMMANDS} == {"plugins", "doctor", "parity"}
-    root = Path(engine_core.__file__).parent
-    upward = [
-        f"{path.relative_to(root.parent)}:{node.lineno}"
-        for path in sorted(root.rglob("*.py"))
-        for node in ast.walk(ast.parse(path.read_text()))
-        if isinstance(node, ast.Import | ast.ImportFrom)
-        and any(
-            name == "engine_core_roles" or name.startswith("engine_core_roles.")
-            for name in (
-                [a.name for a in node.names]
-                if isinstance(node, ast.Import)
-                else [node.module or ""]
-            )
-        )
-    ]
-    assert upward == [], upward
 
 
 def test_installed_distributions_add_commands_and_a_broken_one_is_named(site: Path) -> None:
