@@ -559,7 +559,8 @@ def _save_step(
 
 class CheckpointPart(Protocol):
     """What :class:`JobCheckpoints` calls on each part of a job: a :class:`BaseEngine`, or a
-    role's worker group (``engine_core_roles.placement.RoleGroup``) whose workers write their own shards."""
+    role's worker group (``engine_core_roles.distributed.placement.RoleGroup``) whose workers
+    write their own shards."""
 
     def checkpoint_preflight(self, path: str, *, saving: bool) -> None: ...
 

@@ -4,7 +4,7 @@ A subcommand is one small function ``(args, settings) -> exit code`` plus an opt
 adding its arguments, described by a :class:`Command`. :data:`COMMANDS` holds the core's
 (``plugins``, ``doctor``, ``parity``). A distribution above the core adds its own through the
 ``engine_core.commands`` entry-point group, each entry a sequence of :class:`Command` (the jobs'
-``run`` and ``train``: ``jobs = "engine_core_roles.cli:COMMANDS"``), so the core names nothing
+``run`` and ``train``: ``jobs = "engine_core_roles.jobs.cli:COMMANDS"``), so the core names nothing
 above it and imports only point down.
 
 Exit codes: 0 success; 1 the command ran and found a problem (``doctor``, a ``parity`` FAIL)

@@ -6,8 +6,8 @@ in ``replicas`` worker processes: one worker group of ``replicas`` :class:`Rollo
 group's ``rollout`` mesh (its dp rank). This process only sends work; the weights reach the
 replicas through a weight-sync group they join (:meth:`ProcessRollout.join_weight_sync`,
 :meth:`ProcessRollout.receive_weights`), which the job's weight link
-(:class:`engine_core_roles.weights.WeightLink`) builds with the policy at rank 0, wherever the
-policy runs.
+(:class:`engine_core_roles.distributed.weights.WeightLink`) builds with the policy at rank 0,
+wherever the policy runs.
 
 It is not a :class:`BaseRollout`: it loads no weights in this process. It has the calls a
 trainer makes of a rollout (``generate``, ``expected_weights``, ``release``, ``resume``), and
