@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-import os
 import re
 import textwrap
 import time
@@ -31,6 +30,8 @@ from pydantic import Field
 
 from engine_core.config import FrozenModel
 from engine_core.errors import ConfigError, TrackerError
+from engine_core.launch import set_default_for_process
+from engine_core.settings import mlflow_tracking_uri
 
 __all__ = [
     "TRACKERS",
@@ -212,12 +213,12 @@ class _Mlflow:
     def __init__(
         self, cfg: MlflowConfig, out_dir: Path, config: Mapping[str, Any], run_id: str | None
     ) -> None:
-        uri = cfg.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        uri = cfg.tracking_uri or mlflow_tracking_uri()
         if uri is None:
             uri = (out_dir / "mlruns").resolve().as_uri()
             # MLflow 3 refuses a file store unless asked for it; a folder in the run's output
             # is what runs without a server (or a database) need
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            set_default_for_process("MLFLOW_ALLOW_FILE_STORE", "true")
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
