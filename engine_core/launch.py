@@ -1,5 +1,5 @@
 """Process launch: the only module that writes ``os.environ`` (:mod:`engine_core.settings` is
-the only one that reads it).
+the only one that reads it; the test tooling of :mod:`engine_core.testing` aside).
 
 What a process hands on through its environment goes through here: the variables set for this
 process (and so for the processes it starts, which inherit them), the rendezvous variables a
