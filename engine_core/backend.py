@@ -4,9 +4,11 @@ An engine plugin subclasses :class:`BaseEngine` (usually with :class:`SingleOpti
 builds its model with :func:`build_model`, keeps checkpoint files inside the folder the core's
 checkpoint sequence hands it (:meth:`BaseEngine.save_shards` / :meth:`BaseEngine.load_shards`)
 with the I/O helpers below, and registers itself with :func:`hookimpl` on a
-:class:`BackendRegistry`. A rollout plugin subclasses :class:`BaseRollout` and uses the weight
-bucket helpers. The in-repository plugins import only from here, so this list is the edge of
-what a backend may rely on; anything else in ``engine_core`` may change without notice.
+:class:`BackendRegistry`. A rollout plugin subclasses :class:`BaseRollout`, uses the weight
+bucket helpers and sets the variables its library reads on import with :func:`set_for_process`
+or :func:`set_default_for_process`. The in-repository plugins import only from here, so this
+list is the edge of what a backend may rely on; anything else in ``engine_core`` may change
+without notice.
 
 Names are imported on first use: a plugin's registration module can import ``hookimpl`` and
 ``Capability`` from here without paying for torch.
@@ -139,6 +141,9 @@ _EXPORTS: dict[str, str] = {
     "RESPONSE_IDS": "engine_core.rollout",
     "RESPONSE_MASK": "engine_core.rollout",
     "ROLLOUT_LOG_PROBS": "engine_core.rollout",
+    # the environment a backend's library reads when it is imported
+    "set_for_process": "engine_core.launch",
+    "set_default_for_process": "engine_core.launch",
     # errors
     "BatchError": "engine_core.errors",
     "CapabilityError": "engine_core.errors",
@@ -202,6 +207,7 @@ if TYPE_CHECKING:
         WeightSyncError,
     )
     from engine_core.hookspecs import BackendRegistry, hookimpl
+    from engine_core.launch import set_default_for_process, set_for_process
     from engine_core.log_probs import (
         HeadGrads,
         chunk_logits_,

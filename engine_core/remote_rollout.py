@@ -40,7 +40,6 @@ its own (every process uses its current CUDA device).
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -58,6 +57,7 @@ from engine_core.executors.base import (
     WorkerGroup,
     threads_per_process,
 )
+from engine_core.launch import RENDEZVOUS, unset_for_process
 from engine_core.rollout import (
     PROMPT_SEED,
     RESPONSE_IDS,
@@ -72,14 +72,12 @@ from engine_core.rollout import (
     WeightBucket,
     prompt_seeds,
 )
+from engine_core.settings import launch_from_env
 from engine_core.weight_sync import WeightSyncGroup, receive_weights
 
 __all__ = ["RolloutWorker", "ProcessRollout", "ROLLOUT_MESH"]
 
 ROLLOUT_MESH = "rollout"
-# a replica is not a rank of a torch process group: the executor's rendezvous variables are
-# hidden from the backend it hosts (some read RANK / LOCAL_RANK / WORLD_SIZE on their own)
-_RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 class RolloutWorker(Worker):
@@ -90,10 +88,11 @@ class RolloutWorker(Worker):
         from engine_core.plugins import load_plugins
         from engine_core.resolve import resolve_rollout_config
 
-        self.replica = int(os.environ.get("RANK", "0"))
-        replicas = int(os.environ.get("WORLD_SIZE", "1"))
-        for key in _RENDEZVOUS:
-            os.environ.pop(key, None)
+        # a replica is not a rank of a torch process group: the executor's rendezvous variables
+        # are hidden from the backend it hosts (some read RANK / LOCAL_RANK / WORLD_SIZE)
+        launch = launch_from_env()
+        self.replica, replicas = launch.rank, launch.world_size
+        unset_for_process(RENDEZVOUS)
         self.register_mesh(ROLLOUT_MESH, dp_rank=self.replica, dp_size=replicas, is_collect=True)
         spec, cfg = resolve_rollout_config(config, load_plugins())
         self.rollout: BaseRollout = spec.load_class()(cfg)

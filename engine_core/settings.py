@@ -1,6 +1,8 @@
-"""Process-wide settings read from the environment: the only module that reads ``os.environ``.
+"""Process-wide settings read from the environment: the only module that reads a variable of
+``os.environ`` (:mod:`engine_core.launch` is the only one that writes them, and the one that
+hands a worker the caller's whole environment).
 
-Variables (all optional):
+``engine-core``'s own variables (all optional), read by :meth:`Settings.from_env`:
 
 ``ENGINE_CORE_DISABLE_PLUGIN_AUTOLOAD``
     ``1``/``true``/``yes``/``on`` skips discovery (entry points and ``ENGINE_CORE_EXTRA_PLUGINS``);
@@ -26,6 +28,35 @@ Variables (all optional):
     that imported them once: seconds less per worker; :mod:`engine_core.executors.forkserver`).
 
 Every worker process calls :meth:`Settings.from_env` for itself, so set these before launching.
+
+Set by ``engine-core`` itself (through :mod:`engine_core.launch`), not by users:
+
+``ENGINE_CORE_SGLANG_CPU_SEEDS``
+    Internal: the SGLang rollout sets it to ``1`` for ``device: cpu`` with
+    ``deterministic_inference``, before SGLang is imported; the ``sgl_kernel`` stand-in of
+    SGLang's CPU environment (``plugins/sglang/cpu``) reads it on import and then skips
+    SGLang's swap to batch-invariant Triton kernels (which refuses a host without CUDA/XPU), so
+    that per-sample seeds apply on a CPU.
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``
+    torch.distributed's rendezvous, set by the executors for each worker
+    (:func:`engine_core.executors.worker_env`); a worker reads the first three through
+    :func:`launch_from_env`. A rollout replica reads its rank and count, then unsets all five,
+    since the backend it hosts is no rank of a process group.
+``OMP_NUM_THREADS``, ``TORCHELASTIC_USE_AGENT_STORE``
+    Set for each worker: one intra-op thread unless the executor is told otherwise, and (when
+    the executor hosts the rendezvous store) every rank joins that store as a client.
+``PYTHONPATH``
+    Set to this process's ``sys.path`` while a fork server starts, so that it imports what this
+    process can; restored right after.
+``VLLM_ENABLE_V1_MULTIPROCESSING``, ``VLLM_CPU_KVCACHE_SPACE``, ``VLLM_LOGGING_LEVEL``
+    Set by the vLLM rollout before vLLM is imported: ``0`` (the model lives in the rollout's
+    process); ``cpu_kv_cache_gib`` and ``WARNING`` unless already set.
+``SGLANG_USE_CPU_ENGINE``
+    Set to ``1`` by the SGLang rollout for ``device: cpu``, before SGLang is imported.
+``MLFLOW_TRACKING_URI``, ``MLFLOW_ALLOW_FILE_STORE``
+    The MLflow tracker reads the first when ``mlflow.tracking_uri`` is unset
+    (:func:`mlflow_tracking_uri`); storing in ``output_dir/mlruns`` instead, it sets the second
+    to ``true`` unless already set.
 """
 
 from __future__ import annotations
@@ -49,9 +80,13 @@ __all__ = [
     "ENV_LOG_LEVEL",
     "ENV_COLLECTIVE_TIMEOUT",
     "ENV_WORKER_START",
+    "ENV_MLFLOW_TRACKING_URI",
     "BUILTIN_PLUGIN",
+    "Launch",
     "LogLevel",
     "Settings",
+    "launch_from_env",
+    "mlflow_tracking_uri",
 ]
 
 ENV_DISABLE_AUTOLOAD = "ENGINE_CORE_DISABLE_PLUGIN_AUTOLOAD"
@@ -60,6 +95,7 @@ ENV_EXTRA_PLUGINS = "ENGINE_CORE_EXTRA_PLUGINS"
 ENV_LOG_LEVEL = "ENGINE_CORE_LOG_LEVEL"
 ENV_COLLECTIVE_TIMEOUT = "ENGINE_CORE_COLLECTIVE_TIMEOUT_S"
 ENV_WORKER_START = "ENGINE_CORE_WORKER_START"
+ENV_MLFLOW_TRACKING_URI = "MLFLOW_TRACKING_URI"
 # Entry-point name of the core's own plugin; never filtered out.
 BUILTIN_PLUGIN = "builtin"
 
@@ -145,6 +181,46 @@ class Settings(BaseModel):
         """Apply :attr:`log_level` to the ``engine_core`` loggers (used by the CLI)."""
         logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
         logging.getLogger("engine_core").setLevel(self.log_level)
+
+
+class Launch(BaseModel):
+    """Where this process stands in the group its executor started (torch.distributed's
+    ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``); a process started by none is rank 0 of 1."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+
+def launch_from_env(environ: Mapping[str, str] | None = None) -> Launch:
+    """This process's :class:`Launch` from ``environ`` (default: ``os.environ``); an unset
+    variable takes its default (rank 0 of 1)."""
+    env = os.environ if environ is None else environ
+    return Launch(
+        rank=_parse_int("RANK", env.get("RANK"), 0),
+        world_size=_parse_int("WORLD_SIZE", env.get("WORLD_SIZE"), 1),
+        local_rank=_parse_int("LOCAL_RANK", env.get("LOCAL_RANK"), 0),
+    )
+
+
+def mlflow_tracking_uri(environ: Mapping[str, str] | None = None) -> str | None:
+    """``MLFLOW_TRACKING_URI`` as set (None: unset), for an MLflow run whose config names none."""
+    env = os.environ if environ is None else environ
+    return env.get(ENV_MLFLOW_TRACKING_URI)
+
+
+def _parse_int(var: str, raw: str | None, default: int) -> int:
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(
+            f"{var}={raw!r} is not a whole number; the executors set it for each worker (an "
+            f"integer such as {default}). Fix or unset the variable."
+        ) from None
 
 
 def _parse_bool(var: str, raw: str | None) -> bool:

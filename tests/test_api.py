@@ -90,6 +90,8 @@ BACKEND_SURFACE = {
     "BUCKET_BYTES", "TRUNCATED", "PROMPT_IDS", "PROMPT_MASK", "PROMPT_SEED",
     "RESPONSE_IDS", "RESPONSE_MASK", "ROLLOUT_LOG_PROBS", "prompt_seeds", "sample_seeds",
     "derive_seed",
+    # the environment a backend's library reads
+    "set_for_process", "set_default_for_process",
     # errors
     "BatchError", "CapabilityError", "CheckpointError", "ConfigError", "EngineCoreError",
     "WeightSyncError",

@@ -225,13 +225,15 @@ def test_a_tracker_that_fails_mid_run_is_one_warning_and_the_run_goes_on(
 
     out = tmp_path / "run"
     out.mkdir()
-    (tracker,) = start_trackers(
+    board, tracker = start_trackers(
         ["tensorboard", "mlflow"],
         out,
         config={"steps": 2},
         wandb=WandbConfig(),
         mlflow=MlflowConfig(),
     )
+    assert (board.name, tracker.name) == ("tensorboard", "mlflow")
+    board.finish(None, "finished")
     tracker.log({"step": 1, "loss": 1.0})
     shutil.rmtree(out / "mlruns")  # its store is gone
     with pytest.warns(RuntimeWarning, match="the mlflow tracker failed .* metrics.jsonl keeps"):

@@ -25,7 +25,8 @@ from engine_core.dispatch import (
     dispatch_one_to_all,
 )
 from engine_core.errors import ConfigError, DispatchError
-from engine_core.settings import ENV_COLLECTIVE_TIMEOUT, Settings
+from engine_core.launch import set_for_process
+from engine_core.settings import ENV_COLLECTIVE_TIMEOUT, Settings, launch_from_env
 
 __all__ = [
     "DEFAULT_CALL_TIMEOUT_S",
@@ -201,7 +202,7 @@ def enter_worker_env(env: Mapping[str, str]) -> None:
 
     torch is already imported there, so ``OMP_NUM_THREADS`` alone would come too late.
     """
-    os.environ.update(env)
+    set_for_process(env)
     import torch
 
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
@@ -221,14 +222,15 @@ def join_process_group(backend: str | None = None) -> bool:
 
     if dist.is_initialized():
         return True
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    launch = launch_from_env()
+    if launch.world_size <= 1:
         return False
     if backend is None:
         from engine_core.comm import default_backend
 
         backend = default_backend()
     if backend == "nccl":  # one GPU per rank of this host (never executed here)
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
     dist.init_process_group(backend, timeout=Settings.from_env().collective_timeout)
     return True
 

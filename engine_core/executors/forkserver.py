@@ -6,7 +6,7 @@ interpreter (the server), which imports the modules named here once and runs not
 worker is then forked from it with those imports done. The server is started with this
 process's environment, working folder and ``sys.path``, and a new one is started when any of
 them changed since (modules may read them on import) or when a module to import is new; the old
-one ends with its last worker. A worker gets the caller's ``os.environ`` as a spawned one would
+one ends with its last worker. A worker gets the caller's environment as a spawned one would
 (:func:`caller_environment`).
 
 The local executor spawns its workers unless ``ENGINE_CORE_WORKER_START=forkserver``
@@ -24,6 +24,9 @@ import threading
 from collections.abc import Sequence
 from multiprocessing import util
 from typing import Any
+
+from engine_core.launch import adopt_environment, with_variable
+from engine_core.launch import caller_environment as current_environment
 
 __all__ = ["caller_environment", "fork_server", "worker_context"]
 
@@ -44,7 +47,7 @@ def fork_server(modules: Sequence[str]) -> Any:
 
     ctx = mp.get_context("forkserver")
     wanted = frozenset(m for m in modules if m and m != "__main__")
-    env = {k: v for k, v in os.environ.items() if k not in _VOLATILE}
+    env = current_environment(exclude=_VOLATILE)
     key = (tuple(sorted(env.items())), os.getcwd(), tuple(sys.path))
     with _LOCK:
         server = forkserver._forkserver
@@ -54,16 +57,8 @@ def fork_server(modules: Sequence[str]) -> Any:
             _key = key
             ctx.set_forkserver_preload(sorted(_modules))
             # the server imports with this process's sys.path (a test module's folder, say)
-            path = os.pathsep.join(p for p in sys.path if p)
-            saved = os.environ.get("PYTHONPATH")
-            os.environ["PYTHONPATH"] = path
-            try:
+            with with_variable("PYTHONPATH", os.pathsep.join(p for p in sys.path if p)):
                 server.ensure_running()
-            finally:
-                if saved is None:
-                    del os.environ["PYTHONPATH"]
-                else:
-                    os.environ["PYTHONPATH"] = saved
     return ctx
 
 
@@ -93,9 +88,9 @@ def _leave(server: Any) -> None:
 
 
 def caller_environment(env: dict[str, str]) -> None:
-    """In a forked worker: make ``os.environ`` the caller's ``env``, as a spawned worker's is."""
-    os.environ.clear()
-    os.environ.update(env)
+    """In a forked worker: make its environment the caller's ``env``, as a spawned worker's is
+    (:func:`engine_core.launch.adopt_environment`)."""
+    adopt_environment(env)
 
 
 def worker_context(modules: Sequence[str]) -> Any:

@@ -17,7 +17,6 @@ class where that is an engine-core or builtin one (:mod:`engine_core.executors.w
 from __future__ import annotations
 
 import importlib.util
-import os
 import time
 from collections.abc import Mapping
 from multiprocessing.connection import wait
@@ -35,8 +34,9 @@ from engine_core.executors.base import (
     no_answer,
     worker_env,
 )
-from engine_core.executors.forkserver import caller_environment, worker_context
+from engine_core.executors.forkserver import worker_context
 from engine_core.executors.worker_errors import WorkerErrorInfo, error_payload, worker_failure
+from engine_core.launch import adopt_environment, caller_environment
 
 __all__ = ["LocalWorkerGroup"]
 
@@ -52,7 +52,7 @@ def _serve(
     caller_env: dict[str, str] | None = None,
 ) -> None:
     if caller_env is not None:  # forked from a fork server: its environment, not the caller's
-        caller_environment(caller_env)
+        adopt_environment(caller_env)
     enter_worker_env(env)
     try:
         worker = cls(*init_args, **init_kwargs)
@@ -147,7 +147,7 @@ class LocalWorkerGroup(WorkerGroup):
         or forked from a fork server (``ENGINE_CORE_WORKER_START=forkserver``)."""
         num_workers = self.num_workers
         ctx = worker_context([worker_cls.__module__, *_preloaded()])
-        caller_env = None if ctx.get_start_method() == "spawn" else dict(os.environ)
+        caller_env = None if ctx.get_start_method() == "spawn" else caller_environment()
         self._store, port = host_rendezvous(num_workers)
         for rank in range(num_workers):
             parent, child = ctx.Pipe()

@@ -42,7 +42,6 @@ Semantics of SGLang 0.5.23 that the code relies on:
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import tempfile
@@ -80,6 +79,7 @@ from engine_core.backend import (
     response_batch,
     sample_seeds,
     saved_model_folder,
+    set_for_process,
     split_peft_tensors,
 )
 from engine_core_sglang.plugin import SGLANG_CAPABILITIES
@@ -97,6 +97,9 @@ __all__ = [
 # SGLang samples greedily below this temperature and then reports log-probs at T = 1.
 GREEDY_BELOW = 1e-6
 _FINISHED = ("stop", "length")
+# internal: read on import by the sgl_kernel stand-in of SGLang's CPU environment (cpu/), which
+# then skips deterministic inference's swap to batch-invariant Triton kernels
+_CPU_SEEDS = "ENGINE_CORE_SGLANG_CPU_SEEDS"
 
 
 class SGLangRolloutConfig(RolloutConfig):
@@ -376,9 +379,9 @@ class SGLangRollout(BaseRollout):
             config.memory_saver if config.memory_saver is not None else config.device == "cuda"
         )
         if config.device == "cpu":  # read when SGLang is imported, here and in its processes
-            os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+            set_for_process({"SGLANG_USE_CPU_ENGINE": "1"})
             if config.deterministic_inference:
-                os.environ["ENGINE_CORE_SGLANG_CPU_SEEDS"] = "1"
+                set_for_process({_CPU_SEEDS: "1"})
         try:
             import sglang
         except ImportError as e:

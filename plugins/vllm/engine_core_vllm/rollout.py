@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import tempfile
 from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar, Literal
@@ -58,6 +57,8 @@ from engine_core.backend import (
     prompt_tensors,
     response_batch,
     saved_model_folder,
+    set_default_for_process,
+    set_for_process,
     split_peft_tensors,
 )
 from engine_core_vllm.plugin import VLLM_CAPABILITIES
@@ -165,9 +166,10 @@ class VLLMRollout(BaseRollout):
             raise TypeError(f"VLLMRollout needs a VLLMRolloutConfig, got {type(config).__name__}.")
         super().__init__(config)
         self.cfg = config
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model lives in this process
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.cpu_kv_cache_gib))
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines drown a run's log
+        # read when vLLM is imported
+        set_for_process({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})  # the model lives here
+        set_default_for_process("VLLM_CPU_KVCACHE_SPACE", str(config.cpu_kv_cache_gib))
+        set_default_for_process("VLLM_LOGGING_LEVEL", "WARNING")  # INFO lines drown a run's log
         try:
             from vllm import LLM
         except ImportError as e:

@@ -1,6 +1,7 @@
-"""Run outputs people read: metrics as JSONL, TensorBoard and the trackers of
-:mod:`~engine_core_roles.jobs.trackers` (W&B, MLflow), a PNG plot at the end, and the run's log
-file holding the traceback of a failure.
+"""A run's output folder: claiming it, ``metrics.jsonl`` and ``samples.jsonl`` (handed on to
+the trackers of :mod:`~engine_core_roles.jobs.trackers`: TensorBoard, W&B, MLflow), a PNG plot
+at the end, the run's log file holding the traceback of a failure, where a run starts or
+resumes, and saving a checkpoint.
 
 Resuming keeps the rows up to the resumed step and drops the rest, so a resumed run's file
 reads exactly like an uninterrupted one.
@@ -15,7 +16,6 @@ import math
 import os
 import shutil
 import traceback
-import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,7 +32,7 @@ from engine_core.errors import (
     RunStopped,
     TrackerError,
 )
-from engine_core_roles.jobs.trackers import Tracker, sample_text, start_trackers
+from engine_core_roles.jobs.trackers import TENSORBOARD_DIR, Tracker, start_trackers
 
 if TYPE_CHECKING:
     from engine_core_roles.jobs.config import JobConfig
@@ -125,37 +125,25 @@ def claim_output_dir(out_dir: str | Path, *, command: str, resume: bool = False)
 
 
 class RunTracker:
-    """Writes one JSON row per step to ``metrics.jsonl``, and the numbers to TensorBoard and
-    ``trackers`` (started ones: :func:`~engine_core_roles.jobs.trackers.start_trackers`)."""
+    """Writes one JSON row per step to ``metrics.jsonl`` and hands it to ``trackers`` (started
+    ones: :func:`~engine_core_roles.jobs.trackers.start_trackers`)."""
 
     def __init__(
         self,
         out_dir: str | Path,
         *,
         resume_after_step: int | None = None,
-        tensorboard: bool = True,
         trackers: Sequence[Tracker] = (),
     ) -> None:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out_dir / "metrics.jsonl"
-        self.tensorboard_dir = self.out_dir / "tensorboard"
+        self.tensorboard_dir = self.out_dir / TENSORBOARD_DIR
         self._rows = _keep_up_to(self.metrics_path, resume_after_step)
         self._file = self.metrics_path.open("a")
         self.samples_path = self.out_dir / "samples.jsonl"
         if self.samples_path.exists():
             _keep_up_to(self.samples_path, resume_after_step)
-        self._tb: Any = None
-        if tensorboard:
-            from tensorboardX import SummaryWriter
-
-            # a file of its own for each session: the file's name holds the second it was
-            # made, and a resume within that second would otherwise empty the first's file
-            self._tb = SummaryWriter(
-                str(self.tensorboard_dir),
-                purge_step=(resume_after_step or 0) + 1,
-                filename_suffix=f".{uuid.uuid4().hex[:8]}",
-            )
         self.trackers = list(trackers)
 
     @classmethod
@@ -170,13 +158,9 @@ class RunTracker:
             config=job.model_dump(mode="json"),
             wandb=job.wandb,
             mlflow=job.mlflow,
-        )
-        return cls(
-            out,
             resume_after_step=resume_after_step,
-            tensorboard="tensorboard" in job.trackers,
-            trackers=started,
         )
+        return cls(out, resume_after_step=resume_after_step, trackers=started)
 
     @property
     def rows(self) -> list[dict[str, Any]]:
@@ -186,37 +170,15 @@ class RunTracker:
         self._rows.append(row)
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            self._tb_scalars(row)
         for tracker in self.trackers:
             tracker.log(row)
 
-    def _tb_scalars(self, row: dict[str, Any]) -> None:
-        """The row's finite numbers as one TensorBoard event of the step (one event per number
-        cost 3 ms a step for 19 numbers; one for all of them, 0.2 ms)."""
-        from tensorboardX.proto.summary_pb2 import Summary
-        from tensorboardX.summary import scalar
-
-        values = [
-            scalar(key, value).value[0]
-            for key, value in row.items()
-            if key != "step" and isinstance(value, (int, float)) and math.isfinite(value)
-        ]
-        if values:
-            self._tb.file_writer.add_summary(Summary(value=values), row["step"])
-
     def log_samples(self, step: int, samples: Sequence[dict[str, Any]]) -> None:
         """Decoded samples of ``step`` (prompt, response, reward, ...) for people to read: one
-        JSON line each in ``samples.jsonl``, and one text entry in TensorBoard."""
+        JSON line each in ``samples.jsonl``, and to each tracker."""
         with self.samples_path.open("a") as f:
             for sample in samples:
                 f.write(json.dumps({"step": step, **sample}) + "\n")
-        if self._tb is not None and samples:
-            text = "\n\n".join(
-                f"**reward {s.get('reward')}**\n\n    " + _shown(s).replace("\n", "\n    ")
-                for s in samples
-            )
-            self._tb.add_text("samples", text, step)
         for tracker in self.trackers:
             tracker.log_samples(step, samples)
 
@@ -259,31 +221,6 @@ class RunTracker:
             tracker.finish(summary, status)
         with contextlib.suppress(OSError):
             self._file.close()
-        tb, self._tb = self._tb, None
-        if tb is not None:
-            try:
-                tb.close()
-            except OSError:
-                _abandon_event_writers(tb)
-
-
-def _abandon_event_writers(tb: Any) -> None:
-    """A TensorBoard writer whose last flush failed (a full disk): stop its thread and mark it
-    closed, so that its exit hook does not flush again and print the same failure."""
-    for writer in list((getattr(tb, "all_writers", None) or {}).values()):
-        events = getattr(writer, "event_writer", None)
-        worker = getattr(events, "_worker", None)
-        with contextlib.suppress(Exception):
-            if worker is not None:
-                worker.stop()
-        if events is not None:
-            events._closed = True
-
-
-def _shown(sample: dict[str, Any]) -> str:
-    """A sample as text: an episode turn by turn (role: content), else prompt then response."""
-    prompt, response = sample_text(sample)
-    return prompt + response
 
 
 def starting_point(
