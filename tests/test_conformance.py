@@ -30,6 +30,8 @@ METRICS = "test_metrics_reduce_over_micro_batches_and_ranks"
 COLLECT = "test_one_collect_rank_per_dp_rank"
 CHECKPOINTS = {"test_checkpoint_resume_and_rotation", "test_checkpoint_with_two_dp_ranks"}
 MODES = "test_train_and_eval_modes"
+RESTORED = "test_modes_restore_the_module_and_autograd_on_exit"
+OFFLOADED = "test_offload_loads_on_entering_a_mode_and_offloads_on_exit"
 OPTIMIZER = "test_optimizer_step_semantics"
 EXPORT = "test_weight_export_matches_hf_state_dict"
 REGISTERED = "test_registered_class_declares_the_registered_capabilities"
@@ -64,6 +66,7 @@ GROUPS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
     "process": (frozenset({NO_GROUP, MODES}), ("lifecycle", "modes")),
     "updates": (frozenset({*UPDATE, OPTIMIZER, TO}), ("update", "optimizer", "to_meta")),
     "precision": (frozenset({BF16, MIXED_PRECISION}), ("bf16", "mixed_precision")),
+    "restore": (frozenset({MODES, RESTORED, OFFLOADED}), ("modes",)),
 }
 
 
@@ -134,6 +137,10 @@ BROKEN = {
     "example-bf16-master-weights": Broken(
         "precision", frozenset({MIXED_PRECISION}), "The master weights are not float32"
     ),
+    "example-modes-stick": Broken("restore", frozenset({RESTORED}), "[modes: restored]"),
+    "example-offload-stays": Broken(
+        "restore", frozenset({OFFLOADED}), "offloaded to the CPU again"
+    ),
 }
 
 _REPORTS: dict[str, dict[tuple[str, str], str | None]] = {}
@@ -202,3 +209,31 @@ def test_every_broken_engine_is_registered_and_checked() -> None:
     (example,) = [p for p in load_plugins().plugins() if p.name == "example"]
     broken = {b.name for b in example.backends if b.name != "example"}
     assert broken == set(BROKEN)
+
+
+def test_the_checks_an_engine_gets_follow_its_declared_capabilities() -> None:
+    """The registry picks each check by what it needs and what the engine declares; a prefix
+    selection (--engine-core-kit-only) keeps the checks that always run."""
+    from engine_core.capabilities import Capability
+    from engine_core.testing.checks import REGISTRY, Layout
+
+    caps = frozenset({Capability.CPU, Capability.DATA_PARALLEL})
+    for layout in Layout:
+        picked = REGISTRY.select(layout, caps)
+        assert all(c.needs <= caps and not c.unless & caps for c in picked)
+        left_out = [c for c in REGISTRY if c.layout is layout and c not in picked]
+        assert all(not c.needs <= caps or c.unless & caps for c in left_out)
+    with_lora = REGISTRY.select(Layout.SINGLE, caps | {Capability.LORA})
+    assert "lora" in {c.name for c in with_lora} - {
+        c.name for c in REGISTRY.select(Layout.SINGLE, caps)
+    }
+    only = REGISTRY.select(Layout.PLAIN, caps, ("lifecycle",))
+    assert [c.name for c in only] == ["had_group", "lifecycle"]
+
+
+def test_the_registry_refuses_two_checks_of_one_name_in_a_layout() -> None:
+    from engine_core.testing.checks import Check, Layout, Registry
+
+    Registry([Check("a", Layout.SINGLE, len), Check("a", Layout.TWO, len)])  # one per layout
+    with pytest.raises(ValueError, match="give each its own name"):
+        Registry([Check("a", Layout.SINGLE, len), Check("a", Layout.SINGLE, len)])

@@ -1,8 +1,15 @@
 """Testing support: the engine conformance kit and what it runs on.
 
 - :mod:`engine_core.testing.plugin`: the pytest plugin (``pytest --engine-core-backend=NAME``).
-- :mod:`engine_core.testing.contract`: the contract tests, one per engine guarantee.
-- :mod:`engine_core.testing.kit`: the checks run inside the engine's processes, and baselines.
+- :mod:`engine_core.testing.contract`: the fixtures that run the kit's processes, and the
+  contract tests gathered from :mod:`engine_core.testing.checks`.
+- :mod:`engine_core.testing.checks`: one module per concern, each check beside its contract
+  tests, registered with the capabilities it needs.
+- :mod:`engine_core.testing.kit`: the entry points of the kit's processes (one per layout), and
+  the helpers other tests reuse.
+- :mod:`engine_core.testing.oracle`: the saved models and batches, and plain transformers'
+  figures on them.
+- :mod:`engine_core.testing.drive`: building and driving an engine through ``BaseEngine``.
 - :mod:`engine_core.testing.models`: tiny models, batches and a loss, built from configs.
 - :mod:`engine_core.testing.distributed`: ``run_distributed``, a multi-process launcher.
 """

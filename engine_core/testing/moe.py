@@ -5,7 +5,7 @@
 shared expert beside the routed ones);
 :func:`routed_batch` gives a batch of random sequences and routes a rollout could have chosen
 for it (a bf16 copy's, with every third token sent one expert further, so they surely differ
-from the model's own). The oracle is ``engine_core.testing.kit.plain_log_probs`` with the routes:
+from the model's own). The oracle is ``engine_core.testing.oracle.plain_log_probs`` with the routes:
 each sequence alone through transformers with its routes replayed.
 """
 

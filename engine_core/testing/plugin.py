@@ -1,7 +1,8 @@
 """The ``engine_core`` pytest plugin (entry point ``pytest11``): the engine conformance kit.
 
-``pytest --engine-core-backend=NAME`` (repeatable) adds the contract tests of
-:mod:`engine_core.testing.contract` to the run, parametrized by each named backend. Select only
+``pytest --engine-core-backend=NAME`` (repeatable) adds the contract tests gathered in
+:mod:`engine_core.testing.contract` (each beside its check in :mod:`engine_core.testing.checks`)
+to the run, parametrized by each named backend. Select only
 them with ``-m engine_core_contract``. Without the option the plugin does nothing.
 """
 
@@ -10,6 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
+# the contract tests live in the concern modules of engine_core.testing.checks: rewrite their
+# asserts as pytest does a test file's (registered before the plugin imports any of them)
+pytest.register_assert_rewrite("engine_core.testing.checks")
 
 OPTION = "--engine-core-backend"
 CONTRACT = Path(__file__).with_name("contract.py")
