@@ -17,7 +17,7 @@ import contextlib
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -40,10 +40,11 @@ from engine_core.batch import (
     validate_batch,
 )
 from engine_core.capabilities import Capability
-from engine_core.checkpoint import JOB_STATE_FILE
 from engine_core.comm import all_reduce_cpu, collective_device
-from engine_core.config import BUCKET_BYTES, EngineConfig
+from engine_core.config import EngineConfig
 from engine_core.context_parallel import SequenceShard, gather_sequence, shard_row
+from engine_core.engine_checkpoint import CHECKPOINT_STATE_FILE, JOB_STATE_FILE, EngineCheckpoints
+from engine_core.engine_export import WEIGHT_PARTS, WeightExport, WeightPart
 from engine_core.errors import BatchError, CapabilityError, EngineCoreError
 from engine_core.log_probs import DEFAULT_CHUNK_ELEMENTS, chunked_head, head_of, token_log_probs
 from engine_core.loss import GlobalBatchContext, LossFn, MetricAccumulator
@@ -57,17 +58,9 @@ from engine_core.moe import (
     replaying,
 )
 from engine_core.packing import PackedSequences, pack, pack_tensor, sequence_start_mask, unpack
-from engine_core.rollout import CutBuckets, gather_bytes, iter_buckets
 
 # attention kernels that take the packed row's sequence boundaries as cu_seq_lens_* kwargs
 VARLEN_KERNELS = frozenset({"sdpa_varlen", "flash_attention_2"})
-# each rank's core state in a checkpoint folder: step, world size, RNG streams, extra state
-CHECKPOINT_STATE_FILE = "engine_state_rank{rank}.pt"
-# what a weight sync sends (BaseEngine.named_weights): the model under its HF names, LoRA
-# adapters merged ("model"); a LoRA model's own tensors unmerged, base included ("peft"); or
-# its adapter tensors alone ("adapters")
-WeightPart = Literal["model", "peft", "adapters"]
-WEIGHT_PARTS: tuple[WeightPart, ...] = ("model", "peft", "adapters")
 
 __all__ = [
     "CHECKPOINT_STATE_FILE",
@@ -258,19 +251,7 @@ def _whole_layer(
     return whole, used
 
 
-def _cause(e: BaseException) -> str:
-    """One line saying why a backend's loader failed: its exception's type and first line, or
-    for a distributed-checkpoint failure those of the lowest failing rank's own exception."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    if isinstance(e, CheckpointException) and e.failures:
-        e = e.failures[min(e.failures)][0]
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    text = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
-    return text if len(text) <= 300 else text[:297] + "..."
-
-
-class BaseEngine(abc.ABC):
+class BaseEngine(EngineCheckpoints, WeightExport, abc.ABC):
     """A training backend for one model (actor, critic, reference or reward).
 
     Subclasses set :attr:`capabilities` and :attr:`config_class` and implement the abstract
@@ -321,7 +302,7 @@ class BaseEngine(abc.ABC):
             for name in vars(cls)
             if name.startswith("_")
             and not name.startswith("__")
-            and name in vars(BaseEngine)
+            and any(name in vars(core) for core in _CORE_CLASSES)
             and cls is not BaseEngine
         )
         if clash:
@@ -831,282 +812,6 @@ class BaseEngine(abc.ABC):
     def to(self, device: torch.device | str, *, model: bool = True, optimizer: bool = True) -> None:
         """Move model and/or optimizer state (offload to ``"cpu"`` and back)."""
 
-    def save_checkpoint(
-        self,
-        path: str,
-        *,
-        step: int,
-        max_ckpt_to_keep: int | None = None,
-        job_state: dict[str, Any] | None = None,
-    ) -> str:
-        """Save everything a resume needs as ``<path>/global_step_<step>``; return that folder.
-
-        Collective: every rank calls it. The sequence is the core's, the same for every engine:
-        the input is checked and :meth:`checkpoint_preflight` runs (nothing written yet); global
-        rank 0 creates the staging folder ``global_step_<step>.tmp``; every rank writes its part
-        with :meth:`save_shards` and its core state file (``step``, the RNG streams of
-        :meth:`rng_state`, :meth:`checkpoint_extra_state`); rank 0 writes ``job_state`` (plain
-        data of the caller's, e.g. a job's data position: committed together with the engine's
-        state, read back with :func:`load_job_state`) and, last, the manifest (every file's size
-        and SHA-256), renames the folder into place and deletes the oldest checkpoints beyond
-        ``max_ckpt_to_keep``. An interrupted save leaves only a ``.tmp`` folder, which
-        :func:`~engine_core.checkpoint.list_checkpoints` ignores; an existing checkpoint is never
-        overwritten; :meth:`load_checkpoint` verifies every file against the manifest.
-        """
-        from engine_core.checkpoint import ROOT_PART, JobCheckpoints
-
-        self.require_module()
-        # a single engine is a job of one part, its files at the folder's root
-        return JobCheckpoints(path, max_ckpt_to_keep=max_ckpt_to_keep).save(
-            step, {ROOT_PART: self}, job_state, where="save_checkpoint"
-        )
-
-    def write_checkpoint_files(self, folder: str, *, step: int) -> None:
-        """Write this engine's checkpoint files into ``folder`` (created if missing): every
-        rank's shards (:meth:`save_shards`) and core state file. Collective; returns when every
-        rank is done.
-
-        No staging, manifest or commit: :meth:`save_checkpoint` wraps it in those. A caller that
-        commits several engines' state as one checkpoint (an actor and a critic, say: see
-        :class:`~engine_core.checkpoint.JobCheckpoints`) writes each engine into a subfolder of
-        its own staging folder and commits once.
-        """
-        from engine_core.checkpoint import _fs, join, save_torch
-
-        self.require_module()
-        rank, world = self._global_rank_and_size()
-        if rank == 0:
-            fs, local = _fs(folder)
-            fs.makedirs(local, exist_ok=True)
-        self._checkpoint_barrier()
-        self.save_shards(folder)
-        core = {
-            "step": step,
-            "world_size": world,
-            "rng": self.rng_state(),
-            "engine": self.checkpoint_extra_state(),
-        }
-        save_torch(core, join(folder, CHECKPOINT_STATE_FILE.format(rank=rank)))
-        self._checkpoint_barrier()
-
-    def load_checkpoint(self, path: str) -> int:
-        """Restore everything :meth:`save_checkpoint` wrote in the folder ``path``; return its step.
-
-        Collective. Every file is verified against the checkpoint's manifest first (the files
-        split by size between the global ranks, each hashing its share at once; a damaged,
-        truncated or changed file is a
-        :class:`~engine_core.errors.CheckpointError` naming it, on every rank, before any state
-        changes). The core state file is read and checked, then :meth:`load_shards` restores
-        model and optimizer, then :meth:`load_checkpoint_extra_state` and, when the checkpoint
-        was written by the same number of ranks, each rank's RNG streams (a resharded load keeps
-        its own: streams belong to ranks).
-        """
-        from engine_core.checkpoint import verify_on_every_rank
-
-        self.require_module()
-        self.checkpoint_preflight(path, saving=False)
-        verify_on_every_rank(path)
-        return self.read_checkpoint_files(path)
-
-    def read_checkpoint_files(self, folder: str) -> int:
-        """Restore what :meth:`write_checkpoint_files` wrote in ``folder``; return its step.
-
-        Collective. Does not verify the files: :meth:`load_checkpoint` verifies the folder
-        against its manifest first, and a caller that committed several engines as one
-        checkpoint verifies that checkpoint's manifest (:meth:`JobCheckpoints.verify
-        <engine_core.checkpoint.JobCheckpoints.verify>`) before reading each engine's part.
-        """
-        from engine_core.checkpoint import is_file, join, load_torch
-        from engine_core.errors import CheckpointError
-
-        self.require_module()
-        rank, world = self._global_rank_and_size()
-        first = join(folder, CHECKPOINT_STATE_FILE.format(rank=0))
-        own = join(folder, CHECKPOINT_STATE_FILE.format(rank=rank))
-        if not is_file(first):
-            raise CheckpointError(
-                f"{folder} is not a complete checkpoint (no {CHECKPOINT_STATE_FILE.format(rank=0)}); "
-                f"pass a global_step_<N> folder written by save_checkpoint()."
-            )
-        core = load_torch(own if is_file(own) else first)
-        step, saved_world = core.get("step"), core.get("world_size")
-        if not isinstance(step, int) or not isinstance(saved_world, int) or "rng" not in core:
-            raise CheckpointError(
-                f"{folder}: the core state file lacks step, world_size or rng; it was not written "
-                f"by save_checkpoint() of this engine-core version. Resume from another checkpoint."
-            )
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        try:
-            self.load_shards(folder)
-        except CheckpointError:
-            raise
-        # the backend's loader; a distributed-checkpoint failure is a BaseException of its own
-        except (Exception, CheckpointException) as e:
-            raise CheckpointError(
-                f"checkpoint {folder} (step {step}) does not fit this {type(self).__name__}'s model "
-                f"({_cause(e)}). Resume with the model config, backend and layout it was saved "
-                f"with (or one the backend reshards to)."
-            ) from e
-        self.load_checkpoint_extra_state(core.get("engine") or {})
-        if saved_world == world and is_file(own):
-            self.set_rng_state(core["rng"])
-        return step
-
-    @staticmethod
-    def load_job_state(path: str) -> dict[str, Any] | None:
-        """The ``job_state`` saved with the checkpoint folder ``path`` (``None`` if none was)."""
-        from engine_core.checkpoint import is_file, join, load_torch
-
-        location = join(path, JOB_STATE_FILE)
-        return load_torch(location) if is_file(location) else None
-
-    def checkpoint_preflight(self, path: str, *, saving: bool) -> None:
-        """Refuse a save or load this engine cannot do, before anything is written or read.
-
-        Default: nothing to refuse. Engines that need a local folder, or refuse a layout,
-        raise :class:`~engine_core.errors.CheckpointError` here.
-        """
-
-    @abc.abstractmethod
-    def save_shards(self, folder: str) -> None:
-        """Write this rank's model and optimizer state into ``folder`` (the staging folder).
-
-        Called on every rank inside :meth:`save_checkpoint`, after ``folder`` exists. Write
-        rank-specific files under rank-specific names; collective writers
-        (``torch.distributed.checkpoint``) are called by every rank.
-        """
-
-    @abc.abstractmethod
-    def load_shards(self, folder: str) -> None:
-        """Restore what :meth:`save_shards` wrote in ``folder`` (every rank); raise
-        :class:`~engine_core.errors.CheckpointError` naming what is missing."""
-
-    def checkpoint_extra_state(self) -> dict[str, Any]:
-        """Plain data beyond model and optimizer that a resume needs (LR schedule, counters).
-
-        Saved per rank in the core state file. ``SingleOptimizerMixin`` returns the schedule
-        and the skipped-step count; an engine with a schedule of its own must return it here.
-        """
-        return {}
-
-    def load_checkpoint_extra_state(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`checkpoint_extra_state` returned."""
-
-    def rng_state(self) -> dict[str, Any]:
-        """The random streams a resume must continue: torch (CPU and the current CUDA device),
-        numpy and Python. Engines with streams of their own (a tensor-parallel RNG tracker) add
-        them."""
-        from engine_core.optim import capture_rng
-
-        return capture_rng()
-
-    def set_rng_state(self, state: dict[str, Any]) -> None:
-        """Set the streams :meth:`rng_state` recorded."""
-        from engine_core.optim import restore_rng
-
-        restore_rng(state)
-
-    def _global_rank_and_size(self) -> tuple[int, int]:
-        if self.is_distributed:
-            return dist.get_rank(), dist.get_world_size()
-        return 0, 1
-
-    def _checkpoint_barrier(self) -> None:
-        if self.is_distributed and dist.get_world_size() > 1:
-            dist.barrier()
-
-    @abc.abstractmethod
-    def named_full_params(
-        self, bucket_bytes: int = BUCKET_BYTES
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF parameter name, full tensor) for every weight, in the model's dtype.
-
-        ``bucket_bytes`` is how much an engine that gathers shards holds at a time (a tensor
-        bigger than that alone); it changes no name or value."""
-
-    def named_lora_params(
-        self, bucket_bytes: int = BUCKET_BYTES, *, adapters_only: bool = False
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """A LoRA model's tensors as its peft model names them, unmerged: every tensor (the
-        frozen base layers included), or with ``adapters_only`` the adapter tensors alone (what
-        trains). Gathered a bucket at a time and collective, as :meth:`named_full_params`.
-
-        For a rollout that serves the adapters itself (its model built with the same
-        ``model.lora``): it takes the base once, then the adapters alone at every sync. Engines
-        that declare ``lora`` override it; the default refuses.
-        """
-        raise NotImplementedError(
-            f"{type(self).__name__} does not stream a LoRA model's adapters; a rollout that "
-            f"serves LoRA adapters needs an engine that implements named_lora_params() (the "
-            f"fsdp and fsdp2 engines do), or build the rollout without model.lora so it takes "
-            f"the merged weights."
-        )
-
-    def named_weights(
-        self, part: WeightPart = "model", bucket_bytes: int = BUCKET_BYTES
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """What a weight sync sends, by ``part`` (see :data:`WeightPart`): the model under its HF
-        names (:meth:`named_full_params`), or a LoRA model's tensors unmerged ("peft") or its
-        adapters alone ("adapters") (:meth:`named_lora_params`)."""
-        self._check_weight_part(part)
-        if part == "model":
-            return self.named_full_params(bucket_bytes)
-        return self.named_lora_params(bucket_bytes, adapters_only=part == "adapters")
-
-    def _check_weight_part(self, part: str) -> None:
-        if part not in WEIGHT_PARTS:
-            raise ValueError(f"part must be one of {', '.join(WEIGHT_PARTS)}; got {part!r}.")
-        if part != "model" and self.config.model.lora is None:
-            raise ValueError(
-                f"part={part!r} sends a LoRA model's own tensors, but this engine's model has no "
-                f"model.lora; send part='model'."
-            )
-
-    def weight_buckets(
-        self, part: WeightPart = "model", bucket_bytes: int = BUCKET_BYTES
-    ) -> CutBuckets:
-        """:meth:`named_weights` of ``part``, cut into buckets of at most ``bucket_bytes`` (a
-        bigger tensor alone): what a weight sync sends. Collective, as the gathers are.
-
-        The default gathers a quarter bucket at a time and cuts: a bucket is cut when the next
-        tensor does not fit, so that tensor is already held while the bucket is handed on. An
-        engine that gathers in buckets itself overrides it to yield each bucket as gathered,
-        holding no more than one.
-        """
-        named = self.named_weights(part, gather_bytes(bucket_bytes))
-        return CutBuckets(iter_buckets(named, bucket_bytes))
-
-    def export_hf(self, path: str) -> str:
-        """Write a Hugging Face folder (``model.safetensors`` + config) at ``path`` (a local
-        folder or an fsspec URL).
-
-        Collective: every rank must call it (full tensors are gathered one at a time); the
-        collect rank of DP rank 0 writes into a temporary folder and swaps it in, so an interrupted export never leaves a
-        half-written folder. An existing export at ``path`` is replaced.
-        """
-        import fsspec
-
-        from engine_core.checkpoint import fresh_folder, join, replace_folder, save_safetensors
-        from engine_core.models import build_hf_config
-
-        writer = self.writes_full_params
-        tensors: dict[str, torch.Tensor] = {}
-        for name, tensor in self.named_full_params():
-            if writer:  # own copies: tied weights must not share storage in safetensors
-                tensors[name] = tensor.detach().to("cpu").contiguous().clone()
-        final = str(path).rstrip("/")
-        if writer:
-            tmp = final + ".tmp"
-            fresh_folder(tmp)
-            save_safetensors(tensors, join(tmp, "model.safetensors"), metadata={"format": "pt"})
-            with fsspec.open(join(tmp, "config.json"), "w", encoding="utf-8") as f:
-                f.write(build_hf_config(self.config.model).to_json_string())
-            replace_folder(tmp, final)
-        if self.is_distributed and dist.get_world_size() > 1:
-            dist.barrier()  # every rank returns once the folder is in place
-        return final
-
     # ------------------------------------------------------------------ helpers
     @functools.cached_property
     def hf_config(self) -> Any:
@@ -1144,3 +849,7 @@ class BaseEngine(abc.ABC):
                 f"{type(self).__name__}: call init_model() before using the engine."
             )
         return self.module
+
+
+# the classes whose private names a subclass may not redefine (BaseEngine and its mixins)
+_CORE_CLASSES: tuple[type, ...] = (BaseEngine, EngineCheckpoints, WeightExport)
