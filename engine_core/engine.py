@@ -30,34 +30,40 @@ from engine_core.batch import (
     ENTROPY,
     INPUT_IDS,
     LOG_PROBS,
-    LOSS_MASK,
-    MOE_AUX,
     POSITION_IDS,
-    ROUTED_EXPERTS,
     VALUES,
     BatchMeta,
     get_meta,
     validate_batch,
 )
 from engine_core.capabilities import Capability
-from engine_core.comm import all_reduce_cpu, collective_device
+from engine_core.comm import all_reduce_cpu
 from engine_core.config import EngineConfig
 from engine_core.context_parallel import SequenceShard, gather_sequence, shard_row
 from engine_core.engine_checkpoint import CHECKPOINT_STATE_FILE, JOB_STATE_FILE, EngineCheckpoints
 from engine_core.engine_export import WEIGHT_PARTS, WeightExport, WeightPart
-from engine_core.errors import BatchError, CapabilityError, EngineCoreError
+from engine_core.errors import EngineCoreError
+from engine_core.forward_extension import ForwardExtension, MicroBatchHooks
 from engine_core.log_probs import DEFAULT_CHUNK_ELEMENTS, chunked_head, head_of, token_log_probs
 from engine_core.loss import GlobalBatchContext, LossFn, MetricAccumulator
 from engine_core.microbatch import prepare_micro_batches
-from engine_core.moe import (
-    RouteRecorder,
-    RouterLogits,
-    balance_loss,
-    balance_metric,
-    balance_terms,
-    replaying,
+from engine_core.model_inputs import (
+    HeadRequest,
+    InputPart,
+    ModelInputs,
+    loss_mask_of,
+    next_token_targets,
+    predicted_mask,
+    row_to_batch,
 )
-from engine_core.packing import PackedSequences, pack, pack_tensor, sequence_start_mask, unpack
+from engine_core.packing import pack, sequence_start_mask, unpack
+from engine_core.routing_replay import (
+    RoutingInputs,
+    RoutingReplay,
+    balance_of,
+    refuse_routing,
+    routing_request,
+)
 
 # attention kernels that take the packed row's sequence boundaries as cu_seq_lens_* kwargs
 VARLEN_KERNELS = frozenset({"sdpa_varlen", "flash_attention_2"})
@@ -68,8 +74,10 @@ __all__ = [
     "BaseEngine",
     "EngineOutput",
     "HeadRequest",
+    "InputPart",
     "MicroBatchResults",
     "ModelInputs",
+    "RoutingInputs",
     "WEIGHT_PARTS",
     "WeightPart",
     "loss_mask_of",
@@ -104,151 +112,6 @@ class MicroBatchResults:
     outputs: list[TensorDict]
     loss: torch.Tensor
     metrics: MetricAccumulator
-
-
-@dataclass
-class ModelInputs:
-    """Model keyword arguments for one micro-batch, plus the packing layout when packed."""
-
-    kwargs: dict[str, Any]
-    packed: PackedSequences | None = None
-    #: set when the output layer computes log-probs in chunks (:meth:`BaseEngine.forward_model`)
-    head: HeadRequest | None = None
-    #: the next token id at each position of the model's input row (None: read from
-    #: ``input_ids``, whose last position has none)
-    targets: torch.Tensor | None = None
-    #: with context parallelism, which slice of the packed row this rank's model call sees
-    shard: SequenceShard | None = None
-    #: the experts to route each token of the model's row to, ``[layers, tokens, top_k]``
-    #: (the batch's ``routed_experts`` in the row's order; :mod:`engine_core.moe`)
-    routes: torch.Tensor | None = None
-    #: record the routers' own choice (``BatchMeta.return_routes``); :meth:`BaseEngine.forward_model`
-    #: leaves it in ``recorded``, ``[layers, tokens, top_k]`` over the model's row
-    record_routes: bool = False
-    recorded: torch.Tensor | None = None
-    #: keep the routers' logits for the load-balancing loss (``BatchMeta.moe_aux``);
-    #: :meth:`BaseEngine.forward_model` leaves them in ``router_logits``
-    balance: bool = False
-    router_logits: RouterLogits | None = None
-
-
-@dataclass
-class HeadRequest:
-    """What the output layer computes instead of logits: the log-prob of ``targets`` (the next
-    id at each position of the model's input row) and, with ``entropy``, the entropy."""
-
-    head: nn.Linear
-    targets: torch.Tensor
-    temperature: float
-    entropy: bool
-    chunk_tokens: int | None
-
-
-def predicted_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Real tokens that have a prefix: every real token but each sequence's first."""
-    mask = attention_mask.bool()
-    first = mask & ~torch.nn.functional.pad(mask, (1, 0))[:, :-1]
-    return mask & ~first
-
-
-def loss_mask_of(batch: TensorDict) -> torch.Tensor:
-    """``loss_mask`` if present, else :func:`predicted_mask` of the attention mask."""
-    if LOSS_MASK in batch.keys():
-        return batch[LOSS_MASK].bool()
-    return predicted_mask(batch[ATTENTION_MASK])
-
-
-def _targets(inputs: ModelInputs, length: int | None = None) -> torch.Tensor:
-    """The next token id at each of the first ``length`` positions of the model's input row
-    (0 where the row has none)."""
-    if inputs.targets is not None:
-        return inputs.targets[:, :length]
-    ids = inputs.kwargs["input_ids"]
-    return torch.nn.functional.pad(ids[:, 1:], (0, 1))[:, :length]
-
-
-def row_to_batch(
-    per_token: torch.Tensor, inputs: ModelInputs, micro_batch: TensorDict
-) -> torch.Tensor:
-    """Values per token of the model's row (``[tokens, ...]``, packed or padded, row-major over
-    the batch's rows) as the batch's ``[b, L, ...]``, unshifted: a token's value stays under
-    that token; padding holds 0."""
-    if inputs.packed is not None:
-        return unpack(inputs.packed, per_token, fill=0)
-    b, length = micro_batch[INPUT_IDS].shape
-    placed = per_token.reshape(b, length, *per_token.shape[1:])
-    real = micro_batch[ATTENTION_MASK].bool().to(placed.device)
-    return placed.masked_fill(~real.reshape(b, length, *[1] * (placed.dim() - 2)), 0)
-
-
-def balance_of(
-    layers: list[tuple[torch.Tensor, torch.Tensor]],
-    num_experts: int,
-    inputs: ModelInputs,
-    micro_batch: TensorDict,
-) -> torch.Tensor:
-    """The load-balancing terms of each token of the model's row (:func:`balance_terms`), from
-    each MoE layer's ``(router logits [tokens, experts], experts used [tokens, top_k])`` over
-    the row (packed or padded, row-major)."""
-    if inputs.packed is not None:  # each packed token's row of the batch
-        sequence = inputs.packed.flat_indices // inputs.packed.seq_len
-    else:
-        b, length = micro_batch[INPUT_IDS].shape
-        rows = torch.arange(b)[:, None].expand(b, length)
-        sequence = rows.masked_fill(~micro_batch[ATTENTION_MASK].bool(), -1).reshape(-1)
-    return balance_terms(layers, sequence.to(layers[0][0].device), num_experts)
-
-
-def routing_request(
-    micro_batch: TensorDict, *, unsupported: str | None = None
-) -> tuple[torch.Tensor | None, bool, bool]:
-    """What ``micro_batch`` asks of the model's routers: ``(routes, record, balance)`` — the
-    experts to replay (its ``routed_experts``, ``[B, L, layers, top_k]``, checked against its
-    ``input_ids``; None without), whether to return the routers' own choice
-    (``BatchMeta.return_routes``) and whether to keep their logits for the load-balancing loss
-    (``BatchMeta.moe_aux``). ``unsupported`` names a setting of the engine under which any of
-    it is refused (a forward that would route on its own)."""
-    routed = micro_batch.get(ROUTED_EXPERTS, None)
-    meta: BatchMeta = get_meta(micro_batch)
-    record, balance = meta.return_routes, meta.moe_aux is not None
-    if (routed is not None or record or balance) and unsupported:
-        raise BatchError(
-            f"{ROUTED_EXPERTS} (replayed or returned) or {MOE_AUX} with {unsupported} is not "
-            f"supported yet (a recomputed or split forward would route on its own): run "
-            f"routing replay without it."
-        )
-    if routed is not None:
-        ids = micro_batch[INPUT_IDS]
-        if routed.dim() != 4 or tuple(routed.shape[:2]) != tuple(ids.shape):
-            raise BatchError(
-                f"{ROUTED_EXPERTS} must be [B, L, layers, top_k] with [B, L] = "
-                f"{tuple(ids.shape)} of {INPUT_IDS}; got {tuple(routed.shape)}."
-            )
-    return routed, record, balance
-
-
-def _whole_routes(routes: torch.Tensor, shard: SequenceShard | None) -> torch.Tensor:
-    """Routes ``[layers, tokens, top_k]`` recorded on this rank's slice of a row split over
-    context-parallel ranks, as the whole row's (``routes`` itself without a split)."""
-    if shard is None:
-        return routes
-    mine = routes.to(collective_device(shard.group)).contiguous()
-    parts = [torch.empty_like(mine) for _ in range(shard.size)]
-    dist.all_gather(parts, mine, group=shard.group)
-    return torch.cat(parts, dim=1)[:, : shard.length].to(routes.device)
-
-
-def _whole_layer(
-    layer: tuple[torch.Tensor, torch.Tensor], shard: SequenceShard | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One MoE layer's ``(router logits, experts used)`` over the whole row, the logits with
-    their gradient (context parallelism: each rank saw a slice)."""
-    if shard is None:
-        return layer
-    logits, experts = layer
-    whole = gather_sequence(logits[None], shard.group)[0, : shard.length]
-    used = _whole_routes(experts[None].to(logits.device), shard)[0]
-    return whole, used
 
 
 class BaseEngine(EngineCheckpoints, WeightExport, abc.ABC):
@@ -292,6 +155,7 @@ class BaseEngine(EngineCheckpoints, WeightExport, abc.ABC):
         self.__loss_fn: LossFn | None = None  # name-mangled: a subclass cannot shadow it
         # activation offload's hooks: one object for the engine's life, entered at every forward
         self.__offload = OffloadActivations() if config.activation_offload else None
+        self.__extension = self.forward_extension()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Refuse a subclass that redefines one of ``BaseEngine``'s private helpers: the base
@@ -457,32 +321,9 @@ class BaseEngine(EngineCheckpoints, WeightExport, abc.ABC):
         """
         validate_batch(batch)
         self._check_model_limits(batch)
-        meta: BatchMeta = get_meta(batch)
-        if Capability.ROUTING_REPLAY not in self.capabilities:
-            if ROUTED_EXPERTS in batch.keys():
-                raise CapabilityError(
-                    f"the batch carries {ROUTED_EXPERTS} (a rollout's choice of experts), which "
-                    f"{type(self).__name__} does not replay (it does not declare "
-                    f"routing_replay); drop the key or use an engine that declares it."
-                )
-            if meta.moe_aux is not None:
-                raise CapabilityError(
-                    f"BatchMeta.moe_aux asks for the routers' load-balancing loss, which "
-                    f"{type(self).__name__} does not compute (it does not declare "
-                    f"routing_replay); set moe_aux_loss_coef=0 or use an engine that declares it."
-                )
-            if meta.return_routes:
-                raise CapabilityError(
-                    f"BatchMeta(return_routes=True) asks for the experts the model's routers "
-                    f"chose, which {type(self).__name__} does not record (it does not declare "
-                    f"routing_replay); turn routing replay off or use an engine that declares it."
-                )
-        if meta.moe_aux is not None and LOSS_MASK not in batch.keys():
-            raise BatchError(
-                f"BatchMeta.moe_aux asks for the routers' load-balancing loss, aggregated over "
-                f"the batch's {LOSS_MASK}, and the batch has none (keys: {sorted(batch.keys())}); "
-                f"add {LOSS_MASK} or unset moe_aux."
-            )
+        if Capability.ROUTING_REPLAY not in self.capabilities:  # read at every step, as declared
+            refuse_routing(batch, type(self).__name__)
+        self.__extension.check_batch(batch, type(self).__name__)
         if not forward_only and self.loss_fn is None:
             raise EngineCoreError(
                 "forward_backward_step(forward_only=False) needs a loss; call set_loss_fn() first."
@@ -529,23 +370,13 @@ class BaseEngine(EngineCheckpoints, WeightExport, abc.ABC):
             with grad_ctx, contextlib.nullcontext() if sync else self.no_sync():
                 inputs = self.prepare_model_inputs(mb)
                 inputs.head = self._head_request(inputs, mb)
-                raw = self.forward_model(inputs)
+                hooks = self.__extension.begin(inputs, mb)
+                raw = self.forward_model(inputs, hooks)
                 out = self.prepare_model_outputs(raw, inputs, mb)
-                if inputs.recorded is not None:
-                    out[ROUTED_EXPERTS] = row_to_batch(inputs.recorded.transpose(0, 1), inputs, mb)
-                terms: torch.Tensor | None = None
-                if inputs.router_logits is not None:
-                    balance = inputs.router_logits
-                    layers = [_whole_layer(x, inputs.shard) for x in balance.layers()]
-                    terms = row_to_batch(
-                        balance_of(layers, balance.num_experts, inputs, mb), inputs, mb
-                    )
-                    out[MOE_AUX] = terms.detach()
+                hooks.add_outputs(out, inputs, mb)
                 if self.loss_fn is not None:
                     loss, metrics = self.loss_fn(mb, out, ctx)
-                    if terms is not None:  # BatchMeta.moe_aux: the engine adds the balance loss
-                        loss = loss + balance_loss(terms, mb, ctx)
-                        metrics = {**metrics, "moe_aux_loss": balance_metric(terms, mb, ctx)}
+                    loss, metrics = hooks.add_loss(loss, metrics, mb, ctx)
                     if not forward_only:
                         self.backward(loss)
                     local_loss += loss.detach().double().cpu()
@@ -577,7 +408,8 @@ class BaseEngine(EngineCheckpoints, WeightExport, abc.ABC):
         all-reduce over the DP group, say) do it here."""
 
     def prepare_model_inputs(self, micro_batch: TensorDict) -> ModelInputs:
-        """Model kwargs: packed (padding-free) by default, padded when ``use_packing=False``.
+        """Model kwargs: packed (padding-free) by default, padded when ``use_packing=False``;
+        then each of :meth:`input_parts` built on that row (:class:`InputPart`).
 
         Packed calls pass per-sequence ``position_ids`` and ``use_cache=False``: transformers
         only detects packed sequences without a KV cache, else attention leaks across them.
@@ -585,7 +417,6 @@ class BaseEngine(EngineCheckpoints, WeightExport, abc.ABC):
         ids, mask = micro_batch[INPUT_IDS], micro_batch[ATTENTION_MASK]
         dev = self.device
         cp = self.context_parallel_group
-        routed, record, balance = routing_request(micro_batch)
         if self.config.use_packing or cp is not None:  # a row split over cp ranks is packed
             packed = pack(ids, mask)
             row, pos, cu = packed.input_ids, packed.position_ids, packed.cu_seqlens
@@ -603,32 +434,40 @@ class BaseEngine(EngineCheckpoints, WeightExport, abc.ABC):
                 kwargs.update(
                     cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest
                 )
-            routes = None
-            if routed is not None:  # [layers, tokens, top_k] of the row (this rank's slice)
-                routes = pack_tensor(packed, routed)
-                if shard is not None:  # the padding sequence goes to the first experts
-                    extra = shard.padded - shard.length
-                    filler = torch.arange(routes.shape[-1], dtype=routes.dtype)
-                    routes = torch.cat([routes, filler.expand(1, extra, *routes.shape[2:])], 1)
-                    routes = shard.local(routes)
-                routes = routes[0].transpose(0, 1)
-            return ModelInputs(
-                kwargs,
-                packed,
-                targets=None if targets is None else targets.to(dev),
-                shard=shard,
-                routes=routes,
-                record_routes=record,
-                balance=balance,
+            inputs = ModelInputs(
+                kwargs, packed, targets=None if targets is None else targets.to(dev), shard=shard
             )
-        kwargs = {
-            "input_ids": ids.to(dev),
-            "attention_mask": mask.to(dev),
-            "position_ids": micro_batch[POSITION_IDS].to(dev),
-            "use_cache": False,
-        }
-        routes = None if routed is None else routed.flatten(0, 1).transpose(0, 1)
-        return ModelInputs(kwargs, None, routes=routes, record_routes=record, balance=balance)
+        else:
+            kwargs = {
+                "input_ids": ids.to(dev),
+                "attention_mask": mask.to(dev),
+                "position_ids": micro_batch[POSITION_IDS].to(dev),
+                "use_cache": False,
+            }
+            inputs = ModelInputs(kwargs, None)
+        for kind in self.input_parts():
+            part = kind.build(micro_batch, inputs)
+            if part is not None:
+                inputs.add(part)
+                inputs.kwargs.update(part.model_kwargs(dev))
+        return inputs
+
+    def input_parts(self) -> tuple[type[InputPart], ...]:
+        """The parts :meth:`prepare_model_inputs` builds for every micro-batch: the forward
+        extension's (:attr:`ForwardExtension.input_parts
+        <engine_core.forward_extension.ForwardExtension.input_parts>`). An engine whose model
+        takes more (images, say) returns them after these: each is a small
+        :class:`InputPart`, and the loop is unchanged."""
+        return self.__extension.input_parts
+
+    def forward_extension(self) -> ForwardExtension:
+        """The engine's one hook into the micro-batch loop, chosen once when it is built
+        (:mod:`engine_core.forward_extension`): mixture-of-experts routing
+        (:class:`~engine_core.routing_replay.RoutingReplay`) for an engine that declares
+        ``routing_replay``, else the base extension, which adds nothing."""
+        if Capability.ROUTING_REPLAY in self.capabilities:
+            return RoutingReplay()
+        return ForwardExtension()
 
     def _head_request(self, inputs: ModelInputs, micro_batch: TensorDict) -> HeadRequest | None:
         """Whether the output layer computes log-probs in chunks for this micro-batch
@@ -646,7 +485,7 @@ class BaseEngine(EngineCheckpoints, WeightExport, abc.ABC):
         head, _ = head_of(self.require_module())
         if head is None:
             return None
-        targets = _targets(inputs)
+        targets = next_token_targets(inputs)
         # out_features, not the weight's shape: a sharded weight's shape is its shard's
         if setting == "auto" and targets.numel() * head.out_features <= DEFAULT_CHUNK_ELEMENTS:
             # one chunk would hold every token's logits and keep them for the backward: the
@@ -656,30 +495,19 @@ class BaseEngine(EngineCheckpoints, WeightExport, abc.ABC):
         meta: BatchMeta = get_meta(micro_batch)
         return HeadRequest(head, targets, meta.temperature, meta.compute_entropy, chunk)
 
-    def forward_model(self, inputs: ModelInputs) -> Any:
+    def forward_model(self, inputs: ModelInputs, hooks: MicroBatchHooks | None = None) -> Any:
         """Call the model; with ``inputs.head``, its output layer gives log-probs and entropy
         (:func:`~engine_core.log_probs.chunked_head`) instead of logits. With
         ``activation_offload``, inside the engine's
-        :class:`~engine_core.activation_offload.OffloadActivations`. With ``inputs.routes`` the
-        mixture-of-experts routers take the given experts; with ``inputs.record_routes`` their
-        own choice is left in ``inputs.recorded`` (:mod:`engine_core.moe`)."""
+        :class:`~engine_core.activation_offload.OffloadActivations`. ``hooks``, the forward
+        extension's for this micro-batch (:mod:`engine_core.forward_extension`), are entered
+        innermost around the call (mixture-of-experts routers replay and record there,
+        :mod:`engine_core.routing_replay`) and told when it has ended."""
         module = self.require_module()
         request = inputs.head
         offload = self.__offload if self.__offload is not None else contextlib.nullcontext()
-        # entered before the replay, the recorder sees each router's own choice
-        recorder = RouteRecorder(module) if inputs.record_routes else None
-        replay = (
-            contextlib.nullcontext() if inputs.routes is None else replaying(module, inputs.routes)
-        )
-        # entered after the replay, the router logits come with the experts actually used
-        balance = RouterLogits(module) if inputs.balance else None
-        with (
-            self.forward_context(),
-            offload,
-            recorder if recorder is not None else contextlib.nullcontext(),
-            replay,
-            balance if balance is not None else contextlib.nullcontext(),
-        ):
+        around = contextlib.nullcontext() if hooks is None else hooks.model_context(module)
+        with self.forward_context(), offload, around:
             if request is None:
                 raw = module(**inputs.kwargs)
             else:
@@ -691,9 +519,8 @@ class BaseEngine(EngineCheckpoints, WeightExport, abc.ABC):
                     chunk_tokens=request.chunk_tokens,
                 ):
                     raw = module(**inputs.kwargs)
-        if recorder is not None:
-            inputs.recorded = _whole_routes(recorder.routes(), inputs.shard)
-        inputs.router_logits = balance
+        if hooks is not None:
+            hooks.after_model()
         return raw
 
     def forward_context(self) -> contextlib.AbstractContextManager[Any]:
@@ -748,7 +575,7 @@ class BaseEngine(EngineCheckpoints, WeightExport, abc.ABC):
                     else scores / meta.temperature
                 )
             lp, ent = self.token_log_probs(
-                scores, _targets(inputs, logits.shape[1]), entropy=meta.compute_entropy
+                scores, next_token_targets(inputs, logits.shape[1]), entropy=meta.compute_entropy
             )
             data[LOG_PROBS] = lp
             if ent is not None:

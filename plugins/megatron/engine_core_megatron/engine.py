@@ -63,6 +63,7 @@ from engine_core.backend import (
     MetricAccumulator,
     MicroBatchResults,
     ModelInputs,
+    RoutingInputs,
     all_reduce_cpu,
     balance_loss,
     balance_metric,
@@ -549,7 +550,7 @@ class MegatronEngine(BaseEngine):
             if routed is not None:  # [T + extra, layers, top_k]: the packed row's tokens
                 routes = self._pad_routes(routed.flatten(0, 1)[packed.flat_indices], extra)
                 routes = routes.transpose(0, 1)  # [layers, tokens, top_k], as ModelInputs holds
-            return ModelInputs(kwargs, packed, routes=routes, record_routes=record, balance=balance)
+            return _with_routing(ModelInputs(kwargs, packed), routes, record, balance)
         length = int(ids.shape[1])
         positions = micro_batch[POSITION_IDS]
         extra = (-length) % multiple
@@ -569,7 +570,7 @@ class MegatronEngine(BaseEngine):
             real = micro_batch[ATTENTION_MASK].bool()[:, :, None, None]
             routed = self._pad_routes(routed.masked_fill(~real, -1).transpose(0, 1), extra)
             routes = routed.flatten(0, 1).transpose(0, 1)  # [layers, tokens, top_k]
-        return ModelInputs(kwargs, None, routes=routes, record_routes=record, balance=balance)
+        return _with_routing(ModelInputs(kwargs, None), routes, record, balance)
 
     def _routing_request(self, micro_batch: TensorDict) -> tuple[torch.Tensor | None, bool, bool]:
         """The batch's routes (checked against the model) and whether to record and balance."""
@@ -765,9 +766,10 @@ class MegatronEngine(BaseEngine):
             results = broadcast_results(results, src=last, group=group, device=self.device)
         assert results is not None
         for (mb, inputs), out in zip(prepared, results.outputs, strict=True):
-            if inputs.record_routes:
+            routing = inputs.part(RoutingInputs)
+            if routing is not None and routing.record:
                 out[ROUTED_EXPERTS] = self._recorded_routes(steps[id(inputs)], inputs, mb)
-            if inputs.balance:
+            if routing is not None and routing.balance:
                 out[MOE_AUX] = self._balance_terms(steps[id(inputs)], mb)
                 if self.loss_fn is not None:  # the step's loss includes every stage's share
                     aux = balance_loss(out[MOE_AUX], mb, ctx)
@@ -790,12 +792,13 @@ class MegatronEngine(BaseEngine):
         self, inputs: ModelInputs, micro_batch: TensorDict, ctx: GlobalBatchContext
     ) -> RoutingStep:
         routes = None
-        if inputs.routes is not None:
+        request = inputs.part(RoutingInputs) or RoutingInputs(None)
+        if request.routes is not None:
             mine = self._token_slice(inputs)
             assert self._routing is not None
-            routes = {layer: inputs.routes[layer, mine] for layer in self._routing.layers}
-        step = RoutingStep(routes=routes, record=inputs.record_routes)
-        if inputs.balance:
+            routes = {layer: request.routes[layer, mine] for layer in self._routing.layers}
+        step = RoutingStep(routes=routes, record=request.record)
+        if request.balance:
             step.balance = functools.partial(self._layer_balance, step, inputs, micro_batch, ctx)
         return step
 
@@ -1181,6 +1184,15 @@ def _finalize_without_rescaling(
     from megatron.core.distributed import finalize_model_grads
 
     finalize_model_grads(model, None, **kwargs)
+
+
+def _with_routing(
+    inputs: ModelInputs, routes: torch.Tensor | None, record: bool, balance: bool
+) -> ModelInputs:
+    """``inputs`` with what the micro-batch asks of the routers, when it asks anything."""
+    if routes is not None or record or balance:
+        inputs.add(RoutingInputs(routes, record, balance))
+    return inputs
 
 
 def _require_local(path: str) -> None:
