@@ -8,6 +8,13 @@ defaults serve transformers causal LMs and value heads, packed (padding-free) by
 
 Backends implement the abstract methods: model construction, optimizer steps, device moves,
 checkpoints and weight export.
+
+Each concern beside the template has a module of its own: the model inputs and their parts
+(:mod:`engine_core.model_inputs`), the loop's one hook (:mod:`engine_core.forward_extension`)
+and mixture-of-experts routing as that hook (:mod:`engine_core.routing_replay`), the default
+outputs (:mod:`engine_core.model_outputs`), the checkpoint sequence
+(:mod:`engine_core.engine_checkpoint`) and the weight export (:mod:`engine_core.engine_export`).
+Every name users import from here stays importable from here.
 """
 
 from __future__ import annotations
@@ -27,11 +34,8 @@ from torch import nn
 from engine_core.activation_offload import OffloadActivations
 from engine_core.batch import (
     ATTENTION_MASK,
-    ENTROPY,
     INPUT_IDS,
-    LOG_PROBS,
     POSITION_IDS,
-    VALUES,
     BatchMeta,
     get_meta,
     validate_batch,
@@ -39,7 +43,7 @@ from engine_core.batch import (
 from engine_core.capabilities import Capability
 from engine_core.comm import all_reduce_cpu
 from engine_core.config import EngineConfig
-from engine_core.context_parallel import SequenceShard, gather_sequence, shard_row
+from engine_core.context_parallel import SequenceShard, shard_row
 from engine_core.engine_checkpoint import CHECKPOINT_STATE_FILE, JOB_STATE_FILE, EngineCheckpoints
 from engine_core.engine_export import WEIGHT_PARTS, WeightExport, WeightPart
 from engine_core.errors import EngineCoreError
@@ -56,7 +60,8 @@ from engine_core.model_inputs import (
     predicted_mask,
     row_to_batch,
 )
-from engine_core.packing import pack, sequence_start_mask, unpack
+from engine_core.model_outputs import ModelOutputs
+from engine_core.packing import pack
 from engine_core.routing_replay import (
     RoutingInputs,
     RoutingReplay,
@@ -114,7 +119,7 @@ class MicroBatchResults:
     metrics: MetricAccumulator
 
 
-class BaseEngine(EngineCheckpoints, WeightExport, abc.ABC):
+class BaseEngine(ModelOutputs, EngineCheckpoints, WeightExport, abc.ABC):
     """A training backend for one model (actor, critic, reference or reward).
 
     Subclasses set :attr:`capabilities` and :attr:`config_class` and implement the abstract
@@ -532,93 +537,6 @@ class BaseEngine(EngineCheckpoints, WeightExport, abc.ABC):
         stay in ``model.dtype``, and log-probs are float32 as always."""
         return contextlib.nullcontext()
 
-    def prepare_model_outputs(
-        self, raw: Any, inputs: ModelInputs, micro_batch: TensorDict
-    ) -> TensorDict:
-        """Per-token ``log_probs`` (and ``entropy``), or ``values`` for a value head, as ``[b, L]``.
-
-        Outputs are aligned to ``input_ids``: position ``t`` holds the prediction of token ``t``
-        from positions ``< t``; the first token of each sequence and padding hold 0. With
-        ``BatchMeta.values_at_token`` a value head's output is read at each token instead.
-        """
-        meta: BatchMeta = get_meta(micro_batch)
-        logits = raw.logits
-        shard = inputs.shard
-
-        def whole_row(x: torch.Tensor) -> torch.Tensor:  # context parallel: gather the slices
-            return x if shard is None else gather_sequence(x, shard.group)[:, : shard.length]
-
-        if self.config.model.value_head and meta.values_at_token:
-            # the head's output at every real token, no shift: only padding holds 0
-            at_token = whole_row(logits[..., 0].float())
-            if inputs.packed is not None:
-                values = unpack(inputs.packed, at_token)
-            else:
-                values = at_token.masked_fill(
-                    ~micro_batch[ATTENTION_MASK].bool().to(logits.device), 0.0
-                )
-            return TensorDict({VALUES: values.cpu()}, batch_size=[micro_batch.batch_size[0]])
-        # per position of the model's row, each predicting the token after it
-        data: dict[str, torch.Tensor] = {}
-        if self.config.model.value_head:
-            data[VALUES] = logits[..., 0].float()
-        elif inputs.head is not None:  # the output layer gave (log-prob, entropy) per position
-            data[LOG_PROBS] = logits[..., 0]
-            if inputs.head.entropy:
-                data[ENTROPY] = logits[..., 1]
-        else:
-            scores = logits.float()  # divided in float32, as the chunked head does
-            if meta.temperature != 1.0:  # x / 1.0 == x: skip a pass over the logits
-                scores = (
-                    scores.div_(meta.temperature)
-                    if scores is not logits
-                    else scores / meta.temperature
-                )
-            lp, ent = self.token_log_probs(
-                scores, next_token_targets(inputs, logits.shape[1]), entropy=meta.compute_entropy
-            )
-            data[LOG_PROBS] = lp
-            if ent is not None:
-                data[ENTROPY] = ent
-        # the row's last position predicts nothing
-        data = {k: whole_row(v)[:, :-1] for k, v in data.items()}
-        return self.place_next_token_outputs(data, inputs, micro_batch)
-
-    def place_next_token_outputs(
-        self, data: dict[str, torch.Tensor], inputs: ModelInputs, micro_batch: TensorDict
-    ) -> TensorDict:
-        """Per-token outputs ``[b, L]`` from per-position ones ``[b, L' - 1]`` (position ``t``
-        predicting token ``t + 1`` of the model's input row, padded or packed).
-
-        The prediction of token ``t`` comes from position ``t - 1``, so each result moves right
-        by one; the first token of each sequence and padding hold 0. Shifting the per-token
-        results rather than the ``[.., vocab]`` logits saves a copy of the logits and its
-        backward. For engines that compute next-token quantities themselves (a fused loss
-        kernel, say) and then share this placement.
-        """
-        shifted = {k: torch.nn.functional.pad(v, (1, 0)) for k, v in data.items()}
-        device = next(iter(shifted.values())).device
-        if inputs.packed is not None:
-            starts = sequence_start_mask(inputs.packed).to(device)
-            result = {
-                k: unpack(inputs.packed, v.masked_fill(starts, 0.0)) for k, v in shifted.items()
-            }
-        else:
-            valid = predicted_mask(micro_batch[ATTENTION_MASK]).to(device)
-            result = {k: v.masked_fill(~valid, 0.0) for k, v in shifted.items()}
-        b = micro_batch.batch_size[0]
-        return TensorDict({k: v.cpu() for k, v in result.items()}, batch_size=[b])
-
-    def token_log_probs(
-        self, logits: torch.Tensor, next_ids: torch.Tensor, *, entropy: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-prob of ``next_ids`` (and the entropy) from the model's ``logits``.
-
-        The default reads full-vocabulary logits; engines whose logits are split over the
-        vocabulary (tensor parallelism) override it with a vocabulary-parallel computation.
-        """
-        return token_log_probs(logits, next_ids, entropy=entropy)
-
     # ------------------------------------------------------------------ optimizer
     @abc.abstractmethod
     def optimizer_zero_grad(self) -> None:
@@ -679,4 +597,4 @@ class BaseEngine(EngineCheckpoints, WeightExport, abc.ABC):
 
 
 # the classes whose private names a subclass may not redefine (BaseEngine and its mixins)
-_CORE_CLASSES: tuple[type, ...] = (BaseEngine, EngineCheckpoints, WeightExport)
+_CORE_CLASSES: tuple[type, ...] = (BaseEngine, ModelOutputs, EngineCheckpoints, WeightExport)
