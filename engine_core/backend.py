@@ -27,16 +27,18 @@ from engine_core._lazy import lazy_exports
 _EXPORTS: dict[str, str] = {
     # the engine contract
     "BaseEngine": "engine_core.engine",
-    "CHECKPOINT_STATE_FILE": "engine_core.engine",
+    "CHECKPOINT_STATE_FILE": "engine_core.engine_checkpoint",
     "EngineOutput": "engine_core.engine",
     "MicroBatchResults": "engine_core.engine",
-    "ModelInputs": "engine_core.engine",
-    "HeadRequest": "engine_core.engine",
-    "loss_mask_of": "engine_core.engine",
-    "row_to_batch": "engine_core.engine",
-    "balance_of": "engine_core.engine",
-    "routing_request": "engine_core.engine",
-    "predicted_mask": "engine_core.engine",
+    "ModelInputs": "engine_core.model_inputs",
+    "InputPart": "engine_core.model_inputs",
+    "HeadRequest": "engine_core.model_inputs",
+    "loss_mask_of": "engine_core.model_inputs",
+    "row_to_batch": "engine_core.model_inputs",
+    "predicted_mask": "engine_core.model_inputs",
+    "RoutingInputs": "engine_core.routing_replay",
+    "balance_of": "engine_core.routing_replay",
+    "routing_request": "engine_core.routing_replay",
     "token_log_probs": "engine_core.log_probs",
     "CP_GROUP_ATTR": "engine_core.context_parallel",
     "chunked_token_log_probs": "engine_core.log_probs",
@@ -73,7 +75,7 @@ _EXPORTS: dict[str, str] = {
     "split_peft_tensors": "engine_core.adapters",
     "CutBuckets": "engine_core.rollout",
     "iter_buckets": "engine_core.rollout",
-    "WeightPart": "engine_core.engine",
+    "WeightPart": "engine_core.engine_export",
     "merged_lora_tensors": "engine_core.models",
     "checkpoint_tensors": "engine_core.models",
     # optimizer, schedule, RNG
@@ -184,20 +186,9 @@ if TYPE_CHECKING:
     from engine_core.comm import all_reduce_cpu, collective_device
     from engine_core.config import EngineConfig, FrozenModel, LoraConfig, ModelConfig, OptimConfig
     from engine_core.context_parallel import CP_GROUP_ATTR
-    from engine_core.engine import (
-        CHECKPOINT_STATE_FILE,
-        BaseEngine,
-        EngineOutput,
-        HeadRequest,
-        MicroBatchResults,
-        ModelInputs,
-        WeightPart,
-        balance_of,
-        loss_mask_of,
-        predicted_mask,
-        routing_request,
-        row_to_batch,
-    )
+    from engine_core.engine import BaseEngine, EngineOutput, MicroBatchResults
+    from engine_core.engine_checkpoint import CHECKPOINT_STATE_FILE
+    from engine_core.engine_export import WeightPart
     from engine_core.errors import (
         BatchError,
         CapabilityError,
@@ -218,6 +209,14 @@ if TYPE_CHECKING:
         token_log_probs,
     )
     from engine_core.loss import GlobalBatchContext, Metric, MetricAccumulator
+    from engine_core.model_inputs import (
+        HeadRequest,
+        InputPart,
+        ModelInputs,
+        loss_mask_of,
+        predicted_mask,
+        row_to_batch,
+    )
     from engine_core.models import (
         DTYPES,
         adapted_modules,
@@ -271,6 +270,7 @@ if TYPE_CHECKING:
         tensor_checksum,
         verified_buckets,
     )
+    from engine_core.routing_replay import RoutingInputs, balance_of, routing_request
 
 
 __getattr__, __dir__ = lazy_exports(

@@ -8,6 +8,13 @@ defaults serve transformers causal LMs and value heads, packed (padding-free) by
 
 Backends implement the abstract methods: model construction, optimizer steps, device moves,
 checkpoints and weight export.
+
+Each concern beside the template has a module of its own: the model inputs and their parts
+(:mod:`engine_core.model_inputs`), the loop's one hook (:mod:`engine_core.forward_extension`)
+and mixture-of-experts routing as that hook (:mod:`engine_core.routing_replay`), the default
+outputs (:mod:`engine_core.model_outputs`), the checkpoint sequence
+(:mod:`engine_core.engine_checkpoint`) and the weight export (:mod:`engine_core.engine_export`).
+Every name users import from here stays importable from here.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import contextlib
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -27,47 +34,44 @@ from torch import nn
 from engine_core.activation_offload import OffloadActivations
 from engine_core.batch import (
     ATTENTION_MASK,
-    ENTROPY,
     INPUT_IDS,
-    LOG_PROBS,
-    LOSS_MASK,
-    MOE_AUX,
     POSITION_IDS,
-    ROUTED_EXPERTS,
-    VALUES,
     BatchMeta,
     get_meta,
     validate_batch,
 )
 from engine_core.capabilities import Capability
-from engine_core.checkpoint import JOB_STATE_FILE
-from engine_core.comm import all_reduce_cpu, collective_device
-from engine_core.config import BUCKET_BYTES, EngineConfig
-from engine_core.context_parallel import SequenceShard, gather_sequence, shard_row
-from engine_core.errors import BatchError, CapabilityError, EngineCoreError
+from engine_core.comm import all_reduce_cpu
+from engine_core.config import EngineConfig
+from engine_core.context_parallel import SequenceShard, shard_row
+from engine_core.engine_checkpoint import CHECKPOINT_STATE_FILE, JOB_STATE_FILE, EngineCheckpoints
+from engine_core.engine_export import WEIGHT_PARTS, WeightExport, WeightPart
+from engine_core.errors import EngineCoreError
+from engine_core.forward_extension import ForwardExtension, MicroBatchHooks
 from engine_core.log_probs import DEFAULT_CHUNK_ELEMENTS, chunked_head, head_of, token_log_probs
 from engine_core.loss import GlobalBatchContext, LossFn, MetricAccumulator
 from engine_core.microbatch import prepare_micro_batches
-from engine_core.moe import (
-    RouteRecorder,
-    RouterLogits,
-    balance_loss,
-    balance_metric,
-    balance_terms,
-    replaying,
+from engine_core.model_inputs import (
+    HeadRequest,
+    InputPart,
+    ModelInputs,
+    loss_mask_of,
+    next_token_targets,
+    predicted_mask,
+    row_to_batch,
 )
-from engine_core.packing import PackedSequences, pack, pack_tensor, sequence_start_mask, unpack
-from engine_core.rollout import CutBuckets, gather_bytes, iter_buckets
+from engine_core.model_outputs import ModelOutputs
+from engine_core.packing import pack
+from engine_core.routing_replay import (
+    RoutingInputs,
+    RoutingReplay,
+    balance_of,
+    refuse_routing,
+    routing_request,
+)
 
 # attention kernels that take the packed row's sequence boundaries as cu_seq_lens_* kwargs
 VARLEN_KERNELS = frozenset({"sdpa_varlen", "flash_attention_2"})
-# each rank's core state in a checkpoint folder: step, world size, RNG streams, extra state
-CHECKPOINT_STATE_FILE = "engine_state_rank{rank}.pt"
-# what a weight sync sends (BaseEngine.named_weights): the model under its HF names, LoRA
-# adapters merged ("model"); a LoRA model's own tensors unmerged, base included ("peft"); or
-# its adapter tensors alone ("adapters")
-WeightPart = Literal["model", "peft", "adapters"]
-WEIGHT_PARTS: tuple[WeightPart, ...] = ("model", "peft", "adapters")
 
 __all__ = [
     "CHECKPOINT_STATE_FILE",
@@ -75,8 +79,10 @@ __all__ = [
     "BaseEngine",
     "EngineOutput",
     "HeadRequest",
+    "InputPart",
     "MicroBatchResults",
     "ModelInputs",
+    "RoutingInputs",
     "WEIGHT_PARTS",
     "WeightPart",
     "loss_mask_of",
@@ -113,164 +119,7 @@ class MicroBatchResults:
     metrics: MetricAccumulator
 
 
-@dataclass
-class ModelInputs:
-    """Model keyword arguments for one micro-batch, plus the packing layout when packed."""
-
-    kwargs: dict[str, Any]
-    packed: PackedSequences | None = None
-    #: set when the output layer computes log-probs in chunks (:meth:`BaseEngine.forward_model`)
-    head: HeadRequest | None = None
-    #: the next token id at each position of the model's input row (None: read from
-    #: ``input_ids``, whose last position has none)
-    targets: torch.Tensor | None = None
-    #: with context parallelism, which slice of the packed row this rank's model call sees
-    shard: SequenceShard | None = None
-    #: the experts to route each token of the model's row to, ``[layers, tokens, top_k]``
-    #: (the batch's ``routed_experts`` in the row's order; :mod:`engine_core.moe`)
-    routes: torch.Tensor | None = None
-    #: record the routers' own choice (``BatchMeta.return_routes``); :meth:`BaseEngine.forward_model`
-    #: leaves it in ``recorded``, ``[layers, tokens, top_k]`` over the model's row
-    record_routes: bool = False
-    recorded: torch.Tensor | None = None
-    #: keep the routers' logits for the load-balancing loss (``BatchMeta.moe_aux``);
-    #: :meth:`BaseEngine.forward_model` leaves them in ``router_logits``
-    balance: bool = False
-    router_logits: RouterLogits | None = None
-
-
-@dataclass
-class HeadRequest:
-    """What the output layer computes instead of logits: the log-prob of ``targets`` (the next
-    id at each position of the model's input row) and, with ``entropy``, the entropy."""
-
-    head: nn.Linear
-    targets: torch.Tensor
-    temperature: float
-    entropy: bool
-    chunk_tokens: int | None
-
-
-def predicted_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Real tokens that have a prefix: every real token but each sequence's first."""
-    mask = attention_mask.bool()
-    first = mask & ~torch.nn.functional.pad(mask, (1, 0))[:, :-1]
-    return mask & ~first
-
-
-def loss_mask_of(batch: TensorDict) -> torch.Tensor:
-    """``loss_mask`` if present, else :func:`predicted_mask` of the attention mask."""
-    if LOSS_MASK in batch.keys():
-        return batch[LOSS_MASK].bool()
-    return predicted_mask(batch[ATTENTION_MASK])
-
-
-def _targets(inputs: ModelInputs, length: int | None = None) -> torch.Tensor:
-    """The next token id at each of the first ``length`` positions of the model's input row
-    (0 where the row has none)."""
-    if inputs.targets is not None:
-        return inputs.targets[:, :length]
-    ids = inputs.kwargs["input_ids"]
-    return torch.nn.functional.pad(ids[:, 1:], (0, 1))[:, :length]
-
-
-def row_to_batch(
-    per_token: torch.Tensor, inputs: ModelInputs, micro_batch: TensorDict
-) -> torch.Tensor:
-    """Values per token of the model's row (``[tokens, ...]``, packed or padded, row-major over
-    the batch's rows) as the batch's ``[b, L, ...]``, unshifted: a token's value stays under
-    that token; padding holds 0."""
-    if inputs.packed is not None:
-        return unpack(inputs.packed, per_token, fill=0)
-    b, length = micro_batch[INPUT_IDS].shape
-    placed = per_token.reshape(b, length, *per_token.shape[1:])
-    real = micro_batch[ATTENTION_MASK].bool().to(placed.device)
-    return placed.masked_fill(~real.reshape(b, length, *[1] * (placed.dim() - 2)), 0)
-
-
-def balance_of(
-    layers: list[tuple[torch.Tensor, torch.Tensor]],
-    num_experts: int,
-    inputs: ModelInputs,
-    micro_batch: TensorDict,
-) -> torch.Tensor:
-    """The load-balancing terms of each token of the model's row (:func:`balance_terms`), from
-    each MoE layer's ``(router logits [tokens, experts], experts used [tokens, top_k])`` over
-    the row (packed or padded, row-major)."""
-    if inputs.packed is not None:  # each packed token's row of the batch
-        sequence = inputs.packed.flat_indices // inputs.packed.seq_len
-    else:
-        b, length = micro_batch[INPUT_IDS].shape
-        rows = torch.arange(b)[:, None].expand(b, length)
-        sequence = rows.masked_fill(~micro_batch[ATTENTION_MASK].bool(), -1).reshape(-1)
-    return balance_terms(layers, sequence.to(layers[0][0].device), num_experts)
-
-
-def routing_request(
-    micro_batch: TensorDict, *, unsupported: str | None = None
-) -> tuple[torch.Tensor | None, bool, bool]:
-    """What ``micro_batch`` asks of the model's routers: ``(routes, record, balance)`` — the
-    experts to replay (its ``routed_experts``, ``[B, L, layers, top_k]``, checked against its
-    ``input_ids``; None without), whether to return the routers' own choice
-    (``BatchMeta.return_routes``) and whether to keep their logits for the load-balancing loss
-    (``BatchMeta.moe_aux``). ``unsupported`` names a setting of the engine under which any of
-    it is refused (a forward that would route on its own)."""
-    routed = micro_batch.get(ROUTED_EXPERTS, None)
-    meta: BatchMeta = get_meta(micro_batch)
-    record, balance = meta.return_routes, meta.moe_aux is not None
-    if (routed is not None or record or balance) and unsupported:
-        raise BatchError(
-            f"{ROUTED_EXPERTS} (replayed or returned) or {MOE_AUX} with {unsupported} is not "
-            f"supported yet (a recomputed or split forward would route on its own): run "
-            f"routing replay without it."
-        )
-    if routed is not None:
-        ids = micro_batch[INPUT_IDS]
-        if routed.dim() != 4 or tuple(routed.shape[:2]) != tuple(ids.shape):
-            raise BatchError(
-                f"{ROUTED_EXPERTS} must be [B, L, layers, top_k] with [B, L] = "
-                f"{tuple(ids.shape)} of {INPUT_IDS}; got {tuple(routed.shape)}."
-            )
-    return routed, record, balance
-
-
-def _whole_routes(routes: torch.Tensor, shard: SequenceShard | None) -> torch.Tensor:
-    """Routes ``[layers, tokens, top_k]`` recorded on this rank's slice of a row split over
-    context-parallel ranks, as the whole row's (``routes`` itself without a split)."""
-    if shard is None:
-        return routes
-    mine = routes.to(collective_device(shard.group)).contiguous()
-    parts = [torch.empty_like(mine) for _ in range(shard.size)]
-    dist.all_gather(parts, mine, group=shard.group)
-    return torch.cat(parts, dim=1)[:, : shard.length].to(routes.device)
-
-
-def _whole_layer(
-    layer: tuple[torch.Tensor, torch.Tensor], shard: SequenceShard | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One MoE layer's ``(router logits, experts used)`` over the whole row, the logits with
-    their gradient (context parallelism: each rank saw a slice)."""
-    if shard is None:
-        return layer
-    logits, experts = layer
-    whole = gather_sequence(logits[None], shard.group)[0, : shard.length]
-    used = _whole_routes(experts[None].to(logits.device), shard)[0]
-    return whole, used
-
-
-def _cause(e: BaseException) -> str:
-    """One line saying why a backend's loader failed: its exception's type and first line, or
-    for a distributed-checkpoint failure those of the lowest failing rank's own exception."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    if isinstance(e, CheckpointException) and e.failures:
-        e = e.failures[min(e.failures)][0]
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    text = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
-    return text if len(text) <= 300 else text[:297] + "..."
-
-
-class BaseEngine(abc.ABC):
+class BaseEngine(ModelOutputs, EngineCheckpoints, WeightExport, abc.ABC):
     """A training backend for one model (actor, critic, reference or reward).
 
     Subclasses set :attr:`capabilities` and :attr:`config_class` and implement the abstract
@@ -311,6 +160,7 @@ class BaseEngine(abc.ABC):
         self.__loss_fn: LossFn | None = None  # name-mangled: a subclass cannot shadow it
         # activation offload's hooks: one object for the engine's life, entered at every forward
         self.__offload = OffloadActivations() if config.activation_offload else None
+        self.__extension = self.forward_extension()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Refuse a subclass that redefines one of ``BaseEngine``'s private helpers: the base
@@ -321,7 +171,7 @@ class BaseEngine(abc.ABC):
             for name in vars(cls)
             if name.startswith("_")
             and not name.startswith("__")
-            and name in vars(BaseEngine)
+            and any(name in vars(core) for core in _CORE_CLASSES)
             and cls is not BaseEngine
         )
         if clash:
@@ -476,32 +326,9 @@ class BaseEngine(abc.ABC):
         """
         validate_batch(batch)
         self._check_model_limits(batch)
-        meta: BatchMeta = get_meta(batch)
-        if Capability.ROUTING_REPLAY not in self.capabilities:
-            if ROUTED_EXPERTS in batch.keys():
-                raise CapabilityError(
-                    f"the batch carries {ROUTED_EXPERTS} (a rollout's choice of experts), which "
-                    f"{type(self).__name__} does not replay (it does not declare "
-                    f"routing_replay); drop the key or use an engine that declares it."
-                )
-            if meta.moe_aux is not None:
-                raise CapabilityError(
-                    f"BatchMeta.moe_aux asks for the routers' load-balancing loss, which "
-                    f"{type(self).__name__} does not compute (it does not declare "
-                    f"routing_replay); set moe_aux_loss_coef=0 or use an engine that declares it."
-                )
-            if meta.return_routes:
-                raise CapabilityError(
-                    f"BatchMeta(return_routes=True) asks for the experts the model's routers "
-                    f"chose, which {type(self).__name__} does not record (it does not declare "
-                    f"routing_replay); turn routing replay off or use an engine that declares it."
-                )
-        if meta.moe_aux is not None and LOSS_MASK not in batch.keys():
-            raise BatchError(
-                f"BatchMeta.moe_aux asks for the routers' load-balancing loss, aggregated over "
-                f"the batch's {LOSS_MASK}, and the batch has none (keys: {sorted(batch.keys())}); "
-                f"add {LOSS_MASK} or unset moe_aux."
-            )
+        if Capability.ROUTING_REPLAY not in self.capabilities:  # read at every step, as declared
+            refuse_routing(batch, type(self).__name__)
+        self.__extension.check_batch(batch, type(self).__name__)
         if not forward_only and self.loss_fn is None:
             raise EngineCoreError(
                 "forward_backward_step(forward_only=False) needs a loss; call set_loss_fn() first."
@@ -548,23 +375,13 @@ class BaseEngine(abc.ABC):
             with grad_ctx, contextlib.nullcontext() if sync else self.no_sync():
                 inputs = self.prepare_model_inputs(mb)
                 inputs.head = self._head_request(inputs, mb)
-                raw = self.forward_model(inputs)
+                hooks = self.__extension.begin(inputs, mb)
+                raw = self.forward_model(inputs, hooks)
                 out = self.prepare_model_outputs(raw, inputs, mb)
-                if inputs.recorded is not None:
-                    out[ROUTED_EXPERTS] = row_to_batch(inputs.recorded.transpose(0, 1), inputs, mb)
-                terms: torch.Tensor | None = None
-                if inputs.router_logits is not None:
-                    balance = inputs.router_logits
-                    layers = [_whole_layer(x, inputs.shard) for x in balance.layers()]
-                    terms = row_to_batch(
-                        balance_of(layers, balance.num_experts, inputs, mb), inputs, mb
-                    )
-                    out[MOE_AUX] = terms.detach()
+                hooks.add_outputs(out, inputs, mb)
                 if self.loss_fn is not None:
                     loss, metrics = self.loss_fn(mb, out, ctx)
-                    if terms is not None:  # BatchMeta.moe_aux: the engine adds the balance loss
-                        loss = loss + balance_loss(terms, mb, ctx)
-                        metrics = {**metrics, "moe_aux_loss": balance_metric(terms, mb, ctx)}
+                    loss, metrics = hooks.add_loss(loss, metrics, mb, ctx)
                     if not forward_only:
                         self.backward(loss)
                     local_loss += loss.detach().double().cpu()
@@ -596,7 +413,8 @@ class BaseEngine(abc.ABC):
         all-reduce over the DP group, say) do it here."""
 
     def prepare_model_inputs(self, micro_batch: TensorDict) -> ModelInputs:
-        """Model kwargs: packed (padding-free) by default, padded when ``use_packing=False``.
+        """Model kwargs: packed (padding-free) by default, padded when ``use_packing=False``;
+        then each of :meth:`input_parts` built on that row (:class:`InputPart`).
 
         Packed calls pass per-sequence ``position_ids`` and ``use_cache=False``: transformers
         only detects packed sequences without a KV cache, else attention leaks across them.
@@ -604,7 +422,6 @@ class BaseEngine(abc.ABC):
         ids, mask = micro_batch[INPUT_IDS], micro_batch[ATTENTION_MASK]
         dev = self.device
         cp = self.context_parallel_group
-        routed, record, balance = routing_request(micro_batch)
         if self.config.use_packing or cp is not None:  # a row split over cp ranks is packed
             packed = pack(ids, mask)
             row, pos, cu = packed.input_ids, packed.position_ids, packed.cu_seqlens
@@ -622,32 +439,40 @@ class BaseEngine(abc.ABC):
                 kwargs.update(
                     cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest
                 )
-            routes = None
-            if routed is not None:  # [layers, tokens, top_k] of the row (this rank's slice)
-                routes = pack_tensor(packed, routed)
-                if shard is not None:  # the padding sequence goes to the first experts
-                    extra = shard.padded - shard.length
-                    filler = torch.arange(routes.shape[-1], dtype=routes.dtype)
-                    routes = torch.cat([routes, filler.expand(1, extra, *routes.shape[2:])], 1)
-                    routes = shard.local(routes)
-                routes = routes[0].transpose(0, 1)
-            return ModelInputs(
-                kwargs,
-                packed,
-                targets=None if targets is None else targets.to(dev),
-                shard=shard,
-                routes=routes,
-                record_routes=record,
-                balance=balance,
+            inputs = ModelInputs(
+                kwargs, packed, targets=None if targets is None else targets.to(dev), shard=shard
             )
-        kwargs = {
-            "input_ids": ids.to(dev),
-            "attention_mask": mask.to(dev),
-            "position_ids": micro_batch[POSITION_IDS].to(dev),
-            "use_cache": False,
-        }
-        routes = None if routed is None else routed.flatten(0, 1).transpose(0, 1)
-        return ModelInputs(kwargs, None, routes=routes, record_routes=record, balance=balance)
+        else:
+            kwargs = {
+                "input_ids": ids.to(dev),
+                "attention_mask": mask.to(dev),
+                "position_ids": micro_batch[POSITION_IDS].to(dev),
+                "use_cache": False,
+            }
+            inputs = ModelInputs(kwargs, None)
+        for kind in self.input_parts():
+            part = kind.build(micro_batch, inputs)
+            if part is not None:
+                inputs.add(part)
+                inputs.kwargs.update(part.model_kwargs(dev))
+        return inputs
+
+    def input_parts(self) -> tuple[type[InputPart], ...]:
+        """The parts :meth:`prepare_model_inputs` builds for every micro-batch: the forward
+        extension's (:attr:`ForwardExtension.input_parts
+        <engine_core.forward_extension.ForwardExtension.input_parts>`). An engine whose model
+        takes more (images, say) returns them after these: each is a small
+        :class:`InputPart`, and the loop is unchanged."""
+        return self.__extension.input_parts
+
+    def forward_extension(self) -> ForwardExtension:
+        """The engine's one hook into the micro-batch loop, chosen once when it is built
+        (:mod:`engine_core.forward_extension`): mixture-of-experts routing
+        (:class:`~engine_core.routing_replay.RoutingReplay`) for an engine that declares
+        ``routing_replay``, else the base extension, which adds nothing."""
+        if Capability.ROUTING_REPLAY in self.capabilities:
+            return RoutingReplay()
+        return ForwardExtension()
 
     def _head_request(self, inputs: ModelInputs, micro_batch: TensorDict) -> HeadRequest | None:
         """Whether the output layer computes log-probs in chunks for this micro-batch
@@ -665,7 +490,7 @@ class BaseEngine(abc.ABC):
         head, _ = head_of(self.require_module())
         if head is None:
             return None
-        targets = _targets(inputs)
+        targets = next_token_targets(inputs)
         # out_features, not the weight's shape: a sharded weight's shape is its shard's
         if setting == "auto" and targets.numel() * head.out_features <= DEFAULT_CHUNK_ELEMENTS:
             # one chunk would hold every token's logits and keep them for the backward: the
@@ -675,30 +500,19 @@ class BaseEngine(abc.ABC):
         meta: BatchMeta = get_meta(micro_batch)
         return HeadRequest(head, targets, meta.temperature, meta.compute_entropy, chunk)
 
-    def forward_model(self, inputs: ModelInputs) -> Any:
+    def forward_model(self, inputs: ModelInputs, hooks: MicroBatchHooks | None = None) -> Any:
         """Call the model; with ``inputs.head``, its output layer gives log-probs and entropy
         (:func:`~engine_core.log_probs.chunked_head`) instead of logits. With
         ``activation_offload``, inside the engine's
-        :class:`~engine_core.activation_offload.OffloadActivations`. With ``inputs.routes`` the
-        mixture-of-experts routers take the given experts; with ``inputs.record_routes`` their
-        own choice is left in ``inputs.recorded`` (:mod:`engine_core.moe`)."""
+        :class:`~engine_core.activation_offload.OffloadActivations`. ``hooks``, the forward
+        extension's for this micro-batch (:mod:`engine_core.forward_extension`), are entered
+        innermost around the call (mixture-of-experts routers replay and record there,
+        :mod:`engine_core.routing_replay`) and told when it has ended."""
         module = self.require_module()
         request = inputs.head
         offload = self.__offload if self.__offload is not None else contextlib.nullcontext()
-        # entered before the replay, the recorder sees each router's own choice
-        recorder = RouteRecorder(module) if inputs.record_routes else None
-        replay = (
-            contextlib.nullcontext() if inputs.routes is None else replaying(module, inputs.routes)
-        )
-        # entered after the replay, the router logits come with the experts actually used
-        balance = RouterLogits(module) if inputs.balance else None
-        with (
-            self.forward_context(),
-            offload,
-            recorder if recorder is not None else contextlib.nullcontext(),
-            replay,
-            balance if balance is not None else contextlib.nullcontext(),
-        ):
+        around = contextlib.nullcontext() if hooks is None else hooks.model_context(module)
+        with self.forward_context(), offload, around:
             if request is None:
                 raw = module(**inputs.kwargs)
             else:
@@ -710,9 +524,8 @@ class BaseEngine(abc.ABC):
                     chunk_tokens=request.chunk_tokens,
                 ):
                     raw = module(**inputs.kwargs)
-        if recorder is not None:
-            inputs.recorded = _whole_routes(recorder.routes(), inputs.shard)
-        inputs.router_logits = balance
+        if hooks is not None:
+            hooks.after_model()
         return raw
 
     def forward_context(self) -> contextlib.AbstractContextManager[Any]:
@@ -723,93 +536,6 @@ class BaseEngine(abc.ABC):
         backward recorded for it, compute in that dtype; the parameters and their gradients
         stay in ``model.dtype``, and log-probs are float32 as always."""
         return contextlib.nullcontext()
-
-    def prepare_model_outputs(
-        self, raw: Any, inputs: ModelInputs, micro_batch: TensorDict
-    ) -> TensorDict:
-        """Per-token ``log_probs`` (and ``entropy``), or ``values`` for a value head, as ``[b, L]``.
-
-        Outputs are aligned to ``input_ids``: position ``t`` holds the prediction of token ``t``
-        from positions ``< t``; the first token of each sequence and padding hold 0. With
-        ``BatchMeta.values_at_token`` a value head's output is read at each token instead.
-        """
-        meta: BatchMeta = get_meta(micro_batch)
-        logits = raw.logits
-        shard = inputs.shard
-
-        def whole_row(x: torch.Tensor) -> torch.Tensor:  # context parallel: gather the slices
-            return x if shard is None else gather_sequence(x, shard.group)[:, : shard.length]
-
-        if self.config.model.value_head and meta.values_at_token:
-            # the head's output at every real token, no shift: only padding holds 0
-            at_token = whole_row(logits[..., 0].float())
-            if inputs.packed is not None:
-                values = unpack(inputs.packed, at_token)
-            else:
-                values = at_token.masked_fill(
-                    ~micro_batch[ATTENTION_MASK].bool().to(logits.device), 0.0
-                )
-            return TensorDict({VALUES: values.cpu()}, batch_size=[micro_batch.batch_size[0]])
-        # per position of the model's row, each predicting the token after it
-        data: dict[str, torch.Tensor] = {}
-        if self.config.model.value_head:
-            data[VALUES] = logits[..., 0].float()
-        elif inputs.head is not None:  # the output layer gave (log-prob, entropy) per position
-            data[LOG_PROBS] = logits[..., 0]
-            if inputs.head.entropy:
-                data[ENTROPY] = logits[..., 1]
-        else:
-            scores = logits.float()  # divided in float32, as the chunked head does
-            if meta.temperature != 1.0:  # x / 1.0 == x: skip a pass over the logits
-                scores = (
-                    scores.div_(meta.temperature)
-                    if scores is not logits
-                    else scores / meta.temperature
-                )
-            lp, ent = self.token_log_probs(
-                scores, _targets(inputs, logits.shape[1]), entropy=meta.compute_entropy
-            )
-            data[LOG_PROBS] = lp
-            if ent is not None:
-                data[ENTROPY] = ent
-        # the row's last position predicts nothing
-        data = {k: whole_row(v)[:, :-1] for k, v in data.items()}
-        return self.place_next_token_outputs(data, inputs, micro_batch)
-
-    def place_next_token_outputs(
-        self, data: dict[str, torch.Tensor], inputs: ModelInputs, micro_batch: TensorDict
-    ) -> TensorDict:
-        """Per-token outputs ``[b, L]`` from per-position ones ``[b, L' - 1]`` (position ``t``
-        predicting token ``t + 1`` of the model's input row, padded or packed).
-
-        The prediction of token ``t`` comes from position ``t - 1``, so each result moves right
-        by one; the first token of each sequence and padding hold 0. Shifting the per-token
-        results rather than the ``[.., vocab]`` logits saves a copy of the logits and its
-        backward. For engines that compute next-token quantities themselves (a fused loss
-        kernel, say) and then share this placement.
-        """
-        shifted = {k: torch.nn.functional.pad(v, (1, 0)) for k, v in data.items()}
-        device = next(iter(shifted.values())).device
-        if inputs.packed is not None:
-            starts = sequence_start_mask(inputs.packed).to(device)
-            result = {
-                k: unpack(inputs.packed, v.masked_fill(starts, 0.0)) for k, v in shifted.items()
-            }
-        else:
-            valid = predicted_mask(micro_batch[ATTENTION_MASK]).to(device)
-            result = {k: v.masked_fill(~valid, 0.0) for k, v in shifted.items()}
-        b = micro_batch.batch_size[0]
-        return TensorDict({k: v.cpu() for k, v in result.items()}, batch_size=[b])
-
-    def token_log_probs(
-        self, logits: torch.Tensor, next_ids: torch.Tensor, *, entropy: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-prob of ``next_ids`` (and the entropy) from the model's ``logits``.
-
-        The default reads full-vocabulary logits; engines whose logits are split over the
-        vocabulary (tensor parallelism) override it with a vocabulary-parallel computation.
-        """
-        return token_log_probs(logits, next_ids, entropy=entropy)
 
     # ------------------------------------------------------------------ optimizer
     @abc.abstractmethod
@@ -830,282 +556,6 @@ class BaseEngine(abc.ABC):
     @abc.abstractmethod
     def to(self, device: torch.device | str, *, model: bool = True, optimizer: bool = True) -> None:
         """Move model and/or optimizer state (offload to ``"cpu"`` and back)."""
-
-    def save_checkpoint(
-        self,
-        path: str,
-        *,
-        step: int,
-        max_ckpt_to_keep: int | None = None,
-        job_state: dict[str, Any] | None = None,
-    ) -> str:
-        """Save everything a resume needs as ``<path>/global_step_<step>``; return that folder.
-
-        Collective: every rank calls it. The sequence is the core's, the same for every engine:
-        the input is checked and :meth:`checkpoint_preflight` runs (nothing written yet); global
-        rank 0 creates the staging folder ``global_step_<step>.tmp``; every rank writes its part
-        with :meth:`save_shards` and its core state file (``step``, the RNG streams of
-        :meth:`rng_state`, :meth:`checkpoint_extra_state`); rank 0 writes ``job_state`` (plain
-        data of the caller's, e.g. a job's data position: committed together with the engine's
-        state, read back with :func:`load_job_state`) and, last, the manifest (every file's size
-        and SHA-256), renames the folder into place and deletes the oldest checkpoints beyond
-        ``max_ckpt_to_keep``. An interrupted save leaves only a ``.tmp`` folder, which
-        :func:`~engine_core.checkpoint.list_checkpoints` ignores; an existing checkpoint is never
-        overwritten; :meth:`load_checkpoint` verifies every file against the manifest.
-        """
-        from engine_core.checkpoint import ROOT_PART, JobCheckpoints
-
-        self.require_module()
-        # a single engine is a job of one part, its files at the folder's root
-        return JobCheckpoints(path, max_ckpt_to_keep=max_ckpt_to_keep).save(
-            step, {ROOT_PART: self}, job_state, where="save_checkpoint"
-        )
-
-    def write_checkpoint_files(self, folder: str, *, step: int) -> None:
-        """Write this engine's checkpoint files into ``folder`` (created if missing): every
-        rank's shards (:meth:`save_shards`) and core state file. Collective; returns when every
-        rank is done.
-
-        No staging, manifest or commit: :meth:`save_checkpoint` wraps it in those. A caller that
-        commits several engines' state as one checkpoint (an actor and a critic, say: see
-        :class:`~engine_core.checkpoint.JobCheckpoints`) writes each engine into a subfolder of
-        its own staging folder and commits once.
-        """
-        from engine_core.checkpoint import _fs, join, save_torch
-
-        self.require_module()
-        rank, world = self._global_rank_and_size()
-        if rank == 0:
-            fs, local = _fs(folder)
-            fs.makedirs(local, exist_ok=True)
-        self._checkpoint_barrier()
-        self.save_shards(folder)
-        core = {
-            "step": step,
-            "world_size": world,
-            "rng": self.rng_state(),
-            "engine": self.checkpoint_extra_state(),
-        }
-        save_torch(core, join(folder, CHECKPOINT_STATE_FILE.format(rank=rank)))
-        self._checkpoint_barrier()
-
-    def load_checkpoint(self, path: str) -> int:
-        """Restore everything :meth:`save_checkpoint` wrote in the folder ``path``; return its step.
-
-        Collective. Every file is verified against the checkpoint's manifest first (the files
-        split by size between the global ranks, each hashing its share at once; a damaged,
-        truncated or changed file is a
-        :class:`~engine_core.errors.CheckpointError` naming it, on every rank, before any state
-        changes). The core state file is read and checked, then :meth:`load_shards` restores
-        model and optimizer, then :meth:`load_checkpoint_extra_state` and, when the checkpoint
-        was written by the same number of ranks, each rank's RNG streams (a resharded load keeps
-        its own: streams belong to ranks).
-        """
-        from engine_core.checkpoint import verify_on_every_rank
-
-        self.require_module()
-        self.checkpoint_preflight(path, saving=False)
-        verify_on_every_rank(path)
-        return self.read_checkpoint_files(path)
-
-    def read_checkpoint_files(self, folder: str) -> int:
-        """Restore what :meth:`write_checkpoint_files` wrote in ``folder``; return its step.
-
-        Collective. Does not verify the files: :meth:`load_checkpoint` verifies the folder
-        against its manifest first, and a caller that committed several engines as one
-        checkpoint verifies that checkpoint's manifest (:meth:`JobCheckpoints.verify
-        <engine_core.checkpoint.JobCheckpoints.verify>`) before reading each engine's part.
-        """
-        from engine_core.checkpoint import is_file, join, load_torch
-        from engine_core.errors import CheckpointError
-
-        self.require_module()
-        rank, world = self._global_rank_and_size()
-        first = join(folder, CHECKPOINT_STATE_FILE.format(rank=0))
-        own = join(folder, CHECKPOINT_STATE_FILE.format(rank=rank))
-        if not is_file(first):
-            raise CheckpointError(
-                f"{folder} is not a complete checkpoint (no {CHECKPOINT_STATE_FILE.format(rank=0)}); "
-                f"pass a global_step_<N> folder written by save_checkpoint()."
-            )
-        core = load_torch(own if is_file(own) else first)
-        step, saved_world = core.get("step"), core.get("world_size")
-        if not isinstance(step, int) or not isinstance(saved_world, int) or "rng" not in core:
-            raise CheckpointError(
-                f"{folder}: the core state file lacks step, world_size or rng; it was not written "
-                f"by save_checkpoint() of this engine-core version. Resume from another checkpoint."
-            )
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        try:
-            self.load_shards(folder)
-        except CheckpointError:
-            raise
-        # the backend's loader; a distributed-checkpoint failure is a BaseException of its own
-        except (Exception, CheckpointException) as e:
-            raise CheckpointError(
-                f"checkpoint {folder} (step {step}) does not fit this {type(self).__name__}'s model "
-                f"({_cause(e)}). Resume with the model config, backend and layout it was saved "
-                f"with (or one the backend reshards to)."
-            ) from e
-        self.load_checkpoint_extra_state(core.get("engine") or {})
-        if saved_world == world and is_file(own):
-            self.set_rng_state(core["rng"])
-        return step
-
-    @staticmethod
-    def load_job_state(path: str) -> dict[str, Any] | None:
-        """The ``job_state`` saved with the checkpoint folder ``path`` (``None`` if none was)."""
-        from engine_core.checkpoint import is_file, join, load_torch
-
-        location = join(path, JOB_STATE_FILE)
-        return load_torch(location) if is_file(location) else None
-
-    def checkpoint_preflight(self, path: str, *, saving: bool) -> None:
-        """Refuse a save or load this engine cannot do, before anything is written or read.
-
-        Default: nothing to refuse. Engines that need a local folder, or refuse a layout,
-        raise :class:`~engine_core.errors.CheckpointError` here.
-        """
-
-    @abc.abstractmethod
-    def save_shards(self, folder: str) -> None:
-        """Write this rank's model and optimizer state into ``folder`` (the staging folder).
-
-        Called on every rank inside :meth:`save_checkpoint`, after ``folder`` exists. Write
-        rank-specific files under rank-specific names; collective writers
-        (``torch.distributed.checkpoint``) are called by every rank.
-        """
-
-    @abc.abstractmethod
-    def load_shards(self, folder: str) -> None:
-        """Restore what :meth:`save_shards` wrote in ``folder`` (every rank); raise
-        :class:`~engine_core.errors.CheckpointError` naming what is missing."""
-
-    def checkpoint_extra_state(self) -> dict[str, Any]:
-        """Plain data beyond model and optimizer that a resume needs (LR schedule, counters).
-
-        Saved per rank in the core state file. ``SingleOptimizerMixin`` returns the schedule
-        and the skipped-step count; an engine with a schedule of its own must return it here.
-        """
-        return {}
-
-    def load_checkpoint_extra_state(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`checkpoint_extra_state` returned."""
-
-    def rng_state(self) -> dict[str, Any]:
-        """The random streams a resume must continue: torch (CPU and the current CUDA device),
-        numpy and Python. Engines with streams of their own (a tensor-parallel RNG tracker) add
-        them."""
-        from engine_core.optim import capture_rng
-
-        return capture_rng()
-
-    def set_rng_state(self, state: dict[str, Any]) -> None:
-        """Set the streams :meth:`rng_state` recorded."""
-        from engine_core.optim import restore_rng
-
-        restore_rng(state)
-
-    def _global_rank_and_size(self) -> tuple[int, int]:
-        if self.is_distributed:
-            return dist.get_rank(), dist.get_world_size()
-        return 0, 1
-
-    def _checkpoint_barrier(self) -> None:
-        if self.is_distributed and dist.get_world_size() > 1:
-            dist.barrier()
-
-    @abc.abstractmethod
-    def named_full_params(
-        self, bucket_bytes: int = BUCKET_BYTES
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF parameter name, full tensor) for every weight, in the model's dtype.
-
-        ``bucket_bytes`` is how much an engine that gathers shards holds at a time (a tensor
-        bigger than that alone); it changes no name or value."""
-
-    def named_lora_params(
-        self, bucket_bytes: int = BUCKET_BYTES, *, adapters_only: bool = False
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """A LoRA model's tensors as its peft model names them, unmerged: every tensor (the
-        frozen base layers included), or with ``adapters_only`` the adapter tensors alone (what
-        trains). Gathered a bucket at a time and collective, as :meth:`named_full_params`.
-
-        For a rollout that serves the adapters itself (its model built with the same
-        ``model.lora``): it takes the base once, then the adapters alone at every sync. Engines
-        that declare ``lora`` override it; the default refuses.
-        """
-        raise NotImplementedError(
-            f"{type(self).__name__} does not stream a LoRA model's adapters; a rollout that "
-            f"serves LoRA adapters needs an engine that implements named_lora_params() (the "
-            f"fsdp and fsdp2 engines do), or build the rollout without model.lora so it takes "
-            f"the merged weights."
-        )
-
-    def named_weights(
-        self, part: WeightPart = "model", bucket_bytes: int = BUCKET_BYTES
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """What a weight sync sends, by ``part`` (see :data:`WeightPart`): the model under its HF
-        names (:meth:`named_full_params`), or a LoRA model's tensors unmerged ("peft") or its
-        adapters alone ("adapters") (:meth:`named_lora_params`)."""
-        self._check_weight_part(part)
-        if part == "model":
-            return self.named_full_params(bucket_bytes)
-        return self.named_lora_params(bucket_bytes, adapters_only=part == "adapters")
-
-    def _check_weight_part(self, part: str) -> None:
-        if part not in WEIGHT_PARTS:
-            raise ValueError(f"part must be one of {', '.join(WEIGHT_PARTS)}; got {part!r}.")
-        if part != "model" and self.config.model.lora is None:
-            raise ValueError(
-                f"part={part!r} sends a LoRA model's own tensors, but this engine's model has no "
-                f"model.lora; send part='model'."
-            )
-
-    def weight_buckets(
-        self, part: WeightPart = "model", bucket_bytes: int = BUCKET_BYTES
-    ) -> CutBuckets:
-        """:meth:`named_weights` of ``part``, cut into buckets of at most ``bucket_bytes`` (a
-        bigger tensor alone): what a weight sync sends. Collective, as the gathers are.
-
-        The default gathers a quarter bucket at a time and cuts: a bucket is cut when the next
-        tensor does not fit, so that tensor is already held while the bucket is handed on. An
-        engine that gathers in buckets itself overrides it to yield each bucket as gathered,
-        holding no more than one.
-        """
-        named = self.named_weights(part, gather_bytes(bucket_bytes))
-        return CutBuckets(iter_buckets(named, bucket_bytes))
-
-    def export_hf(self, path: str) -> str:
-        """Write a Hugging Face folder (``model.safetensors`` + config) at ``path`` (a local
-        folder or an fsspec URL).
-
-        Collective: every rank must call it (full tensors are gathered one at a time); the
-        collect rank of DP rank 0 writes into a temporary folder and swaps it in, so an interrupted export never leaves a
-        half-written folder. An existing export at ``path`` is replaced.
-        """
-        import fsspec
-
-        from engine_core.checkpoint import fresh_folder, join, replace_folder, save_safetensors
-        from engine_core.models import build_hf_config
-
-        writer = self.writes_full_params
-        tensors: dict[str, torch.Tensor] = {}
-        for name, tensor in self.named_full_params():
-            if writer:  # own copies: tied weights must not share storage in safetensors
-                tensors[name] = tensor.detach().to("cpu").contiguous().clone()
-        final = str(path).rstrip("/")
-        if writer:
-            tmp = final + ".tmp"
-            fresh_folder(tmp)
-            save_safetensors(tensors, join(tmp, "model.safetensors"), metadata={"format": "pt"})
-            with fsspec.open(join(tmp, "config.json"), "w", encoding="utf-8") as f:
-                f.write(build_hf_config(self.config.model).to_json_string())
-            replace_folder(tmp, final)
-        if self.is_distributed and dist.get_world_size() > 1:
-            dist.barrier()  # every rank returns once the folder is in place
-        return final
 
     # ------------------------------------------------------------------ helpers
     @functools.cached_property
@@ -1144,3 +594,7 @@ class BaseEngine(abc.ABC):
                 f"{type(self).__name__}: call init_model() before using the engine."
             )
         return self.module
+
+
+# the classes whose private names a subclass may not redefine (BaseEngine and its mixins)
+_CORE_CLASSES: tuple[type, ...] = (BaseEngine, ModelOutputs, EngineCheckpoints, WeightExport)

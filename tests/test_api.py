@@ -63,6 +63,7 @@ def test_roles_import_no_plugin() -> None:
 BACKEND_SURFACE = {
     # the engine contract, configs and registration
     "BaseEngine", "CHECKPOINT_STATE_FILE", "EngineOutput", "MicroBatchResults", "ModelInputs",
+    "InputPart", "RoutingInputs",
     "loss_mask_of", "predicted_mask", "token_log_probs", "chunked_token_log_probs", "CP_GROUP_ATTR",
     "HeadRequest", "chunk_tokens_for", "HeadGrads", "logits_grad_", "chunk_logits_",
     "logits_buffer", "row_to_batch", "balance_of", "balance_loss", "balance_metric", "routing_request",
