@@ -75,9 +75,10 @@ def test_bad_override_names_the_field(tmp_path: Path) -> None:
 
 
 def test_the_rl_warm_up_steps_the_lr_schedule_as_the_sft_job_does() -> None:
-    """Both take :func:`supervised_step`, one step of the LR schedule with each update: after
-    the RL job's warm-up of 3 steps under a 6-step LR warm-up, the next update (RL's first)
-    runs at 4/6 of the rate, as the SFT job's step 4 does (not at 1/6, the first step's)."""
+    """Both step through :class:`SFTTrainer` (:func:`supervised_step`), one step of the LR
+    schedule with each update: after the RL job's warm-up of 3 steps under a 6-step LR
+    warm-up, the next update (RL's first) runs at 4/6 of the rate, as the SFT job's step 4
+    does (not at 1/6, the first step's)."""
     from engine_core.resolve import resolve_engine_config
     from engine_core_roles.data.tasks import DigitTask
     from engine_core_roles.jobs.rl.config import RLJobConfig
@@ -93,6 +94,51 @@ def test_the_rl_warm_up_steps_the_lr_schedule_as_the_sft_job_does() -> None:
     engine.init_model()
     warm_up_on_task(engine, DigitTask(job.task), job)
     assert engine.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 * 4 / 6)
+
+
+def test_the_sft_trainer_steps_its_batches_and_validates_where_due(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One batch and one update a step, the row's token counts from that batch, the validation
+    loss every ``every`` steps and at the last; ``fit`` stops at ``max_steps`` or on request."""
+    import torch
+    from tensordict import TensorDict
+
+    from engine_core_roles.trainer import sft
+
+    def batch() -> TensorDict:
+        mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+        return TensorDict({"attention_mask": mask, "loss_mask": mask}, batch_size=[2])
+
+    updates: list[TensorDict] = []
+
+    def update(b: TensorDict) -> dict[str, float]:
+        updates.append(b)
+        return {"loss": float(len(updates)), "grad_norm": 1.0, "lr": 0.1}
+
+    measured: list[int] = []
+
+    def fake_loss(engine: Any, batches: Any) -> dict[str, float]:
+        measured.append(len(list(batches)))
+        return {"loss": 0.5, "target_prob": 0.25}
+
+    monkeypatch.setattr(sft, "supervised_loss", fake_loss)
+    validation = sft.Validation(object(), lambda: [batch()], every=2, last_step=5)  # type: ignore[arg-type]
+    trainer = sft.SFTTrainer(update, batch, validation=validation, global_step=0)
+    rows = trainer.fit(5)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and trainer.global_step == 5
+    assert [r["loss"] for r in rows] == [1.0, 2.0, 3.0, 4.0, 5.0] and len(updates) == 5
+    assert all(r["loss_tokens"] == 5 and r["tokens_per_s"] > 0 for r in rows)
+    assert [r["step"] for r in rows if "val/loss" in r] == [2, 4, 5] and measured == [1] * 3
+    assert rows[1]["val/target_prob"] == 0.25
+    assert trainer.fit(5) == []  # already at step 5
+
+    resumed = sft.SFTTrainer(update, batch, global_step=3)
+    seen: list[int] = []
+    rows = resumed.fit(9, callbacks=[lambda t, r: seen.append(r["step"])], should_stop=lambda: 1)
+    assert seen == [4] and resumed.global_step == 4 and "val/loss" not in rows[0]
+    with pytest.raises(ValueError, match="every=0"):
+        sft.Validation(object(), lambda: [], every=0, last_step=5)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("recipe", ["text_tiny.yaml", "ppo_tiny.yaml", "sft_text_tiny.yaml"])

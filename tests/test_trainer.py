@@ -149,6 +149,65 @@ def test_ppo_with_a_critic_and_several_optimizer_steps() -> None:
     assert {"actor/clipfrac", "actor/approx_kl", "critic/vf_loss"} <= set(keys)
 
 
+def test_a_step_calls_its_stages_once_each_in_the_algorithms_order() -> None:
+    """generate, score, old log-probs, reference, values, advantages, critic update, actor
+    update, sync: each role's call once a step, in that order (PPO with a critic and a KL loss,
+    where every stage does something)."""
+    from engine_core_roles.distributed.weights import WeightLink
+
+    calls: list[str] = []
+
+    def recorded(name: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            return fn(*args, **kwargs)
+
+        return call
+
+    actor = Actor(
+        ActorConfig(use_kl_loss=True, ppo_epochs=2, ppo_mini_batch_size=4),
+        build_engine("reference"),
+    )
+    reference = Reference(build_engine("reference"))
+    critic = Critic(CriticConfig(), build_engine("reference", value_head=True))
+    rollout = build_rollout()
+    weights = WeightLink(actor, rollout)
+    reward = TargetReward()
+    for obj, name, label in (
+        (rollout, "generate", "generate"),
+        (actor, "compute_log_prob", "old log-probs"),
+        (reference, "compute_ref_log_prob", "reference"),
+        (critic, "compute_values", "values"),
+        (critic, "update_critic", "critic update"),
+        (actor, "update_actor", "actor update"),
+        (weights, "sync", "sync"),
+    ):
+        setattr(obj, name, recorded(label, getattr(obj, name)))
+    t = RLTrainer(
+        TrainerConfig(algorithm="ppo", samples_per_prompt=2, max_new_tokens=3),
+        actor=actor,
+        rollout=rollout,
+        reward_fn=recorded("score", reward),
+        prompts=random_prompts(),
+        reference=reference,
+        critic=critic,
+        weights=weights,
+    )
+    rows = t.fit(2)
+    step = [
+        "generate",
+        "score",
+        "old log-probs",
+        "reference",
+        "values",
+        "critic update",
+        "actor update",
+        "sync",
+    ]
+    assert calls == ["sync", *step, *step]  # the first sync before the first generation
+    assert all("critic/vf_loss" in row and "actor/kl_loss" in row for row in rows)
+
+
 def test_kl_loss_against_a_reference_and_a_prompt_callable() -> None:
     calls: list[int] = []
 

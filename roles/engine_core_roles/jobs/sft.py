@@ -6,16 +6,16 @@ The job is configured by a YAML recipe plus dotted overrides, resolved against t
 engine's config class before anything is built; the tokenizer and the datasets are read and
 every row checked before the engine is. A conversation is tokenized as the RL job's warm-up and
 episode rollout tokenize it (:class:`~engine_core_roles.episodes.demos.DemoRenderer`: the loss
-on the assistant's tokens only), and each step is the supervised step every job shares
-(:func:`~engine_core_roles.algorithms.supervised.supervised_step`). Around it: validation loss
-every ``eval_every`` steps, checkpoints (the engine, the data position and the step, committed
-together) every ``save_every`` steps and at the end, exact ``--resume``, a progress bar,
-``metrics.jsonl`` (and TensorBoard, a plot), and a Hugging Face export with the tokenizer.
+on the assistant's tokens only), and the steps are
+:class:`~engine_core_roles.trainer.sft.SFTTrainer`'s (the supervised step every job shares, the
+validation loss every ``eval_every`` steps). Around them: checkpoints (the engine, the data
+position and the step, committed together) every ``save_every`` steps and at the end, exact
+``--resume``, a progress bar, ``metrics.jsonl`` (and TensorBoard, a plot), and a Hugging Face
+export with the tokenizer.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,12 +28,11 @@ from tensordict import TensorDict
 from engine_core.checkpoint import ROOT_PART, JobCheckpoints
 from engine_core.config import EngineConfig, ModelConfig
 from engine_core.configio import prefix_validation_error
-from engine_core.engine import BaseEngine, loss_mask_of
+from engine_core.engine import BaseEngine
 from engine_core.errors import EXIT_STOPPED, CheckpointError, RunStopped
 from engine_core.models import build_hf_config
 from engine_core.plugins import BackendSpec, PluginManager
 from engine_core.resolve import resolve_engine_config
-from engine_core_roles.algorithms.supervised import supervised_loss, supervised_step
 from engine_core_roles.data.chats import ChatData, ChatDataConfig
 from engine_core_roles.data.tasks import DigitTask
 from engine_core_roles.data.tokenizer import load_tokenizer
@@ -46,6 +45,7 @@ from engine_core_roles.jobs.tracking import (
     save_checkpoint,
     starting_point,
 )
+from engine_core_roles.trainer.sft import NoValidation, SFTTrainer, Validation, supervised_update
 
 __all__ = ["SFTJobConfig", "run_sft", "chat_datasets", "Chats"]
 
@@ -195,6 +195,12 @@ def _train(
             checkpoints.load(resume_from, parts, verified=True), resume_from, chats, task
         )
         console.print(f"resumed from {resume_from} (next step {done + 1})")
+    trainer = SFTTrainer(
+        supervised_update(engine),
+        next_batch,
+        validation=_validation(job, engine, chats),
+        global_step=done,
+    )
     what = (
         "digit task " + job.task.name
         if chats is None
@@ -220,23 +226,9 @@ def _train(
             bar = progress.add_task(
                 "train", total=job.steps, completed=done, loss=float("nan"), tps=0.0
             )
-            for step in range(done + 1, job.steps + 1):
-                batch = next_batch()
-                t0 = time.perf_counter()
-                result = supervised_step(engine, batch)
-                dt = time.perf_counter() - t0
-                row: dict[str, Any] = {
-                    "step": step,
-                    **result,
-                    "loss_tokens": int(loss_mask_of(batch).sum()),
-                    "tokens_per_s": int(batch["attention_mask"].sum()) / dt,
-                    "time_s": dt,
-                }
-                every = job.eval_every
-                if chats is not None and chats.val is not None and every:
-                    if step % every == 0 or step == job.steps:
-                        val = supervised_loss(engine, chats.val.batches(job.batch_size))
-                        row.update({f"val/{k}": v for k, v in val.items()})
+            while trainer.global_step < job.steps:
+                row = trainer.step()
+                step = row["step"]
                 tracker.log(row)
                 progress.update(bar, advance=1, loss=row["loss"], tps=row["tokens_per_s"])
                 if step % job.log_every == 0 or step == job.steps:
@@ -293,6 +285,19 @@ def _train(
     tracker.close("finished", summary)
     console.print_json(data=summary)
     return summary
+
+
+def _validation(job: SFTJobConfig, engine: BaseEngine, chats: Chats | None) -> NoValidation:
+    """The loss on data.val_files every ``eval_every`` steps and at the last, where set."""
+    val = None if chats is None else chats.val
+    if val is None or not job.eval_every:
+        return NoValidation()
+    return Validation(
+        engine,
+        lambda: val.batches(job.batch_size),
+        every=job.eval_every,
+        last_step=job.steps,
+    )
 
 
 def _restore(

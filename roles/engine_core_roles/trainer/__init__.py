@@ -1,6 +1,7 @@
 """``RLTrainer`` and the parts its step is made of: configuration, generation (synchronous or
-asynchronous), dynamic sampling, scoring, advantage estimation, guards, metrics and resumable
-state.
+asynchronous), dynamic sampling, scoring, the old-log-prob stage with its routing, the reference
+and critic stages, advantage estimation, guards, metrics and resumable state; and
+``SFTTrainer``, the supervised steps of ``engine-core train`` and the RL job's warm-up.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from engine_core_roles.trainer.protocols import (
     RewardRole,
     ValueRole,
 )
+from engine_core_roles.trainer.sft import SFTTrainer
 
 __all__ = [
     "SEED_STRIDE",
@@ -31,6 +33,7 @@ __all__ = [
     "LogProbGapError",
     "StepCallback",
     "RLTrainer",
+    "SFTTrainer",
     "TIMING_KEYS",
     "plot_keys",
     "PromptBatch",

@@ -1,6 +1,8 @@
 """The step's advantages: the run's advantage estimator (a registered plugin, picked once from
-``TrainerConfig.algorithm``), with the critic's values and update around it when the estimator
-needs a critic, and DAPO's overlong shaping of the scores before it.
+``TrainerConfig.algorithm``) over the scores (shaped first by DAPO's overlong penalty, where
+configured) and, when it needs a critic, the critic's values; it writes the returns that critic
+is then trained on. The critic's values and update are the step's own stages
+(:mod:`engine_core_roles.trainer.auxiliary`).
 
 The estimators themselves are :class:`engine_core_roles.algorithms.base.AdvantageEstimator`
 classes (the shipped ones in :mod:`engine_core_roles.algorithms.builtin`).
@@ -25,7 +27,6 @@ from engine_core_roles.algorithms.select import (
 from engine_core_roles.batch.keys import (
     ADVANTAGES,
     OLD_LOG_PROBS,
-    OLD_VALUES,
     REF_LOG_PROBS,
     RETURNS,
 )
@@ -44,8 +45,9 @@ def overlong_penalty(lengths: torch.Tensor, budget: int, shaping: OverlongShapin
 
 
 class Advantages:
-    """Writes ``ADVANTAGES`` (and, with a critic, ``OLD_VALUES`` and ``RETURNS``) into a step's
-    batch from its scores; returns the figures to log (the critic's update's among them)."""
+    """Writes ``ADVANTAGES`` (and, when it trains a critic, ``RETURNS``) into a step's batch
+    from its scores and the critic's values; returns the figures to log. ``critic`` (the run's,
+    or None) is checked against what the estimator needs."""
 
     def __init__(
         self,
@@ -64,11 +66,17 @@ class Advantages:
             has_reference=has_reference,
         )
         self.estimator = self.resolved.build_estimator()
-        self.critic = critic
         self.config = config
         self.wants_log_probs = AlgorithmNeed.REFERENCE in self.resolved.advantage.needs
+        #: whether the estimator's returns train the run's critic (written as ``RETURNS``)
+        self.trains_critic = (
+            AlgorithmNeed.CRITIC in self.resolved.advantage.needs and critic is not None
+        )
 
-    def __call__(self, batch: TensorDict, scores: torch.Tensor) -> dict[str, float]:
+    def __call__(
+        self, batch: TensorDict, scores: torch.Tensor, values: torch.Tensor | None = None
+    ) -> dict[str, float]:
+        """``values``: the critic's (``OLD_VALUES``), None without one."""
         cfg, mask = self.config, batch[LOSS_MASK]
         metrics: dict[str, float] = {}
         shaping = cfg.algorithm.overlong
@@ -79,9 +87,6 @@ class Advantages:
         token_rewards = self._kl_rewards(batch, metrics)
         n = cfg.samples_per_prompt
         groups = torch.arange(scores.numel()) // n  # a prompt's samples are adjacent
-        values = None
-        if self.critic is not None:
-            batch[OLD_VALUES] = values = self.critic.compute_values(batch)[OLD_VALUES]
         result = self.estimator(
             AdvantageInputs(
                 scores=scores,
@@ -103,14 +108,13 @@ class Advantages:
             )
         batch[ADVANTAGES] = result.advantages.to(torch.float32) * mask
         metrics.update({f"advantage/{k}": float(v) for k, v in result.metrics.items()})
-        if AlgorithmNeed.CRITIC in self.resolved.advantage.needs and self.critic is not None:
+        if self.trains_critic:
             if result.returns is None:
                 raise ValueError(
                     f"advantage estimator {name!r} needs a critic but returned no returns to "
                     f"train it on; return AdvantageResult(advantages, returns)."
                 )
             batch[RETURNS] = result.returns
-            metrics.update(self.critic.update_critic(batch))
         return metrics
 
     @staticmethod

@@ -128,6 +128,10 @@ class Generation:
         samples = self.rollout.generate(prompts, params)
         return samples if self._responses is None else self._responses(samples)
 
+    def version_metrics(self, drawn: Drawn, staleness: int) -> dict[str, float]:
+        """The step's row figures of the weights that generated ``drawn`` (none here)."""
+        return {}
+
     def settle(self, *, quiet: bool = False) -> None:
         """Wait for a generation in flight (none here); ``quiet``: its error is not raised
         here (it stays the next step's to raise)."""
@@ -212,6 +216,13 @@ class Asynchronous(Generation):
                 prompts, gen if self._responses is None else self._responses(gen), version
             )
         )
+
+    def version_metrics(self, drawn: Drawn, staleness: int) -> dict[str, float]:
+        """The weight version that generated the samples, and how many updates old they are."""
+        return {
+            "rollout/weight_version": float(drawn.version),
+            "rollout/staleness": float(staleness),
+        }
 
     def settle(self, *, quiet: bool = False) -> None:
         if self._pending is None:

@@ -5,11 +5,14 @@
   of samples drawn with the trainer's current weights, the run stops (:class:`LogProbGapError`).
 - :class:`SeparateForward` and :class:`FromUpdate`: where a step's old log-probs come from, chosen
   once by the actor's config — a forward before the update, or (on-policy, one optimizer step)
-  the update's own forward; the gap guard runs on them either way.
+  the update's own forward; the gap guard runs on them either way, and the routing part reads
+  that pass's routes once.
 - :func:`check_skipped`: a run of steps in a row that applied no update stops the run.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from tensordict import TensorDict
@@ -28,6 +31,7 @@ from engine_core_roles.batch.keys import OLD_LOG_PROBS, TRAINER_ROUTES
 from engine_core_roles.roles.actor import ActorUpdate
 from engine_core_roles.trainer.config import TrainerConfig
 from engine_core_roles.trainer.protocols import PolicyRole
+from engine_core_roles.trainer.routing import OwnRoutes
 
 __all__ = [
     "FromUpdate",
@@ -35,6 +39,7 @@ __all__ = [
     "GapGuard",
     "LogProbGapError",
     "OldLogProbs",
+    "OldPass",
     "SeparateForward",
     "check_skipped",
     "old_log_probs_stage",
@@ -84,69 +89,74 @@ class GapGuard:
         return gap, values
 
 
-class OldLogProbs:
-    """Where a step's old log-probs come from; ``before_update`` and ``after_update`` each
-    return the step's gap once it is known (None before). With ``record_routes`` (a mixture
-    of experts under ``routing_replay``) that forward also puts the experts its own routers
-    chose in the batch (:data:`TRAINER_ROUTES`)."""
+OldPass = Callable[[ActorUpdate], tuple[Gap, dict[str, float]]]
+"""A step's old-log-prob pass, begun: called with the actor's update, it gives the step's gap
+and routing metrics (computed before the update by a separate forward, from the update's own
+forward otherwise)."""
 
-    def __init__(self, actor: PolicyRole, guard: GapGuard, record_routes: bool = False) -> None:
-        self.actor, self.guard, self.record_routes = actor, guard, record_routes
+
+class OldLogProbs:
+    """Where a step's old log-probs come from, with the step's routing bookkeeping
+    (:mod:`engine_core_roles.trainer.routing`, read once each step): calling the stage begins
+    the pass before the update and returns it as an :data:`OldPass`. Where ``routing`` records
+    them (a mixture of experts under ``routing_replay``) the pass's forward also puts the experts
+    its own routers chose in the batch (:data:`TRAINER_ROUTES`), for ``routing`` to take."""
+
+    def __init__(self, actor: PolicyRole, guard: GapGuard, routing: OwnRoutes) -> None:
+        self.actor, self.guard, self.routing = actor, guard, routing
 
     def update_batch(self, batch: TensorDict) -> TensorDict:
         """What the update takes: ``batch`` (asking for routes where the update's forward is
         the old-log-prob pass)."""
         return batch
 
-    def before_update(
-        self, step: int, staleness: int, gen: TensorDict, batch: TensorDict
-    ) -> Gap | None:
-        return None
-
-    def after_update(
-        self, step: int, staleness: int, gen: TensorDict, batch: TensorDict, update: ActorUpdate
-    ) -> Gap | None:
-        return None
+    def __call__(self, step: int, staleness: int, gen: TensorDict, batch: TensorDict) -> OldPass:
+        raise NotImplementedError
 
 
 class SeparateForward(OldLogProbs):
     """A forward of the actor before the update; the gap is checked before the update."""
 
-    def before_update(
-        self, step: int, staleness: int, gen: TensorDict, batch: TensorDict
-    ) -> Gap | None:
-        asked = with_meta(batch, return_routes=True) if self.record_routes else batch
+    def __call__(self, step: int, staleness: int, gen: TensorDict, batch: TensorDict) -> OldPass:
+        sampled = self.routing.sampled(batch)
+        records = self.routing.records
+        asked = with_meta(batch, return_routes=True) if records else batch
         out = self.actor.compute_log_prob(asked)
         batch[OLD_LOG_PROBS] = out[OLD_LOG_PROBS]
-        if self.record_routes:
+        if records:
             batch[TRAINER_ROUTES] = out[ROUTED_EXPERTS]
-        return self.guard(step, staleness, gen, batch)
+        gap = self.guard(step, staleness, gen, batch)
+        # before the reference's forward, which replays the routes this leaves in the batch
+        routes = self.routing.after_old_pass(batch, sampled)
+        return lambda update: (gap, routes)
 
 
 class FromUpdate(OldLogProbs):
     """On-policy with one optimizer step: the update's own forward gives the old log-probs
     (one forward fewer), returned with the update for the same checks."""
 
-    def after_update(
-        self, step: int, staleness: int, gen: TensorDict, batch: TensorDict, update: ActorUpdate
-    ) -> Gap | None:
-        assert update.old_log_probs is not None  # old_log_probs_from_update
-        batch[OLD_LOG_PROBS] = update.old_log_probs
-        if self.record_routes:
-            assert update.routes is not None  # asked for in update_batch
-            batch[TRAINER_ROUTES] = update.routes
-        return self.guard(step, staleness, gen, batch)
+    def __call__(self, step: int, staleness: int, gen: TensorDict, batch: TensorDict) -> OldPass:
+        sampled = self.routing.sampled(batch)  # before the update, which may not see them
+
+        def after(update: ActorUpdate) -> tuple[Gap, dict[str, float]]:
+            assert update.old_log_probs is not None  # old_log_probs_from_update
+            batch[OLD_LOG_PROBS] = update.old_log_probs
+            if self.routing.records:
+                assert update.routes is not None  # asked for in update_batch
+                batch[TRAINER_ROUTES] = update.routes
+            gap = self.guard(step, staleness, gen, batch)
+            return gap, self.routing.after_old_pass(batch, sampled)
+
+        return after
 
     def update_batch(self, batch: TensorDict) -> TensorDict:
-        return with_meta(batch, return_routes=True) if self.record_routes else batch
+        return with_meta(batch, return_routes=True) if self.routing.records else batch
 
 
-def old_log_probs_stage(
-    actor: PolicyRole, guard: GapGuard, record_routes: bool = False
-) -> OldLogProbs:
+def old_log_probs_stage(actor: PolicyRole, guard: GapGuard, routing: OwnRoutes) -> OldLogProbs:
     """The actor's config decides: ``old_log_probs_from_update`` or a separate forward."""
     stage = FromUpdate if actor.config.old_log_probs_from_update else SeparateForward
-    return stage(actor, guard, record_routes)
+    return stage(actor, guard, routing)
 
 
 def check_skipped(step: int, in_a_row: int, limit: int, batch: TensorDict) -> None:

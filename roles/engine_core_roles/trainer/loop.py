@@ -1,8 +1,9 @@
 """``RLTrainer``: the RL loop (any registered algorithm) over the roles, a rollout and a reward function.
 
-One :meth:`RLTrainer.step` reads as the algorithm: generate → score → old and reference
-log-probs → advantages → update → sync, then one row of metrics. What varies is a part picked
-once, when the trainer is built, never an ``if`` in the step:
+One :meth:`RLTrainer.step` reads as the algorithm: generate → score → old log-probs (the
+routes with them) → reference log-probs → values → advantages → critic update → actor update →
+sync, then one row of metrics. What varies is a part picked once, when the trainer is built,
+never an ``if`` in the step:
 
 - generation: :class:`~engine_core_roles.trainer.generation.Synchronous`, or
   :class:`~engine_core_roles.trainer.generation.Asynchronous` with ``max_staleness >= 1``
@@ -12,10 +13,15 @@ once, when the trainer is built, never an ``if`` in the step:
 - old log-probs: a forward before the update, or the update's own
   (:mod:`engine_core_roles.trainer.guards`), with the log-prob gap guard on either;
 - routes of a mixture of experts: each forward's own, the rollout's replayed, or the old-log-prob
-  pass's replayed in the update (:mod:`engine_core_roles.trainer.routing`);
+  pass's replayed in the update (:mod:`engine_core_roles.trainer.routing`), read by the
+  old-log-prob stage;
+- the reference's log-probs, the critic's values and its update: the role's call, or nothing
+  where the run has no such role (:mod:`engine_core_roles.trainer.auxiliary`);
 - advantages: the estimator of ``config.algorithm``
-  (:mod:`engine_core_roles.trainer.estimators`: group-normalized scores, or GAE over a critic
-  that is then updated).
+  (:mod:`engine_core_roles.trainer.estimators`: group-normalized scores, or GAE over the
+  critic's values, with the returns it is then trained on);
+- sync: the update's weights reach the rollout at the step's end, or (asynchronous) before the
+  next generation starts.
 
 :meth:`RLTrainer.fit` repeats the step and hands every row to the callbacks (logging,
 checkpoints). ``engine-core run`` (:mod:`engine_core_roles.jobs.rl`) is this trainer plus config
@@ -36,11 +42,11 @@ from tensordict import TensorDict
 from engine_core import ATTENTION_MASK, BaseRollout, EngineCoreError, SamplingParams
 from engine_core.remote_rollout import ProcessRollout
 from engine_core.rollout import RESPONSE_MASK
-from engine_core_roles.batch.keys import REF_LOG_PROBS
 from engine_core_roles.data.rewards import RewardFn, Rewards, SampleReward
 from engine_core_roles.distributed.weights import WeightLink
 from engine_core_roles.episodes.metrics import episode_metrics
 from engine_core_roles.roles.actor import ActorUpdate
+from engine_core_roles.trainer.auxiliary import critic_stage, reference_stage
 from engine_core_roles.trainer.config import TrainerConfig
 from engine_core_roles.trainer.dynamic_sampling import FilteredGroups
 from engine_core_roles.trainer.estimators import Advantages
@@ -191,6 +197,8 @@ class RLTrainer:
             max_new_tokens=config.max_new_tokens,
         )
         self._generation: Generation
+        # when an update's weights reach the rollout
+        self._push_update: Callable[[], None]
         if isinstance(rollout, ProcessRollout) and config.max_staleness:
             self._generation = Asynchronous(
                 rollout,
@@ -200,8 +208,10 @@ class RLTrainer:
                 responses,
                 before_next=self._sync_if_stale,
             )
+            self._push_update = _later  # before the next generation starts (before_next)
         else:
             self._generation = Synchronous(rollout, reader, params, self._synced_version, responses)
+            self._push_update = self.sync_weights  # now: the next step generates with them
         self._scorer = Scorer(reward_fn, reward_model, config.reward_model_weight)
         self._scoring = (
             FilteredGroups(
@@ -214,8 +224,10 @@ class RLTrainer:
             if config.filter_groups and isinstance(self._generation, Synchronous)
             else ScoreAsDrawn(self._scorer, params)
         )
-        self._routing = routing_for(config, actor, rollout, num_experts)
-        self._old_log_probs = old_log_probs_stage(actor, GapGuard(config), self._routing.records)
+        routing = routing_for(config, actor, rollout, num_experts)
+        self._old_log_probs = old_log_probs_stage(actor, GapGuard(config), routing)
+        self._reference = reference_stage(reference)
+        self._critic = critic_stage(critic, trained=advantages.trains_critic)
         self._advantages = advantages
 
     # -- the step ------------------------------------------------------------------------------
@@ -228,24 +240,28 @@ class RLTrainer:
         drawn = self._generation.draw(step)
         staleness = self._staleness(step, drawn)
         drawn, batch, scoring, figures = self._scoring(step, drawn)
-        sampled_routes = self._routing.sampled(batch)
-        gap = self._old_log_probs.before_update(step, staleness, drawn.samples, batch)
-        routing = self._routing.after_old_pass(batch, sampled_routes)
-        if self.reference is not None:
-            batch[REF_LOG_PROBS] = self.reference.compute_ref_log_prob(batch)[REF_LOG_PROBS]
+        old_pass = self._old_log_probs(step, staleness, drawn.samples, batch)  # routes inside
+        self._reference(batch)
         rewards = scoring()
         if rewards.failures:
             return self._unscored_step(step, t0, rewards, drawn.samples, batch)
         self._reward_failures_in_a_row = 0
-        critic_metrics = self._advantages(batch, rewards.scores)
+        values = self._critic.values(batch)
+        advantage_metrics = self._advantages(batch, rewards.scores, values)
+        critic_metrics = self._critic.update(batch)
         update = self.actor.update_actor(self._old_log_probs.update_batch(batch))
-        gap = self._old_log_probs.after_update(step, staleness, drawn.samples, batch, update) or gap
-        assert gap is not None  # one of the two stages computed it
-        routing = self._routing.after_old_pass(batch, sampled_routes) or routing
+        gap, routing = old_pass(update)
         self._count_skipped(step, update, batch)
-        self._advance(step)
+        self._sync(step)
         row = self._row(step, drawn, staleness, rewards, figures, gap, update.metrics)
-        return {**row, **routing, **critic_metrics, **self._timing(t0, batch), **_shown(rewards)}
+        return {
+            **row,
+            **routing,
+            **advantage_metrics,
+            **critic_metrics,
+            **self._timing(t0, batch),
+            **_shown(rewards),
+        }
 
     def _staleness(self, step: int, drawn: Drawn) -> int:
         """How many updates old the step's samples are: never more than ``max_staleness``."""
@@ -257,12 +273,11 @@ class RLTrainer:
             )
         return staleness
 
-    def _advance(self, step: int) -> None:
+    def _sync(self, step: int) -> None:
         """The step is spent: the actor's weights are version ``step``; a synchronous run syncs
         them now, an asynchronous one before its next generation starts."""
         self.global_step = step
-        if not self.config.max_staleness:
-            self.sync_weights()
+        self._push_update()
 
     def _row(
         self,
@@ -284,15 +299,7 @@ class RLTrainer:
             "response_length": float(gen[RESPONSE_MASK].bool().sum(-1).float().mean()),
             "rollout/logprob_diff_max": float(mismatch.max()),
             "rollout/logprob_diff_mean": float(mismatch.mean()),
-            # asynchronous: the weights that generated the samples, how many updates old
-            **(
-                {
-                    "rollout/weight_version": float(drawn.version),
-                    "rollout/staleness": float(staleness),
-                }
-                if self.config.max_staleness
-                else {}
-            ),
+            **self._generation.version_metrics(drawn, staleness),
             **per_replica(gen, per_column, sampled_mask(gen)),
             **episode_metrics(gen),
             **self._last_sync,
@@ -324,7 +331,7 @@ class RLTrainer:
                 f"before the run goes on without learning; checkpoints already saved are kept. "
                 f"Fix the reward function, or raise max_consecutive_skipped_updates."
             )
-        self._advance(step)  # the step's prompts are spent; the weights did not change
+        self._sync(step)  # the step's prompts are spent; the weights did not change
         finite = rewards.scores[torch.isfinite(rewards.scores)]
         return {
             "step": step,
@@ -443,6 +450,11 @@ class RLTrainer:
             self._weights.close()
             self._weights = None
         self._scorer.close()
+
+
+def _later() -> None:
+    """An asynchronous run's update sync: none at the step's end (the generation part syncs
+    before it starts the next generation)."""
 
 
 def _shown(rewards: Rewards) -> dict[str, Any]:
