@@ -426,7 +426,7 @@ def model_weight_shapes(model: ModelConfig, adapters: bool = False) -> dict[str,
 def base_model(model: ModelConfig) -> ModelConfig:
     """``model`` without ``lora``: what a rollout that takes merged weights builds (the merged
     model has the base architecture; only a rollout that serves the adapters builds them)."""
-    return model if model.lora is None else model.model_copy(update={"lora": None})
+    return model if model.lora is None else model.validated_copy(lora=None)
 
 
 def saved_model_folder(

@@ -308,7 +308,7 @@ class RLJobConfig(JobConfig):
         where ``trainer`` leaves max_new_tokens and stop_token_ids unset."""
         derived = {"max_new_tokens": task.response_len, "stop_token_ids": [EOS]}
         unset = {k: v for k, v in derived.items() if k not in self.trainer.model_fields_set}
-        return self.trainer.model_copy(update=unset)
+        return self.trainer.validated_copy(**unset)
 
     def text_trainer_config(self, stops: list[int]) -> TrainerConfig:
         """The loop's settings of a text job: ``trainer``, stopping at ``stops`` (the
@@ -316,7 +316,7 @@ class RLJobConfig(JobConfig):
         ``trainer`` leaves stop_token_ids unset."""
         if "stop_token_ids" in self.trainer.model_fields_set:
             return self.trainer
-        return self.trainer.model_copy(update={"stop_token_ids": stops})
+        return self.trainer.validated_copy(stop_token_ids=stops)
 
     def actor_config(self, max_new_tokens: int | None = None) -> ActorConfig:
         """The actor's settings: ``actor``, with the policy loss of ``trainer.algorithm`` (and
@@ -336,7 +336,7 @@ class RLJobConfig(JobConfig):
         mode = update.get("loss_agg_mode", self.actor.loss_agg_mode)
         if mode == LossAggregation.SEQ_MEAN_TOKEN_SUM_NORM and "loss_norm_length" not in given:
             update["loss_norm_length"] = max_new_tokens or self.generation_budget
-        return self.actor.model_copy(update=update)
+        return self.actor.validated_copy(**update)
 
     @property
     def generation_budget(self) -> int:
