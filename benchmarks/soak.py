@@ -177,9 +177,11 @@ def main() -> None:
     rewards: list[float] = []
     start = time.perf_counter()
     with LocalWorkerGroup(
-        SoakActorWorker, 2, init_args=(job.engine, job.actor_config().model_dump())
+        SoakActorWorker,
+        2,
+        init_args=(job.engine, job.actor_config().model_dump(), job.trainer.algorithm.model_dump()),
     ) as group:
-        actor = ActorGroup(group, job.actor_config())
+        actor = ActorGroup(group, job.actor_config(), job.trainer.algorithm)
         actor.compute_log_prob = _timed(actor.compute_log_prob, seconds, "compute_log_prob")  # type: ignore[method-assign]
         actor.update_actor = _timed(actor.update_actor, seconds, "update_actor")  # type: ignore[method-assign]
         link = WeightLink(actor, rollout)

@@ -7,7 +7,8 @@ never from mutating a config.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import logging
+from typing import Any, Literal, Self
 
 from pydantic import (
     BaseModel,
@@ -32,6 +33,8 @@ DtypeName = Literal["float32", "bfloat16", "float16"]
 # bytes per element: a compute dtype must be narrower than the dtype the weights are held in
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
+_log = logging.getLogger(__name__)
+
 
 class FrozenModel(BaseModel):
     """Base of every config model: immutable, unknown keys refused (naming the close matches)."""
@@ -48,6 +51,12 @@ class FrozenModel(BaseModel):
         except ValidationError as e:
             valid = [f.alias or name for name, f in cls.model_fields.items()]
             raise explain_unknown_keys(e, valid) from None
+
+    def validated_copy(self, **update: Any) -> Self:
+        """This config with ``update`` applied, validated as a new one would be: every field
+        check and rule between fields runs again (``model_copy(update=...)`` runs none). The
+        fields this config was given stay the ones it was given, plus ``update``'s."""
+        return self.model_validate({**self.model_dump(exclude_unset=True), **update})
 
 
 class LoraConfig(FrozenModel):
@@ -79,8 +88,9 @@ class ModelConfig(FrozenModel):
         Field(
             None,
             description=(
-                "transformers attention kernel; None: in a packed engine (use_packing) "
-                "sdpa_varlen, elsewhere the model's default (sdpa). "
+                "transformers attention kernel; None: in a packed engine (use_packing) or "
+                "under context parallelism the engine config sets it to sdpa_varlen (and logs "
+                "it), elsewhere the model's default (sdpa). "
                 "sdpa_varlen: SDPA per packed sequence, no dense mask (engine_core.attention). "
                 "flash_attention_2 needs a GPU, the flash-attn package and bf16/fp16 compute."
             ),
@@ -164,8 +174,9 @@ class EngineConfig(FrozenModel):
         description=(
             "Mixed precision: parameters (master weights), gradients' accumulation and optimizer "
             "state stay in model.dtype; forward and backward compute in compute_dtype (in "
-            "practice bfloat16 with a float32 model). None, or model.dtype itself: compute in "
-            "model.dtype. Nothing scales the loss, so prefer bfloat16 to float16."
+            "practice bfloat16 with a float32 model). None: compute in model.dtype; "
+            "model.dtype itself is read as None (and logged). Nothing scales the loss, so "
+            "prefer bfloat16 to float16."
         ),
     )
     seed: int = 0
@@ -176,7 +187,12 @@ class EngineConfig(FrozenModel):
         """Values derived from others, computed on the input so the frozen config is built
         once with them (never rewritten after): packing and context parallelism attend through
         ``sdpa_varlen`` when the model names no attention; ``compute_dtype`` equal to the
-        model's dtype is no mixed precision (None)."""
+        model's dtype is no mixed precision (None).
+
+        Both are kept as rewrites, not refused: every packed recipe leaves the attention unset
+        and relies on the first, and a bfloat16 model given ``compute_dtype: bfloat16`` (a
+        model-agnostic override) on the second. Each rewrite is logged (info) and documented
+        in the fields' descriptions."""
         if not isinstance(data, dict):
             return data
         model_cls = cls.model_fields["model"].annotation
@@ -192,10 +208,20 @@ class EngineConfig(FrozenModel):
         if (packing is True or split) and model.attn_implementation is None:
             # transformers attends over a packed row with one dense [T, T] mask: quadratic in
             # the whole row, several times the cost of the padded batch for many short samples
-            varlen = model.model_copy(update={"attn_implementation": "sdpa_varlen"})
+            varlen = model.validated_copy(attn_implementation="sdpa_varlen")
             data = {**data, "model": varlen}
+            _log.info(
+                "engine config: model.attn_implementation unset, set to sdpa_varlen (%s); "
+                "name another one to use it instead.",
+                "use_packing" if packing is True else f"context_parallel_size={cp}",
+            )
         if data.get("compute_dtype") is not None and data["compute_dtype"] == model.dtype:
             data = {**data, "compute_dtype": None}  # computing in the weights' own dtype
+            _log.info(
+                "engine config: compute_dtype=%s equals model.dtype, read as None (no mixed "
+                "precision: the model computes in its own dtype).",
+                model.dtype,
+            )
         return data
 
     @model_validator(mode="after")

@@ -27,6 +27,7 @@ from engine_core.errors import BatchError, CapabilityError, WeightSyncError
 from engine_core.models import is_adapter_name
 
 __all__ = [
+    "SamplingSettings",
     "SamplingParams",
     "RolloutConfig",
     "BaseRollout",
@@ -79,14 +80,31 @@ ROLLOUT_REPLICA = "rollout_replica"  # which replica of a multi-process rollout 
 PROMPT_SEED = "prompt_seed"
 
 
-class SamplingParams(FrozenModel):
+class SamplingSettings(FrozenModel):
+    """The sampling settings a run sets once and every generation reads: declared here only.
+
+    :class:`SamplingParams` (one generate call's) and the RL trainer's config
+    (``engine_core_roles.TrainerConfig``, ``trainer.temperature`` in a recipe) both inherit
+    them, so the trainer's values are the rollout's, never a second copy to keep in step.
+    """
+
+    temperature: float = Field(
+        1.0,
+        ge=0,
+        description="Sampling temperature (the trainer computes its log-probs at it too); 0 "
+        "means greedy, which a trainer refuses.",
+    )
+    max_new_tokens: PositiveInt = Field(32, description="The most tokens a response may have.")
+    stop_token_ids: list[int] = Field(
+        default_factory=list, description="Token ids that end a response."
+    )
+
+
+class SamplingParams(SamplingSettings):
     """Sampling parameters every rollout honours (or refuses when it cannot)."""
 
-    temperature: float = Field(1.0, ge=0, description="0 means greedy.")
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1, description="-1 disables top-k.")
-    max_new_tokens: PositiveInt = 32
-    stop_token_ids: list[int] = Field(default_factory=list)
     n: PositiveInt = Field(1, description="Samples per prompt.")
     seed: int | None = Field(
         None,
@@ -426,7 +444,7 @@ def model_weight_shapes(model: ModelConfig, adapters: bool = False) -> dict[str,
 def base_model(model: ModelConfig) -> ModelConfig:
     """``model`` without ``lora``: what a rollout that takes merged weights builds (the merged
     model has the base architecture; only a rollout that serves the adapters builds them)."""
-    return model if model.lora is None else model.model_copy(update={"lora": None})
+    return model if model.lora is None else model.validated_copy(lora=None)
 
 
 def saved_model_folder(

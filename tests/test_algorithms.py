@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from pydantic import ValidationError
 
 from engine_core import GlobalBatchContext, LossAggregation
 from engine_core.errors import ConfigError, DuplicateBackendError, PluginError
@@ -463,21 +464,19 @@ def test_losses_do_not_depend_on_micro_batches_or_dp_ranks() -> None:
 def test_actor_metrics_do_not_depend_on_micro_batching(
     policy_loss: str, params: dict[str, float]
 ) -> None:
-    cfg = ActorConfig(
+    cfg = ActorConfig(loss_norm_length=NORM_LENGTH, ppo_mini_batch_size=4, entropy_coeff=0.01)
+    algorithm = AlgorithmConfig(
         policy_loss=policy_loss,
         policy_loss_params=params,
         loss_agg_mode="seq-mean-token-sum-norm",
-        loss_norm_length=NORM_LENGTH,
-        ppo_mini_batch_size=4,
-        entropy_coeff=0.01,
     )
     batch = ppo_batch()
-    ref = Actor(cfg, engine())
+    ref = Actor(cfg, engine(), algorithm)
     g = torch.Generator().manual_seed(4)
     noise = 0.05 * torch.randn(batch["loss_mask"].shape, generator=g)
     batch[OLD_LOG_PROBS] = ref.compute_log_prob(batch)[OLD_LOG_PROBS] + noise  # off-policy
     want = ref.update_actor(batch).metrics
-    got = Actor(cfg, engine(micro_batch_size=1)).update_actor(batch).metrics
+    got = Actor(cfg, engine(micro_batch_size=1), algorithm).update_actor(batch).metrics
     assert got.keys() == want.keys()
     for k in want:
         assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-7), k
@@ -555,13 +554,35 @@ def test_check_needs_names_the_missing_critic() -> None:
 def test_roles_refuse_bad_loss_settings() -> None:
     e = engine()
     with pytest.raises(ValueError, match="loss_norm_length"):
-        Actor(ActorConfig(loss_agg_mode="seq-mean-token-sum-norm"), e)
-    with pytest.raises(ConfigError, match=r"actor\.policy_loss: .*did you mean 'cispo'\?"):
-        Actor(ActorConfig(policy_loss="cispoo"), e)
-    with pytest.raises(ValueError, match=r"actor\.policy_loss_params\.clip_ratio_low"):
-        Actor(ActorConfig(policy_loss="cispo", policy_loss_params={"clip_ratio_low": 2}), e)
+        Actor(ActorConfig(), e, AlgorithmConfig(loss_agg_mode="seq-mean-token-sum-norm"))
+    with pytest.raises(
+        ConfigError, match=r"trainer\.algorithm\.policy_loss: .*did you mean 'cispo'\?"
+    ):
+        Actor(ActorConfig(), e, AlgorithmConfig(policy_loss="cispoo"))
+    with pytest.raises(ValueError, match=r"trainer\.algorithm\.policy_loss_params\.clip_ratio_low"):
+        bad = {"clip_ratio_low": 2}
+        Actor(ActorConfig(), e, AlgorithmConfig(policy_loss="cispo", policy_loss_params=bad))
     with pytest.raises(ValueError, match=r"critic\.loss_agg_mode=seq-mean-token-sum-norm"):
         CriticConfig(loss_agg_mode="seq-mean-token-sum-norm")
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("policy_loss", "gspo"),
+        ("policy_loss_params", {"clip_ratio_high": 0.3}),
+        ("loss_agg_mode", "seq-mean-token-mean"),
+    ],
+)
+def test_the_actor_refuses_the_algorithms_keys(key: str, value: Any) -> None:
+    """The policy loss, its parameters and the aggregation are declared by the algorithm
+    alone: the actor section refuses them, saying what it got and where they live."""
+    with pytest.raises(ValidationError) as info:
+        ActorConfig(**{key: value})
+    assert f"got actor.{key}={value!r}" in str(info.value)
+    assert f"Set trainer.algorithm.{key} instead" in str(info.value)
+    with pytest.raises(ValueError, match=rf"got actor\.{key}=.*trainer\.algorithm\.{key}"):
+        _job(f"actor.{key}={value if isinstance(value, str) else '{clip_ratio_high: 0.3}'}")
 
 
 def _job(*overrides: str) -> RLJobConfig:
@@ -578,15 +599,15 @@ def test_rl_job_config_checks_the_algorithm() -> None:
         _job("trainer.algorithm.overlong.buffer=4")
     assert _job("trainer.algorithm.kl_in_reward.coef=0.1").needs_reference
     assert not _job().needs_reference
-    gspo = _job("trainer.algorithm=gspo").actor_config()
+    gspo = _job("trainer.algorithm=gspo").trainer.algorithm
     assert (gspo.policy_loss, gspo.loss_agg_mode) == ("gspo", "seq-mean-token-mean")
     dr = _job("trainer.algorithm=dr_grpo")
-    actor = dr.actor_config()
-    assert actor.loss_agg_mode is LossAggregation.SEQ_MEAN_TOKEN_SUM_NORM
-    assert actor.loss_norm_length == dr.generation_budget
-    # the actor section's own aggregation wins over the preset's
-    kept = _job("trainer.algorithm=dr_grpo", "actor.loss_agg_mode=token-mean").actor_config()
-    assert kept.loss_agg_mode is LossAggregation.TOKEN_MEAN
+    assert dr.trainer.algorithm.loss_agg_mode is LossAggregation.SEQ_MEAN_TOKEN_SUM_NORM
+    assert dr.actor_config().loss_norm_length == dr.generation_budget
+    # the algorithm's own aggregation wins over its preset's
+    kept = _job("trainer.algorithm={preset: dr_grpo, loss_agg_mode: token-mean}")
+    assert kept.trainer.algorithm.loss_agg_mode is LossAggregation.TOKEN_MEAN
+    assert kept.actor_config().loss_norm_length is None
 
 
 # -- 5. presets -----------------------------------------------------------------------------------
@@ -610,13 +631,10 @@ def test_presets_fill_the_algorithm() -> None:
     loss = resolve_algorithm(tuned).build_policy_loss()
     assert isinstance(loss, GSPO)
     assert (loss.params.clip_ratio_low, loss.params.clip_ratio_high) == (3e-4, 5e-4)
-    assert tuned.actor_settings() == {
-        "policy_loss": "gspo",
-        "policy_loss_params": {"clip_ratio_high": 5e-4},
-        "loss_agg_mode": LossAggregation.SEQ_MEAN_TOKEN_MEAN,
-    }
-    plain = AlgorithmConfig.model_validate("grpo").actor_settings()
-    assert plain == {"policy_loss": "ppo_clip", "policy_loss_params": {}}
+    assert tuned.loss_agg_mode is LossAggregation.SEQ_MEAN_TOKEN_MEAN
+    plain = AlgorithmConfig.model_validate("grpo")
+    assert (plain.policy_loss, plain.policy_loss_params) == ("ppo_clip", {})
+    assert plain.loss_agg_mode is LossAggregation.TOKEN_MEAN
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))

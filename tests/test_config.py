@@ -319,3 +319,31 @@ def test_derived_engine_values_are_computed_before_the_frozen_config_exists() ->
     mixed = EngineConfig(backend="x", model=qwen, compute_dtype="bfloat16")
     assert mixed.compute_dtype == "bfloat16"
     assert "object.__setattr__" not in inspect.getsource(engine_core.config)
+
+
+def test_the_derived_engine_values_are_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """The two rewrites on the input are kept (packed recipes leave the attention unset) and
+    said: one info line each, naming what was received and what it became."""
+    qwen = {"config": {"model_type": "qwen2"}}
+    with caplog.at_level("INFO", logger="engine_core.config"):
+        EngineConfig(backend="x", model=qwen, compute_dtype="float32")
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("attn_implementation unset, set to sdpa_varlen (use_packing)" in m for m in lines)
+    assert any("compute_dtype=float32 equals model.dtype, read as None" in m for m in lines)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="engine_core.config"):
+        EngineConfig(backend="x", model={**qwen, "attn_implementation": "eager"})
+    assert not caplog.records
+
+
+def test_a_derived_config_is_validated() -> None:
+    """validated_copy runs every check a new config runs: a bad derived value is refused, where
+    model_copy(update=...) would have built it."""
+    qwen = {"config": {"model_type": "qwen2"}}
+    cfg = EngineConfig(backend="x", model=qwen, micro_batch_size=2)
+    with pytest.raises(ValidationError, match="micro_batch_size"):
+        cfg.validated_copy(micro_batch_size=0)
+    with pytest.raises(ValidationError, match="set micro_batch_size .* or max_tokens_per_micro"):
+        cfg.validated_copy(max_tokens_per_micro_batch=64)
+    assert cfg.validated_copy(micro_batch_size=4).micro_batch_size == 4
+    assert cfg.validated_copy().model_fields_set == cfg.model_fields_set

@@ -173,3 +173,25 @@ def test_the_gap_guard_stops_a_rollout_sampling_at_another_temperature() -> None
 def test_the_actor_refuses_a_temperature_of_its_own() -> None:
     with pytest.raises(ValueError, match="trainer.temperature"):
         ActorConfig.model_validate({"temperature": 0.7})
+
+
+def test_the_sampling_settings_are_declared_once() -> None:
+    """temperature, max_new_tokens and stop_token_ids are SamplingSettings' fields, inherited
+    by the trainer's config and each step's SamplingParams alike: the same field, the same
+    checks, and the step's params carry the trainer's values."""
+    from engine_core.rollout import SamplingSettings
+
+    shared = set(SamplingSettings.model_fields)
+    assert shared == {"temperature", "max_new_tokens", "stop_token_ids"}
+    for cls in (TrainerConfig, SamplingParams):
+        assert issubclass(cls, SamplingSettings)
+        for name in shared:
+            own, base = cls.model_fields[name], SamplingSettings.model_fields[name]
+            assert repr(own) == repr(base), (cls, name)
+    config = TrainerConfig(temperature=0.7, max_new_tokens=5, stop_token_ids=[2])
+    params = config.sampling_params(1)
+    assert {k: getattr(params, k) for k in shared} == {k: getattr(config, k) for k in shared}
+    with pytest.raises(ValueError, match=r"trainer\.temperature=0 samples greedily"):
+        TrainerConfig(temperature=0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        TrainerConfig(max_new_tokens=0)

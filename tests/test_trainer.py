@@ -105,7 +105,11 @@ def trainer(config: TrainerConfig, actor_config: ActorConfig | None = None, **kw
     kw.setdefault("prompts", random_prompts())
     return RLTrainer(
         config,
-        actor=Actor(actor_config or ActorConfig(), build_engine(kw.pop("backend", "fsdp2"))),
+        actor=Actor(
+            actor_config or ActorConfig(),
+            build_engine(kw.pop("backend", "fsdp2")),
+            config.algorithm,
+        ),
         rollout=build_rollout(),
         **kw,
     )
@@ -240,6 +244,9 @@ def test_the_trainer_refuses_inconsistent_pieces() -> None:
     kl_actor = Actor(ActorConfig(use_kl_loss=True), actor.engine)
     with pytest.raises(ValueError, match="reference="):
         RLTrainer(TrainerConfig(), actor=kl_actor, rollout=rollout, **parts)
+    # the actor computes the policy loss of the algorithm it was built with: the trainer's
+    with pytest.raises(ValueError, match=r"built with 'grpo'.*algorithm=trainer_config\.algo"):
+        RLTrainer(TrainerConfig(algorithm="gspo"), actor=actor, rollout=rollout, **parts)
     with pytest.raises(ValueError, match="samples_per_prompt must be >= 2"):
         TrainerConfig(samples_per_prompt=1)
     with pytest.raises(ValueError, match="HFRollout generates in this one. Use a ProcessRollout"):

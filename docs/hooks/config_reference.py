@@ -146,7 +146,7 @@ def _default(field: FieldInfo) -> str:
         value = field.default
     if isinstance(value, BaseModel):
         fresh = type(value)()
-        return "defaults" if value == fresh else f"`{value.model_dump()!r}`"
+        return "defaults" if value == fresh else f"`{value.model_dump(mode='json')!r}`"
     return f"`{_value(value)}`"
 
 

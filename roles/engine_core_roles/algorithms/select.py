@@ -50,7 +50,7 @@ __all__ = [
 @dataclass(frozen=True)
 class Preset:
     """One name for an advantage estimator and a policy loss (and the loss aggregation the
-    method's paper uses, applied when the actor section sets none)."""
+    method's paper uses, applied when the algorithm's mapping sets none)."""
 
     advantage: str
     policy_loss: str = "ppo_clip"
@@ -114,6 +114,12 @@ class AlgorithmConfig(FrozenModel):
     Given as a preset name (``grpo``), it is that preset; given as a mapping, ``preset`` (if
     any) fills what the mapping leaves out. The names must be registered algorithms (``engine-core
     plugins`` lists them); each one's parameters are checked by its own model.
+
+    The algorithm owns the policy loss, its parameters and the loss aggregation, and the actor
+    reads them from it (``Actor(config, engine, algorithm=...)``): a user picks a method by
+    name (``gspo``) and the method's paper fixes its loss and aggregation together, so they
+    are read where the method is named, not in the actor's update settings (epochs,
+    mini-batches, entropy, KL), which stay the same when the method changes.
     """
 
     preset: str | None = Field(
@@ -127,10 +133,11 @@ class AlgorithmConfig(FrozenModel):
     policy_loss_params: dict[str, Any] = Field(
         default_factory=dict, description="The loss's parameters (its own model checks them)."
     )
-    loss_agg_mode: LossAggregation | None = Field(
-        None,
-        description="The aggregation the preset asks of the actor when actor.loss_agg_mode is "
-        "unset (dr_grpo: seq-mean-token-sum-norm; gspo: seq-mean-token-mean).",
+    loss_agg_mode: LossAggregation = Field(
+        LossAggregation.TOKEN_MEAN,
+        description="How the actor's per-token terms (the policy loss, the entropy bonus, the "
+        "KL loss, the routers' balance loss) become one number; unset: the preset's (dr_grpo: "
+        "seq-mean-token-sum-norm; gspo: seq-mean-token-mean), else token-mean.",
     )
     overlong: OverlongShaping | None = Field(
         None, description="DAPO's overlong reward shaping; None: off."
@@ -156,10 +163,11 @@ class AlgorithmConfig(FrozenModel):
                 f"a mapping: {{advantage: <estimator>, policy_loss: <loss>}} (`engine-core "
                 f"plugins` lists the registered ones)."
             )
+        own_mode = {} if preset.loss_agg_mode is None else {"loss_agg_mode": preset.loss_agg_mode}
         filled: dict[str, Any] = {
             "advantage": preset.advantage,
             "policy_loss": preset.policy_loss,
-            "loss_agg_mode": preset.loss_agg_mode,
+            **own_mode,
             **data,
         }
         # a preset's parameters stay unless given again: a mapping adds to them
@@ -172,17 +180,6 @@ class AlgorithmConfig(FrozenModel):
             base = dict(own or {}) if same else {}
             filled[f"{key}_params"] = {**base, **given} if isinstance(given, Mapping) else given
         return filled
-
-    def actor_settings(self) -> dict[str, Any]:
-        """The actor's settings this algorithm implies: its policy loss (and the preset's loss
-        aggregation), for ``ActorConfig(**algorithm.actor_settings(), ...)``."""
-        settings: dict[str, Any] = {
-            "policy_loss": self.policy_loss,
-            "policy_loss_params": dict(self.policy_loss_params),
-        }
-        if self.loss_agg_mode is not None:
-            settings["loss_agg_mode"] = self.loss_agg_mode
-        return settings
 
     @property
     def name(self) -> str:
@@ -253,11 +250,16 @@ def resolve_algorithm(
 
 
 def build_policy_loss(
-    name: str, params: Mapping[str, Any], manager: PluginManager | None = None
+    name: str,
+    params: Mapping[str, Any],
+    manager: PluginManager | None = None,
+    *,
+    path: str = "trainer.algorithm",
 ) -> PolicyLoss:
-    """The policy loss ``name`` with ``params`` (the actor's ``policy_loss`` settings)."""
-    spec = _spec(_manager(manager), AlgorithmKind.POLICY_LOSS, name, "actor.policy_loss")
-    return _built(spec, _params(spec, params, "actor.policy_loss_params"), PolicyLoss)
+    """The policy loss ``name`` with ``params`` (an algorithm's ``policy_loss`` and
+    ``policy_loss_params``)."""
+    spec = _spec(_manager(manager), AlgorithmKind.POLICY_LOSS, name, f"{path}.policy_loss")
+    return _built(spec, _params(spec, params, f"{path}.policy_loss_params"), PolicyLoss)
 
 
 def check_needs(

@@ -26,6 +26,7 @@ from tensordict import TensorDict
 from engine_core import FrozenModel
 from engine_core.executors import start_worker_group
 from engine_core.executors.base import DEFAULT_CALL_TIMEOUT_S, WorkerGroup
+from engine_core_roles.algorithms.select import AlgorithmConfig
 from engine_core_roles.roles.actor import ActorConfig, ActorUpdate
 
 __all__ = [
@@ -244,9 +245,14 @@ class ActorGroup(RoleGroup):
 
     mesh = "actor"
 
-    def __init__(self, group: WorkerGroup, config: ActorConfig) -> None:
+    def __init__(
+        self, group: WorkerGroup, config: ActorConfig, algorithm: AlgorithmConfig | None = None
+    ) -> None:
+        """``config`` and ``algorithm`` are the ones the group's workers were started with
+        (:class:`engine_core_roles.Actor`'s; None: the grpo preset)."""
         super().__init__(group)
         self.config = config
+        self.algorithm = AlgorithmConfig(preset="grpo") if algorithm is None else algorithm
         self._max_positions: int | None = group.call_all("max_position_embeddings")[0]
 
     def compute_log_prob(self, batch: TensorDict) -> TensorDict:

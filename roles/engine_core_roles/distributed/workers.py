@@ -19,6 +19,7 @@ from engine_core.executors import join_process_group
 from engine_core.executors.base import free_port, meeting_host
 from engine_core.rollout import run_through
 from engine_core.weight_sync import WeightSyncGroup, send_weights
+from engine_core_roles.algorithms.select import AlgorithmConfig
 from engine_core_roles.algorithms.supervised import supervised_step
 from engine_core_roles.roles.actor import Actor, ActorConfig, ActorUpdate
 from engine_core_roles.roles.critic import Critic, CriticConfig
@@ -72,9 +73,15 @@ class _RoleWorker(Worker):
 class ActorWorker(_RoleWorker):
     mesh = "actor"
 
-    def __init__(self, engine_config: dict[str, Any], actor_config: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        engine_config: dict[str, Any],
+        actor_config: dict[str, Any],
+        algorithm: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__(engine_config)
-        self.actor = Actor(ActorConfig(**actor_config), self.engine)
+        algo = None if algorithm is None else AlgorithmConfig.model_validate(algorithm)
+        self.actor = Actor(ActorConfig(**actor_config), self.engine, algo)
         self._weight_sync: WeightSyncGroup | None = None
 
     def max_position_embeddings(self) -> int | None:

@@ -179,7 +179,7 @@ class EpisodeRollout(BaseRollout):
             active = fits
             if not active:
                 break
-            turn_params = params.model_copy(update={"n": 1})
+            turn_params = params.validated_copy(n=1)
             ids = [r.prompt + r.tokens for r in active]
             batch = prompt_batch(ids, pad_token_id=self.pad_token_id)
             if seeds is not None:
@@ -255,7 +255,7 @@ class EpisodeRollout(BaseRollout):
             if all(r.seed is not None for r in unfed):
                 seeds = [derive_seed(r.seed, turn) for r in unfed]  # type: ignore[arg-type]
                 batch[PROMPT_SEED] = torch.tensor(seeds, dtype=torch.int64)
-            once = params.model_copy(update={"n": 1, "max_new_tokens": 1})
+            once = params.validated_copy(n=1, max_new_tokens=1)
             fed = self.inner.generate(batch, once)
             _take_routes(unfed, fed, torch.zeros_like(fed[RESPONSE_MASK]))
         return place_routes(out, [r.all_routes() for r in running])

@@ -46,7 +46,7 @@ from engine_core_roles.algorithms.losses import (
     mis_weights,
     tis_weights,
 )
-from engine_core_roles.algorithms.select import build_policy_loss
+from engine_core_roles.algorithms.select import AlgorithmConfig, build_policy_loss
 from engine_core_roles.algorithms.updates import mean_over_steps, run_updates, warn_skipped
 from engine_core_roles.batch.keys import ADVANTAGES, OLD_LOG_PROBS, REF_LOG_PROBS
 
@@ -56,6 +56,9 @@ __all__ = [
     "ActorUpdate",
 ]
 
+
+# the keys that moved to the algorithm (trainer.algorithm), refused here with where they live
+_ALGORITHM_KEYS = ("policy_loss", "policy_loss_params", "loss_agg_mode")
 
 PRODUCERS = {
     OLD_LOG_PROBS: "Actor.compute_log_prob",
@@ -67,7 +70,12 @@ PRODUCERS = {
 
 
 class ActorConfig(FrozenModel):
-    """PPO update settings of the actor."""
+    """PPO update settings of the actor.
+
+    The policy loss, its parameters and the loss aggregation are the algorithm's
+    (:class:`~engine_core_roles.algorithms.select.AlgorithmConfig`, ``trainer.algorithm``), handed
+    to :class:`Actor` with its config; they are not settings of this section.
+    """
 
     ppo_epochs: PositiveInt = 1
     ppo_mini_batch_size: PositiveInt | None = Field(
@@ -77,20 +85,11 @@ class ActorConfig(FrozenModel):
     clip_ratio_low: float = Field(0.2, ge=0)
     clip_ratio_high: float = Field(0.2, ge=0)
     clip_ratio_c: float | None = Field(3.0, gt=1, description="Dual-clip bound; None disables it.")
-    policy_loss: str = Field(
-        "ppo_clip",
-        description="The registered policy loss (ppo_clip, gspo, cispo, or a plugin's); the "
-        "job sets it from trainer.algorithm. clip_ratio_low/high/c are ppo_clip's.",
-    )
-    policy_loss_params: dict[str, Any] = Field(
-        default_factory=dict,
-        description="The policy loss's parameters (its own model checks them).",
-    )
-    loss_agg_mode: LossAggregation = LossAggregation.TOKEN_MEAN
     loss_norm_length: PositiveInt | None = Field(
         None,
-        description="seq-mean-token-sum-norm: the constant each sequence's token sum is divided "
-        "by (Dr. GRPO: the generation budget; the job sets trainer.max_new_tokens).",
+        description="trainer.algorithm.loss_agg_mode seq-mean-token-sum-norm: the constant each "
+        "sequence's token sum is divided by (Dr. GRPO: the generation budget; the job sets "
+        "trainer.max_new_tokens).",
     )
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
@@ -143,6 +142,17 @@ class ActorConfig(FrozenModel):
     @model_validator(mode="before")
     @classmethod
     def _no_temperature(cls, data: Any) -> Any:
+        moved = sorted(set(_ALGORITHM_KEYS) & set(data)) if isinstance(data, Mapping) else []
+        if moved:
+            got = ", ".join(f"actor.{k}={data[k]!r}" for k in moved)
+            raise ValueError(
+                f"got {got}: the policy loss, its parameters and the loss aggregation are the "
+                f"algorithm's, not the actor's. Set "
+                + ", ".join(f"trainer.algorithm.{k}" for k in moved)
+                + " instead (engine-core run: in the trainer section; a script: "
+                "TrainerConfig(algorithm=...) and Actor(config, engine, algorithm="
+                "trainer_config.algorithm))."
+            )
         if isinstance(data, Mapping) and "temperature" in data:
             raise ValueError(
                 "the actor has no temperature of its own: it computes log-probs at the "
@@ -191,21 +201,30 @@ class ActorUpdate:
 
 
 class Actor:
-    """The policy. ``engine`` must have been ``init_model()``-ed."""
+    """The policy. ``engine`` must have been ``init_model()``-ed.
 
-    def __init__(self, config: ActorConfig, engine: BaseEngine) -> None:
+    ``algorithm`` names the policy loss, its parameters and the loss aggregation (the run's
+    ``TrainerConfig.algorithm``; None: the grpo preset, TrainerConfig's default).
+    """
+
+    def __init__(
+        self, config: ActorConfig, engine: BaseEngine, algorithm: AlgorithmConfig | None = None
+    ) -> None:
+        algorithm = AlgorithmConfig(preset="grpo") if algorithm is None else algorithm
         if (
-            config.loss_agg_mode is LossAggregation.SEQ_MEAN_TOKEN_SUM_NORM
+            algorithm.loss_agg_mode is LossAggregation.SEQ_MEAN_TOKEN_SUM_NORM
             and config.loss_norm_length is None
         ):
             raise ValueError(
-                "actor.loss_agg_mode=seq-mean-token-sum-norm divides each sequence's token sum "
-                "by actor.loss_norm_length, which is unset; set it (Dr. GRPO: the generation "
-                "budget, trainer.max_new_tokens)."
+                "trainer.algorithm.loss_agg_mode=seq-mean-token-sum-norm divides each "
+                "sequence's token sum by actor.loss_norm_length, which is unset; set it (Dr. "
+                "GRPO: the generation budget, trainer.max_new_tokens)."
             )
         self.config = config
         self.engine = engine
-        self.policy_loss = build_policy_loss(config.policy_loss, config.policy_loss_params)
+        self.algorithm = algorithm
+        self.aggregation = algorithm.loss_agg_mode
+        self.policy_loss = build_policy_loss(algorithm.policy_loss, algorithm.policy_loss_params)
 
     def named_full_params(
         self, bucket_bytes: int = BUCKET_BYTES
@@ -254,28 +273,28 @@ class Actor:
                 ctx=ctx,
                 weights=None if correction is None else correction.weights,
                 clip=ClipRange(cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c),
-                aggregation=cfg.loss_agg_mode,
+                aggregation=self.aggregation,
                 norm_length=norm,
             )
         )
         if "pg_loss" not in terms:
             raise ValueError(
-                f"policy loss {cfg.policy_loss!r} returned {sorted(terms)} without 'pg_loss'; "
-                f"return the loss as pg_loss."
+                f"policy loss {self.algorithm.policy_loss!r} returned {sorted(terms)} without "
+                f"'pg_loss'; return the loss as pg_loss."
             )
         loss = terms["pg_loss"]
         metrics: dict[str, Metric] = {k: Metric.of(v, "sum") for k, v in terms.items()}
         if correction is not None:
             metrics.update({k: Metric.of(v, "sum") for k, v in correction.metrics.items()})
         if "entropy" in out.keys():  # always computed during updates: a key health metric
-            ent = entropy_loss(out["entropy"], mask, ctx, cfg.loss_agg_mode, norm_length=norm)
+            ent = entropy_loss(out["entropy"], mask, ctx, self.aggregation, norm_length=norm)
             if cfg.entropy_coeff != 0:
                 loss = loss - cfg.entropy_coeff * ent
             metrics["entropy"] = token_mean_metric(out["entropy"], mask, ctx)
         if cfg.use_kl_loss:
             kl = kl_penalty(out[LOG_PROBS], mb[REF_LOG_PROBS], cfg.kl_loss_type)
             # same aggregation as the pg loss
-            kl_loss = entropy_loss(kl, mask, ctx, cfg.loss_agg_mode, norm_length=norm)
+            kl_loss = entropy_loss(kl, mask, ctx, self.aggregation, norm_length=norm)
             loss = loss + cfg.kl_loss_coef * kl_loss
             metrics["kl_loss"] = token_mean_metric(kl, mask, ctx)
         # moe_aux_loss_coef > 0: the engine adds the routers' balance loss itself, aggregated as
@@ -301,7 +320,7 @@ class Actor:
             return None
         return MoeAuxLoss(
             coef=cfg.moe_aux_loss_coef,
-            aggregation=cfg.loss_agg_mode,
+            aggregation=self.aggregation,
             norm_length=cfg.loss_norm_length,
         )
 

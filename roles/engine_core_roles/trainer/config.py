@@ -6,10 +6,8 @@ from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field, PositiveInt, model_validator
 
-from engine_core import (
-    FrozenModel,
-    SamplingParams,
-)
+from engine_core import SamplingParams
+from engine_core.rollout import SamplingSettings
 from engine_core.errors import EngineCoreError
 from engine_core_roles.algorithms.select import AlgorithmConfig, check_needs, resolve_algorithm
 
@@ -70,8 +68,14 @@ def check_routing_replay(mode: str, old_log_probs_from_update: bool) -> None:
         )
 
 
-class TrainerConfig(FrozenModel):
-    """How each step samples, and which advantage estimator it uses."""
+class TrainerConfig(SamplingSettings):
+    """How each step samples, and which advantage estimator it uses.
+
+    ``temperature``, ``max_new_tokens`` and ``stop_token_ids`` are
+    :class:`engine_core.rollout.SamplingSettings`' own fields, inherited: each step's
+    :class:`engine_core.SamplingParams` is built from them (:meth:`sampling_params`), not from
+    a second declaration.
+    """
 
     algorithm: AlgorithmConfig = Field(
         default_factory=lambda: AlgorithmConfig(preset="grpo"),
@@ -81,9 +85,6 @@ class TrainerConfig(FrozenModel):
         "(`engine-core plugins`).",
     )
     samples_per_prompt: PositiveInt = 8
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the rollout.")
-    max_new_tokens: PositiveInt = 32
-    stop_token_ids: list[int] = Field(default_factory=list)
     gamma: float = Field(1.0, ge=0, le=1, description="Discount (gae, reinforce_pp).")
     lam: float = Field(0.95, ge=0, le=1, description="gae: GAE lambda.")
     max_consecutive_skipped_updates: int = Field(
@@ -137,6 +138,16 @@ class TrainerConfig(FrozenModel):
         description="How many steps of a run (counted from its start, or from a resume) the "
         "gap guard checks.",
     )
+
+    @model_validator(mode="after")
+    def _sampled(self) -> TrainerConfig:
+        if self.temperature == 0:
+            raise ValueError(
+                "trainer.temperature=0 samples greedily: every sample of a prompt is the same "
+                "answer, and its log-probs come from no sampling distribution to train on; set "
+                "a temperature > 0 (1.0: the model's own distribution)."
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_groups(self) -> TrainerConfig:

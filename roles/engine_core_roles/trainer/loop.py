@@ -87,19 +87,15 @@ StepCallback = Callable[["RLTrainer", dict[str, Any]], None]
 """Called by :meth:`RLTrainer.fit` after every step with the trainer and that step's row."""
 
 
-def _check_policy_loss(config: TrainerConfig, actor: PolicyRole) -> None:
-    """The actor computes the policy loss: it must be the one ``config.algorithm`` names."""
-    algorithm, actor_cfg = config.algorithm, actor.config
-    if (actor_cfg.policy_loss, dict(actor_cfg.policy_loss_params)) == (
-        algorithm.policy_loss,
-        dict(algorithm.policy_loss_params),
-    ):
+def _check_algorithm(config: TrainerConfig, actor: PolicyRole) -> None:
+    """The actor computes the policy loss of the algorithm it was built with: this trainer's."""
+    if actor.algorithm == config.algorithm:
         return
     raise ValueError(
-        f"trainer.algorithm ({algorithm.name}) uses the policy loss {algorithm.policy_loss!r} "
-        f"with {dict(algorithm.policy_loss_params)}, but the actor computes "
-        f"{actor_cfg.policy_loss!r} with {dict(actor_cfg.policy_loss_params)}; build the actor "
-        f"with ActorConfig(**trainer_config.algorithm.actor_settings(), ...) so both agree."
+        f"the trainer runs trainer.algorithm {config.algorithm.name!r} "
+        f"({config.algorithm.model_dump(exclude_defaults=True)}), but the actor was built with "
+        f"{actor.algorithm.name!r} ({actor.algorithm.model_dump(exclude_defaults=True)}); build "
+        f"it as Actor(actor_config, engine, algorithm=trainer_config.algorithm)."
     )
 
 
@@ -148,7 +144,7 @@ class RLTrainer:
             )
         # the algorithm's parts, found and checked against what it needs (a critic, groups)
         advantages = Advantages(config, critic, has_reference=reference is not None)
-        _check_policy_loss(config, actor)
+        _check_algorithm(config, actor)
         if config.algorithm.kl_in_reward is not None and reference is None:
             raise ValueError(
                 "trainer.algorithm.kl_in_reward puts the KL to a reference in the reward, which "

@@ -164,7 +164,8 @@ def _local_roles(job: RLJobConfig, resolved: Resolved) -> Roles:
         return built
 
     actor_engine = engine(*resolved.engine)
-    roles = Roles(Actor(job.actor_config(), actor_engine), {"actor": actor_engine})
+    actor = Actor(job.actor_config(), actor_engine, job.trainer.algorithm)
+    roles = Roles(actor, {"actor": actor_engine})
     if job.needs_reference:
         roles.reference = Reference(engine(*resolved.engine))
     if resolved.critic is not None:
@@ -206,8 +207,12 @@ def _grouped_roles(job: RLJobConfig, resolved: Resolved, stack: contextlib.ExitS
         _say_where(role, group)
         return group
 
-    engine_cfg, actor_cfg = resolved.engine[1], job.actor_config()
-    actor = ActorGroup(started("actor", ActorWorker, engine_cfg, actor_cfg.model_dump()), actor_cfg)
+    engine_cfg, actor_cfg, algorithm = resolved.engine[1], job.actor_config(), job.trainer.algorithm
+    actor = ActorGroup(
+        started("actor", ActorWorker, engine_cfg, actor_cfg.model_dump(), algorithm.model_dump()),
+        actor_cfg,
+        algorithm,
+    )
     roles = Roles(actor, {"actor": actor})
     groups: dict[str, RoleGroup] = {"actor": actor}
     if job.needs_reference:

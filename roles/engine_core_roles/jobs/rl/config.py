@@ -226,7 +226,6 @@ class RLJobConfig(JobConfig):
                 f"{trainer.algorithm.advantage}) trains no critic; remove critic_engine or set "
                 f"trainer.algorithm=ppo."
             )
-        self._check_policy_loss()
         overlong = trainer.algorithm.overlong
         if overlong is not None and overlong.buffer >= self.generation_budget:
             raise ValueError(
@@ -283,20 +282,6 @@ class RLJobConfig(JobConfig):
         resolved = resolve_algorithm(self.trainer.algorithm)
         return AlgorithmNeed.CRITIC in resolved.needs
 
-    def _check_policy_loss(self) -> None:
-        """The policy loss is named once: by trainer.algorithm, or by the actor section."""
-        algorithm, actor = self.trainer.algorithm, self.actor
-        named = {"policy_loss", "policy_loss_params"} & actor.model_fields_set
-        if named and (actor.policy_loss, actor.policy_loss_params) != (
-            algorithm.policy_loss,
-            algorithm.policy_loss_params,
-        ):
-            raise ValueError(
-                f"actor.{sorted(named)[0]} is set, and trainer.algorithm ({algorithm.name}) names "
-                f"the policy loss {algorithm.policy_loss!r} with {algorithm.policy_loss_params}; "
-                f"name it in one place: trainer.algorithm.policy_loss (and policy_loss_params)."
-            )
-
     def _check_routing_replay(self) -> None:
         mode = self.trainer.routing_replay
         if mode == "off":
@@ -308,7 +293,7 @@ class RLJobConfig(JobConfig):
         where ``trainer`` leaves max_new_tokens and stop_token_ids unset."""
         derived = {"max_new_tokens": task.response_len, "stop_token_ids": [EOS]}
         unset = {k: v for k, v in derived.items() if k not in self.trainer.model_fields_set}
-        return self.trainer.model_copy(update=unset)
+        return self.trainer.validated_copy(**unset)
 
     def text_trainer_config(self, stops: list[int]) -> TrainerConfig:
         """The loop's settings of a text job: ``trainer``, stopping at ``stops`` (the
@@ -316,27 +301,23 @@ class RLJobConfig(JobConfig):
         ``trainer`` leaves stop_token_ids unset."""
         if "stop_token_ids" in self.trainer.model_fields_set:
             return self.trainer
-        return self.trainer.model_copy(update={"stop_token_ids": stops})
+        return self.trainer.validated_copy(stop_token_ids=stops)
 
     def actor_config(self, max_new_tokens: int | None = None) -> ActorConfig:
-        """The actor's settings: ``actor``, with the policy loss of ``trainer.algorithm`` (and
-        its preset's loss aggregation where ``actor`` leaves loss_agg_mode unset), the
-        generation budget ``max_new_tokens`` as loss_norm_length for seq-mean-token-sum-norm
-        where unset, and TIS for an asynchronous run that leaves mismatch_correction unset
-        (its samples are one version old: off-policy by construction; 0.772 without it
-        against 0.848 with it at 500 steps)."""
+        """The actor's settings: ``actor``, with the generation budget ``max_new_tokens`` as
+        loss_norm_length where ``trainer.algorithm`` aggregates with seq-mean-token-sum-norm
+        and ``actor`` leaves it unset, and TIS for an asynchronous run that leaves
+        mismatch_correction unset (its samples are one version old: off-policy by
+        construction; 0.772 without it against 0.848 with it at 500 steps). The policy loss
+        and its aggregation are ``trainer.algorithm``'s, handed to the actor beside this."""
         given = self.actor.model_fields_set
-        update = {
-            k: v
-            for k, v in self.trainer.algorithm.actor_settings().items()
-            if k not in given or k != "loss_agg_mode"
-        }
+        update: dict[str, Any] = {}
         if self.trainer.max_staleness and "mismatch_correction" not in given:
             update["mismatch_correction"] = MismatchCorrection.TIS
-        mode = update.get("loss_agg_mode", self.actor.loss_agg_mode)
+        mode = self.trainer.algorithm.loss_agg_mode
         if mode == LossAggregation.SEQ_MEAN_TOKEN_SUM_NORM and "loss_norm_length" not in given:
             update["loss_norm_length"] = max_new_tokens or self.generation_budget
-        return self.actor.model_copy(update=update)
+        return self.actor.validated_copy(**update)
 
     @property
     def generation_budget(self) -> int:
