@@ -7,8 +7,8 @@ from typing import Annotated, Literal
 from pydantic import BeforeValidator, Field, PositiveInt, model_validator
 
 from engine_core import SamplingParams
-from engine_core.rollout import SamplingSettings
 from engine_core.errors import EngineCoreError
+from engine_core.rollout import SamplingSettings
 from engine_core_roles.algorithms.select import AlgorithmConfig, check_needs, resolve_algorithm
 
 __all__ = [
