@@ -168,9 +168,11 @@ def test_a_step_calls_its_stages_once_each_in_the_algorithms_order() -> None:
 
         return call
 
+    config = TrainerConfig(algorithm="ppo", samples_per_prompt=2, max_new_tokens=3)
     actor = Actor(
         ActorConfig(use_kl_loss=True, ppo_epochs=2, ppo_mini_batch_size=4),
         build_engine("reference"),
+        algorithm=config.algorithm,
     )
     reference = Reference(build_engine("reference"))
     critic = Critic(CriticConfig(), build_engine("reference", value_head=True))
@@ -188,7 +190,7 @@ def test_a_step_calls_its_stages_once_each_in_the_algorithms_order() -> None:
     ):
         setattr(obj, name, recorded(label, getattr(obj, name)))
     t = RLTrainer(
-        TrainerConfig(algorithm="ppo", samples_per_prompt=2, max_new_tokens=3),
+        config,
         actor=actor,
         rollout=rollout,
         reward_fn=recorded("score", reward),
