@@ -30,7 +30,7 @@ def _prompt_source(raw: dict[str, Any]) -> tuple[Any, Any, int, list[int]]:
     n_prompts = int(raw.get("prompts_per_step", 16))
     trainer = raw.get("trainer", {})
     if "data" not in raw:
-        from engine_core_roles.data.tasks import EOS, PAD, DigitTask, TaskConfig
+        from engine_core_roles.data.tasks.digits import EOS, PAD, DigitTask, TaskConfig
 
         task = DigitTask(TaskConfig(**raw.get("task", {})))
 
@@ -47,10 +47,10 @@ def _prompt_source(raw: dict[str, Any]) -> tuple[Any, Any, int, list[int]]:
 
     from engine_core.config import ModelConfig
     from engine_core.models import build_hf_config
-    from engine_core_roles.data.prompts import DataConfig, PromptData
-    from engine_core_roles.data.rewards import RewardConfig, load_function
-    from engine_core_roles.data.stop_strings import stop_token_ids
-    from engine_core_roles.data.tokenizer import load_tokenizer
+    from engine_core_roles.data.datasets.prompts import DataConfig, PromptData
+    from engine_core_roles.data.datasets.stop_strings import stop_token_ids
+    from engine_core_roles.data.datasets.tokenizer import load_tokenizer
+    from engine_core_roles.data.rewards.functions import RewardConfig, load_function
 
     model = ModelConfig.model_validate(raw["engine"]["model"])
     hf = build_hf_config(model)
@@ -100,7 +100,7 @@ def _warm_up(raw: dict[str, Any], model: Any, opt: torch.optim.Optimizer) -> Non
 
     from engine_core.config import ModelConfig
     from engine_core.models import build_hf_config
-    from engine_core_roles.data.tokenizer import load_tokenizer
+    from engine_core_roles.data.datasets.tokenizer import load_tokenizer
 
     model_cfg = ModelConfig.model_validate(raw["engine"]["model"])
     tokenizer = load_tokenizer(model_cfg, build_hf_config(model_cfg).vocab_size)

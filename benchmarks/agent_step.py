@@ -59,7 +59,7 @@ def main() -> None:
     from engine_core.resolve import resolve_rollout_config
     from engine_core_roles import prompt_batch
     from engine_core_roles.batch.keys import EPISODE, ROW
-    from engine_core_roles.data.tokenizer import load_tokenizer
+    from engine_core_roles.data.datasets.tokenizer import load_tokenizer
     from engine_core_roles.episodes.rollout import EpisodeRollout
     from engine_core_roles.jobs.cli import RECIPES, load_recipe
 

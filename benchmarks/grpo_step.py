@@ -71,9 +71,9 @@ def _timed(times: dict[str, list[float]], owner: Any, name: str, label: str) -> 
 
 def timed_calls() -> list[tuple[Any, str, str]]:
     """(class, method, label) of each call ``engine_core``'s breakdown times."""
-    from engine_core_roles.data.prompts import PromptData
-    from engine_core_roles.data.text_reward import TextReward
-    from engine_core_roles.roles.actor import Actor
+    from engine_core_roles.data.datasets.prompts import PromptData
+    from engine_core_roles.data.rewards.text import TextReward
+    from engine_core_roles.models.actor import Actor
     from engine_core_roles.trainer.generation import Synchronous
     from engine_core_roles.trainer.loop import RLTrainer
 

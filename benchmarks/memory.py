@@ -100,7 +100,7 @@ def _one(
     from tensordict import TensorDict
 
     from engine_core.plugins import load_plugins
-    from engine_core_roles.roles.actor import Actor, ActorConfig
+    from engine_core_roles.models.actor import Actor, ActorConfig
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // cp))
     model = {**MODEL, **(shape or {}), "vocab_size": vocab, "max_position_embeddings": length}

@@ -87,7 +87,7 @@ from engine_core import (  # noqa: E402  (the repository root is on sys.path)
 )
 from engine_core.executors import LocalWorkerGroup  # noqa: E402
 from engine_core_roles import RLTrainer, WeightLink  # noqa: E402
-from engine_core_roles.data.tasks import PAD, DigitTask
+from engine_core_roles.data.tasks.digits import PAD, DigitTask
 from engine_core_roles.distributed.placement import ActorGroup
 from engine_core_roles.distributed.workers import ActorWorker
 from engine_core_roles.jobs.rl.config import RLJobConfig

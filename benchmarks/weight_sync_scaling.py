@@ -103,7 +103,7 @@ def _lora_bytes(model: dict[str, Any]) -> dict[str, Any]:
 
     from engine_core_roles import ActorConfig, WeightLink
     from engine_core_roles.distributed.workers import build_engine
-    from engine_core_roles.roles.actor import Actor
+    from engine_core_roles.models.actor import Actor
 
     spec = {"config": model, "lora": LORA}
     actor = Actor(ActorConfig(), build_engine({"backend": "fsdp2", "model": spec, "seed": 1}))

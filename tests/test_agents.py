@@ -33,8 +33,8 @@ from engine_core.rollout import (
 from engine_core.testing.moe import AS_QWEN3_MOE
 from engine_core_roles import Actor, ActorConfig, training_batch
 from engine_core_roles.batch.keys import EPISODE, ROW
-from engine_core_roles.data.tiny_agent import demonstration, lookup, value_of, write_files
-from engine_core_roles.data.tokenizer import load_tokenizer
+from engine_core_roles.data.datasets.tokenizer import load_tokenizer
+from engine_core_roles.data.tasks.tiny_agent import demonstration, lookup, value_of, write_files
 from engine_core_roles.episodes.config import EnvConfig, load_environment
 from engine_core_roles.episodes.demos import demo_batch
 from engine_core_roles.episodes.metrics import episode_metrics
@@ -473,7 +473,7 @@ def test_environment_config_errors() -> None:
 
 
 def test_recipe_loads() -> None:
-    assert load_yaml(RECIPE)["env"]["tools"] == ["engine_core_roles.data.tiny_agent:lookup"]
+    assert load_yaml(RECIPE)["env"]["tools"] == ["engine_core_roles.data.tasks.tiny_agent:lookup"]
 
 
 # -- the job -------------------------------------------------------------------------------------

@@ -55,8 +55,8 @@ from engine_core_roles.algorithms.select import (
 from engine_core_roles.batch.keys import OLD_LOG_PROBS
 from engine_core_roles.jobs.cli import RECIPES, load_recipe
 from engine_core_roles.jobs.rl.config import RLJobConfig
-from engine_core_roles.roles.actor import Actor, ActorConfig
-from engine_core_roles.roles.critic import CriticConfig
+from engine_core_roles.models.actor import Actor, ActorConfig
+from engine_core_roles.models.critic import CriticConfig
 from engine_core_roles.trainer.config import TrainerConfig
 from tests._dist import run_distributed
 from tests.test_roles import engine, ppo_batch

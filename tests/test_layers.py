@@ -32,13 +32,13 @@ ABOVE_CORE = frozenset({PACKAGE, *PLUGINS})
 ALLOWED: dict[str, frozenset[str]] = {
     "batch": frozenset(),
     "algorithms": frozenset({"batch"}),
-    "roles": frozenset({"batch", "algorithms"}),
-    "distributed": frozenset({"batch", "algorithms", "roles"}),
+    "models": frozenset({"batch", "algorithms"}),
+    "distributed": frozenset({"batch", "algorithms", "models"}),
     "data": frozenset({"batch"}),
     "episodes": frozenset({"batch", "data"}),
-    "trainer": frozenset({"batch", "algorithms", "roles", "distributed", "data", "episodes"}),
+    "trainer": frozenset({"batch", "algorithms", "models", "distributed", "data", "episodes"}),
     "jobs": frozenset(
-        {"batch", "algorithms", "roles", "distributed", "data", "episodes", "trainer"}
+        {"batch", "algorithms", "models", "distributed", "data", "episodes", "trainer"}
     ),
 }
 
@@ -198,7 +198,7 @@ def _with(sources: dict[str, str], module: str, line: str) -> dict[str, str]:
             "layer 'algorithms' may import only ['batch']",
         ),
         (  # data reaching into episodes (the circle text <-> agents of old)
-            f"{PACKAGE}.data.prompts",
+            f"{PACKAGE}.data.datasets.prompts",
             f"from {PACKAGE}.episodes.metrics import episode_metrics",
             "layer 'data' may import only ['batch']",
         ),

@@ -38,7 +38,7 @@ from engine_core_roles.distributed.weights import WeightLink
 from engine_core_roles.distributed.workers import build_engine
 from engine_core_roles.jobs.cli import RECIPES
 from engine_core_roles.jobs.rl.run import run_rl_job
-from engine_core_roles.roles.actor import Actor, ActorConfig
+from engine_core_roles.models.actor import Actor, ActorConfig
 from engine_core_roles.trainer.metrics import TIMING_KEYS
 from tests._models import TINY_QWEN2, engine_config
 

@@ -20,7 +20,7 @@ from engine_core.reference_engine import ReferenceEngine, ReferenceEngineConfig
 from engine_core_roles.batch.keys import RM_SCORES, TOKEN_LEVEL_SCORES
 from engine_core_roles.jobs.cli import RECIPES
 from engine_core_roles.jobs.rl.run import run_rl_job
-from engine_core_roles.roles.reward_model import RewardModel
+from engine_core_roles.models.reward_model import RewardModel
 from tests._models import TINY_QWEN2, engine_config, random_batch, save_reward_model
 
 

@@ -7,14 +7,14 @@ import math
 import pytest
 
 from engine_core.errors import ConfigError
-from engine_core_roles.data.answers import (
+from engine_core_roles.data.rewards.answers import (
     exact_match,
     extract_answer,
     format_reward,
     math_answer,
     normalize_answer,
 )
-from engine_core_roles.data.rewards import load_function, score_samples
+from engine_core_roles.data.rewards.functions import load_function, score_samples
 
 
 @pytest.mark.parametrize(
@@ -80,7 +80,7 @@ def test_score_samples_names_each_failure() -> None:
 
 def test_load_function_says_what_did_not_resolve(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert load_function("math_answer") is math_answer
-    assert load_function("engine_core_roles.data.answers:exact_match") is exact_match
+    assert load_function("engine_core_roles.data.rewards.answers:exact_match") is exact_match
     with pytest.raises(ConfigError, match="no file"):
         load_function(f"{tmp_path}/none.py:f")
     broken = tmp_path / "broken.py"

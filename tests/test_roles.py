@@ -11,8 +11,8 @@ from engine_core import BatchError, CapabilityError, predicted_mask
 from engine_core.reference_engine import ReferenceEngine, ReferenceEngineConfig
 from engine_core.rollout import ROLLOUT_LOG_PROBS
 from engine_core_roles.batch.keys import ADVANTAGES, OLD_LOG_PROBS, OLD_VALUES, RETURNS
-from engine_core_roles.roles.actor import Actor, ActorConfig
-from engine_core_roles.roles.critic import Critic, CriticConfig
+from engine_core_roles.models.actor import Actor, ActorConfig
+from engine_core_roles.models.critic import Critic, CriticConfig
 from tests._models import engine_config, random_batch
 
 

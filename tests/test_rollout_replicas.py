@@ -47,7 +47,7 @@ from engine_core.rollout import (
 from engine_core.weight_sync import receive_weights, send_weights
 from engine_core_roles.distributed.weights import WeightLink
 from engine_core_roles.distributed.workers import build_engine
-from engine_core_roles.roles.actor import Actor, ActorConfig
+from engine_core_roles.models.actor import Actor, ActorConfig
 from tests._models import TINY_QWEN2, engine_config
 from tests._workers import CORRUPTED, CorruptingRolloutWorker, FailingRolloutWorker
 from tests.test_weight_sync import _pair

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine_core.batch import LOSS_MASK
-from engine_core_roles.data.tasks import BOS, DIGIT0, EOS, SEP, DigitTask, TaskConfig
+from engine_core_roles.data.tasks.digits import BOS, DIGIT0, EOS, SEP, DigitTask, TaskConfig
 
 
 def test_reverse_target_and_score() -> None:

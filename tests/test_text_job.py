@@ -134,9 +134,9 @@ def test_prompts_render_like_the_chat_template_and_decode_like_the_tokenizer(
     from transformers import AutoTokenizer
 
     from engine_core.rollout import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK
-    from engine_core_roles.data.prompts import DataConfig, PromptData
-    from engine_core_roles.data.rewards import RewardConfig
-    from engine_core_roles.data.text_reward import TextReward
+    from engine_core_roles.data.datasets.prompts import DataConfig, PromptData
+    from engine_core_roles.data.rewards.functions import RewardConfig
+    from engine_core_roles.data.rewards.text import TextReward
 
     tok = AutoTokenizer.from_pretrained(user["model"])
     data = PromptData(
@@ -313,7 +313,7 @@ def test_stop_strings_end_responses_at_their_first_occurrence(user: dict[str, Pa
     from transformers import AutoTokenizer
 
     from engine_core.rollout import RESPONSE_IDS, RESPONSE_MASK
-    from engine_core_roles.data.stop_strings import (
+    from engine_core_roles.data.datasets.stop_strings import (
         StopStrings,
         multi_token_stop_strings,
         stop_token_ids,

@@ -10,7 +10,7 @@ import torch
 from tensordict import TensorDict
 
 from engine_core.rollout import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK
-from engine_core_roles.data.tiny_text import digits_reward, write_files
+from engine_core_roles.data.tasks.tiny_text import digits_reward, write_files
 from engine_core_roles.jobs.cli import RECIPES, recipe_relative
 from engine_core_roles.trainer.config import TrainerConfig
 from engine_core_roles.trainer.dynamic_sampling import _cat_left_padded

@@ -80,7 +80,7 @@ def test_the_rl_warm_up_steps_the_lr_schedule_as_the_sft_job_does() -> None:
     warm-up, the next update (RL's first) runs at 4/6 of the rate, as the SFT job's step 4
     does (not at 1/6, the first step's)."""
     from engine_core.resolve import resolve_engine_config
-    from engine_core_roles.data.tasks import DigitTask
+    from engine_core_roles.data.tasks.digits import DigitTask
     from engine_core_roles.jobs.rl.config import RLJobConfig
     from engine_core_roles.jobs.rl.warmup import warm_up_on_task
 

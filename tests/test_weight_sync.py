@@ -35,7 +35,7 @@ from engine_core.weight_sync import (
     send_weights,
 )
 from engine_core_roles.distributed.weights import WeightLink
-from engine_core_roles.roles.actor import Actor, ActorConfig
+from engine_core_roles.models.actor import Actor, ActorConfig
 from tests._dist import run_distributed
 from tests._models import TINY_QWEN2, random_batch, registered_engine
 

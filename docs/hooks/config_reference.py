@@ -25,7 +25,7 @@ from pydantic_core import PydanticUndefined
 
 from engine_core import BackendKind, BackendSpec, EngineConfig, RolloutConfig, SamplingParams
 from engine_core_roles import ActorConfig, CriticConfig
-from engine_core_roles.data.tasks import TaskConfig
+from engine_core_roles.data.tasks.digits import TaskConfig
 from engine_core_roles.jobs.cli import DEFAULT_RL_RECIPE, DEFAULT_TRAIN_RECIPE
 from engine_core_roles.jobs.rl.config import RLJobConfig
 from engine_core_roles.jobs.sft import SFTJobConfig

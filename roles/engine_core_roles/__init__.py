@@ -19,13 +19,13 @@ from engine_core._lazy import lazy_exports
 # (a plugin's hook module, say) does not import torch
 _EXPORTS: dict[str, str] = {
     "WeightLink": "engine_core_roles.distributed.weights",
-    "Actor": "engine_core_roles.roles.actor",
-    "ActorConfig": "engine_core_roles.roles.actor",
-    "ActorUpdate": "engine_core_roles.roles.actor",
-    "Critic": "engine_core_roles.roles.critic",
-    "CriticConfig": "engine_core_roles.roles.critic",
-    "Reference": "engine_core_roles.roles.reference",
-    "RewardModel": "engine_core_roles.roles.reward_model",
+    "Actor": "engine_core_roles.models.actor",
+    "ActorConfig": "engine_core_roles.models.actor",
+    "ActorUpdate": "engine_core_roles.models.actor",
+    "Critic": "engine_core_roles.models.critic",
+    "CriticConfig": "engine_core_roles.models.critic",
+    "Reference": "engine_core_roles.models.reference",
+    "RewardModel": "engine_core_roles.models.reward_model",
     "RLTrainer": "engine_core_roles.trainer.loop",
     "TrainerConfig": "engine_core_roles.trainer.config",
     "AlgorithmConfig": "engine_core_roles.algorithms.select",
@@ -38,7 +38,7 @@ _EXPORTS: dict[str, str] = {
     "PolicyLossInputs": "engine_core_roles.algorithms.base",
     "ClipRange": "engine_core_roles.algorithms.base",
     "NoParams": "engine_core_roles.algorithms.base",
-    "RewardFn": "engine_core_roles.data.rewards",
+    "RewardFn": "engine_core_roles.data.rewards.functions",
     "PromptSource": "engine_core_roles.trainer.protocols",
     "StepCallback": "engine_core_roles.trainer.loop",
     "plot_keys": "engine_core_roles.trainer.metrics",
@@ -108,12 +108,12 @@ if TYPE_CHECKING:
         REF_LOG_PROBS,
         RETURNS,
     )
-    from engine_core_roles.data.rewards import RewardFn
+    from engine_core_roles.data.rewards.functions import RewardFn
     from engine_core_roles.distributed.weights import WeightLink
-    from engine_core_roles.roles.actor import Actor, ActorConfig, ActorUpdate
-    from engine_core_roles.roles.critic import Critic, CriticConfig
-    from engine_core_roles.roles.reference import Reference
-    from engine_core_roles.roles.reward_model import RewardModel
+    from engine_core_roles.models.actor import Actor, ActorConfig, ActorUpdate
+    from engine_core_roles.models.critic import Critic, CriticConfig
+    from engine_core_roles.models.reference import Reference
+    from engine_core_roles.models.reward_model import RewardModel
     from engine_core_roles.trainer.config import TrainerConfig
     from engine_core_roles.trainer.loop import RLTrainer, StepCallback
     from engine_core_roles.trainer.metrics import plot_keys

@@ -5,7 +5,21 @@ tasks shipped with the SDK.
 
 from __future__ import annotations
 
-from engine_core_roles.data.answers import (
+from engine_core_roles.data.datasets.chats import (
+    ChatData,
+    ChatDataConfig,
+    ChatRenderer,
+    check_conversation,
+)
+from engine_core_roles.data.datasets.files import SeededOrder, read_rows
+from engine_core_roles.data.datasets.prompts import DataConfig, PromptData
+from engine_core_roles.data.datasets.stop_strings import (
+    StopStrings,
+    multi_token_stop_strings,
+    stop_token_ids,
+)
+from engine_core_roles.data.datasets.tokenizer import load_tokenizer
+from engine_core_roles.data.rewards.answers import (
     BUILTINS,
     exact_match,
     extract_answer,
@@ -13,10 +27,7 @@ from engine_core_roles.data.answers import (
     math_answer,
     normalize_answer,
 )
-from engine_core_roles.data.chats import ChatData, ChatDataConfig, ChatRenderer, check_conversation
-from engine_core_roles.data.files import SeededOrder, read_rows
-from engine_core_roles.data.prompts import DataConfig, PromptData
-from engine_core_roles.data.rewards import (
+from engine_core_roles.data.rewards.functions import (
     RewardConfig,
     RewardError,
     RewardFn,
@@ -27,14 +38,16 @@ from engine_core_roles.data.rewards import (
     load_function,
     score_samples,
 )
-from engine_core_roles.data.stop_strings import (
-    StopStrings,
-    multi_token_stop_strings,
-    stop_token_ids,
+from engine_core_roles.data.rewards.text import TextReward
+from engine_core_roles.data.tasks.digits import (
+    BOS,
+    EOS,
+    PAD,
+    SEP,
+    VOCAB_SIZE,
+    DigitTask,
+    TaskConfig,
 )
-from engine_core_roles.data.tasks import BOS, EOS, PAD, SEP, VOCAB_SIZE, DigitTask, TaskConfig
-from engine_core_roles.data.text_reward import TextReward
-from engine_core_roles.data.tokenizer import load_tokenizer
 
 __all__ = [
     "extract_answer",

@@ -27,7 +27,7 @@ from engine_core import FrozenModel
 from engine_core.executors import start_worker_group
 from engine_core.executors.base import DEFAULT_CALL_TIMEOUT_S, WorkerGroup
 from engine_core_roles.algorithms.select import AlgorithmConfig
-from engine_core_roles.roles.actor import ActorConfig, ActorUpdate
+from engine_core_roles.models.actor import ActorConfig, ActorUpdate
 
 __all__ = [
     "ActorGroup",

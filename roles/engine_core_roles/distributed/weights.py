@@ -64,7 +64,7 @@ from engine_core.remote_rollout import ProcessRollout
 from engine_core.rollout import BaseRollout, sent_buckets
 from engine_core.weight_sync import WeightSyncGroup, receive_weights, send_weights
 from engine_core_roles.distributed.placement import ActorGroup
-from engine_core_roles.roles.actor import Actor
+from engine_core_roles.models.actor import Actor
 
 __all__ = ["DRIVER_ROLLOUT", "WeightLink"]
 

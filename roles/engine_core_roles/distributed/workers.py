@@ -21,10 +21,10 @@ from engine_core.rollout import run_through
 from engine_core.weight_sync import WeightSyncGroup, send_weights
 from engine_core_roles.algorithms.select import AlgorithmConfig
 from engine_core_roles.algorithms.supervised import supervised_step
-from engine_core_roles.roles.actor import Actor, ActorConfig, ActorUpdate
-from engine_core_roles.roles.critic import Critic, CriticConfig
-from engine_core_roles.roles.reference import Reference
-from engine_core_roles.roles.reward_model import RewardModel
+from engine_core_roles.models.actor import Actor, ActorConfig, ActorUpdate
+from engine_core_roles.models.critic import Critic, CriticConfig
+from engine_core_roles.models.reference import Reference
+from engine_core_roles.models.reward_model import RewardModel
 
 __all__ = ["ActorWorker", "CriticWorker", "ReferenceWorker", "RewardModelWorker", "build_engine"]
 

@@ -9,7 +9,7 @@ from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt
 
 from engine_core.config import FrozenModel
 from engine_core.errors import ConfigError
-from engine_core_roles.data.rewards import load_function
+from engine_core_roles.data.rewards.functions import load_function
 from engine_core_roles.episodes.protocol import Environment
 from engine_core_roles.episodes.threads import _STEP_THREADS, _TOOL_THREADS
 from engine_core_roles.episodes.tools import ToolEnvironment, _call_budget_s, hermes_tool_calls

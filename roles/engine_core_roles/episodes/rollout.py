@@ -48,7 +48,7 @@ from engine_core.rollout import (
 )
 from engine_core_roles.batch.build import prompt_batch
 from engine_core_roles.batch.keys import EPISODE, ROW
-from engine_core_roles.data.tokenizer import load_tokenizer
+from engine_core_roles.data.datasets.tokenizer import load_tokenizer
 from engine_core_roles.episodes.config import EnvConfig, load_environment
 from engine_core_roles.episodes.protocol import Environment, Episode, Message, StepResult
 from engine_core_roles.episodes.template import _Template, check_messages
@@ -151,7 +151,7 @@ class EpisodeRollout(BaseRollout):
         if ROW not in prompts.keys():
             raise ConfigError(
                 f"an episode rollout needs each prompt's dataset row in the {ROW!r} field of the "
-                f"prompt batch (engine_core_roles.data.prompts.PromptData(..., rows=True) puts them "
+                f"prompt batch (engine_core_roles.data.datasets.prompts.PromptData(..., rows=True) puts them "
                 f"there); got {sorted(prompts.keys())}."
             )
         rows = list(prompts[ROW].tolist()) if prompts.batch_size[0] else []

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine_core_roles.data.rewards import load_function
+from engine_core_roles.data.rewards.functions import load_function
 
 __all__ = ["ToolProcesses", "TOOL_PROCESSES", "serve"]
 

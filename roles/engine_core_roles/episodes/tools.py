@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine_core.errors import ConfigError
-from engine_core_roles.data.rewards import load_function
+from engine_core_roles.data.rewards.functions import load_function
 from engine_core_roles.episodes.protocol import Environment, Message, StepResult
 from engine_core_roles.episodes.threads import _TOOL_THREADS
 from engine_core_roles.episodes.tool_processes import TOOL_PROCESSES

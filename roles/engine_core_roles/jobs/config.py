@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, PositiveInt, field_validator, model_validator
 
 from engine_core.config import FrozenModel
-from engine_core_roles.data.tasks import TaskConfig
+from engine_core_roles.data.tasks.digits import TaskConfig
 from engine_core_roles.jobs.stopping import check_stop_signals
 from engine_core_roles.jobs.trackers import MlflowConfig, TrackerName, WandbConfig, check_trackers
 

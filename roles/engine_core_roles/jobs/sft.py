@@ -33,9 +33,9 @@ from engine_core.errors import EXIT_STOPPED, CheckpointError, RunStopped
 from engine_core.models import build_hf_config
 from engine_core.plugins import BackendSpec, PluginManager
 from engine_core.resolve import resolve_engine_config
-from engine_core_roles.data.chats import ChatData, ChatDataConfig
-from engine_core_roles.data.tasks import DigitTask
-from engine_core_roles.data.tokenizer import load_tokenizer
+from engine_core_roles.data.datasets.chats import ChatData, ChatDataConfig
+from engine_core_roles.data.datasets.tokenizer import load_tokenizer
+from engine_core_roles.data.tasks.digits import DigitTask
 from engine_core_roles.episodes.demos import DemoRenderer
 from engine_core_roles.jobs.config import JobConfig
 from engine_core_roles.jobs.stopping import StopRequests

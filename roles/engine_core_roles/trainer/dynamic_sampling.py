@@ -12,7 +12,7 @@ from tensordict import TensorDict
 from engine_core.batch import ROUTED_EXPERTS
 from engine_core.rollout import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS
 from engine_core_roles.batch.build import training_batch
-from engine_core_roles.data.rewards import Rewards
+from engine_core_roles.data.rewards.functions import Rewards
 from engine_core_roles.trainer.generation import Drawn, Params, Synchronous
 from engine_core_roles.trainer.scoring import Scored, Scorer, group_spread
 

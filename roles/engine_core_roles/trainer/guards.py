@@ -28,7 +28,7 @@ from engine_core.rollout import (
 )
 from engine_core_roles.algorithms.updates import non_finite_inputs
 from engine_core_roles.batch.keys import OLD_LOG_PROBS, TRAINER_ROUTES
-from engine_core_roles.roles.actor import ActorUpdate
+from engine_core_roles.models.actor import ActorUpdate
 from engine_core_roles.trainer.config import TrainerConfig
 from engine_core_roles.trainer.protocols import PolicyRole
 from engine_core_roles.trainer.routing import OwnRoutes

@@ -42,10 +42,10 @@ from tensordict import TensorDict
 from engine_core import ATTENTION_MASK, BaseRollout, EngineCoreError, SamplingParams
 from engine_core.remote_rollout import ProcessRollout
 from engine_core.rollout import RESPONSE_MASK
-from engine_core_roles.data.rewards import RewardFn, Rewards, SampleReward
+from engine_core_roles.data.rewards.functions import RewardFn, Rewards, SampleReward
 from engine_core_roles.distributed.weights import WeightLink
 from engine_core_roles.episodes.metrics import episode_metrics
-from engine_core_roles.roles.actor import ActorUpdate
+from engine_core_roles.models.actor import ActorUpdate
 from engine_core_roles.trainer.auxiliary import critic_stage, reference_stage
 from engine_core_roles.trainer.config import TrainerConfig
 from engine_core_roles.trainer.dynamic_sampling import FilteredGroups
@@ -112,7 +112,7 @@ class RLTrainer:
     ``config.algorithm`` needs one (``gae``: ``algorithm="ppo"``).
     ``global_step`` is the number of steps already taken (set it when resuming a checkpoint).
     ``responses``, when given, takes every generation's samples before anything reads them and
-    returns them (e.g. :class:`engine_core_roles.data.stop_strings.StopStrings`, which ends responses at
+    returns them (e.g. :class:`engine_core_roles.data.datasets.stop_strings.StopStrings`, which ends responses at
     stop strings of several tokens by masking what follows). ``num_experts``, for a mixture of
     experts under routing replay, turns on the expert-load metrics (``moe/load_spread*``).
 

@@ -11,7 +11,7 @@ import torch
 from tensordict import TensorDict
 
 from engine_core_roles.distributed.placement import ActorGroup
-from engine_core_roles.roles.actor import Actor
+from engine_core_roles.models.actor import Actor
 
 __all__ = ["PromptBatch", "PromptSource", "PolicyRole", "ValueRole", "ReferenceRole", "RewardRole"]
 

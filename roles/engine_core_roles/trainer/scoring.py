@@ -1,7 +1,7 @@
 """Scoring a step's samples, and the stage that hands the step its samples with their scores.
 
-:class:`Scorer` computes each sample's reward: a plain :class:`~engine_core_roles.data.rewards.
-RewardFn` over token ids now, a :class:`~engine_core_roles.data.rewards.SampleReward` on a thread
+:class:`Scorer` computes each sample's reward: a plain :class:`~engine_core_roles.data.rewards.functions.
+RewardFn` over token ids now, a :class:`~engine_core_roles.data.rewards.functions.SampleReward` on a thread
 of its own (the step computes log-probs meanwhile), a reward model's scores, or the first plus
 ``reward_model_weight`` times the last. :class:`ScoreAsDrawn` is the step's scoring stage
 without dynamic sampling (:mod:`engine_core_roles.trainer.dynamic_sampling` is the other one).
@@ -19,7 +19,7 @@ from engine_core import ATTENTION_MASK, INPUT_IDS, SamplingParams, make_batch
 from engine_core.rollout import PROMPT_IDS, RESPONSE_IDS, RESPONSE_MASK
 from engine_core_roles.batch.build import training_batch
 from engine_core_roles.batch.keys import RM_SCORES
-from engine_core_roles.data.rewards import RewardFn, Rewards, SampleReward
+from engine_core_roles.data.rewards.functions import RewardFn, Rewards, SampleReward
 from engine_core_roles.trainer.generation import Drawn
 from engine_core_roles.trainer.protocols import RewardRole
 

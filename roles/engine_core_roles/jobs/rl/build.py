@@ -51,10 +51,10 @@ from engine_core_roles.distributed.workers import (
 from engine_core_roles.episodes.rollout import EpisodeRollout, EpisodeWorker
 from engine_core_roles.jobs.rl.config import RLJobConfig
 from engine_core_roles.jobs.rl.text import TextParts, episode_settings
-from engine_core_roles.roles.actor import Actor
-from engine_core_roles.roles.critic import Critic
-from engine_core_roles.roles.reference import Reference
-from engine_core_roles.roles.reward_model import RewardModel
+from engine_core_roles.models.actor import Actor
+from engine_core_roles.models.critic import Critic
+from engine_core_roles.models.reference import Reference
+from engine_core_roles.models.reward_model import RewardModel
 
 
 @dataclass

@@ -13,17 +13,17 @@ from engine_core import (
 from engine_core.hookspecs import AlgorithmNeed
 from engine_core_roles.algorithms.losses import MismatchCorrection
 from engine_core_roles.algorithms.select import resolve_algorithm
-from engine_core_roles.data.prompts import DataConfig
-from engine_core_roles.data.rewards import RewardConfig
-from engine_core_roles.data.tasks import EOS, DigitTask
+from engine_core_roles.data.datasets.prompts import DataConfig
+from engine_core_roles.data.rewards.functions import RewardConfig
+from engine_core_roles.data.tasks.digits import EOS, DigitTask
 from engine_core_roles.distributed.placement import (
     PlacementConfig,
     RayConfig,
 )
 from engine_core_roles.episodes.config import EnvConfig
 from engine_core_roles.jobs.config import JobConfig
-from engine_core_roles.roles.actor import ActorConfig
-from engine_core_roles.roles.critic import CriticConfig
+from engine_core_roles.models.actor import ActorConfig
+from engine_core_roles.models.critic import CriticConfig
 from engine_core_roles.trainer.config import TrainerConfig, check_routing_replay
 
 __all__ = ["RewardModelJobConfig", "EvalConfig", "RLJobConfig"]

@@ -7,7 +7,7 @@ import torch
 from engine_core import (
     SamplingParams,
 )
-from engine_core_roles.data.rewards import RewardConfig
+from engine_core_roles.data.rewards.functions import RewardConfig
 from engine_core_roles.jobs.rl.config import RLJobConfig
 from engine_core_roles.jobs.rl.text import TextParts
 from engine_core_roles.trainer.config import SEED_STRIDE

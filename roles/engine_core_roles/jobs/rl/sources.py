@@ -11,9 +11,9 @@ from tensordict import TensorDict
 
 from engine_core import BaseEngine
 from engine_core.errors import CheckpointError
-from engine_core_roles.data.rewards import RewardFn, SampleReward
-from engine_core_roles.data.stop_strings import StopStrings
-from engine_core_roles.data.tasks import PAD, DigitTask
+from engine_core_roles.data.datasets.stop_strings import StopStrings
+from engine_core_roles.data.rewards.functions import RewardFn, SampleReward
+from engine_core_roles.data.tasks.digits import PAD, DigitTask
 from engine_core_roles.distributed.placement import RoleGroup
 from engine_core_roles.jobs.rl.config import RLJobConfig
 from engine_core_roles.jobs.rl.text import TextParts

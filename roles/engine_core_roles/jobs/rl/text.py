@@ -18,15 +18,15 @@ from engine_core import (
 from engine_core.errors import ConfigError
 from engine_core.models import build_hf_config
 from engine_core_roles.batch.keys import ROW
-from engine_core_roles.data.prompts import PromptData
-from engine_core_roles.data.rewards import RewardConfig
-from engine_core_roles.data.stop_strings import (
+from engine_core_roles.data.datasets.prompts import PromptData
+from engine_core_roles.data.datasets.stop_strings import (
     StopStrings,
     multi_token_stop_strings,
     stop_token_ids,
 )
-from engine_core_roles.data.text_reward import TextReward
-from engine_core_roles.data.tokenizer import load_tokenizer
+from engine_core_roles.data.datasets.tokenizer import load_tokenizer
+from engine_core_roles.data.rewards.functions import RewardConfig
+from engine_core_roles.data.rewards.text import TextReward
 from engine_core_roles.episodes.config import load_environment
 from engine_core_roles.episodes.protocol import Environment
 from engine_core_roles.episodes.template import check_messages, check_template

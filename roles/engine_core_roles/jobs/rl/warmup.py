@@ -14,7 +14,7 @@ import torch
 from tensordict import TensorDict
 
 from engine_core.errors import ConfigError
-from engine_core_roles.data.tasks import DigitTask
+from engine_core_roles.data.tasks.digits import DigitTask
 from engine_core_roles.episodes.demos import demo_batch
 from engine_core_roles.jobs.rl.config import RLJobConfig
 from engine_core_roles.jobs.rl.text import TextParts

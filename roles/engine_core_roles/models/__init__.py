@@ -4,10 +4,10 @@
 
 from __future__ import annotations
 
-from engine_core_roles.roles.actor import Actor, ActorConfig, ActorUpdate
-from engine_core_roles.roles.critic import Critic, CriticConfig
-from engine_core_roles.roles.reference import Reference
-from engine_core_roles.roles.reward_model import RewardModel, last_token_index
+from engine_core_roles.models.actor import Actor, ActorConfig, ActorUpdate
+from engine_core_roles.models.critic import Critic, CriticConfig
+from engine_core_roles.models.reference import Reference
+from engine_core_roles.models.reward_model import RewardModel, last_token_index
 
 __all__ = [
     "ActorConfig",

@@ -2,7 +2,7 @@
 JSONL/JSON, Parquet or folders saved with ``datasets``' ``save_to_disk`` with the ``datasets``
 library (memory-mapped Arrow); :class:`SeededOrder` hands out row indices in a seeded order,
 epoch after epoch, and its position is a small dict a job's checkpoint keeps. Prompt datasets
-(:mod:`~engine_core_roles.data.prompts`) and chat datasets (:mod:`~engine_core_roles.data.chats`)
+(:mod:`~engine_core_roles.data.datasets.prompts`) and chat datasets (:mod:`~engine_core_roles.data.datasets.chats`)
 are both read and drawn this way.
 """
 

@@ -7,7 +7,7 @@ names: the backbone plus a ``score`` head. The engine loads the checkpoint with
 the reward model reads it at each sequence's last real token — exactly what sequence classification pools.
 
 Rule-based rewards need no model: any ``callable(batch) -> scores [B]`` (see
-:mod:`engine_core_roles.data.tasks`) fills the same ``rm_scores`` field.
+:mod:`engine_core_roles.data.tasks.digits`) fills the same ``rm_scores`` field.
 """
 
 from __future__ import annotations

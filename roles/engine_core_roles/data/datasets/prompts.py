@@ -19,7 +19,7 @@ from tensordict import NonTensorStack, TensorDict
 from engine_core.errors import ConfigError
 from engine_core_roles.batch.build import prompt_batch
 from engine_core_roles.batch.keys import ROW, ROW_INDEX
-from engine_core_roles.data.files import FilesConfig, SeededOrder, one_or_many, read_rows
+from engine_core_roles.data.datasets.files import FilesConfig, SeededOrder, one_or_many, read_rows
 
 __all__ = ["DataConfig", "PromptData"]
 

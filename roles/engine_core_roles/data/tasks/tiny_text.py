@@ -7,7 +7,7 @@ tokenizer is transformers' Qwen2 tokenizer (byte-level BPE, no merges) over a sm
 (digits, lowercase letters, punctuation; anything else is dropped), plus the ChatML markers
 and the role names as whole tokens, with a ChatML chat template. :func:`digits_reward` scores a response by the positions it gets right.
 
-``python -m engine_core_roles.data.tiny_text FOLDER`` writes the tokenizer and the data files again;
+``python -m engine_core_roles.data.tasks.tiny_text FOLDER`` writes the tokenizer and the data files again;
 ``tests/test_tiny_text.py`` checks that the shipped ones are exactly what it writes.
 """
 
@@ -156,5 +156,5 @@ def digits_reward(prompt: str, response: str, answer: str, **_: Any) -> float:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        raise SystemExit("usage: python -m engine_core_roles.data.tiny_text FOLDER")
+        raise SystemExit("usage: python -m engine_core_roles.data.tasks.tiny_text FOLDER")
     write_files(sys.argv[1])

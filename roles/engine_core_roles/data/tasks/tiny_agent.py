@@ -6,13 +6,13 @@ table holds for it, which nothing in the prompt gives away. The model has one to
 {"key": "qe"}}</tool_call>``) reads the digits in the ``tool`` message and answers them.
 :func:`answer_reward` scores the final answer by the positions it gets right.
 
-The tokenizer is the text task's (:func:`engine_core_roles.data.tiny_text.build_tokenizer`) with the
+The tokenizer is the text task's (:func:`engine_core_roles.data.tasks.tiny_text.build_tokenizer`) with the
 tool markers and the words of a call as whole tokens, and a ChatML template that renders
 ``tools`` (their names, in a system message), assistant ``tool_calls`` and ``tool`` messages
 the way Qwen2's does. ``demos.jsonl`` holds a few demonstration episodes for the supervised
 warm-up (``warmup_sft_steps``).
 
-``python -m engine_core_roles.data.tiny_agent FOLDER`` writes the tokenizer and the data files
+``python -m engine_core_roles.data.tasks.tiny_agent FOLDER`` writes the tokenizer and the data files
 again; ``tests/test_agents.py`` checks that the shipped ones are exactly what it writes.
 """
 
@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from engine_core_roles.data.tiny_text import ROLE_WORDS, build_tokenizer
+from engine_core_roles.data.tasks.tiny_text import ROLE_WORDS, build_tokenizer
 
 __all__ = ["CHAT_TEMPLATE", "answer_reward", "lookup", "value_of", "write_files"]
 
@@ -115,5 +115,5 @@ def write_files(
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        raise SystemExit("usage: python -m engine_core_roles.data.tiny_agent FOLDER")
+        raise SystemExit("usage: python -m engine_core_roles.data.tasks.tiny_agent FOLDER")
     write_files(sys.argv[1])

@@ -39,7 +39,7 @@ from tensordict import TensorDict
 
 from engine_core.config import FrozenModel
 from engine_core.errors import ConfigError
-from engine_core_roles.data.answers import BUILTINS
+from engine_core_roles.data.rewards.answers import BUILTINS
 
 __all__ = [
     "RewardError",

@@ -18,7 +18,7 @@ from tensordict import TensorDict
 
 from engine_core.errors import ConfigError
 from engine_core_roles.batch.build import sequence_batch
-from engine_core_roles.data.files import FilesConfig, SeededOrder, concatenate, read_parts
+from engine_core_roles.data.datasets.files import FilesConfig, SeededOrder, concatenate, read_parts
 
 __all__ = ["ChatDataConfig", "ChatData", "ChatRenderer", "check_conversation"]
 

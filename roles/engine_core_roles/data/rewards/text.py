@@ -1,5 +1,5 @@
 """:class:`TextReward`: each sample decoded and scored by the reward function
-(:mod:`engine_core_roles.data.rewards`), with its dataset row's other columns.
+(:mod:`engine_core_roles.data.rewards.functions`), with its dataset row's other columns.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from tensordict import TensorDict
 from engine_core.errors import ConfigError
 from engine_core.rollout import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK
 from engine_core_roles.batch.keys import EPISODE, ROW_INDEX
-from engine_core_roles.data.prompts import PromptData
-from engine_core_roles.data.rewards import (
+from engine_core_roles.data.datasets.prompts import PromptData
+from engine_core_roles.data.rewards.functions import (
     RewardConfig,
     Rewards,
     SampleReward,
@@ -75,7 +75,7 @@ class _Decoder:
 
 class TextReward(SampleReward):
     """Scores a step's samples with a reward function over decoded text (see
-    :mod:`engine_core_roles.data.rewards`): each sample's prompt and response decoded, its row's
+    :mod:`engine_core_roles.data.rewards.functions`): each sample's prompt and response decoded, its row's
     other columns, ``prompt_ids`` and ``response_ids`` as keywords. The prompt batch's
     ``row_index`` names each prompt's row in ``data``; ``show`` decoded samples of each step
     are handed back for the samples log."""
