@@ -77,6 +77,7 @@ from engine_core_roles.trainer.protocols import (
 from engine_core_roles.trainer.routing import routing_for
 from engine_core_roles.trainer.scoring import ScoreAsDrawn, Scorer, group_spread
 from engine_core_roles.trainer.state import batch_of, plain
+from engine_core_roles.trainer.steps import run_steps
 
 __all__ = ["StepCallback", "RLTrainer"]
 
@@ -393,15 +394,7 @@ class RLTrainer:
         ``should_stop``, asked after each step's callbacks, ends the loop early when it returns
         something true (a stop request: the caller checkpoints).
         """
-        history = []
-        while self.global_step < max_steps:
-            row = self.step()
-            history.append(row)
-            for callback in callbacks:
-                callback(self, row)
-            if should_stop is not None and should_stop():
-                break
-        return history
+        return run_steps(self, max_steps, callbacks, should_stop)
 
     def state_dict(self) -> dict[str, Any]:
         """What a resume needs beyond the engines' checkpoints, as plain data: the step, the

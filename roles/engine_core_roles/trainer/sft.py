@@ -23,6 +23,7 @@ from tensordict import TensorDict
 from engine_core import ATTENTION_MASK
 from engine_core.engine import BaseEngine, loss_mask_of
 from engine_core_roles.algorithms.supervised import supervised_loss, supervised_step
+from engine_core_roles.trainer.steps import run_steps
 
 __all__ = [
     "NoValidation",
@@ -143,12 +144,4 @@ class SFTTrainer:
         Each callback gets ``(trainer, row)`` after every step, in order; ``should_stop``, asked
         after them, ends the loop early when it returns something true.
         """
-        history = []
-        while self.global_step < max_steps:
-            row = self.step()
-            history.append(row)
-            for callback in callbacks:
-                callback(self, row)
-            if should_stop is not None and should_stop():
-                break
-        return history
+        return run_steps(self, max_steps, callbacks, should_stop)
