@@ -123,7 +123,7 @@ def test_a_wrong_parameter_of_the_third_party_loss_is_refused_before_anything_is
 
 
 def test_the_refusal_names_the_key_as_it_was_written(refused: dict[str, Any]) -> None:
-    assert "\ntrainer.algorithm.policy_loss_params.cap\n" in refused["proc"].stderr
+    assert "error: trainer.algorithm.policy_loss_params.cap: " in refused["proc"].stderr
 
 
 # -- a broken plugin beside them ----------------------------------------------------------------
