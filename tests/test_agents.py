@@ -402,7 +402,9 @@ def test_the_gradient_on_environment_tokens_is_exactly_zero(tokenizer: Any) -> N
     lp = torch.cat([torch.zeros(1, 1), lp], 1)
     mask = batch["loss_mask"]
     ctx = GlobalBatchContext(global_num_tokens=int(mask.sum()), global_num_samples=1)
-    loss = policy_loss(lp, lp.detach(), torch.ones_like(lp) * mask, mask, ctx)["pg_loss"]
+    adv = torch.ones_like(lp) * mask
+    clip = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0}
+    loss = policy_loss(lp, lp.detach(), adv, mask, ctx, **clip)["pg_loss"]
     loss.backward()
     assert logits.grad is not None
     reaches = logits.grad.abs().sum(-1)[0]

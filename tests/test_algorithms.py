@@ -27,7 +27,6 @@ from engine_core_roles.algorithms import plugin as shipped_plugin
 from engine_core_roles.algorithms.base import (
     AdvantageEstimator,
     AdvantageInputs,
-    ClipRange,
     NoParams,
     PolicyLoss,
     PolicyLossInputs,
@@ -42,6 +41,7 @@ from engine_core_roles.algorithms.builtin import (
     GRPOParams,
     GSPOParams,
     PPOClip,
+    PPOClipParams,
     ReinforcePP,
     ReinforcePPBaseline,
 )
@@ -227,11 +227,13 @@ LOSS_MASK = [[1, 1, 0, 1, 1], [1, 1, 1, 0, 0], [0, 1, 1, 1, 1]]
 RATIOS = [[1.5, 1.1, math.e**2, 0.5, 0.7], [5.0, 1.5, 0.9, 3.0, 3.0], [9.0, 1.2, 1.4, 0.6, 2.0]]
 ADVS = [[1.0, -0.5, 9.0, -2.0, 0.5], [-1.0, -1.5, 2.0, 4.0, 4.0], [9.0, 0.3, 0.8, -0.4, -0.1]]
 B, T = len(LOSS_MASK), len(LOSS_MASK[0])
-CLIP = ClipRange(low=0.2, high=0.28, dual=3.0)  # PPO: [0.8, 1.28], dual bound 3
+PPO_PARAMS = PPOClipParams(
+    clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0
+)  # [0.8, 1.28]
 GSPO_PARAMS = GSPOParams(clip_ratio_low=0.1, clip_ratio_high=0.2)  # [0.9, 1.2]
 CISPO_PARAMS = CISPOParams(clip_ratio_low=0.35, clip_ratio_high=0.28)  # [0.65, 1.28]
 LOSSES: dict[str, PolicyLoss] = {
-    "ppo_clip": PPOClip(NoParams()),
+    "ppo_clip": PPOClip(PPO_PARAMS),
     "gspo": GSPO(GSPO_PARAMS),
     "cispo": CISPO(CISPO_PARAMS),
 }
@@ -261,13 +263,13 @@ def _agg_weights(mode: LossAggregation) -> list[list[float]]:
 
 def _ppo_token(r: float, a: float) -> tuple[float, float, bool, bool]:
     """(value, d value / d log_prob, clipped, dual-clipped)."""
-    lo, hi = 1 - CLIP.low, 1 + CLIP.high
+    lo, hi = 1 - PPO_PARAMS.clip_ratio_low, 1 + PPO_PARAMS.clip_ratio_high
     unclipped, clipped = -a * r, -a * min(max(r, lo), hi)
     if lo <= r <= hi or unclipped >= clipped:
         value, grad, was_clipped = unclipped, -a * r, False
     else:
         value, grad, was_clipped = clipped, 0.0, True
-    bound = None if CLIP.dual is None else -a * CLIP.dual
+    bound = None if PPO_PARAMS.clip_ratio_c is None else -a * PPO_PARAMS.clip_ratio_c
     dual = bound is not None and a < 0 and value > bound
     if dual and bound is not None:
         value, grad = bound, 0.0
@@ -336,7 +338,6 @@ def test_policy_loss_matches_its_formula(name: str, mode: LossAggregation) -> No
             ctx=ctx,
             aggregation=mode,
             norm_length=NORM_LENGTH,
-            clip=CLIP,
         )
     )
     terms["pg_loss"].backward()
@@ -367,7 +368,7 @@ INV_MASK = [
 MICRO_BATCHES = [[0, 1, 2], [3], [4, 5], [6]]  # sizes 3, 1, 2, 1
 RANK_MICRO_BATCHES = [[[0, 1, 2], [3]], [[4, 5], [6]]]  # rank 0 holds 4 sequences, rank 1 3
 INV_LOSSES: dict[str, PolicyLoss] = {
-    "ppo_clip": PPOClip(NoParams()),
+    "ppo_clip": PPOClip(PPO_PARAMS),
     "gspo": GSPO(GSPOParams(clip_ratio_low=0.05, clip_ratio_high=0.05)),
     "cispo": CISPO(CISPOParams()),
 }
@@ -583,6 +584,21 @@ def test_the_actor_refuses_the_algorithms_keys(key: str, value: Any) -> None:
     assert f"Set trainer.algorithm.{key} instead" in str(info.value)
     with pytest.raises(ValueError, match=rf"got actor\.{key}=.*trainer\.algorithm\.{key}"):
         _job(f"actor.{key}={value if isinstance(value, str) else '{clip_ratio_high: 0.3}'}")
+
+
+@pytest.mark.parametrize("key", ["clip_ratio_low", "clip_ratio_high", "clip_ratio_c"])
+def test_the_clip_range_is_the_policy_losss(key: str) -> None:
+    """The clip range is declared once, by the policy loss (ppo_clip's PPOClipParams): the actor
+    refuses it, naming where it lives, and the loss reads its own parameter."""
+    with pytest.raises(
+        ValueError, match=rf"got actor\.{key}=0\.3.*trainer\.algorithm\.policy_loss_params\.{key}"
+    ):
+        _job(f"actor.{key}=0.3")
+    assert "clip_ratio_high" not in ActorConfig.model_fields
+    loss = resolve_algorithm(
+        _job(f"trainer.algorithm.policy_loss_params.{key}=1.5").trainer.algorithm
+    ).build_policy_loss()
+    assert isinstance(loss, PPOClip) and getattr(loss.params, key) == 1.5
 
 
 def _job(*overrides: str) -> RLJobConfig:

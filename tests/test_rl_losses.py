@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -12,11 +13,15 @@ from engine_core_roles.algorithms.losses import (
     entropy_loss,
     kl_penalty,
     mis_weights,
-    policy_loss,
     tis_weights,
     value_loss,
 )
+from engine_core_roles.algorithms.losses import (
+    policy_loss as ppo_loss,
+)
 
+# PPO's symmetric clip [0.8, 1.2] and dual bound 3 (the figures below are worked for it)
+policy_loss = functools.partial(ppo_loss, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0)
 CTX1 = GlobalBatchContext(global_num_tokens=1, global_num_samples=1)
 
 

@@ -35,7 +35,6 @@ __all__ = [
     "AdvantageInputs",
     "AdvantageResult",
     "AdvantageEstimator",
-    "ClipRange",
     "PolicyLossInputs",
     "PolicyLoss",
 ]
@@ -109,15 +108,6 @@ class AdvantageEstimator(ABC):
 
 
 @dataclass(frozen=True)
-class ClipRange:
-    """The actor's PPO clip settings (``actor.clip_ratio_low/high/c``), for losses that use them."""
-
-    low: float = 0.2
-    high: float = 0.2
-    dual: float | None = 3.0
-
-
-@dataclass(frozen=True)
 class PolicyLossInputs:
     """One micro-batch, as a policy loss sees it.
 
@@ -126,7 +116,8 @@ class PolicyLossInputs:
     ``advantages``, ``mask`` (the loss tokens), and ``weights`` (the mismatch correction's
     per-token weights, or ``None``). ``ctx``: the global counts. ``aggregation``: how per-token
     values become one number (``actor.loss_agg_mode``); ``norm_length``: the constant of
-    ``seq-mean-token-sum-norm``. ``clip``: the actor's clip settings.
+    ``seq-mean-token-sum-norm``.
+    A loss's own settings (a clip range, say) are its ``params``, not inputs.
     """
 
     log_probs: torch.Tensor
@@ -137,7 +128,6 @@ class PolicyLossInputs:
     aggregation: LossAggregation = LossAggregation.TOKEN_MEAN
     norm_length: int | None = None
     weights: torch.Tensor | None = None
-    clip: ClipRange = field(default_factory=ClipRange)
 
 
 class PolicyLoss(ABC):

@@ -39,6 +39,7 @@ __all__ = [
     "ReinforcePP",
     "ReinforcePPBaseline",
     "PPOClip",
+    "PPOClipParams",
     "GSPO",
     "GSPOParams",
     "CISPO",
@@ -145,16 +146,28 @@ class ReinforcePPBaseline(AdvantageEstimator):
         )
 
 
+class PPOClipParams(FrozenModel):
+    """PPO's clip range on the token ratio, ``[1 - clip_ratio_low, 1 + clip_ratio_high]``, and
+    the dual-clip bound on negative advantages. The upper end is wider than the lower (0.28 over
+    0.2: the clip-higher of DAPO), which keeps rare tokens' probabilities able to rise."""
+
+    clip_ratio_low: float = Field(0.2, ge=0)
+    clip_ratio_high: float = Field(0.28, ge=0)
+    clip_ratio_c: float | None = Field(3.0, gt=1, description="Dual-clip bound; None disables it.")
+
+
 class PPOClip(PolicyLoss):
-    """PPO's clipped surrogate with dual clip, over ``actor.clip_ratio_low/high/c``."""
+    """PPO's clipped surrogate with dual clip (``policy_loss_params``: :class:`PPOClipParams`)."""
+
+    params: PPOClipParams
 
     def __call__(self, inputs: PolicyLossInputs) -> dict[str, torch.Tensor]:
         return _with_inputs(
             policy_loss,
             inputs,
-            clip_ratio_low=inputs.clip.low,
-            clip_ratio_high=inputs.clip.high,
-            clip_ratio_c=inputs.clip.dual,
+            clip_ratio_low=self.params.clip_ratio_low,
+            clip_ratio_high=self.params.clip_ratio_high,
+            clip_ratio_c=self.params.clip_ratio_c,
         )
 
 

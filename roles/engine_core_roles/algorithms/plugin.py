@@ -39,7 +39,12 @@ def engine_core_register(registry: BackendRegistry) -> None:
         description="REINFORCE++ with the group mean as baseline.",
     )
     loss = registry.register_policy_loss
-    loss("ppo_clip", f"{_HERE}:PPOClip", description="PPO clipped surrogate, dual clip.")
+    loss(
+        "ppo_clip",
+        f"{_HERE}:PPOClip",
+        params=f"{_HERE}:PPOClipParams",
+        description="PPO clipped surrogate, dual clip.",
+    )
     loss(
         "gspo",
         f"{_HERE}:GSPO",

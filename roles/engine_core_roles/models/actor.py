@@ -35,7 +35,7 @@ from engine_core import (
 from engine_core.batch import ROUTED_EXPERTS, MoeAuxLoss
 from engine_core.config import BUCKET_BYTES
 from engine_core.rollout import ROLLOUT_LOG_PROBS
-from engine_core_roles.algorithms.base import ClipRange, PolicyLossInputs
+from engine_core_roles.algorithms.base import PolicyLossInputs
 from engine_core_roles.algorithms.losses import (
     CorrectionWeights,
     KLEstimator,
@@ -59,6 +59,8 @@ __all__ = [
 
 # the keys that moved to the algorithm (trainer.algorithm), refused here with where they live
 _ALGORITHM_KEYS = ("policy_loss", "policy_loss_params", "loss_agg_mode")
+# the clip range is the policy loss's parameter (ppo_clip, gspo and cispo each have their own)
+_CLIP_KEYS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c")
 
 PRODUCERS = {
     OLD_LOG_PROBS: "Actor.compute_log_prob",
@@ -82,9 +84,6 @@ class ActorConfig(FrozenModel):
         None,
         description="Samples per optimizer step (per call on this rank); None: the whole batch.",
     )
-    clip_ratio_low: float = Field(0.2, ge=0)
-    clip_ratio_high: float = Field(0.2, ge=0)
-    clip_ratio_c: float | None = Field(3.0, gt=1, description="Dual-clip bound; None disables it.")
     loss_norm_length: PositiveInt | None = Field(
         None,
         description="trainer.algorithm.loss_agg_mode seq-mean-token-sum-norm: the constant each "
@@ -152,6 +151,14 @@ class ActorConfig(FrozenModel):
                 + " instead (engine-core run: in the trainer section; a script: "
                 "TrainerConfig(algorithm=...) and Actor(config, engine, algorithm="
                 "trainer_config.algorithm))."
+            )
+        clips = sorted(set(_CLIP_KEYS) & set(data)) if isinstance(data, Mapping) else []
+        if clips:
+            got = ", ".join(f"actor.{k}={data[k]!r}" for k in clips)
+            raise ValueError(
+                f"got {got}: the clip range is the policy loss's parameter, not the actor's. Set "
+                + ", ".join(f"trainer.algorithm.policy_loss_params.{k}" for k in clips)
+                + " instead (ppo_clip, gspo and cispo each take their own)."
             )
         if isinstance(data, Mapping) and "temperature" in data:
             raise ValueError(
@@ -272,7 +279,6 @@ class Actor:
                 mask=mask,
                 ctx=ctx,
                 weights=None if correction is None else correction.weights,
-                clip=ClipRange(cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c),
                 aggregation=self.aggregation,
                 norm_length=norm,
             )
