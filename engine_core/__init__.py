@@ -42,6 +42,7 @@ _EXPORTS: dict[str, str] = {
     "check_capabilities": "engine_core.capabilities",
     "EngineConfig": "engine_core.config",
     "FrozenModel": "engine_core.config",
+    "Seeded": "engine_core.config",
     "LoraConfig": "engine_core.config",
     "ModelConfig": "engine_core.config",
     "OptimConfig": "engine_core.config",
@@ -121,7 +122,14 @@ if TYPE_CHECKING:
         with_meta,
     )
     from engine_core.capabilities import Capability, check_capabilities
-    from engine_core.config import EngineConfig, FrozenModel, LoraConfig, ModelConfig, OptimConfig
+    from engine_core.config import (
+        EngineConfig,
+        FrozenModel,
+        LoraConfig,
+        ModelConfig,
+        OptimConfig,
+        Seeded,
+    )
     from engine_core.configio import apply_overrides, load_yaml, prefix_validation_error
     from engine_core.engine import (
         BaseEngine,

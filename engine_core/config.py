@@ -27,7 +27,7 @@ BUCKET_BYTES = 256 << 20
 """The one default bucket size of a weight stream: what an engine's ``named_full_params`` gathers
 at once and what a weight sync sends at once (a bigger tensor goes alone)."""
 
-__all__ = ["FrozenModel", "ModelConfig", "LoraConfig", "OptimConfig", "EngineConfig"]
+__all__ = ["FrozenModel", "Seeded", "ModelConfig", "LoraConfig", "OptimConfig", "EngineConfig"]
 
 DtypeName = Literal["float32", "bfloat16", "float16"]
 # bytes per element: a compute dtype must be narrower than the dtype the weights are held in
@@ -57,6 +57,17 @@ class FrozenModel(BaseModel):
         check and rule between fields runs again (``model_copy(update=...)`` runs none). The
         fields this config was given stay the ones it was given, plus ``update``'s."""
         return self.model_validate({**self.model_dump(exclude_unset=True), **update})
+
+
+class Seeded(FrozenModel):
+    """A section with a seed of its own: the one declaration of ``seed`` that the engine, rollout,
+    trainer, data and task sections inherit. What it seeds is each section's to say. In a job,
+    the run's ``seed`` is every section's default; a section's own, set in the recipe or on the
+    command line, wins for that section alone."""
+
+    seed: int = Field(
+        0, description="This section's seed (in a job: the run's seed unless set here)."
+    )
 
 
 class LoraConfig(FrozenModel):
@@ -132,8 +143,11 @@ class OptimConfig(FrozenModel):
         return self
 
 
-class EngineConfig(FrozenModel):
-    """Fields every training engine understands. Backends subclass this with their own."""
+class EngineConfig(Seeded):
+    """Fields every training engine understands. Backends subclass this with their own.
+
+    ``seed``: the model's initialisation (a model built from a config) and the engine's random
+    state."""
 
     backend: str = Field(..., description="Registered engine name, e.g. 'fsdp2'.")
     model: ModelConfig
@@ -179,7 +193,6 @@ class EngineConfig(FrozenModel):
             "prefer bfloat16 to float16."
         ),
     )
-    seed: int = 0
 
     @model_validator(mode="before")
     @classmethod

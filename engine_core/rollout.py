@@ -22,7 +22,7 @@ from tensordict import TensorDict
 
 from engine_core.batch import ROUTED_EXPERTS
 from engine_core.capabilities import Capability
-from engine_core.config import BUCKET_BYTES, FrozenModel, ModelConfig
+from engine_core.config import BUCKET_BYTES, FrozenModel, ModelConfig, Seeded
 from engine_core.errors import BatchError, CapabilityError, WeightSyncError
 from engine_core.models import is_adapter_name
 
@@ -136,12 +136,14 @@ class SamplingParams(SamplingSettings):
         return 1.0 if self.greedy else self.temperature
 
 
-class RolloutConfig(FrozenModel):
-    """Fields every rollout understands. Backends subclass this with their own."""
+class RolloutConfig(Seeded):
+    """Fields every rollout understands. Backends subclass this with their own.
+
+    ``seed``: the generation backend's own random state (each request's samples draw from
+    :attr:`SamplingParams.seed`, which a trainer derives per step)."""
 
     backend: str = Field(..., description="Registered rollout name, e.g. 'hf' or 'vllm'.")
     model: ModelConfig
-    seed: int = 0
     pad_token_id: int = Field(
         0,
         ge=0,

@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 from pydantic import BeforeValidator, Field, PositiveInt, model_validator
 
 from engine_core import SamplingParams
+from engine_core.config import Seeded
 from engine_core.errors import EngineCoreError
 from engine_core.rollout import SamplingSettings
 from engine_core_roles.algorithms.select import AlgorithmConfig, check_needs, resolve_algorithm
@@ -68,13 +69,14 @@ def check_routing_replay(mode: str, old_log_probs_from_update: bool) -> None:
         )
 
 
-class TrainerConfig(SamplingSettings):
+class TrainerConfig(SamplingSettings, Seeded):
     """How each step samples, and which advantage estimator it uses.
 
     ``temperature``, ``max_new_tokens`` and ``stop_token_ids`` are
     :class:`engine_core.rollout.SamplingSettings`' own fields, inherited: each step's
     :class:`engine_core.SamplingParams` is built from them (:meth:`sampling_params`), not from
-    a second declaration.
+    a second declaration. ``seed`` (:class:`engine_core.config.Seeded`): step ``s`` samples
+    with ``seed * 100003 + s``, so a resumed run repeats a straight one.
     """
 
     algorithm: AlgorithmConfig = Field(
@@ -92,11 +94,6 @@ class TrainerConfig(SamplingSettings):
         ge=0,
         description="Stop with an error when this many steps in a row applied no actor update "
         "(every optimizer step skipped for a non-finite gradient norm); 0: never stop.",
-    )
-    seed: int | None = Field(
-        0,
-        description="Step s samples with seed * 100003 + s (a resumed run repeats a straight "
-        "one); None: unseeded.",
     )
     reward_model_weight: float = Field(
         1.0,
@@ -180,9 +177,7 @@ class TrainerConfig(SamplingSettings):
     def sampling_params(self, step: int, draw: int = 0) -> SamplingParams:
         """Step ``step``'s sampling; ``draw`` > 0: filter_groups' extra generations, each with
         a seed of its own."""
-        seed = (
-            None if self.seed is None else self.seed * SEED_STRIDE + step + draw * EXTRA_DRAW_STRIDE
-        )
+        seed = self.seed * SEED_STRIDE + step + draw * EXTRA_DRAW_STRIDE
         return SamplingParams(
             temperature=self.temperature,
             max_new_tokens=self.max_new_tokens,

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from pydantic import Field, field_validator
 
-from engine_core.config import FrozenModel
+from engine_core.config import Seeded
 from engine_core.errors import ConfigError
 
 __all__ = ["FilesConfig", "one_or_many", "read_parts", "read_rows", "concatenate", "SeededOrder"]
@@ -26,9 +26,9 @@ def one_or_many(v: Any) -> Any:
     return [v] if isinstance(v, str) else v
 
 
-class FilesConfig(FrozenModel):
+class FilesConfig(Seeded):
     """The files of a dataset and the order their rows are drawn in: the settings prompt and
-    chat datasets share."""
+    chat datasets share. ``seed``: the shuffled order (epoch ``e`` uses ``seed + e``)."""
 
     train_files: list[str] = Field(
         ...,
@@ -39,7 +39,6 @@ class FilesConfig(FrozenModel):
         default_factory=list, description="Validation rows, read as train_files are."
     )
     shuffle: bool = True
-    seed: int = Field(0, description="Seed of the shuffled order (epoch e uses seed + e).")
 
     _one_or_many = field_validator("train_files", "val_files", mode="before")(one_or_many)
 

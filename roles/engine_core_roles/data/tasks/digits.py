@@ -14,7 +14,7 @@ import torch
 from pydantic import Field
 
 from engine_core.batch import make_batch
-from engine_core.config import FrozenModel
+from engine_core.config import Seeded
 
 __all__ = ["PAD", "BOS", "SEP", "EOS", "VOCAB_SIZE", "TaskConfig", "DigitTask"]
 
@@ -29,12 +29,11 @@ _TARGETS: dict[str, Callable[[list[int]], list[int]]] = {
 }
 
 
-class TaskConfig(FrozenModel):
-    """Which digit task, and how long its prompts are."""
+class TaskConfig(Seeded):
+    """Which digit task, and how long its prompts are; ``seed``: the order prompts are drawn in."""
 
     name: Literal["copy", "reverse", "repeat2"] = "reverse"
     num_digits: int = Field(3, ge=1, le=32)
-    seed: int = 0
 
 
 class DigitTask:

@@ -26,7 +26,7 @@ def evaluate(trainer: RLTrainer, text: TextParts, job: RLJobConfig, step: int) -
     assert text.val is not None and text.val_reward is not None
     cfg, k = job.eval, job.eval.samples_per_prompt
     base = trainer.config
-    seed = None if base.seed is None else base.seed * SEED_STRIDE + EVAL_SEED_OFFSET + step
+    seed = base.seed * SEED_STRIDE + EVAL_SEED_OFFSET + step
     params = SamplingParams(
         temperature=0.0 if cfg.greedy else base.temperature,
         max_new_tokens=base.max_new_tokens,

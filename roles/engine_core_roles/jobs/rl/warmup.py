@@ -45,7 +45,7 @@ def warm_up_on_demos(actor_part: Any, text: TextParts, job: RLJobConfig) -> None
             f"the demos ({', '.join(job.demo_files)}) hold no demonstration; add some, or set "
             f"warmup_sft_steps=0."
         )
-    gen = torch.Generator().manual_seed(job.trainer.seed or 0)
+    gen = torch.Generator().manual_seed(job.trainer.seed)
 
     def batch() -> TensorDict:
         pick = torch.randint(len(episodes), (job.warmup_batch_size,), generator=gen).tolist()
