@@ -44,6 +44,8 @@ _EXPORTS: dict[str, str] = {
     "chunked_token_log_probs": "engine_core.log_probs",
     "chunk_tokens_for": "engine_core.log_probs",
     "HeadGrads": "engine_core.log_probs",
+    "ChunkedHead": "engine_core.log_probs",
+    "WholeVocabulary": "engine_core.log_probs",
     "logits_grad_": "engine_core.log_probs",
     "chunk_logits_": "engine_core.log_probs",
     "logits_buffer": "engine_core.log_probs",
@@ -200,7 +202,9 @@ if TYPE_CHECKING:
     from engine_core.hookspecs import BackendRegistry, hookimpl
     from engine_core.launch import set_default_for_process, set_for_process
     from engine_core.log_probs import (
+        ChunkedHead,
         HeadGrads,
+        WholeVocabulary,
         chunk_logits_,
         chunk_tokens_for,
         chunked_token_log_probs,

@@ -29,7 +29,9 @@ import torch.nn.functional as F
 
 __all__ = [
     "DEFAULT_CHUNK_ELEMENTS",
+    "ChunkedHead",
     "HeadGrads",
+    "WholeVocabulary",
     "chunk_logits_",
     "chunk_tokens_for",
     "chunked_head",
@@ -205,7 +207,73 @@ class HeadGrads:
         )
 
 
-class _ChunkedLogProbs(torch.autograd.Function):
+class WholeVocabulary:
+    """What a chunked head computes per chunk when its weight covers the whole vocabulary (one
+    rank): the fp32 log-softmax of the chunk's logits, and in the backward their gradient.
+
+    A head over a slice of the vocabulary (tensor parallelism: megatron's ``VocabSlice``)
+    subclasses it: its sums over the vocabulary are reduced over ranks, and its input rows may
+    be a sequence-parallel split. The chunk loop, what is saved for the backward, the sums of
+    the layer's gradients and autocast are :class:`ChunkedHead`'s, the same for both."""
+
+    #: a call whose tokens fit in one chunk keeps that chunk's log-softmax for the backward
+    #: (no more memory than recomputing it would take)
+    keeps_one_chunk = True
+
+    def gather_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The ``[N, H]`` rows the logits are computed from (forward and backward)."""
+        return hidden
+
+    def scatter_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient of the input the head was given, from that of :meth:`gather_rows`'."""
+        return grad
+
+    def forward_chunk(
+        self,
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        temperature: float,
+        buffers: tuple[torch.Tensor, torch.Tensor],
+        out: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
+    ) -> torch.Tensor:
+        """One chunk's log-probs of ``targets`` into ``out[0]`` and entropy into ``out[1]`` (None:
+        not asked for); ``out[2]``, the per-token log-partition, is the vocabulary slice's to
+        fill. Returns the chunk's log-softmax (kept when :attr:`keeps_one_chunk` applies)."""
+        lp, ent, _ = out
+        logp = _chunk_log_probs(h, weight, bias, temperature, buffers)
+        lp.copy_(logp.gather(-1, targets[:, None]).squeeze(-1))
+        if ent is not None:
+            p = torch.exp(logp, out=buffers[0][: logp.shape[0]])
+            ent.copy_(-p.mul_(logp).sum(-1))
+        return logp
+
+    def backward_chunk(
+        self,
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        temperature: float,
+        buffers: tuple[torch.Tensor, torch.Tensor],
+        saved: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor],
+        grads: tuple[torch.Tensor | None, torch.Tensor | None],
+    ) -> torch.Tensor:
+        """The gradient in one chunk's logits (:func:`logits_grad_`); ``saved``: the kept
+        log-softmax (or None), and the forward's log-partition and entropy of the chunk."""
+        kept = saved[0]
+        logp = kept if kept is not None else _chunk_log_probs(h, weight, bias, temperature, buffers)
+        p = torch.exp(logp, out=buffers[0][: h.shape[0]])
+        return logits_grad_(logp, p, targets, *grads, None, temperature=temperature)
+
+
+class ChunkedHead(torch.autograd.Function):
+    """Log-prob and entropy per token from ``hidden @ weight.T + bias``, a chunk of tokens at a
+    time, over the vocabulary ``vocab`` describes (:class:`WholeVocabulary` or a slice of it).
+    The backward recomputes each chunk's logits from the saved input (unless one chunk held
+    them all) and sums the layer's gradients over chunks (:class:`HeadGrads`)."""
+
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
@@ -213,26 +281,34 @@ class _ChunkedLogProbs(torch.autograd.Function):
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         targets: torch.Tensor,
+        vocab: WholeVocabulary,
         temperature: float,
         chunk: int,
         with_entropy: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        n = hidden.shape[0]
-        lp = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        ent = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        rows = vocab.gather_rows(hidden)
+        n = rows.shape[0]
+        lp = torch.empty(n, dtype=torch.float32, device=rows.device)
+        ent = torch.zeros(n, dtype=torch.float32, device=rows.device)
+        log_z = torch.empty(n, dtype=torch.float32, device=rows.device)
         logp = torch.empty(0)
         buffers = _buffers(min(n, chunk), weight)
         for s in range(0, n, chunk):
-            logp = _chunk_log_probs(hidden[s : s + chunk], weight, bias, temperature, buffers)
-            lp[s : s + chunk] = logp.gather(-1, targets[s : s + chunk, None]).squeeze(-1)
-            if with_entropy:
-                p = torch.exp(logp, out=buffers[0][: logp.shape[0]])
-                ent[s : s + chunk] = -p.mul_(logp).sum(-1)
-        # one chunk holds every token: keeping it costs no more than recomputing it would
-        kept = logp if n <= chunk else None
-        del logp, buffers
-        ctx.save_for_backward(hidden, weight, bias, targets, kept)
-        ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
+            out = (lp[s : s + chunk], ent[s : s + chunk] if with_entropy else None)
+            logp = vocab.forward_chunk(
+                rows[s : s + chunk],
+                weight,
+                bias,
+                targets[s : s + chunk],
+                temperature,
+                buffers,
+                (*out, log_z[s : s + chunk]),
+            )
+        kept = logp if n <= chunk and vocab.keeps_one_chunk else None
+        del logp, buffers, rows  # gathered rows are gathered again in the backward
+        ctx.save_for_backward(hidden, weight, bias, targets, kept, log_z, ent)
+        ctx.vocab, ctx.temperature, ctx.chunk = vocab, temperature, chunk
+        ctx.with_entropy = with_entropy
         ctx.autocast = _autocast_dtype(hidden.device.type)
         ctx.device_type = hidden.device.type
         if not with_entropy:
@@ -244,40 +320,44 @@ class _ChunkedLogProbs(torch.autograd.Function):
         ctx: Any, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None
     ) -> tuple[Any, ...]:
         if ctx.autocast is None:
-            return _ChunkedLogProbs._backward(ctx, g_lp, g_ent)
+            return ChunkedHead._backward(ctx, g_lp, g_ent)
         # The forward ran under autocast (an engine's compute_dtype) and the backward runs
         # outside it: turn it back on, so the recomputed logits and the layer's matmuls run in
         # the forward's dtype, as a plain layer's recorded backward would.
         with torch.autocast(ctx.device_type, ctx.autocast):
-            return _ChunkedLogProbs._backward(ctx, g_lp, g_ent)
+            return ChunkedHead._backward(ctx, g_lp, g_ent)
 
     @staticmethod
     def _backward(
         ctx: Any, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None
     ) -> tuple[Any, ...]:
-        hidden, weight, bias, targets, kept = ctx.saved_tensors
-        temperature, chunk = ctx.temperature, ctx.chunk
-        grads = HeadGrads(hidden, weight, bias, ctx.needs_input_grad)
+        hidden, weight, bias, targets, kept, log_z, ent = ctx.saved_tensors
+        vocab: WholeVocabulary = ctx.vocab
+        chunk = ctx.chunk
+        rows = vocab.gather_rows(hidden)
+        grads = HeadGrads(rows, weight, bias, ctx.needs_input_grad)
         g_ent = g_ent if ctx.with_entropy else None
-        buffers = _buffers(min(hidden.shape[0], chunk), weight)
-        for s in range(0, hidden.shape[0], chunk):
-            h = hidden[s : s + chunk]
-            if kept is not None:
-                logp = kept
-            else:
-                logp = _chunk_log_probs(h, weight, bias, temperature, buffers)
-            gz = logits_grad_(
-                logp,
-                torch.exp(logp, out=buffers[0][: h.shape[0]]),
+        buffers = _buffers(min(rows.shape[0], chunk), weight)
+        for s in range(0, rows.shape[0], chunk):
+            h = rows[s : s + chunk]
+            gz = vocab.backward_chunk(
+                h,
+                weight,
+                bias,
                 targets[s : s + chunk],
-                None if g_lp is None else g_lp[s : s + chunk],
-                None if g_ent is None else g_ent[s : s + chunk],
-                None,
-                temperature=temperature,
+                ctx.temperature,
+                buffers,
+                (kept, log_z[s : s + chunk], ent[s : s + chunk]),
+                (
+                    None if g_lp is None else g_lp[s : s + chunk],
+                    None if g_ent is None else g_ent[s : s + chunk],
+                ),
             )
-            del logp
             grads.add(s, h, gz)
-        return (*grads.result(), None, None, None, None)
+        g_hidden, g_weight, g_bias = grads.result()
+        if g_hidden is not None:
+            g_hidden = vocab.scatter_grad(g_hidden)
+        return (g_hidden, g_weight, g_bias, None, None, None, None, None)
 
 
 def chunked_token_log_probs(
@@ -311,11 +391,12 @@ def chunked_token_log_probs(
     if chunk < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}.")
     lead = targets.shape
-    lp, ent = _ChunkedLogProbs.apply(
+    lp, ent = ChunkedHead.apply(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,
         bias,
         targets.reshape(-1),
+        WholeVocabulary(),
         float(temperature),
         int(chunk),
         bool(entropy),

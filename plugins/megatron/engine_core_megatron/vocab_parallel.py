@@ -12,7 +12,8 @@ masked out.
 rank's weight shard, a chunk of tokens at a time, so that no rank ever holds its
 ``[tokens, vocab / tp]`` logits: each chunk's logits live while that chunk is reduced, in the
 forward and again in the backward, which recomputes them and applies the derivatives of
-log-softmax and entropy in closed form (as :mod:`engine_core.log_probs` does on one rank).
+log-softmax and entropy in closed form (as :mod:`engine_core.log_probs` does on one rank): :class:`VocabSlice` is the vocabulary
+view of :class:`engine_core.log_probs.ChunkedHead`, which runs the chunk loop for both.
 :func:`chunked_output_layer` puts it in place of a ``GPTModel``'s output layer for one call.
 """
 
@@ -26,14 +27,19 @@ import torch
 import torch.distributed as dist
 
 from engine_core.backend import (
-    HeadGrads,
+    ChunkedHead,
+    WholeVocabulary,
     chunk_logits_,
     chunk_tokens_for,
-    logits_buffer,
     logits_grad_,
 )
 
-__all__ = ["chunked_output_layer", "vocab_parallel_chunked_log_probs", "vocab_parallel_log_probs"]
+__all__ = [
+    "VocabSlice",
+    "chunked_output_layer",
+    "vocab_parallel_chunked_log_probs",
+    "vocab_parallel_log_probs",
+]
 
 
 def vocab_parallel_log_probs(
@@ -130,113 +136,100 @@ def _scatter_rows(full: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return out
 
 
-class _VocabParallelChunked(torch.autograd.Function):
-    """Log-prob and entropy per token from ``hidden @ weight_shard.T``, a chunk of tokens at a
-    time; the backward recomputes each chunk's logits from the saved inputs and the per-token
-    log-partition function and entropy of the forward (no collective in the backward, but for
-    ``rows_split``: ``hidden`` is then this rank's rows of a sequence-parallel split, gathered
-    over the group in the forward and again in the backward, so that only the rows are kept, and
-    its gradient is reduce-scattered back to them, as megatron-core's own layer does)."""
+class VocabSlice(WholeVocabulary):
+    """The chunked head of :mod:`engine_core.log_probs` on this rank's slice of the vocabulary:
+    each chunk's sums over the vocabulary (of ``exp(z)``, the target's ``z`` and ``exp(z) z``)
+    are reduced over ``group`` in one all-reduce, after one all-reduce of the chunk's peak, and
+    the backward recomputes the chunk's logits from the saved input and the forward's per-token
+    log-partition and entropy (no collective in it). ``rows_split``: the head's input is this
+    rank's rows of a sequence-parallel split, gathered over the group in the forward and again
+    in the backward (so that only the rows are kept), and its gradient is reduce-scattered back
+    to them, as megatron-core's own layer does."""
 
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        hidden: torch.Tensor,
+    keeps_one_chunk = False
+
+    def __init__(self, vocab_size: int, group: dist.ProcessGroup | None, rows_split: bool) -> None:
+        self.vocab_size, self.group, self.rows_split = vocab_size, group, rows_split
+
+    def gather_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not self.rows_split:
+            return hidden
+        assert self.group is not None
+        return _gather_rows(hidden, self.group)
+
+    def scatter_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        # the gradient of the input: a partial sum over this rank's slice; the input's TP
+        # mapping (an all-reduce), or with split rows this reduce-scatter, completes it
+        return _scatter_rows(grad, self.group) if self.rows_split else grad
+
+    def forward_chunk(
+        self,
+        h: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         targets: torch.Tensor,
-        vocab_size: int,
         temperature: float,
-        group: dist.ProcessGroup | None,
-        chunk: int,
-        with_entropy: bool,
-        rows_split: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        tp, padding, in_slice, local_t = _vocab_slice(targets, weight.shape[0], vocab_size, group)
-        rows = hidden
-        if rows_split and tp > 1:
-            assert group is not None
-            hidden = _gather_rows(rows, group)
-        n = hidden.shape[0]
-        lp = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        ent = torch.zeros(n, dtype=torch.float32, device=hidden.device)
-        log_z = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        # two [chunk, vocab / tp] fp32 buffers for every chunk
-        z_buf, e_buf = (logits_buffer(min(chunk, n), weight) for _ in range(2))
-        for s in range(0, n, chunk):
-            z = _chunk_logits(hidden[s : s + chunk], weight, bias, temperature, padding, z_buf)
-            peak = z.max(dim=-1).values
-            if tp > 1:
-                dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-            z.sub_(peak.unsqueeze(-1))
-            e = torch.exp(z, out=e_buf[: z.shape[0]])
-            # the sums over the vocabulary, one all-reduce for all of them: sum exp(z), the
-            # target's z (on the rank that holds it, 0 elsewhere) and sum exp(z) * z
-            sums = [
-                e.sum(-1),
-                z.gather(-1, local_t[s : s + chunk, None]).squeeze(-1) * in_slice[s : s + chunk],
-            ]
-            if with_entropy:
-                if padding is not None:
-                    z.masked_fill_(padding, 0.0)  # exp(-inf) * -inf would be nan; p = 0 there
-                sums.append(e.mul_(z).sum(-1))  # e's own sum is taken above
-            total = torch.stack(sums, dim=-1)
-            del z, e
-            if tp > 1:
-                dist.all_reduce(total, group=group)
-            log_sum = total[:, 0].log()
-            lp[s : s + chunk] = total[:, 1] - log_sum
-            log_z[s : s + chunk] = peak + log_sum
-            if with_entropy:
-                # H = -sum p (z - log Z) = log sum exp(z - max) - E_p[z - max]
-                ent[s : s + chunk] = log_sum - total[:, 2] / total[:, 0]
-        del hidden, z_buf, e_buf  # gathered rows: gathered again in the backward
-        ctx.save_for_backward(rows, weight, bias, targets, log_z, ent)
-        ctx.vocab_size, ctx.temperature, ctx.group = vocab_size, temperature, group
-        ctx.chunk, ctx.with_entropy, ctx.rows_split = chunk, with_entropy, rows_split and tp > 1
-        if not with_entropy:
-            ctx.mark_non_differentiable(ent)
-        return lp, ent
-
-    @staticmethod
-    def backward(  # type: ignore[override]
-        ctx: Any, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None
-    ) -> tuple[Any, ...]:
-        hidden, weight, bias, targets, log_z, ent = ctx.saved_tensors
-        _, padding, in_slice, local_t = _vocab_slice(
-            targets, weight.shape[0], ctx.vocab_size, ctx.group
+        buffers: tuple[torch.Tensor, torch.Tensor],
+        out: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
+    ) -> torch.Tensor:
+        lp, ent, log_z = out
+        group = self.group
+        tp, padding, in_slice, local_t = _vocab_slice(
+            targets, weight.shape[0], self.vocab_size, group
         )
-        if ctx.rows_split:
-            hidden = _gather_rows(hidden, ctx.group)
-        grads = HeadGrads(hidden, weight, bias, ctx.needs_input_grad)
-        g_ent = g_ent if ctx.with_entropy else None
-        z_buf, p_buf = (logits_buffer(min(ctx.chunk, hidden.shape[0]), weight) for _ in range(2))
-        for s in range(0, hidden.shape[0], ctx.chunk):
-            h = hidden[s : s + ctx.chunk]
-            logp = _chunk_logits(h, weight, bias, ctx.temperature, padding, z_buf)
-            logp.sub_(log_z[s : s + ctx.chunk, None])  # the global log-softmax on this slice
-            p = torch.exp(logp, out=p_buf[: h.shape[0]])
+        z = _chunk_logits(h, weight, bias, temperature, padding, buffers[0])
+        peak = z.max(dim=-1).values
+        if tp > 1:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        z.sub_(peak.unsqueeze(-1))
+        e = torch.exp(z, out=buffers[1][: z.shape[0]])
+        # the sums over the vocabulary, one all-reduce for all of them: sum exp(z), the
+        # target's z (on the rank that holds it, 0 elsewhere) and sum exp(z) * z
+        sums = [e.sum(-1), z.gather(-1, local_t[:, None]).squeeze(-1) * in_slice]
+        if ent is not None:
             if padding is not None:
-                logp.masked_fill_(padding, 0.0)  # p = 0 there: no gradient, and no nan
-            gz = logits_grad_(
-                logp,
-                p,
-                local_t[s : s + ctx.chunk],
-                None if g_lp is None else g_lp[s : s + ctx.chunk],
-                None if g_ent is None else g_ent[s : s + ctx.chunk],
-                ent[s : s + ctx.chunk, None],  # the forward's, over the whole vocabulary
-                temperature=ctx.temperature,
-                on_this_slice=in_slice[s : s + ctx.chunk],
-            )
-            del p, logp
-            # grad of the input: a partial sum over this rank's vocabulary slice; the input's
-            # TP mapping (an all-reduce), or with split rows the reduce-scatter below,
-            # completes it
-            grads.add(s, h, gz)
-        g_hidden, g_weight, g_bias = grads.result()
-        if ctx.rows_split and g_hidden is not None:
-            g_hidden = _scatter_rows(g_hidden, ctx.group)
-        return (g_hidden, g_weight, g_bias, *([None] * 7))
+                z.masked_fill_(padding, 0.0)  # exp(-inf) * -inf would be nan; p = 0 there
+            sums.append(e.mul_(z).sum(-1))  # e's own sum is taken above
+        total = torch.stack(sums, dim=-1)
+        if tp > 1:
+            dist.all_reduce(total, group=group)
+        log_sum = total[:, 0].log()
+        lp.copy_(total[:, 1] - log_sum)
+        log_z.copy_(peak + log_sum)
+        if ent is not None:
+            # H = -sum p (z - log Z) = log sum exp(z - max) - E_p[z - max]
+            ent.copy_(log_sum - total[:, 2] / total[:, 0])
+        return z
+
+    def backward_chunk(
+        self,
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        temperature: float,
+        buffers: tuple[torch.Tensor, torch.Tensor],
+        saved: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor],
+        grads: tuple[torch.Tensor | None, torch.Tensor | None],
+    ) -> torch.Tensor:
+        _, log_z, ent = saved
+        _, padding, in_slice, local_t = _vocab_slice(
+            targets, weight.shape[0], self.vocab_size, self.group
+        )
+        logp = _chunk_logits(h, weight, bias, temperature, padding, buffers[0])
+        logp.sub_(log_z[:, None])  # the global log-softmax on this slice
+        p = torch.exp(logp, out=buffers[1][: h.shape[0]])
+        if padding is not None:
+            logp.masked_fill_(padding, 0.0)  # p = 0 there: no gradient, and no nan
+        return logits_grad_(
+            logp,
+            p,
+            local_t,
+            *grads,
+            ent[:, None],  # the forward's, over the whole vocabulary
+            temperature=temperature,
+            on_this_slice=in_slice,
+        )
 
 
 def vocab_parallel_chunked_log_probs(
@@ -281,17 +274,15 @@ def vocab_parallel_chunked_log_probs(
     chunk = chunk_tokens or chunk_tokens_for(weight.shape[0])
     if chunk < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}.")
-    lp, ent = _VocabParallelChunked.apply(
+    lp, ent = ChunkedHead.apply(
         hidden,
         weight,
         bias,
         targets,
-        int(vocab_size),
+        VocabSlice(int(vocab_size), group, bool(sequence_parallel) and tp > 1),
         float(temperature),
-        group,
         int(chunk),
         bool(entropy),
-        bool(sequence_parallel),
     )
     return lp, (ent if entropy else None)
 

@@ -121,7 +121,7 @@ def _rows_kept(engine: Any) -> list[tuple[int, int]]:
             if node is None or id(node) in visited:
                 continue
             visited.add(id(node))
-            if type(node).__name__.startswith("_VocabParallelChunked"):
+            if type(node).__name__.startswith("ChunkedHead"):
                 seen.append((out[0].shape[0] * out[0].shape[1], node.saved_tensors[0].shape[0]))
                 return
             nodes += [n for n, _ in node.next_functions]
