@@ -58,6 +58,8 @@ from _process_stats import (  # noqa: E402  (benchmarks/ is on sys.path as a scr
     rss_and_hwm,
 )
 
+from engine_core.launch import caller_environment  # noqa: E402
+
 MODEL = {
     "model_type": "qwen2",
     "hidden_size": 64,
@@ -209,7 +211,7 @@ def _spawn(
 ) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--one", f"{length},{vocab},{path},{cp}"]
     cmd += ["--backend", args.backend, "--repeats", str(args.repeats)]
-    env = dict(os.environ)
+    env = caller_environment()
     if cp:  # see CP_MALLOC_MMAP_THRESHOLD
         env.setdefault("MALLOC_MMAP_THRESHOLD_", str(CP_MALLOC_MMAP_THRESHOLD))
     done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)

@@ -46,6 +46,8 @@ from _process_stats import (  # noqa: E402  (benchmarks/ is on sys.path as a scr
     rss_and_hwm,
 )
 
+from engine_core.launch import set_for_process  # noqa: E402
+
 
 def _model(args: argparse.Namespace) -> dict[str, Any]:
     return {
@@ -76,7 +78,7 @@ def _worker(rank: int, world: int, ep: int, args: argparse.Namespace, port: int,
     from engine_core.plugins import load_plugins
     from engine_core.testing.models import nll_loss
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    set_for_process({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     on_gpu = torch.cuda.is_available()
     if on_gpu:
         torch.cuda.set_device(rank)

@@ -18,13 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from engine_core.launch import caller_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "roles" / "engine_core_roles" / "recipes"
@@ -74,7 +75,7 @@ def run_case(command: str, args: list[str], steps: int) -> list[dict[str, Any]]:
         out = Path(tmp, "run")
         overrides = [f"output_dir={out}", f"steps={steps}", "log_every=1", f"save_every={steps}"]
         cmd = [sys.executable, "-m", "engine_core.cli", command, *args, *overrides]
-        env = dict(os.environ, RAY_AUTH_MODE="disabled")
+        env = {**caller_environment(), "RAY_AUTH_MODE": "disabled"}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp)
         if proc.returncode != 0:
             raise RuntimeError(

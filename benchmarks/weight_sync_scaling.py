@@ -36,6 +36,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _process_stats import peak_rss_above_start  # noqa: E402  (benchmarks/ is on sys.path)
 
+from engine_core.launch import set_for_process
+
 WIDTH = {
     "model_type": "qwen2",
     "vocab_size": 4096,
@@ -128,7 +130,7 @@ def main() -> None:
     # buffers of 1 MiB and more mapped on their own and unmapped when freed, so RSS follows
     # what is live: the workers read it from their environment at start-up, this process is
     # told through mallopt (M_MMAP_THRESHOLD)
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
+    set_for_process({"MALLOC_MMAP_THRESHOLD_": str(1 << 20)})
     ctypes.CDLL(ctypes.util.find_library("c")).mallopt(-3, 1 << 20)
     sizes = []
     for model in _sizes(args.layers):

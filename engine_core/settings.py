@@ -78,6 +78,7 @@ __all__ = [
     "ENV_PLUGINS",
     "ENV_EXTRA_PLUGINS",
     "ENV_LOG_LEVEL",
+    "ENV_SGLANG_CPU_SEEDS",
     "ENV_COLLECTIVE_TIMEOUT",
     "ENV_WORKER_START",
     "ENV_MLFLOW_TRACKING_URI",
@@ -87,6 +88,7 @@ __all__ = [
     "Settings",
     "launch_from_env",
     "mlflow_tracking_uri",
+    "sglang_cpu_seeds",
 ]
 
 ENV_DISABLE_AUTOLOAD = "ENGINE_CORE_DISABLE_PLUGIN_AUTOLOAD"
@@ -96,6 +98,7 @@ ENV_LOG_LEVEL = "ENGINE_CORE_LOG_LEVEL"
 ENV_COLLECTIVE_TIMEOUT = "ENGINE_CORE_COLLECTIVE_TIMEOUT_S"
 ENV_WORKER_START = "ENGINE_CORE_WORKER_START"
 ENV_MLFLOW_TRACKING_URI = "MLFLOW_TRACKING_URI"
+ENV_SGLANG_CPU_SEEDS = "ENGINE_CORE_SGLANG_CPU_SEEDS"
 # Entry-point name of the core's own plugin; never filtered out.
 BUILTIN_PLUGIN = "builtin"
 
@@ -203,6 +206,12 @@ def launch_from_env(environ: Mapping[str, str] | None = None) -> Launch:
         world_size=_parse_int("WORLD_SIZE", env.get("WORLD_SIZE"), 1),
         local_rank=_parse_int("LOCAL_RANK", env.get("LOCAL_RANK"), 0),
     )
+
+
+def sglang_cpu_seeds(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the SGLang rollout asked its CPU environment's ``sgl_kernel`` stand-in to keep
+    per-sample seeds (``ENGINE_CORE_SGLANG_CPU_SEEDS=1``, set by the rollout, not by users)."""
+    return (os.environ if environ is None else environ).get(ENV_SGLANG_CPU_SEEDS) == "1"
 
 
 def mlflow_tracking_uri(environ: Mapping[str, str] | None = None) -> str | None:

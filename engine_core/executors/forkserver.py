@@ -7,7 +7,7 @@ worker is then forked from it with those imports done. The server is started wit
 process's environment, working folder and ``sys.path``, and a new one is started when any of
 them changed since (modules may read them on import) or when a module to import is new; the old
 one ends with its last worker. A worker gets the caller's environment as a spawned one would
-(:func:`caller_environment`).
+(:func:`engine_core.launch.adopt_environment`).
 
 The local executor spawns its workers unless ``ENGINE_CORE_WORKER_START=forkserver``
 (:func:`worker_context`). A forked worker can use CUDA only if the server never initialized it;
@@ -25,10 +25,10 @@ from collections.abc import Sequence
 from multiprocessing import util
 from typing import Any
 
-from engine_core.launch import adopt_environment, with_variable
 from engine_core.launch import caller_environment as current_environment
+from engine_core.launch import with_variable
 
-__all__ = ["caller_environment", "fork_server", "worker_context"]
+__all__ = ["fork_server", "worker_context"]
 
 # what the running server was started with: (environment, working folder, sys.path) and the
 # modules it imported
@@ -85,12 +85,6 @@ def _leave(server: Any) -> None:
             done = pid
         if done:
             _left.remove(pid)
-
-
-def caller_environment(env: dict[str, str]) -> None:
-    """In a forked worker: make its environment the caller's ``env``, as a spawned worker's is
-    (:func:`engine_core.launch.adopt_environment`)."""
-    adopt_environment(env)
 
 
 def worker_context(modules: Sequence[str]) -> Any:

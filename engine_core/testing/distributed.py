@@ -20,7 +20,7 @@ The children are forked from a fork server (``multiprocessing``'s ``forkserver``
 interpreter, started with this process's environment, working folder and ``sys.path``, that has
 imported ``fn``'s module and the modules named in ``preload`` once (and run nothing else); each
 child then starts with those imports done instead of importing torch, transformers and the
-engine again. The child gets this process's ``os.environ`` and ``sys.path`` as a spawned one
+engine again. The child gets this process's environment and ``sys.path`` as a spawned one
 would. The server is started again when the environment, the working folder or ``sys.path``
 changed since it started (modules may read them on import), or when a module to preload is new.
 """
@@ -28,7 +28,6 @@ changed since it started (modules may read them on import), or when a module to 
 from __future__ import annotations
 
 import multiprocessing
-import os
 import pickle
 import queue as queue_mod
 import time
@@ -40,7 +39,13 @@ import torch
 import torch.distributed as dist
 
 from engine_core.executors.base import free_port, host_rendezvous, worker_env
-from engine_core.executors.forkserver import caller_environment, fork_server
+from engine_core.executors.forkserver import fork_server
+from engine_core.launch import (
+    adopt_environment,
+    caller_environment,
+    set_for_process,
+    unset_for_process,
+)
 
 __all__ = ["free_port", "run_distributed"]
 
@@ -55,16 +60,15 @@ def _entry(
     pg_backend: str | None,
     env: dict[str, str],
 ) -> None:
-    caller_environment(env)  # the caller's environment, as a spawned child has it
+    adopt_environment(env)  # the caller's environment, as a spawned child has it
     # the rendezvous variables every executor's worker gets (worker_env), the caller hosting the
     # store; a plain process, as `engine-core run` starts, has none of them
     rendezvous = worker_env(rank, world_size, port, hosted=True)
     if pg_backend is not None:
-        os.environ.update(rendezvous)
+        set_for_process(rendezvous)
     else:
-        for name in rendezvous:
-            os.environ.pop(name, None)
-    os.environ["OMP_NUM_THREADS"] = "1"
+        unset_for_process(rendezvous)
+    set_for_process({"OMP_NUM_THREADS": "1"})
     torch.set_num_threads(1)  # torch is imported already, so the env var alone is too late
     try:
         if pg_backend == "nccl":
@@ -118,7 +122,7 @@ def run_distributed(
             # not daemonic: the function may start processes (megatron-core's checkpoint
             # writers do); every child is joined or killed below
             target=_entry,
-            args=(r, world_size, port, fn, args, queue, pg_backend, dict(os.environ)),
+            args=(r, world_size, port, fn, args, queue, pg_backend, caller_environment()),
             daemon=False,
         )
         for r in range(world_size)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.util
-import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -129,7 +128,9 @@ class _SkipBatchInvariant(importlib.abc.MetaPathFinder):
         return spec
 
 
-if os.environ.get("ENGINE_CORE_SGLANG_CPU_SEEDS") == "1":
+from engine_core.settings import sglang_cpu_seeds  # noqa: E402  (installed beside this stand-in)
+
+if sglang_cpu_seeds():
     if _BATCH_INVARIANT in sys.modules:
         _skip_batch_invariant(sys.modules[_BATCH_INVARIANT])
         _skip_batch_invariant(sys.modules["sglang.srt.batch_invariant_ops"])
