@@ -42,11 +42,12 @@ lint: setup
 # The conformance kit runs against every engine in the repository (and the example plugin).
 KIT := $(foreach b,reference fsdp fsdp2 megatron example,--engine-core-backend=$(b))
 
-# Two pytest workers (pytest-xdist), each test module whole on one of them (its module-scoped
+# Two pytest workers (pytest-xdist), each test module or class whole on one of them (its module-scoped
 # set-ups built once): much of the suite waits on process start-ups, rendezvous and Ray, which
-# the other worker fills. Multi-process tests give each rank one thread.
+# the other worker fills; the kit is one unit per engine, and the longest units go first
+# (tests/conftest.py). Multi-process tests give each rank one thread.
 test: setup lint
-	RAY_AUTH_MODE=disabled $(PY) -m pytest -q -n 2 --dist loadscope --durations=30 $(KIT)
+	RAY_AUTH_MODE=disabled $(PY) -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder --durations=50 $(KIT)
 
 bench: setup
 	for b in benchmarks/*.py; do $(PY) $$b; done

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,81 @@ def _fork_workers() -> None:
 
 
 _fork_workers()
+
+# How `make test` shares the suite between its two pytest workers (--dist loadscope): in units,
+# each a module or a test class, run whole on one worker (module-scoped set-ups built once),
+# except the conformance kit, whose tests are one unit per engine (each engine's module-scoped
+# runs are its own). Units go out longest first (--no-loadscope-reorder keeps the order set
+# here), so that no long unit starts last while the other worker idles: LONG_UNITS, longest
+# first, as the suite's durations on a fresh clone measured them, then every other unit, those
+# with more tests first.
+KIT_MODULE = "engine_core/testing/contract.py"
+LONG_UNITS = (
+    f"{KIT_MODULE}[megatron]",
+    "tests/test_conformance.py",
+    f"{KIT_MODULE}[fsdp]",
+    f"{KIT_MODULE}[fsdp2]",
+    f"{KIT_MODULE}[reference]",
+    f"{KIT_MODULE}[example]",
+    "tests/test_docs.py::TestDocumentedCommandsRayAndVllm",
+    "plugins/megatron/tests/test_megatron_engine.py",
+    "tests/test_grpo.py",
+    "plugins/fsdp/tests/test_fsdp_engines.py",
+    "tests/test_checkpoint_kill.py",
+    "tests/test_docs.py::TestDocumentedCommandsInProcess",
+    "plugins/megatron/tests/test_megatron_moe.py",
+    "tests/test_rollout_replicas.py",
+    "tests/test_executors.py",
+    "tests/test_docs.py::TestDocumentedCommandsWithProcesses",
+    "tests/test_placement.py",
+    "tests/test_agents.py",
+    "tests/test_ray_nodes.py",
+    "tests/test_role_workers.py",
+    "tests/test_text_job.py",
+    "tests/test_moe_jobs.py",
+    "tests/test_ray_cleanup.py",
+)
+
+
+def work_unit(nodeid: str, backends: Sequence[str]) -> str:
+    """The unit of work ``nodeid`` belongs to: its class, else its module; a kit test's module
+    and engine (``contract.py[NAME]``, NAME among ``backends``)."""
+    scope = nodeid.split("[", 1)[0].rsplit("::", 1)[0]
+    if scope == KIT_MODULE and nodeid.endswith("]"):
+        params = nodeid[nodeid.index("[") + 1 : -1].split("-")
+        backend = next((p for p in params if p in backends), None)
+        if backend is not None:
+            return f"{scope}[{backend}]"
+    return scope
+
+
+def _backends(config: pytest.Config) -> list[str]:
+    return list(config.getoption("engine_core_backend", None) or [])
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    backends = _backends(config)
+    units = [work_unit(item.nodeid, backends) for item in items]
+    counts = {unit: units.count(unit) for unit in set(units)}
+    first = {unit: n for n, unit in enumerate(dict.fromkeys(units))}
+    rank = {unit: n for n, unit in enumerate(LONG_UNITS)}
+    key = {unit: (rank.get(unit, len(LONG_UNITS)), -counts[unit], first[unit]) for unit in counts}
+    order = sorted(range(len(items)), key=lambda i: key[units[i]])  # stable within a unit
+    items[:] = [items[i] for i in order]
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getoption("dist", None) != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    backends = _backends(config)
+
+    class Units(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid, backends)
+
+    return Units(config, log)
 
 
 @pytest.fixture(scope="session")

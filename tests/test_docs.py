@@ -242,9 +242,34 @@ def _shortened(command: str, out: Path, previous: Path | None) -> tuple[list[str
     return args, folder
 
 
-def test_documented_commands_run(tmp_path: Path) -> None:
+# The commands in three independent sets, each a class of its own, so that the two pytest
+# workers (--dist loadscope: a class is a unit) run them side by side: the ones that start
+# Ray or vLLM, the ones that start worker or replica processes, and the rest (a --resume
+# example stays with the run before it).
+COMMAND_SETS = {
+    "ray_and_vllm": ("placement.executor=ray", "rollout.backend=vllm"),
+    "processes": ("rollout_placement=process",),
+}
+
+
+def _command_set(command: str) -> str:
+    for name, marks in COMMAND_SETS.items():
+        if any(mark in command for mark in marks):
+            return name
+    return "in_process"
+
+
+def test_every_documented_command_is_in_one_set() -> None:
     commands = shell_commands()
     assert any("--resume" in c for c in commands) and any(" plugins" in c for c in commands)
+    sets = {_command_set(c) for c in commands}
+    assert sets == {*COMMAND_SETS, "in_process"}, f"a set has no command left: {sets}"
+    resumed = [i for i, c in enumerate(commands) if "--resume" in c]
+    assert all(_command_set(commands[i - 1]) == _command_set(commands[i]) for i in resumed)
+
+
+def _run_commands(name: str, tmp_path: Path) -> None:
+    commands = [c for c in shell_commands() if _command_set(c) == name]
     server = ForkServer(
         COMMAND_SERVER,
         cwd=ROOT,  # recipe paths in the docs are relative to the repository root
@@ -259,3 +284,18 @@ def test_documented_commands_run(tmp_path: Path) -> None:
             assert code == 0, f"{command}\n{log.read_text(errors='replace')}"
     finally:
         server.close()
+
+
+class TestDocumentedCommandsRayAndVllm:
+    def test_they_run(self, tmp_path: Path) -> None:
+        _run_commands("ray_and_vllm", tmp_path)
+
+
+class TestDocumentedCommandsWithProcesses:
+    def test_they_run(self, tmp_path: Path) -> None:
+        _run_commands("processes", tmp_path)
+
+
+class TestDocumentedCommandsInProcess:
+    def test_they_run(self, tmp_path: Path) -> None:
+        _run_commands("in_process", tmp_path)
