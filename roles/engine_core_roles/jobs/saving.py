@@ -121,10 +121,8 @@ def why_it_failed(e: BaseException, free_at_failure: int | None) -> str:
         if line is not None:
             return no_space if line == no_space else f"{no_space} ({_short(line)})"
     for x in chain:
-        if _a_file_error(x):
-            return f"{getattr(x, 'strerror', None) or x}" + (
-                f" ({x.filename})" if getattr(x, "filename", None) else ""
-            )
+        if isinstance(x, OSError) and _a_file_error(x):
+            return f"{x.strerror or x}" + (f" ({x.filename})" if x.filename else "")
     return f"{no_space} ({size(free_at_failure)} free when it failed)"
 
 
