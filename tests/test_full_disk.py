@@ -2,41 +2,58 @@
 and with ``on_save_failure=continue`` a run that trains on.
 
 The run's output folder is a real tmpfs mount sized for one checkpoint and the run's other
-files, not two checkpoints: the save of step 2 fails with ENOSPC (the rotation of step 1 comes
-only after a commit).
+files, not two checkpoints: the save of step 2 fails (the rotation of step 1 comes only after a
+commit), with ENOSPC from the reference engine's files, or inside DCP's writes for fsdp2, where
+torch's stream writer reports the short write as a RuntimeError. The classifier itself is
+checked on the errors each writer raises, wrapped as DCP and the workers wrap them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
+import re
 import subprocess
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from rich.console import Console
+from torch.distributed.checkpoint.api import CheckpointException
 
 from engine_core.checkpoint import JobCheckpoints, list_checkpoints
+from engine_core.errors import CheckpointError
 from engine_core_roles.jobs.cli import RECIPES, main
+from engine_core_roles.jobs.saving import (
+    a_write_failure,
+    export_hf,
+    out_of_space,
+    save_checkpoint,
+    why_it_failed,
+)
 
-# one checkpoint of this run is about 0.97 MB, its export and plot about 0.45 MB
+# one checkpoint of this run is about 0.97 MB (reference) or 1.18 MB (fsdp2's DCP shards and
+# state files), its export and plot about 0.45 MB: a step's save fails inside its largest file
 SIZE = "1600k"
 
 
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    disk = tmp_path / "disk"
-    disk.mkdir()
+@contextlib.contextmanager
+def _small_disk(folder: Path) -> Iterator[Path]:
+    folder.mkdir()
     mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={SIZE}", "tmpfs", str(disk)],
+        ["mount", "-t", "tmpfs", "-o", f"size={SIZE}", "tmpfs", str(folder)],
         capture_output=True,
         text=True,
     )
     if mounted.returncode != 0:
         pytest.skip(f"this machine does not let the tests mount a tmpfs: {mounted.stderr.strip()}")
     try:
-        yield disk
+        yield folder
     finally:
         # lazily: a writer abandoned on the full disk may still hold its file open
-        subprocess.run(["umount", "-l", str(disk)], check=False)
+        subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
 def _args(out: Path, *extra: str) -> list[str]:
@@ -47,7 +64,6 @@ def _args(out: Path, *extra: str) -> list[str]:
         "steps=3",
         "save_every=1",
         "max_ckpt_to_keep=1",
-        "engine.backend=reference",
         "prompts_per_step=2",
         "trainer.samples_per_prompt=2",
         "log_every=1",
@@ -55,29 +71,233 @@ def _args(out: Path, *extra: str) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("on_failure", ["stop", "continue"])
+# the reference engine's files fail with ENOSPC; fsdp2's inside DCP's writes, where torch's
+# stream writer says "unexpected pos" (a RuntimeError carried by DCP's CheckpointException).
+# on_save_failure=continue trains on the same way for every backend: checked once.
+@pytest.mark.parametrize(
+    ("backend", "on_failure", "writer"),
+    [
+        ("reference", "stop", "engine_core/checkpoint.py"),
+        ("reference", "continue", "engine_core/checkpoint.py"),
+        ("fsdp2", "stop", "torch/distributed/checkpoint/"),
+    ],
+    ids=["reference-stop", "reference-continue", "fsdp2-stop"],
+)
 def test_a_full_disk_is_one_sentence_and_keeps_what_was_committed(
-    small_disk: Path, on_failure: str, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, backend: str, on_failure: str, writer: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    out = small_disk / "run"
-    code = main(_args(out, f"on_save_failure={on_failure}"))
-    err = capsys.readouterr()
-    root = out / "checkpoints"
-    # step 1 is committed and whole; the failed saves left no staging folder
-    assert [s for s, _ in list_checkpoints(root)] == [1]
-    assert JobCheckpoints(root).verify(str(root / "global_step_1"), ["actor"]) == 1
-    assert not list(root.glob("*.tmp"))
-    said = f"saving the checkpoint of step 2 under {root} failed: No space left on device"
+    with _small_disk(tmp_path / "disk") as disk:
+        out = disk / "run"
+        code = main(_args(out, f"engine.backend={backend}", f"on_save_failure={on_failure}"))
+        err = capsys.readouterr()
+        root = out / "checkpoints"
+        # step 1 is committed and whole; the failed saves left no staging folder
+        assert [s for s, _ in list_checkpoints(root)] == [1]
+        assert JobCheckpoints(root).verify(str(root / "global_step_1"), ["actor"]) == 1
+        assert not list(root.glob("*.tmp"))
+        said = f"saving the checkpoint of step 2 under {root} failed: {_NO_SPACE}"
+        if on_failure == "stop":
+            assert code == 1
+            lines = [line for line in err.err.splitlines() if line.strip()]
+            assert len(lines) == 1, err.err
+            assert said in lines[0] and "the last safe one is" in lines[0], lines[0]
+            assert str(root / "global_step_1") in lines[0] and "--resume auto" in lines[0]
+            # the space the save needs, and what is free
+            assert re.search(r"needs about [0-9.]+ [kMG]B .* [0-9.]+ [kMG]B is free", lines[0])
+            assert writer in (out / "run.log").read_text()  # where the disk ran out
+        else:  # the run trains to its end; each failed save is said, the next one tries again
+            assert code == 0, err.err
+            printed = " ".join(err.out.split())
+            assert printed.count(_NO_SPACE) == 2, printed  # steps 2 and 3
+            assert "training goes on" in printed
+            assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+# what torch's stream writer raised inside DCP's save on a full 3 MB tmpfs (fsdp2's step 3)
+SHORT_WRITE = "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
+
+
+def _raised(error: BaseException) -> BaseException:
+    """``error`` raised and caught: with its traceback, as a writer's error arrives."""
+    try:
+        raise error
+    except BaseException as caught:
+        return caught
+
+
+def _dcp(error: BaseException) -> CheckpointException:
+    """``error`` wrapped the way DCP's save wraps a rank's failure."""
+    caught = _raised(error)
+    return CheckpointException(
+        "save failed", {0: (caught, traceback.extract_tb(caught.__traceback__))}
+    )
+
+
+def _caused(outer: BaseException, cause: BaseException) -> BaseException:
+    outer.__cause__ = cause
+    return outer
+
+
+def _in_context(outer: BaseException, context: BaseException) -> BaseException:
+    outer.__context__ = context
+    return outer
+
+
+_NO_SPACE = os.strerror(errno.ENOSPC)
+PLENTY = 10**9  # bytes free at the failure: the error alone must tell
+
+
+@pytest.mark.parametrize(
+    ("error", "free", "full", "said"),
+    [
+        (
+            _dcp(RuntimeError(SHORT_WRITE)),
+            PLENTY,
+            True,
+            f"{_NO_SPACE} (RuntimeError: {SHORT_WRITE})",
+        ),
+        (
+            _dcp(RuntimeError("[enforce fail at inline_container.cc:471] . file write failed")),
+            PLENTY,
+            True,
+            None,
+        ),
+        (
+            _caused(RuntimeError("shard 0"), OSError(errno.ENOSPC, _NO_SPACE, "/c/x.distcp")),
+            PLENTY,
+            True,
+            f"{_NO_SPACE} (/c/x.distcp)",
+        ),
+        (
+            _in_context(ValueError("closing"), OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))),
+            PLENTY,
+            True,
+            os.strerror(errno.EDQUOT),
+        ),
+        (
+            _dcp(OSError(errno.EFBIG, os.strerror(errno.EFBIG))),
+            PLENTY,
+            True,
+            os.strerror(errno.EFBIG),
+        ),
+        # a worker's error arrives as text (its type not rebuilt on the driver)
+        (
+            RuntimeError(
+                f"worker 0 raised in 'write_checkpoint_files': OSError: [Errno 28] {_NO_SPACE}"
+            ),
+            PLENTY,
+            True,
+            None,
+        ),
+        # no evidence in the error: the space free at the failure, before the cleanup, tells
+        (
+            RuntimeError("torch.save failed"),
+            4096,
+            True,
+            f"{_NO_SPACE} (4.1 kB free when it failed)",
+        ),
+        (RuntimeError("torch.save failed"), PLENTY, False, None),
+        (_dcp(ValueError("a shape mismatch")), PLENTY, False, None),
+        (ConnectionResetError(errno.ECONNRESET, "reset by peer"), PLENTY, False, None),
+    ],
+    ids=[
+        "dcp-short-write",
+        "dcp-file-write-failed",
+        "enospc-cause",
+        "edquot-context",
+        "dcp-efbig",
+        "worker-text",
+        "free-at-failure",
+        "not-space",
+        "dcp-other",
+        "connection",
+    ],
+)
+def test_a_save_is_out_of_space_by_its_errors_evidence_or_the_space_left(
+    error: BaseException, free: int, full: bool, said: str | None
+) -> None:
+    assert out_of_space(error, free) is full
+    assert a_write_failure(error, free) is full
+    if said is not None:
+        assert why_it_failed(error, free) == said
+    elif full:
+        assert why_it_failed(error, free).startswith(_NO_SPACE)
+
+
+def test_a_read_only_folder_is_a_write_failure_not_a_full_disk() -> None:
+    denied = PermissionError(errno.EACCES, os.strerror(errno.EACCES), "/c/global_step_2.tmp")
+    error = _dcp(denied)
+    assert not out_of_space(error, PLENTY) and a_write_failure(error, PLENTY)
+    assert why_it_failed(error, PLENTY) == f"{os.strerror(errno.EACCES)} (/c/global_step_2.tmp)"
+
+
+class _FullCheckpoints:
+    """Checkpoints whose save writes part of its staging folder, then fails as ``error``."""
+
+    def __init__(self, root: Path, error: BaseException) -> None:
+        self.root, self.error = str(root), error
+
+    def save(self, step: int, parts: object, state: object) -> str:
+        staging = Path(self.root) / f"global_step_{step}.tmp"
+        staging.mkdir(parents=True)
+        (staging / "__0_0.distcp").write_bytes(b"x" * 1000)
+        raise self.error
+
+
+def _export_fails(error: BaseException) -> object:
+    def write(path: str) -> str:
+        Path(f"{path}.tmp").mkdir()
+        raise error
+
+    return write
+
+
+@pytest.mark.parametrize("on_failure", ["stop", "continue"])
+@pytest.mark.parametrize("what", ["checkpoint", "export"])
+def test_every_save_is_the_same_sentence_and_honours_on_save_failure(
+    tmp_path: Path, what: str, on_failure: str
+) -> None:
+    """A DCP short write in the checkpoint, an ENOSPC in the export: one sentence (the space
+    needed: the last checkpoint's, the export's it replaces), the staging folder removed, the
+    configured on_save_failure."""
+    console = Console(record=True, width=400)
+    last = tmp_path / "checkpoints" / "global_step_1"
+    last.mkdir(parents=True)
+    (last / "model.pt").write_bytes(b"x" * 250_000)
+    if what == "checkpoint":
+        root = tmp_path / "checkpoints"
+        doing, staging = f"saving the checkpoint of step 2 under {root}", root / "global_step_2.tmp"
+        checkpoints = _FullCheckpoints(root, _dcp(RuntimeError(SHORT_WRITE)))
+
+        def save() -> str | None:
+            return save_checkpoint(
+                checkpoints,  # type: ignore[arg-type]
+                2,
+                {},
+                {},
+                last=str(last),
+                on_failure=on_failure,
+                console=console,
+            )
+    else:
+        path = tmp_path / "hf_export"
+        doing, staging = f"writing the Hugging Face export {path}", tmp_path / "hf_export.tmp"
+        write = _export_fails(OSError(errno.ENOSPC, _NO_SPACE))
+        path.mkdir()  # the export it replaces: what it needs, and kept
+        (path / "model.safetensors").write_bytes(b"x" * 250_000)
+
+        def save() -> str | None:
+            return export_hf(write, path, last=str(last), on_failure=on_failure, console=console)  # type: ignore[arg-type]
+
     if on_failure == "stop":
-        assert code == 1
-        lines = [line for line in err.err.splitlines() if line.strip()]
-        assert len(lines) == 1, err.err
-        assert said in lines[0] and "the last safe one is" in lines[0], lines[0]
-        assert str(root / "global_step_1") in lines[0] and "--resume auto" in lines[0]
-        assert "GB" in lines[0]  # the space the save needs, and what is free
-    else:  # the run trains to its end; each failed save is said, the next one tries again
-        assert code == 0, err.err
-        printed = " ".join(err.out.split())
-        assert printed.count("No space left on device") == 2, printed  # steps 2 and 3
-        assert "training goes on" in printed
-        assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+        with pytest.raises(CheckpointError) as raised:
+            save()
+        message = str(raised.value)
+    else:
+        assert save() is None
+        message = " ".join(console.export_text().split())
+        assert "on_save_failure=continue" in message
+    assert message.startswith(f"{doing} failed: {_NO_SPACE}"), message
+    assert "it needs about 0.25 MB (the last save's size)" in message
+    assert f"the last safe one is {last}" in message and "--resume auto" in message
+    assert not staging.exists()

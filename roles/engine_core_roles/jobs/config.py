@@ -49,10 +49,11 @@ class JobConfig(FrozenModel):
     save_every: int = Field(50, ge=0, description="Checkpoint every N steps (0: only at the end).")
     on_save_failure: Literal["stop", "continue"] = Field(
         "stop",
-        description="A checkpoint that cannot be written (a full disk, any OSError): stop the "
-        "run with one sentence (what failed, the space the save needs, the last safe step), or "
-        "continue training and try again at the next save. Either way the failed save's "
-        "staging folder is removed and every committed step is kept.",
+        description="A checkpoint or the Hugging Face export that cannot be written (a full "
+        "disk, whichever writer says so, any OSError): stop the run with one sentence (what "
+        "failed, the space the save needs, the last safe step), or continue: training goes on "
+        "and the next save tries again; a failed export ends the run without it. Either way the "
+        "failed save's staging folder is removed and every committed step is kept.",
     )
     stop_signals: list[str] = Field(
         default_factory=lambda: ["SIGTERM"],

@@ -38,11 +38,11 @@ from engine_core_roles.data.datasets.tokenizer import load_tokenizer
 from engine_core_roles.data.tasks.digits import DigitTask
 from engine_core_roles.episodes.demos import DemoRenderer
 from engine_core_roles.jobs.config import JobConfig
+from engine_core_roles.jobs.saving import export_hf, save_checkpoint
 from engine_core_roles.jobs.stopping import StopRequests
 from engine_core_roles.jobs.tracking import (
     RunTracker,
     failures_logged,
-    save_checkpoint,
     starting_point,
 )
 from engine_core_roles.trainer.sft import NoValidation, SFTTrainer, Validation, supervised_update
@@ -264,9 +264,20 @@ def _train(
             f"the same command with --resume auto to continue (exit status {EXIT_STOPPED}).",
             ckpt,
         )
-    hf_export = engine.export_hf(str(out_dir / "hf_export"))
-    if chats is not None:  # a folder that from_pretrained and the tokenizer both load
-        chats.tokenizer.save_pretrained(hf_export)
+
+    def write_export(path: str) -> str:
+        folder = engine.export_hf(path)
+        if chats is not None:  # a folder that from_pretrained and the tokenizer both load
+            chats.tokenizer.save_pretrained(folder)
+        return folder
+
+    hf_export = export_hf(
+        write_export,
+        out_dir / "hf_export",
+        last=ckpt,
+        on_failure=job.on_save_failure,
+        console=console,
+    )
     rows = tracker.rows
     plot = tracker.plot(PLOT_KEYS, title=f"SFT on {what} ({job.steps} steps)")
     vals = [r["val/loss"] for r in rows if "val/loss" in r]

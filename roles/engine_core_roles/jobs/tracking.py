@@ -1,7 +1,7 @@
 """A run's output folder: claiming it, ``metrics.jsonl`` and ``samples.jsonl`` (handed on to
 the trackers of :mod:`~engine_core_roles.jobs.trackers`: TensorBoard, W&B, MLflow), a PNG plot
 at the end, the run's log file holding the traceback of a failure, where a run starts or
-resumes, and saving a checkpoint.
+resumes (saving a checkpoint: :mod:`~engine_core_roles.jobs.saving`).
 
 Resuming keeps the rows up to the resumed step and drops the rest, so a resumed run's file
 reads exactly like an uninterrupted one.
@@ -13,8 +13,6 @@ import contextlib
 import datetime
 import json
 import math
-import os
-import shutil
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -44,7 +42,6 @@ __all__ = [
     "failures_logged",
     "resume_point",
     "starting_point",
-    "save_checkpoint",
     "RUN_LOG",
 ]
 
@@ -258,107 +255,6 @@ def starting_point(
         console.print(f"--resume auto: no checkpoint under {root}; starting fresh.")
         return None
     return resume_point(root, parts, console)
-
-
-def _size(folder: str | None) -> int | None:
-    """Bytes under a local ``folder`` (None: not a local folder)."""
-    if folder is None or not os.path.isdir(folder):
-        return None
-    return sum(
-        os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder) for f in files
-    )
-
-
-def _free(root: Path) -> int | None:
-    try:
-        return shutil.disk_usage(root).free
-    except OSError:
-        return None
-
-
-def _gb(n: int | None) -> str:
-    return "unknown" if n is None else f"{n / 1e9:.2f} GB"
-
-
-def save_checkpoint(
-    checkpoints: JobCheckpoints,
-    step: int,
-    parts: Mapping[str, Any],
-    state: dict[str, Any],
-    *,
-    last: str | None,
-    on_failure: str,
-    console: Console,
-) -> str | None:
-    """Save step ``step``; return the committed folder, or None when the save failed and
-    ``on_failure`` is ``continue``.
-
-    Before the save, a warning when the last checkpoint (``last``) is larger than the free
-    space. A save that raises ``OSError`` (a full disk, a read-only folder) leaves every
-    committed step as it was; its staging folder is removed, and the failure is one sentence:
-    what failed, the space the save needs (the last one's size), the space free, the last safe
-    checkpoint and what to do. ``stop``: raised as :class:`CheckpointError`; ``continue``:
-    printed, and the run trains on."""
-    root = Path(checkpoints.root)
-    needed, free = _size(last), _free(root if root.exists() else root.parent)
-    if needed is not None and free is not None and free < needed:
-        console.print(
-            f"[yellow]step {step}: {_gb(free)} free under {root}, and the last checkpoint "
-            f"took {_gb(needed)}: this save may fail for want of space.[/yellow]",
-            soft_wrap=True,
-        )
-    try:
-        return checkpoints.save(step, parts, state)
-    except Exception as e:
-        free_after = _free(root if root.exists() else root.parent)
-        if not _a_write_failure(e, free_after):
-            raise
-        shutil.rmtree(root / f"global_step_{step}.tmp", ignore_errors=True)
-        free = _free(root if root.exists() else root.parent)
-        what = _write_failure(e)
-        message = (
-            f"saving the checkpoint of step {step} under {root} failed: {what}; it needs about "
-            f"{_gb(needed)} (the last save's size) and {_gb(free)} is free there. Every "
-            f"committed step is intact; the last safe one is {last or 'none yet'}. Free space (or "
-            f"make the folder writable), or move output_dir, and rerun with --resume auto."
-        )
-        if on_failure != "continue":
-            raise CheckpointError(message) from e
-        console.print(
-            f"[yellow]{message} on_save_failure=continue: training goes on, and the next save "
-            f"tries again.[/yellow]",
-            soft_wrap=True,
-        )
-        return None
-
-
-def _chain(e: BaseException) -> Iterator[BaseException]:
-    seen: set[int] = set()
-    current: BaseException | None = e
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        yield current
-        current = current.__cause__ or current.__context__
-
-
-def _a_write_failure(e: BaseException, free: int | None) -> bool:
-    """Whether a failed save failed for its writes: an ``OSError`` of the file system anywhere in
-    its chain (not a broken connection to a worker), or (torch reports a full disk as a
-    ``RuntimeError`` of its writer) no space left on the disk."""
-    if any(_a_file_error(x) for x in _chain(e)):
-        return True
-    return free is not None and free < 64 * 1024
-
-
-def _a_file_error(e: BaseException) -> bool:
-    return isinstance(e, OSError) and not isinstance(e, ConnectionError)
-
-
-def _write_failure(e: BaseException) -> str:
-    for x in _chain(e):
-        if isinstance(x, OSError) and _a_file_error(x):
-            return f"{x.strerror or x}" + (f" ({x.filename})" if x.filename else "")
-    return "No space left on device"
 
 
 def resume_point(root: Path, parts: list[str], console: Console) -> str:

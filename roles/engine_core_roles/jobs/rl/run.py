@@ -33,11 +33,11 @@ from engine_core_roles.jobs.rl.config import RLJobConfig
 from engine_core_roles.jobs.rl.evaluate import evaluate
 from engine_core_roles.jobs.rl.sources import Source, source_for
 from engine_core_roles.jobs.rl.text import TextParts, text_parts
+from engine_core_roles.jobs.saving import export_hf, save_checkpoint
 from engine_core_roles.jobs.stopping import StopRequests
 from engine_core_roles.jobs.tracking import (
     RunTracker,
     failures_logged,
-    save_checkpoint,
     starting_point,
 )
 from engine_core_roles.trainer.loop import RLTrainer
@@ -298,9 +298,20 @@ def _finish(
 ) -> dict[str, Any]:
     """The Hugging Face export, the plot and the summary the console shows."""
     out_dir = Path(job.output_dir)
-    hf_export = built.roles.actor_part.export_hf(str(out_dir / "hf_export"))
-    if text is not None:  # a folder that from_pretrained and the tokenizer both load
-        text.tokenizer.save_pretrained(hf_export)
+
+    def write_export(path: str) -> str:
+        folder = built.roles.actor_part.export_hf(path)
+        if text is not None:  # a folder that from_pretrained and the tokenizer both load
+            text.tokenizer.save_pretrained(folder)
+        return folder
+
+    hf_export = export_hf(
+        write_export,
+        out_dir / "hf_export",
+        last=checkpoint,
+        on_failure=job.on_save_failure,
+        console=console,
+    )
     rows = tracker.rows
     what = (
         job.task.name if job.data is None else ", ".join(Path(f).name for f in job.data.train_files)
