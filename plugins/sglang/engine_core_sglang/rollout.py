@@ -82,7 +82,6 @@ from engine_core.backend import (
     set_for_process,
     split_peft_tensors,
 )
-from engine_core.settings import ENV_SGLANG_CPU_SEEDS
 from engine_core_sglang.plugin import SGLANG_CAPABILITIES
 
 __all__ = [
@@ -100,7 +99,7 @@ GREEDY_BELOW = 1e-6
 _FINISHED = ("stop", "length")
 # internal: read on import by the sgl_kernel stand-in of SGLang's CPU environment (cpu/), which
 # then skips deterministic inference's swap to batch-invariant Triton kernels
-_CPU_SEEDS = ENV_SGLANG_CPU_SEEDS
+_CPU_SEEDS = "ENGINE_CORE_SGLANG_CPU_SEEDS"  # engine_core.settings.ENV_SGLANG_CPU_SEEDS
 
 
 class SGLangRolloutConfig(RolloutConfig):
