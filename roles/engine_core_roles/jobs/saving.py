@@ -156,20 +156,26 @@ def _free(path: Path) -> int | None:
     return None
 
 
-def _tell(
+def _write_failure_told(
     e: BaseException,
     *,
+    staging: str | Path,
     doing: str,
     where: Path,
     needed: int | None,
-    free_at_failure: int | None,
     last: str | None,
     on_failure: str,
     then: str,
     console: Console,
-) -> None:
-    """Raise the one sentence for the failed save ``doing`` (``stop``), or print it
-    (``continue``, followed by ``then``: what the run does next)."""
+) -> bool:
+    """When the failed save ``doing`` failed for its writes: remove its ``staging`` folder, then
+    raise the one sentence (``stop``) or print it (``continue``, followed by ``then``: what the
+    run does next) and return True. False, with nothing done, for a failure of another kind.
+    The space free is measured first: removing the staging folder frees it."""
+    free_at_failure = _free(where)
+    if not a_write_failure(e, free_at_failure):
+        return False
+    shutil.rmtree(staging, ignore_errors=True)
     need = (
         f"it needs about {size(needed)} (the last save's size)"
         if needed is not None
@@ -184,6 +190,7 @@ def _tell(
     if on_failure != "continue":
         raise CheckpointError(message) from e
     console.print(f"[yellow]{message} on_save_failure=continue: {then}[/yellow]", soft_wrap=True)
+    return True
 
 
 def save_checkpoint(
@@ -221,41 +228,40 @@ def save_checkpoint(
         return checkpoints.save(step, parts, state)
     # a distributed-checkpoint failure is a BaseException of its own
     except (Exception, CheckpointException) as e:
-        free_at_failure = _free(root)  # before the staging folder goes: that frees the space
-        if not a_write_failure(e, free_at_failure):
-            if isinstance(e, Exception):
-                raise
-            first = next((x for x in causes(e) if isinstance(x, Exception)), e)
-            raise CheckpointError(
-                f"saving the checkpoint of step {step} under {root} failed: "
-                f"{type(first).__name__}: {_short(_text(first).strip())}"
-            ) from e
-        shutil.rmtree(root / f"global_step_{step}.tmp", ignore_errors=True)
-        _tell(
+        if _write_failure_told(
             e,
+            staging=root / f"global_step_{step}.tmp",
             doing=f"saving the checkpoint of step {step} under {root}",
             where=root,
             needed=needed,
-            free_at_failure=free_at_failure,
             last=last,
             on_failure=on_failure,
             then="training goes on, and the next save tries again.",
             console=console,
-        )
-        return None
+        ):
+            return None
+        if isinstance(e, Exception):
+            raise
+        first = next((x for x in causes(e) if isinstance(x, Exception)), e)
+        raise CheckpointError(
+            f"saving the checkpoint of step {step} under {root} failed: "
+            f"{type(first).__name__}: {_short(_text(first).strip())}"
+        ) from e
 
 
 def export_hf(
-    write: Callable[[str], str],
+    export: Callable[[str], str],
     path: Path,
     *,
+    tokenizer: Any = None,
     last: str | None,
     on_failure: str,
     console: Console,
 ) -> str | None:
-    """The Hugging Face export at ``path``, written by ``write(path)`` (the model's export, then
-    its tokenizer); return the folder, or None when it could not be written and ``on_failure``
-    is ``continue`` (the run then finishes without it).
+    """The Hugging Face export at ``path``: ``export(path)`` (an engine's ``export_hf``), then
+    ``tokenizer`` (when given) saved into the folder it wrote, so that ``from_pretrained`` and
+    the tokenizer both load it; return the folder, or None when it could not be written and
+    ``on_failure`` is ``continue`` (the run then finishes without it).
 
     A write failure is the checkpoints' one sentence (the space it needs: the export it
     replaces, when there is one); the half-written ``<path>.tmp`` is removed."""
@@ -263,21 +269,21 @@ def export_hf(
 
     needed = _size(path)
     try:
-        return write(str(path))
+        folder = export(str(path))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+        return folder
     except (Exception, CheckpointException) as e:
-        free_at_failure = _free(path)  # before the staging folder goes
-        if not a_write_failure(e, free_at_failure):
-            raise
-        shutil.rmtree(f"{path}.tmp", ignore_errors=True)
-        _tell(
+        if _write_failure_told(
             e,
+            staging=f"{path}.tmp",
             doing=f"writing the Hugging Face export {path}",
             where=path,
             needed=needed,
-            free_at_failure=free_at_failure,
             last=last,
             on_failure=on_failure,
             then="the run finishes without it.",
             console=console,
-        )
-        return None
+        ):
+            return None
+        raise

@@ -264,16 +264,10 @@ def _train(
             f"the same command with --resume auto to continue (exit status {EXIT_STOPPED}).",
             ckpt,
         )
-
-    def write_export(path: str) -> str:
-        folder = engine.export_hf(path)
-        if chats is not None:  # a folder that from_pretrained and the tokenizer both load
-            chats.tokenizer.save_pretrained(folder)
-        return folder
-
     hf_export = export_hf(
-        write_export,
+        engine.export_hf,
         out_dir / "hf_export",
+        tokenizer=None if chats is None else chats.tokenizer,
         last=ckpt,
         on_failure=job.on_save_failure,
         console=console,

@@ -298,16 +298,10 @@ def _finish(
 ) -> dict[str, Any]:
     """The Hugging Face export, the plot and the summary the console shows."""
     out_dir = Path(job.output_dir)
-
-    def write_export(path: str) -> str:
-        folder = built.roles.actor_part.export_hf(path)
-        if text is not None:  # a folder that from_pretrained and the tokenizer both load
-            text.tokenizer.save_pretrained(folder)
-        return folder
-
     hf_export = export_hf(
-        write_export,
+        built.roles.actor_part.export_hf,
         out_dir / "hf_export",
+        tokenizer=None if text is None else text.tokenizer,
         last=checkpoint,
         on_failure=job.on_save_failure,
         console=console,
