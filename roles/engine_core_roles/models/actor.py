@@ -57,10 +57,23 @@ __all__ = [
 ]
 
 
-# the keys that moved to the algorithm (trainer.algorithm), refused here with where they live
-_ALGORITHM_KEYS = ("policy_loss", "policy_loss_params", "loss_agg_mode")
-# the clip range is the policy loss's parameter (ppo_clip, gspo and cispo each have their own)
-_CLIP_KEYS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c")
+# keys the actor section refuses, each group with where its keys live, why, and how to set them
+_MOVED_KEYS = (
+    (
+        ("policy_loss", "policy_loss_params", "loss_agg_mode"),
+        "trainer.algorithm.",
+        "the policy loss, its parameters and the loss aggregation are the algorithm's, not the "
+        "actor's",
+        "engine-core run: in the trainer section; a script: TrainerConfig(algorithm=...) and "
+        "Actor(config, engine, algorithm=trainer_config.algorithm)",
+    ),
+    (  # the clip range is the policy loss's parameter (ppo_clip, gspo and cispo each have one)
+        ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c"),
+        "trainer.algorithm.policy_loss_params.",
+        "the clip range is the policy loss's parameter, not the actor's",
+        "ppo_clip, gspo and cispo each take their own",
+    ),
+)
 
 PRODUCERS = {
     OLD_LOG_PROBS: "Actor.compute_log_prob",
@@ -141,25 +154,12 @@ class ActorConfig(FrozenModel):
     @model_validator(mode="before")
     @classmethod
     def _no_temperature(cls, data: Any) -> Any:
-        moved = sorted(set(_ALGORITHM_KEYS) & set(data)) if isinstance(data, Mapping) else []
-        if moved:
-            got = ", ".join(f"actor.{k}={data[k]!r}" for k in moved)
-            raise ValueError(
-                f"got {got}: the policy loss, its parameters and the loss aggregation are the "
-                f"algorithm's, not the actor's. Set "
-                + ", ".join(f"trainer.algorithm.{k}" for k in moved)
-                + " instead (engine-core run: in the trainer section; a script: "
-                "TrainerConfig(algorithm=...) and Actor(config, engine, algorithm="
-                "trainer_config.algorithm))."
-            )
-        clips = sorted(set(_CLIP_KEYS) & set(data)) if isinstance(data, Mapping) else []
-        if clips:
-            got = ", ".join(f"actor.{k}={data[k]!r}" for k in clips)
-            raise ValueError(
-                f"got {got}: the clip range is the policy loss's parameter, not the actor's. Set "
-                + ", ".join(f"trainer.algorithm.policy_loss_params.{k}" for k in clips)
-                + " instead (ppo_clip, gspo and cispo each take their own)."
-            )
+        for keys, home, why, how in _MOVED_KEYS:
+            moved = sorted(set(keys) & set(data)) if isinstance(data, Mapping) else []
+            if moved:
+                got = ", ".join(f"actor.{k}={data[k]!r}" for k in moved)
+                where = ", ".join(f"{home}{k}" for k in moved)
+                raise ValueError(f"got {got}: {why}. Set {where} instead ({how}).")
         if isinstance(data, Mapping) and "temperature" in data:
             raise ValueError(
                 "the actor has no temperature of its own: it computes log-probs at the "
