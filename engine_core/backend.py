@@ -45,6 +45,7 @@ _EXPORTS: dict[str, str] = {
     "chunk_tokens_for": "engine_core.log_probs",
     "HeadGrads": "engine_core.log_probs",
     "ChunkedHead": "engine_core.log_probs",
+    "HeadChunk": "engine_core.log_probs",
     "WholeVocabulary": "engine_core.log_probs",
     "logits_grad_": "engine_core.log_probs",
     "chunk_logits_": "engine_core.log_probs",
@@ -203,6 +204,7 @@ if TYPE_CHECKING:
     from engine_core.launch import set_default_for_process, set_for_process
     from engine_core.log_probs import (
         ChunkedHead,
+        HeadChunk,
         HeadGrads,
         WholeVocabulary,
         chunk_logits_,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 __all__ = [
     "DEFAULT_CHUNK_ELEMENTS",
     "ChunkedHead",
+    "HeadChunk",
     "HeadGrads",
     "WholeVocabulary",
     "chunk_logits_",
@@ -207,6 +209,45 @@ class HeadGrads:
         )
 
 
+@dataclass(frozen=True)
+class HeadChunk:
+    """One chunk of a chunked head's call, as a vocabulary view sees it: ``h``, its ``[c, H]``
+    rows of the input; the layer's ``weight`` and ``bias``; its ``targets`` ``[c]``; the
+    ``temperature`` the logits are divided by; and the call's two :func:`logits_buffer` s,
+    reused from chunk to chunk."""
+
+    h: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    targets: torch.Tensor
+    temperature: float
+    buffers: tuple[torch.Tensor, torch.Tensor]
+
+    @property
+    def rows(self) -> int:
+        return self.h.shape[0]
+
+
+def _head_chunks(
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    temperature: float,
+    size: int,
+) -> Iterator[tuple[int, HeadChunk]]:
+    """``(start, chunk)`` for each chunk of ``size`` rows of ``rows``, all over the same two
+    buffers."""
+    buffers = _buffers(min(rows.shape[0], size), weight)
+    for s in range(0, rows.shape[0], size):
+        yield (
+            s,
+            HeadChunk(
+                rows[s : s + size], weight, bias, targets[s : s + size], temperature, buffers
+            ),
+        )
+
+
 class WholeVocabulary:
     """What a chunked head computes per chunk when its weight covers the whole vocabulary (one
     rank): the fp32 log-softmax of the chunk's logits, and in the backward their gradient.
@@ -229,43 +270,35 @@ class WholeVocabulary:
         return grad
 
     def forward_chunk(
-        self,
-        h: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        targets: torch.Tensor,
-        temperature: float,
-        buffers: tuple[torch.Tensor, torch.Tensor],
-        out: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
+        self, chunk: HeadChunk, out: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
     ) -> torch.Tensor:
         """One chunk's log-probs of ``targets`` into ``out[0]`` and entropy into ``out[1]`` (None:
         not asked for); ``out[2]``, the per-token log-partition, is the vocabulary slice's to
         fill. Returns the chunk's log-softmax (kept when :attr:`keeps_one_chunk` applies)."""
         lp, ent, _ = out
-        logp = _chunk_log_probs(h, weight, bias, temperature, buffers)
-        lp.copy_(logp.gather(-1, targets[:, None]).squeeze(-1))
+        logp = self._log_softmax(chunk)
+        lp.copy_(logp.gather(-1, chunk.targets[:, None]).squeeze(-1))
         if ent is not None:
-            p = torch.exp(logp, out=buffers[0][: logp.shape[0]])
+            p = torch.exp(logp, out=chunk.buffers[0][: chunk.rows])
             ent.copy_(-p.mul_(logp).sum(-1))
         return logp
 
     def backward_chunk(
         self,
-        h: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        targets: torch.Tensor,
-        temperature: float,
-        buffers: tuple[torch.Tensor, torch.Tensor],
+        chunk: HeadChunk,
         saved: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor],
         grads: tuple[torch.Tensor | None, torch.Tensor | None],
     ) -> torch.Tensor:
         """The gradient in one chunk's logits (:func:`logits_grad_`); ``saved``: the kept
         log-softmax (or None), and the forward's log-partition and entropy of the chunk."""
         kept = saved[0]
-        logp = kept if kept is not None else _chunk_log_probs(h, weight, bias, temperature, buffers)
-        p = torch.exp(logp, out=buffers[0][: h.shape[0]])
-        return logits_grad_(logp, p, targets, *grads, None, temperature=temperature)
+        logp = kept if kept is not None else self._log_softmax(chunk)
+        p = torch.exp(logp, out=chunk.buffers[0][: chunk.rows])
+        return logits_grad_(logp, p, chunk.targets, *grads, None, temperature=chunk.temperature)
+
+    @staticmethod
+    def _log_softmax(chunk: HeadChunk) -> torch.Tensor:
+        return _chunk_log_probs(chunk.h, chunk.weight, chunk.bias, chunk.temperature, chunk.buffers)
 
 
 class ChunkedHead(torch.autograd.Function):
@@ -292,20 +325,11 @@ class ChunkedHead(torch.autograd.Function):
         ent = torch.zeros(n, dtype=torch.float32, device=rows.device)
         log_z = torch.empty(n, dtype=torch.float32, device=rows.device)
         logp = torch.empty(0)
-        buffers = _buffers(min(n, chunk), weight)
-        for s in range(0, n, chunk):
+        for s, part in _head_chunks(rows, weight, bias, targets, temperature, chunk):
             out = (lp[s : s + chunk], ent[s : s + chunk] if with_entropy else None)
-            logp = vocab.forward_chunk(
-                rows[s : s + chunk],
-                weight,
-                bias,
-                targets[s : s + chunk],
-                temperature,
-                buffers,
-                (*out, log_z[s : s + chunk]),
-            )
+            logp = vocab.forward_chunk(part, (*out, log_z[s : s + chunk]))
         kept = logp if n <= chunk and vocab.keeps_one_chunk else None
-        del logp, buffers, rows  # gathered rows are gathered again in the backward
+        del logp, rows  # gathered rows are gathered again in the backward
         ctx.save_for_backward(hidden, weight, bias, targets, kept, log_z, ent)
         ctx.vocab, ctx.temperature, ctx.chunk = vocab, temperature, chunk
         ctx.with_entropy = with_entropy
@@ -337,23 +361,16 @@ class ChunkedHead(torch.autograd.Function):
         rows = vocab.gather_rows(hidden)
         grads = HeadGrads(rows, weight, bias, ctx.needs_input_grad)
         g_ent = g_ent if ctx.with_entropy else None
-        buffers = _buffers(min(rows.shape[0], chunk), weight)
-        for s in range(0, rows.shape[0], chunk):
-            h = rows[s : s + chunk]
+        for s, part in _head_chunks(rows, weight, bias, targets, ctx.temperature, chunk):
             gz = vocab.backward_chunk(
-                h,
-                weight,
-                bias,
-                targets[s : s + chunk],
-                ctx.temperature,
-                buffers,
+                part,
                 (kept, log_z[s : s + chunk], ent[s : s + chunk]),
                 (
                     None if g_lp is None else g_lp[s : s + chunk],
                     None if g_ent is None else g_ent[s : s + chunk],
                 ),
             )
-            grads.add(s, h, gz)
+            grads.add(s, part.h, gz)
         g_hidden, g_weight, g_bias = grads.result()
         if g_hidden is not None:
             g_hidden = vocab.scatter_grad(g_hidden)

@@ -66,6 +66,7 @@ BACKEND_SURFACE = {
     "InputPart", "RoutingInputs",
     "loss_mask_of", "predicted_mask", "token_log_probs", "chunked_token_log_probs", "CP_GROUP_ATTR",
     "HeadRequest", "chunk_tokens_for", "HeadGrads", "logits_grad_", "chunk_logits_", "ChunkedHead",
+    "HeadChunk",
     "WholeVocabulary",
     "logits_buffer", "row_to_batch", "balance_of", "balance_loss", "balance_metric", "routing_request",
     "Capability", "StrEnum",

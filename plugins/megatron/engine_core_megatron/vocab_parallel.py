@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from engine_core.backend import (
     ChunkedHead,
+    HeadChunk,
     WholeVocabulary,
     chunk_logits_,
     chunk_tokens_for,
@@ -162,27 +163,32 @@ class VocabSlice(WholeVocabulary):
         # mapping (an all-reduce), or with split rows this reduce-scatter, completes it
         return _scatter_rows(grad, self.group) if self.rows_split else grad
 
+    def _logits(
+        self, chunk: HeadChunk
+    ) -> tuple[int, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The chunk's fp32 logits on this slice, in ``chunk.buffers[0]`` (padded rows at -inf),
+        with :func:`_vocab_slice`'s view of its targets: ``(tp, padding, in_slice, local
+        targets, logits)``."""
+        width = chunk.weight.shape[0]
+        tp, padding, in_slice, local_t = _vocab_slice(
+            chunk.targets, width, self.vocab_size, self.group
+        )
+        z = _chunk_logits(
+            chunk.h, chunk.weight, chunk.bias, chunk.temperature, padding, chunk.buffers[0]
+        )
+        return tp, padding, in_slice, local_t, z
+
     def forward_chunk(
-        self,
-        h: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        targets: torch.Tensor,
-        temperature: float,
-        buffers: tuple[torch.Tensor, torch.Tensor],
-        out: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
+        self, chunk: HeadChunk, out: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
     ) -> torch.Tensor:
         lp, ent, log_z = out
         group = self.group
-        tp, padding, in_slice, local_t = _vocab_slice(
-            targets, weight.shape[0], self.vocab_size, group
-        )
-        z = _chunk_logits(h, weight, bias, temperature, padding, buffers[0])
+        tp, padding, in_slice, local_t, z = self._logits(chunk)
         peak = z.max(dim=-1).values
         if tp > 1:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
         z.sub_(peak.unsqueeze(-1))
-        e = torch.exp(z, out=buffers[1][: z.shape[0]])
+        e = torch.exp(z, out=chunk.buffers[1][: chunk.rows])
         # the sums over the vocabulary, one all-reduce for all of them: sum exp(z), the
         # target's z (on the rank that holds it, 0 elsewhere) and sum exp(z) * z
         sums = [e.sum(-1), z.gather(-1, local_t[:, None]).squeeze(-1) * in_slice]
@@ -203,22 +209,14 @@ class VocabSlice(WholeVocabulary):
 
     def backward_chunk(
         self,
-        h: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        targets: torch.Tensor,
-        temperature: float,
-        buffers: tuple[torch.Tensor, torch.Tensor],
+        chunk: HeadChunk,
         saved: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor],
         grads: tuple[torch.Tensor | None, torch.Tensor | None],
     ) -> torch.Tensor:
         _, log_z, ent = saved
-        _, padding, in_slice, local_t = _vocab_slice(
-            targets, weight.shape[0], self.vocab_size, self.group
-        )
-        logp = _chunk_logits(h, weight, bias, temperature, padding, buffers[0])
+        _, padding, in_slice, local_t, logp = self._logits(chunk)
         logp.sub_(log_z[:, None])  # the global log-softmax on this slice
-        p = torch.exp(logp, out=buffers[1][: h.shape[0]])
+        p = torch.exp(logp, out=chunk.buffers[1][: chunk.rows])
         if padding is not None:
             logp.masked_fill_(padding, 0.0)  # p = 0 there: no gradient, and no nan
         return logits_grad_(
@@ -227,7 +225,7 @@ class VocabSlice(WholeVocabulary):
             local_t,
             *grads,
             ent[:, None],  # the forward's, over the whole vocabulary
-            temperature=temperature,
+            temperature=chunk.temperature,
             on_this_slice=in_slice,
         )
 
