@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -109,7 +110,7 @@ def _backends(config: pytest.Config) -> list[str]:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     backends = _backends(config)
     units = [work_unit(item.nodeid, backends) for item in items]
-    counts = {unit: units.count(unit) for unit in set(units)}
+    counts = Counter(units)
     first = {unit: n for n, unit in enumerate(dict.fromkeys(units))}
     rank = {unit: n for n, unit in enumerate(LONG_UNITS)}
     key = {unit: (rank.get(unit, len(LONG_UNITS)), -counts[unit], first[unit]) for unit in counts}
