@@ -30,7 +30,13 @@ from rich.text import Text
 
 from engine_core import __version__
 from engine_core.configio import describe_validation_error
-from engine_core.errors import EXIT_STOPPED, EngineCoreError, RunFailed, RunStopped
+from engine_core.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_STOPPED,
+    EngineCoreError,
+    RunFailed,
+    RunStopped,
+)
 from engine_core.plugins import PluginInfo, load_plugins
 from engine_core.settings import Settings
 
@@ -242,17 +248,34 @@ def main(argv: Sequence[str] | None = None, commands: Sequence[Command] | None =
 
     ``commands`` defaults to :func:`installed_commands`: the core's own plus every installed
     distribution's (the jobs' ``run`` and ``train`` when ``engine-core-roles`` is installed).
+    A SIGINT outside a job's steps (a job's steps stop on it with a checkpoint, exit 3) is one
+    line and :data:`~engine_core.errors.EXIT_INTERRUPTED`.
     """
-    if commands is None:
-        commands, problems = installed_commands()
-        for problem in problems:
-            sys.stderr.write(f"engine-core: warning: {problem}\n")
-    parser = build_parser(commands)
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 2
-    command = {c.name: c for c in commands}[args.command]
+    name = "engine-core"
+    try:
+        if commands is None:
+            commands, problems = installed_commands()
+            for problem in problems:
+                sys.stderr.write(f"engine-core: warning: {problem}\n")
+        parser = build_parser(commands)
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 2
+        command = {c.name: c for c in commands}[args.command]
+        name = f"engine-core {command.name}"
+        return _run(command, args)
+    except KeyboardInterrupt:
+        sys.stderr.write(
+            f"{name}: interrupted (SIGINT) while it started or finished, outside its steps; "
+            f"every checkpoint already committed is whole (rerun with --resume auto to "
+            f"continue from the newest).\n"
+        )
+        return EXIT_INTERRUPTED
+
+
+def _run(command: Command, args: argparse.Namespace) -> int:
+    """``command`` on its parsed ``args``: its exit code, each failure one line."""
     try:
         settings = Settings.from_env()
         settings.configure_logging()

@@ -25,11 +25,16 @@ __all__ = [
     "TrackerError",
     "RunFailed",
     "RunStopped",
+    "EXIT_INTERRUPTED",
     "EXIT_STOPPED",
 ]
 
 EXIT_STOPPED = 3
 """The exit status of an ``engine-core`` run that stopped on request (:class:`RunStopped`)."""
+
+EXIT_INTERRUPTED = 130
+"""The exit status of an ``engine-core`` command interrupted by SIGINT outside a job's steps
+(128 + SIGINT, as shells report it); a job's steps stop on SIGINT with :data:`EXIT_STOPPED`."""
 
 
 class EngineCoreError(Exception):

@@ -4,7 +4,8 @@ the only one that reads it; the test tooling of :mod:`engine_core.testing` aside
 What a process hands on through its environment goes through here: the variables set for this
 process (and so for the processes it starts, which inherit them), the rendezvous variables a
 worker is given and a hosted backend is spared, and the caller's environment that a worker
-forked from a fork server takes on in place of the server's. Every variable written here is
+forked from a fork server takes on in place of the server's; and the session of its own that
+every process a job starts runs in (:func:`own_session`). Every variable written here is
 listed in :mod:`engine_core.settings`'s docstring and in ``docs/config.md``.
 """
 
@@ -18,6 +19,7 @@ __all__ = [
     "RENDEZVOUS",
     "adopt_environment",
     "caller_environment",
+    "own_session",
     "set_for_process",
     "set_default_for_process",
     "unset_for_process",
@@ -73,3 +75,16 @@ def with_variable(name: str, value: str) -> Iterator[None]:
             os.environ.pop(name, None)
         else:
             os.environ[name] = saved
+
+
+def own_session() -> None:
+    """Put this process (one a job started: a worker, a replica, a tool process) in a session
+    and process group of its own. A signal sent to the job's whole process group (a terminal's
+    Ctrl-C, a scheduler's preemption, ``kill -- -PGID``) then reaches the job's own process,
+    which finishes the step, writes its checkpoint and ends its workers itself, and not the
+    workers it still needs for that. Such a process ends when its caller stops it or its pipe
+    to the caller closes. Where sessions do not exist, or the process leads one already, it
+    stays where it is."""
+    if hasattr(os, "setsid"):
+        with contextlib.suppress(OSError):  # already a group or session leader
+            os.setsid()

@@ -17,7 +17,7 @@ from types import ModuleType
 import pytest
 
 from engine_core import load_plugins
-from tests._forkserver import ForkServer
+from tests._forkserver import JOB_MODULES, ForkServer
 
 ROOT = Path(__file__).parents[1]
 DOCS = ROOT / "docs"
@@ -215,13 +215,16 @@ def shell_commands() -> list[str]:
 
 # Each command runs in a child forked from one server (tests/_forkserver.py) that has imported
 # what the commands import: a run costs the command, not an interpreter start and its imports.
-COMMAND_SERVER = """
+COMMAND_SERVER = (
+    JOB_MODULES
+    + """
 from engine_core_roles.jobs.cli import main
 import engine_core.parity, engine_core_roles.jobs.sft, engine_core_roles.jobs.rl  # noqa: F401
 
 def run(request):
     return main(request["args"])
 """
+)
 
 
 def _shortened(command: str, out: Path, previous: Path | None) -> tuple[list[str], Path]:

@@ -80,8 +80,9 @@ def _args(out: Path, *extra: str) -> list[str]:
         ("reference", "stop", "engine_core/checkpoint.py"),
         ("reference", "continue", "engine_core/checkpoint.py"),
         ("fsdp2", "stop", "torch/distributed/checkpoint/"),
+        ("megatron", "stop", "megatron/core/dist_checkpointing/"),
     ],
-    ids=["reference-stop", "reference-continue", "fsdp2-stop"],
+    ids=["reference-stop", "reference-continue", "fsdp2-stop", "megatron-stop"],
 )
 def test_a_full_disk_is_one_sentence_and_keeps_what_was_committed(
     tmp_path: Path, backend: str, on_failure: str, writer: str, capsys: pytest.CaptureFixture[str]

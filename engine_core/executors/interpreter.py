@@ -234,6 +234,7 @@ class InterpreterWorkerGroup(LocalWorkerGroup):
                 + [str(to_child_r), str(from_child_w)],
                 pass_fds=(to_child_r, from_child_w),
                 stdin=subprocess.DEVNULL,
+                start_new_session=True,  # launch.own_session: the caller handles its signals
             )
             os.close(to_child_r)
             os.close(from_child_w)

@@ -36,7 +36,7 @@ from engine_core.executors.base import (
 )
 from engine_core.executors.forkserver import worker_context
 from engine_core.executors.worker_errors import WorkerErrorInfo, error_payload, worker_failure
-from engine_core.launch import adopt_environment, caller_environment
+from engine_core.launch import adopt_environment, caller_environment, own_session
 
 __all__ = ["LocalWorkerGroup"]
 
@@ -51,6 +51,7 @@ def _serve(
     env: dict[str, str],
     caller_env: dict[str, str] | None = None,
 ) -> None:
+    own_session()  # a signal to the caller's process group is the caller's to handle
     if caller_env is not None:  # forked from a fork server: its environment, not the caller's
         adopt_environment(caller_env)
     enter_worker_env(env)

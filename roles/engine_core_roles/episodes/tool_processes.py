@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from engine_core.launch import own_session
 from engine_core_roles.data.rewards.functions import load_function
 
 __all__ = ["ToolProcesses", "TOOL_PROCESSES", "serve"]
@@ -26,7 +27,7 @@ __all__ = ["ToolProcesses", "TOOL_PROCESSES", "serve"]
 
 def serve(conn: Any) -> None:
     """A worker's loop: a JSON request in, a JSON answer out, until the pipe closes."""
-
+    own_session()  # a signal to the job's process group is the job's to handle
     tools: dict[str, Any] = {}
     for path in json.loads(conn.recv_bytes())["preload"]:  # imported before any call is timed
         try:

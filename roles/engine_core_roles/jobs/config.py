@@ -56,10 +56,12 @@ class JobConfig(FrozenModel):
         "failed save's staging folder is removed and every committed step is kept.",
     )
     stop_signals: list[str] = Field(
-        default_factory=lambda: ["SIGTERM"],
+        default_factory=lambda: ["SIGTERM", "SIGINT"],
         description="Signals that ask the run to stop: it finishes the step in flight, writes a "
-        "checkpoint and exits with status 3 (rerun with --resume auto). Add an earlier "
-        "warning a scheduler sends, e.g. [SIGTERM, SIGUSR1].",
+        "checkpoint and exits with status 3 (rerun with --resume auto); sent to the job's "
+        "process or to its whole process group (its workers and Ray cluster run in sessions "
+        "of their own). SIGINT is a terminal's Ctrl-C. Add an earlier warning a scheduler "
+        "sends, e.g. [SIGTERM, SIGINT, SIGUSR1].",
     )
     max_wall_time: float | None = Field(
         None,

@@ -6,7 +6,6 @@ them (:func:`build`), each registered for closing as soon as it exists; and the 
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -183,19 +182,16 @@ def _grouped_roles(job: RLJobConfig, resolved: Resolved, stack: contextlib.ExitS
         import ray
 
         if not ray.is_initialized():
-            # no address: a new instance of its own ("local"); Ray's own default would join the
-            # cluster a `ray start` on this machine recorded, or RAY_ADDRESS's, and the job would
-            # then take that cluster for its own (and end it if killed, at the next start)
-            address = job.ray.address or "local"
-            start = functools.partial(
-                ray.init, address=address, num_cpus=job.ray.num_cpus, log_to_driver=False
-            )
+            # no address: a cluster of its own, its head in a session of its own
+            # (local_cluster); Ray's own default would join the cluster a `ray start` on this
+            # machine recorded, or RAY_ADDRESS's, and the job would then take that cluster for
+            # its own (and end it if killed, at the next start)
             if job.ray.address is None:  # a cluster of its own: ended with the job, or after
                 say = Console(stderr=True).print
                 out = Path(job.output_dir)
-                stack.enter_context(local_cluster(out, start, ray.shutdown, say))
+                stack.enter_context(local_cluster(out, job.ray.num_cpus, say))
             else:  # a cluster it joined: left as it was
-                start()
+                ray.init(address=job.ray.address, num_cpus=job.ray.num_cpus, log_to_driver=False)
                 stack.callback(ray.shutdown)
 
     def started(role: str, worker: type[Any], cfg: EngineConfig, *args: Any) -> WorkerGroup:

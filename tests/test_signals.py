@@ -1,0 +1,230 @@
+"""A run stops on a signal as clusters and terminals deliver it, under every executor.
+
+Each case runs ``engine-core run`` in a process group of its own (as a shell's job or a
+scheduler's job step is), waits until a random step (its seed is in a failure's message) is
+logged, and sends the signal twice (the second while the run finishes the step and saves):
+
+- ``process``: SIGTERM to the job's process alone;
+- ``group``: SIGTERM to its whole process group (``kill -- -PGID``: SLURM's preemption, many
+  launchers);
+- ``ctrl_c``: SIGINT to its whole process group, as a terminal's Ctrl-C sends it.
+
+Each must end with the one-line stop message, one checkpoint of a finished step and exit status
+3, and ``--resume auto`` must continue to the metrics of an uninterrupted run, step by step.
+Besides the three executors, the processes a job starts besides its workers are signalled with
+the group: rollout replicas in processes of their own (asynchronous training), and a replica in
+an interpreter started by path.
+
+The runs are forked from one server process that has imported the job's modules
+(``tests/_forkserver.py``): each case costs its runs, not interpreter starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine_core.errors import EXIT_STOPPED
+from engine_core_roles.jobs.cli import RECIPES
+from tests._forkserver import JOB_MODULES, ForkServer
+
+RECIPE = RECIPES / "grpo_tiny.yaml"
+STEPS = 6
+
+SETUP = (
+    JOB_MODULES
+    + r"""
+import os
+from engine_core.cli import main  # imported once, before any fork
+import engine_core_roles.jobs.rl.run  # noqa: F401
+
+def run(request):
+    os.setsid()  # a process group of its own, as a shell's job or a scheduler's step has
+    with open(request["pid_file"] + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(request["pid_file"] + ".tmp", request["pid_file"])
+    return main(["run", *request["args"]])
+"""
+)
+
+EXECUTORS = {
+    "in_process": ["placement.executor=in_process"],
+    "local": ["placement.executor=local"],
+    "ray": ["placement.executor=ray", "ray.num_cpus=2"],
+}
+DELIVERIES = {
+    "process": (signal.SIGTERM, False),
+    "group": (signal.SIGTERM, True),
+    "ctrl_c": (signal.SIGINT, True),
+}
+# the processes a job starts besides its role workers, each signalled with the whole group
+STARTED = {
+    "replicas_async": [
+        "placement.executor=local",
+        "rollout_placement=process",
+        "rollout_replicas=2",
+        "trainer.max_staleness=1",
+    ],
+    "interpreter_replica": [
+        "rollout_placement=process",
+        f"rollout_python={sys.executable}",
+    ],
+}
+CASES = [
+    *(
+        pytest.param(EXECUTORS[e], d, id=f"{e}-{d}", marks=[pytest.mark.ray] if e == "ray" else [])
+        for e in EXECUTORS
+        for d in DELIVERIES
+    ),
+    *(pytest.param(extra, "group", id=f"{name}-group") for name, extra in STARTED.items()),
+]
+
+
+@pytest.fixture(scope="module")
+def server() -> Any:
+    runs = ForkServer(SETUP, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    yield runs
+    runs.close()
+
+
+def _args(out: Path, extra: list[str]) -> list[str]:
+    return [
+        str(RECIPE),
+        f"output_dir={out}",
+        f"steps={STEPS}",
+        "engine.backend=reference",
+        "prompts_per_step=2",
+        "trainer.samples_per_prompt=2",
+        "save_every=0",
+        "log_every=1",
+        *extra,
+    ]
+
+
+def _rows(out: Path) -> list[dict[str, Any]]:
+    from engine_core_roles.trainer.metrics import TIMING_KEYS
+
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS} for line in lines]
+
+
+# the uninterrupted runs, by what changes the numbers (the executor does not)
+_STRAIGHT: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+
+
+def _computing(extra: list[str]) -> tuple[str, ...]:
+    return tuple(a for a in extra if not a.startswith(("placement.executor=", "ray.")))
+
+
+def _straight(server: ForkServer, tmp: Path, extra: list[str]) -> list[dict[str, Any]]:
+    key = _computing(extra)
+    if key not in _STRAIGHT:
+        out = tmp / "straight"
+        code = server.run(
+            timeout=600,
+            args=_args(out, list(key)),
+            pid_file=str(tmp / "straight.pid"),
+            log=str(tmp / "straight.log"),
+        )
+        assert code == 0, (tmp / "straight.log").read_text()[-3000:]
+        _STRAIGHT[key] = _rows(out)
+    return _STRAIGHT[key]
+
+
+@pytest.mark.parametrize(("extra", "delivery"), CASES)
+def test_a_signal_as_delivered_stops_the_run_at_a_step_that_resumes_exactly(
+    server: ForkServer, tmp_path: Path, extra: list[str], delivery: str
+) -> None:
+    seed = int.from_bytes(os.urandom(4), "little")
+    after = random.Random(seed).randint(1, STEPS - 3)
+    sig, to_group = DELIVERIES[delivery]
+    out, pid_file, log = tmp_path / "run", tmp_path / "run.pid", tmp_path / "run.log"
+    answer: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            answer["code"] = server.run(
+                timeout=600, args=_args(out, extra), pid_file=str(pid_file), log=str(log)
+            )
+        except BaseException as e:  # named below, not lost in the thread
+            answer["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 300
+    while not (
+        pid_file.exists() and metrics.exists() and len(metrics.read_text().splitlines()) >= after
+    ):
+        assert thread.is_alive(), (answer, log.read_text()[-3000:] if log.exists() else "")
+        assert time.monotonic() < deadline, f"the run logged no step {after} in 300 s"
+        time.sleep(0.02)
+    pid = int(pid_file.read_text())
+    for _ in range(2):  # the second while it finishes the step in flight and saves
+        if to_group:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+    signalled = time.monotonic()
+    thread.join(timeout=300)
+    err = log.read_text()
+    assert not thread.is_alive() and "error" not in answer, (seed, answer, err[-3000:])
+    took = time.monotonic() - signalled
+    assert answer["code"] == EXIT_STOPPED, (seed, answer, err[-3000:])
+    said = " ".join(err.split())
+    name = signal.Signals(sig).name
+    assert f"stopped on {name} after step" in said and "--resume auto" in said, (seed, err)
+    saved = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert len(saved) == 1 and saved[0].startswith("global_step_"), (seed, saved)
+    step = int(saved[0].rsplit("_", 1)[1])
+    assert after <= step < STEPS and f"after step {step} of {STEPS}" in said, (seed, said)
+    assert "Traceback" not in err, (seed, err[-3000:])
+    print(f"{delivery}: exit {answer['code']} {took:.1f} s after the signal, at step {step}")
+
+    code = server.run(
+        timeout=600,
+        args=[*_args(out, extra), "--resume", "auto"],
+        pid_file=str(tmp_path / "resumed.pid"),
+        log=str(tmp_path / "resumed.log"),
+    )
+    assert code == 0, (tmp_path / "resumed.log").read_text()[-3000:]
+    assert _rows(out) == _straight(server, tmp_path, extra), seed
+
+
+def test_a_ctrl_c_before_the_first_step_is_one_line_and_exit_130(
+    server: ForkServer, tmp_path: Path
+) -> None:
+    """SIGINT while the run starts (no step yet to finish) ends it at once: one line, no
+    traceback, nothing saved, exit status 130."""
+    from engine_core.errors import EXIT_INTERRUPTED
+
+    out, pid_file, log = tmp_path / "run", tmp_path / "run.pid", tmp_path / "run.log"
+    answer: dict[str, Any] = {}
+
+    def run() -> None:
+        answer["code"] = server.run(
+            timeout=600, args=_args(out, []), pid_file=str(pid_file), log=str(log)
+        )
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not pid_file.exists():
+        assert thread.is_alive() and time.monotonic() < deadline, answer
+        time.sleep(0.01)
+    time.sleep(0.3)  # inside the command: loading its plugins and recipe, building models
+    os.killpg(int(pid_file.read_text()), signal.SIGINT)
+    thread.join(timeout=300)
+    err = log.read_text()
+    assert answer.get("code") == EXIT_INTERRUPTED, (answer, err[-3000:])
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines[-1].startswith("engine-core run: interrupted (SIGINT)"), err[-3000:]
+    assert "Traceback" not in err and not (out / "metrics.jsonl").exists(), err[-3000:]
