@@ -67,6 +67,7 @@ KIT_MODULE = "engine_core/testing/contract.py"
 LONG_UNITS = (
     f"{KIT_MODULE}[megatron]",
     "tests/test_conformance.py",
+    "tests/test_signals.py",
     f"{KIT_MODULE}[fsdp]",
     f"{KIT_MODULE}[fsdp2]",
     f"{KIT_MODULE}[reference]",

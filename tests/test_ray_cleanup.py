@@ -101,5 +101,6 @@ def test_a_killed_jobs_ray_cluster_is_ended_by_the_next_run(
     assert ended, said
     assert 1 <= int(ended.group(1)) <= len(left), said
     assert not _alive(session)
+    assert not Path(session).parent.exists(), "the killed run's Ray folder was left behind"
     assert not record.exists()  # that run ended its own cluster, and its record with it
     assert _alive(other), "a run ended the recorded cluster it did not start"

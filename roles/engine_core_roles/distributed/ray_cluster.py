@@ -31,6 +31,7 @@ from typing import Any
 __all__ = ["RECORD", "end_stale_cluster", "local_cluster"]
 
 RECORD = "ray_cluster.json"
+TEMP_PREFIX = "engine-core-ray-"  # the head's temporary folder, in the system's temporary one
 START_TIMEOUT_S = 120.0  # for `ray start` to serve its address
 END_TIMEOUT_S = 30.0  # for it to end the node's processes when told to
 
@@ -70,6 +71,10 @@ def end_stale_cluster(out_dir: Path, say: Callable[[str], None]) -> int:
     ended = 0
     if session:
         ended = _kill_naming(session)
+        folder = Path(session)
+        # the head's own temporary folder only (a record is a file anyone could have edited)
+        if folder.parent == Path(tempfile.gettempdir()) and folder.name.startswith(TEMP_PREFIX):
+            shutil.rmtree(folder, ignore_errors=True)
     record.unlink(missing_ok=True)
     if ended:
         say(
@@ -152,7 +157,7 @@ def local_cluster(
     import ray
 
     end_stale_cluster(out_dir, say)
-    temp_dir = Path(tempfile.mkdtemp(prefix="engine-core-ray-"))
+    temp_dir = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX))
     out_dir.mkdir(parents=True, exist_ok=True)
     record = out_dir / RECORD
     record.write_text(json.dumps({"temp_dir": str(temp_dir), "pid": os.getpid()}))
