@@ -129,15 +129,52 @@ def _straight(server: ForkServer, tmp: Path, extra: list[str]) -> list[dict[str,
     key = _computing(extra)
     if key not in _STRAIGHT:
         out = tmp / "straight"
-        code = server.run(
-            timeout=600,
-            args=_args(out, list(key)),
-            pid_file=str(tmp / "straight.pid"),
-            log=str(tmp / "straight.log"),
-        )
-        assert code == 0, (tmp / "straight.log").read_text()[-3000:]
+        code, err = _Running(server, tmp, "straight", _args(out, list(key))).finish(600)
+        assert code == 0, err[-3000:]
         _STRAIGHT[key] = _rows(out)
     return _STRAIGHT[key]
+
+
+class _Running:
+    """One run forked from ``server`` in the background (its exit status, or what the server
+    raised, in :attr:`answer`), its pid written to ``<name>.pid`` and its output to
+    ``<name>.log`` under ``tmp``."""
+
+    def __init__(self, server: ForkServer, tmp: Path, name: str, args: list[str]) -> None:
+        self.pid_file, self.log = tmp / f"{name}.pid", tmp / f"{name}.log"
+        self.answer: dict[str, Any] = {}
+        request = {"args": args, "pid_file": str(self.pid_file), "log": str(self.log)}
+
+        def run() -> None:
+            try:
+                self.answer["code"] = server.run(timeout=600, **request)
+            except BaseException as e:  # named by the test, not lost in the thread
+                self.answer["error"] = e
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def output(self) -> str:
+        return self.log.read_text() if self.log.exists() else ""
+
+    def wait_until(self, ready: Any, what: str, timeout: float) -> int:
+        """Wait until the pid is written and ``ready()``; returns the pid."""
+        deadline = time.monotonic() + timeout
+        while not (self.pid_file.exists() and ready()):
+            assert self.thread.is_alive(), (self.answer, self.output()[-3000:])
+            assert time.monotonic() < deadline, f"{what} in {timeout:g} s"
+            time.sleep(0.01)
+        return int(self.pid_file.read_text())
+
+    def finish(self, timeout: float = 300) -> tuple[Any, str]:
+        """The exit status and the output, once the run has ended."""
+        self.thread.join(timeout=timeout)
+        err = self.output()
+        assert not self.thread.is_alive() and "error" not in self.answer, (
+            self.answer,
+            err[-3000:],
+        )
+        return self.answer["code"], err
 
 
 @pytest.mark.parametrize(("extra", "delivery"), CASES)
@@ -147,38 +184,22 @@ def test_a_signal_as_delivered_stops_the_run_at_a_step_that_resumes_exactly(
     seed = int.from_bytes(os.urandom(4), "little")
     after = random.Random(seed).randint(1, STEPS - 3)
     sig, to_group = DELIVERIES[delivery]
-    out, pid_file, log = tmp_path / "run", tmp_path / "run.pid", tmp_path / "run.log"
-    answer: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            answer["code"] = server.run(
-                timeout=600, args=_args(out, extra), pid_file=str(pid_file), log=str(log)
-            )
-        except BaseException as e:  # named below, not lost in the thread
-            answer["error"] = e
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 300
-    while not (
-        pid_file.exists() and metrics.exists() and len(metrics.read_text().splitlines()) >= after
-    ):
-        assert thread.is_alive(), (answer, log.read_text()[-3000:] if log.exists() else "")
-        assert time.monotonic() < deadline, f"the run logged no step {after} in 300 s"
-        time.sleep(0.02)
-    pid = int(pid_file.read_text())
+    out, metrics = tmp_path / "run", tmp_path / "run" / "metrics.jsonl"
+    running = _Running(server, tmp_path, "run", _args(out, extra))
+    pid = running.wait_until(
+        lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= after,
+        f"the run logged no step {after}",
+        300,
+    )
     for _ in range(2):  # the second while it finishes the step in flight and saves
         if to_group:
             os.killpg(pid, sig)
         else:
             os.kill(pid, sig)
     signalled = time.monotonic()
-    thread.join(timeout=300)
-    err = log.read_text()
-    assert not thread.is_alive() and "error" not in answer, (seed, answer, err[-3000:])
+    code, err = running.finish()
     took = time.monotonic() - signalled
-    assert answer["code"] == EXIT_STOPPED, (seed, answer, err[-3000:])
+    assert code == EXIT_STOPPED, (seed, code, err[-3000:])
     said = " ".join(err.split())
     name = signal.Signals(sig).name
     assert f"stopped on {name} after step" in said and "--resume auto" in said, (seed, err)
@@ -187,15 +208,11 @@ def test_a_signal_as_delivered_stops_the_run_at_a_step_that_resumes_exactly(
     step = int(saved[0].rsplit("_", 1)[1])
     assert after <= step < STEPS and f"after step {step} of {STEPS}" in said, (seed, said)
     assert "Traceback" not in err, (seed, err[-3000:])
-    print(f"{delivery}: exit {answer['code']} {took:.1f} s after the signal, at step {step}")
+    print(f"{delivery}: exit {code} {took:.1f} s after the signal, at step {step}")
 
-    code = server.run(
-        timeout=600,
-        args=[*_args(out, extra), "--resume", "auto"],
-        pid_file=str(tmp_path / "resumed.pid"),
-        log=str(tmp_path / "resumed.log"),
-    )
-    assert code == 0, (tmp_path / "resumed.log").read_text()[-3000:]
+    resumed = _Running(server, tmp_path, "resumed", [*_args(out, extra), "--resume", "auto"])
+    code, err = resumed.finish(600)
+    assert code == 0, err[-3000:]
     assert _rows(out) == _straight(server, tmp_path, extra), seed
 
 
@@ -206,25 +223,13 @@ def test_a_ctrl_c_before_the_first_step_is_one_line_and_exit_130(
     traceback, nothing saved, exit status 130."""
     from engine_core.errors import EXIT_INTERRUPTED
 
-    out, pid_file, log = tmp_path / "run", tmp_path / "run.pid", tmp_path / "run.log"
-    answer: dict[str, Any] = {}
-
-    def run() -> None:
-        answer["code"] = server.run(
-            timeout=600, args=_args(out, []), pid_file=str(pid_file), log=str(log)
-        )
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not pid_file.exists():
-        assert thread.is_alive() and time.monotonic() < deadline, answer
-        time.sleep(0.01)
+    out = tmp_path / "run"
+    running = _Running(server, tmp_path, "run", _args(out, []))
+    pid = running.wait_until(lambda: True, "the run wrote no pid", 120)
     time.sleep(0.3)  # inside the command: loading its plugins and recipe, building models
-    os.killpg(int(pid_file.read_text()), signal.SIGINT)
-    thread.join(timeout=300)
-    err = log.read_text()
-    assert answer.get("code") == EXIT_INTERRUPTED, (answer, err[-3000:])
+    os.killpg(pid, signal.SIGINT)
+    code, err = running.finish()
+    assert code == EXIT_INTERRUPTED, (code, err[-3000:])
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines[-1].startswith("engine-core run: interrupted (SIGINT)"), err[-3000:]
     assert "Traceback" not in err and not (out / "metrics.jsonl").exists(), err[-3000:]
