@@ -106,13 +106,18 @@ def _started_head(temp_dir: Path, num_cpus: int | None, log: Path) -> tuple[Any,
     written = temp_dir / "ray_current_cluster"
     deadline = time.monotonic() + START_TIMEOUT_S
     while not (written.exists() and written.read_text().strip()):
-        if head.poll() is not None or time.monotonic() > deadline:
+        exited = head.poll()
+        if exited is not None or time.monotonic() > deadline:
             _end_head(head, temp_dir)
+            why = (
+                f"exited with status {exited}"
+                if exited is not None
+                else f"was not ready in {START_TIMEOUT_S:g} s"
+            )
             tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
             raise RuntimeError(
-                f"the job's Ray cluster did not start (`ray start --head` "
-                f"{'exited with status ' + str(head.returncode) if head.poll() is not None else f'was not ready in {START_TIMEOUT_S:g} s'}); "
-                f"its output, in {log}, ends:\n{tail}"
+                f"the job's Ray cluster did not start (`ray start --head` {why}); its output, "
+                f"in {log}, ends:\n{tail}"
             )
         time.sleep(0.1)
     return head, written.read_text().strip()
