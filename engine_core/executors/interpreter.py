@@ -19,6 +19,7 @@ Workers here form no torch process group: nothing collective crosses two torch b
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -278,19 +279,21 @@ def serve(read_fd: int, write_fd: int) -> None:
         write(write_fd, ("error", error_payload(e)))
         return
     write(write_fd, ("ok", None))
-    while True:
-        try:
-            method, args, kwargs = read(read_fd)
-        except EOFError:
-            return
-        if method == _STOP:
-            write(write_fd, ("ok", None))
-            return
-        try:
-            result = getattr(worker, method)(*args, **kwargs)
-            write(write_fd, ("ok", result))
-        except BaseException as e:
-            write(write_fd, ("error", error_payload(e)))
+    # a driver gone (its end closed: it does not wait for the stop's answer) is told nothing
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        while True:
+            try:
+                method, args, kwargs = read(read_fd)
+            except EOFError:
+                return
+            if method == _STOP:
+                write(write_fd, ("ok", None))
+                return
+            try:
+                result = getattr(worker, method)(*args, **kwargs)
+                write(write_fd, ("ok", result))
+            except BaseException as e:
+                write(write_fd, ("error", error_payload(e)))
 
 
 if __name__ == "__main__":

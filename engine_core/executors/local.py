@@ -16,6 +16,7 @@ class where that is an engine-core or builtin one (:mod:`engine_core.executors.w
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import time
 from collections.abc import Mapping
@@ -61,18 +62,20 @@ def _serve(
     except BaseException as e:
         conn.send(("error", error_payload(e)))  # plain data, never the exception object
         return
-    while True:
-        try:
-            method, args, kwargs = conn.recv()
-        except EOFError:
-            return
-        if method == _STOP:
-            conn.send(("ok", None))
-            return
-        try:
-            conn.send(("ok", getattr(worker, method)(*args, **kwargs)))
-        except BaseException as e:
-            conn.send(("error", error_payload(e)))
+    # a caller gone (its pipe closed: it does not wait for the stop's answer) is told nothing
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        while True:
+            try:
+                method, args, kwargs = conn.recv()
+            except EOFError:
+                return
+            if method == _STOP:
+                conn.send(("ok", None))
+                return
+            try:
+                conn.send(("ok", getattr(worker, method)(*args, **kwargs)))
+            except BaseException as e:
+                conn.send(("error", error_payload(e)))
 
 
 # what a fork server imports besides the worker's own module, where installed: the engines and
