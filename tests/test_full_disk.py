@@ -33,6 +33,7 @@ from engine_core_roles.jobs.saving import (
     save_checkpoint,
     why_it_failed,
 )
+from tests._forkserver import JOB_MODULES, ForkServer
 
 # one checkpoint of this run is about 0.97 MB (reference) or 1.18 MB (fsdp2's DCP shards and
 # state files), its export and plot about 0.45 MB: a step's save fails inside its largest file
@@ -302,3 +303,127 @@ def test_every_save_is_the_same_sentence_and_honours_on_save_failure(
     assert "it needs about 0.25 MB (the last save's size)" in message
     assert f"the last safe one is {last}" in message and "--resume auto" in message
     assert not staging.exists()
+
+
+# -- a disk that fills at a chosen point of a save ------------------------------------------------
+
+# Each run is forked from one server (tests/_forkserver.py) and watched by an audit hook: when
+# the run opens for writing the first file whose path holds ``fill_at``, the hook fills the
+# rest of the tmpfs (a file beside the run's folder, written until ENOSPC), so that exactly that
+# file's write meets a full disk, whichever writer writes it (DCP's, megatron's, torch.save,
+# safetensors) and whatever its size.
+FILL_SETUP = (
+    JOB_MODULES
+    + r"""
+import os, sys
+from engine_core.cli import main
+import engine_core_roles.jobs.rl.run  # noqa: F401
+
+def _fill(path):
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for size in (1 << 20, 1 << 16, 1 << 12, 1 << 9, 1):
+            block = b"\0" * size
+            try:
+                while True:
+                    os.write(fd, block)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+
+def run(request):
+    at, filler, done = request["fill_at"], request["filler"], [False]
+
+    def hook(event, args):
+        if done[0] or event != "open" or not args or not isinstance(args[0], (str, os.PathLike)):
+            return
+        mode, flags = (args[1] if len(args) > 1 else None), (args[2] if len(args) > 2 else 0)
+        writing = (isinstance(mode, str) and set(mode) & set("wax+")) or (
+            isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR)
+        )
+        if writing and at in os.fspath(args[0]):
+            done[0] = True
+            _fill(filler)
+
+    sys.addaudithook(hook)
+    return main(["run", *request["args"]])
+"""
+)
+
+# where the second save (or the export at the end) meets the full disk, per engine: the
+# checkpoint's shards (model and optimizer state in one DCP save), the metadata its writer
+# commits last, the engine's own state, the job's state, and the Hugging Face export
+FILL_POINTS = {
+    "fsdp2": {
+        "shards": "global_step_2.tmp/actor/",
+        "engine_state": "global_step_2.tmp/actor/engine_state_rank",
+        "job_state": "global_step_2.tmp/job_state.pt",
+        "export": "hf_export",
+    },
+    "megatron": {
+        "shards": "global_step_2.tmp/actor/dist_ckpt/",
+        "engine_state": "global_step_2.tmp/actor/engine_state_rank",
+        "job_state": "global_step_2.tmp/job_state.pt",
+        "export": "hf_export",
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def filling() -> Iterator[ForkServer]:
+    server = ForkServer(FILL_SETUP)
+    yield server
+    server.close()
+
+
+@pytest.mark.parametrize(
+    ("backend", "point"),
+    [(b, p) for b, points in FILL_POINTS.items() for p in points],
+)
+def test_a_disk_full_anywhere_in_a_save_is_one_sentence_and_resumes(
+    filling: ForkServer, tmp_path: Path, backend: str, point: str
+) -> None:
+    """The disk fills as the save of step 2 (or the export) opens the file named: the run
+    stops with one line naming what failed and the last safe step; once space is freed,
+    ``--resume auto`` removes the staging folder and finishes from step 1."""
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(folder)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"this machine does not let the tests mount a tmpfs: {mounted.stderr.strip()}")
+    try:
+        out, filler, log = folder / "run", folder / "filler", tmp_path / "run.log"
+        steps = 2 if point == "export" else 3
+        args = [*_args(out, f"engine.backend={backend}")[1:], f"steps={steps}"]
+        at = FILL_POINTS[backend][point]
+        code = filling.run(timeout=600, args=args, fill_at=at, filler=str(filler), log=str(log))
+        err = log.read_text()
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert filler.exists(), f"the run never opened {at!r} for writing:\n{err[-3000:]}"
+        assert code == 1, err[-3000:]
+        assert len(lines) == 1 and _NO_SPACE in lines[0], err[-3000:]
+        root = out / "checkpoints"
+        if point == "export":
+            assert "writing the Hugging Face export" in lines[0], lines[0]
+            safe = 2
+        else:
+            assert f"saving the checkpoint of step 2 under {root}" in lines[0], lines[0]
+            assert str(root / "global_step_1") in lines[0] and "--resume auto" in lines[0]
+            safe = 1
+        assert [s for s, _ in list_checkpoints(root)] == [safe]
+        assert JobCheckpoints(root).verify(str(root / f"global_step_{safe}"), ["actor"]) == safe
+        filler.unlink()  # space freed: the same command again, resumed
+        code = filling.run(
+            timeout=600, args=[*args, "--resume", "auto"], fill_at="\0", filler="", log=str(log)
+        )
+        assert code == 0, log.read_text()[-3000:]
+        assert not list(root.glob("*.tmp")) and not list(out.glob("*.tmp"))
+        assert [s for s, _ in list_checkpoints(root)] == [steps]
+        assert (out / "hf_export" / "config.json").exists()
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
