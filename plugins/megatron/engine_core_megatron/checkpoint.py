@@ -8,7 +8,10 @@ the tensor-parallel RNG tracker's streams and the LR-schedule state.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -24,6 +27,20 @@ from engine_core_megatron._device import on_device
 __all__ = ["CKPT_DIR", "MegatronCheckpoints"]
 
 CKPT_DIR = "dist_ckpt"
+# megatron-core's file writers log a failed write (a full disk, a read-only folder) at ERROR and
+# raise it; the job reports what is raised as one sentence, so that log line is held back
+_WRITER_LOG = "megatron.core.dist_checkpointing.strategies.filesystem_async"
+
+
+@contextlib.contextmanager
+def _writers_quiet() -> Iterator[None]:
+    logger = logging.getLogger(_WRITER_LOG)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 class MegatronCheckpoints:
@@ -60,7 +77,10 @@ class MegatronCheckpoints:
         if dist.get_rank() == 0:
             os.makedirs(join(folder, CKPT_DIR), exist_ok=True)
         dist.barrier()
-        dist_checkpointing.save(self._sharded_state_dict(is_loading=False), join(folder, CKPT_DIR))
+        with _writers_quiet():  # a failed write is raised, and reported once, by the job
+            dist_checkpointing.save(
+                self._sharded_state_dict(is_loading=False), join(folder, CKPT_DIR)
+            )
 
     def _refuse_distributed_optimizer_checkpoint(self, what: str) -> None:
         if self.config.use_distributed_optimizer:  # type: ignore[attr-defined]
