@@ -26,6 +26,12 @@ hands a worker the caller's whole environment).
     How the local executor starts worker processes: ``spawn`` (default: a fresh interpreter
     each, which imports torch and the engine again) or ``forkserver`` (each forked from a server
     that imported them once: seconds less per worker; :mod:`engine_core.executors.forkserver`).
+``ENGINE_CORE_CPUS``
+    How many CPU cores this process and the processes it starts share (a positive whole
+    number), read by :func:`cpu_cores`: each worker, replica and the job's own process get their
+    share of them as intra-op threads. Unset: the cores this process may run on (its CPU
+    affinity, which SLURM and container cpusets narrow), not every core of the machine. Set it
+    to run two jobs side by side on one machine without oversubscribing its cores.
 
 Every worker process calls :meth:`Settings.from_env` for itself, so set these before launching.
 
@@ -43,7 +49,8 @@ Set by ``engine-core`` itself (through :mod:`engine_core.launch`), not by users:
     :func:`launch_from_env`. A rollout replica reads its rank and count, then unsets all five,
     since the backend it hosts is no rank of a process group.
 ``OMP_NUM_THREADS``, ``TORCHELASTIC_USE_AGENT_STORE``
-    Set for each worker: one intra-op thread unless the executor is told otherwise, and (when
+    Set for each worker: its share of :func:`cpu_cores` as intra-op threads unless the executor
+    is told otherwise, and (when
     the executor hosts the rendezvous store) every rank joins that store as a client.
 ``PYTHONPATH``
     Set to this process's ``sys.path`` while a fork server starts, so that it imports what this
@@ -82,10 +89,12 @@ __all__ = [
     "ENV_COLLECTIVE_TIMEOUT",
     "ENV_WORKER_START",
     "ENV_MLFLOW_TRACKING_URI",
+    "ENV_CPUS",
     "BUILTIN_PLUGIN",
     "Launch",
     "LogLevel",
     "Settings",
+    "cpu_cores",
     "launch_from_env",
     "mlflow_tracking_uri",
     "sglang_cpu_seeds",
@@ -99,6 +108,7 @@ ENV_COLLECTIVE_TIMEOUT = "ENGINE_CORE_COLLECTIVE_TIMEOUT_S"
 ENV_WORKER_START = "ENGINE_CORE_WORKER_START"
 ENV_MLFLOW_TRACKING_URI = "MLFLOW_TRACKING_URI"
 ENV_SGLANG_CPU_SEEDS = "ENGINE_CORE_SGLANG_CPU_SEEDS"
+ENV_CPUS = "ENGINE_CORE_CPUS"
 # Entry-point name of the core's own plugin; never filtered out.
 BUILTIN_PLUGIN = "builtin"
 
@@ -206,6 +216,25 @@ def launch_from_env(environ: Mapping[str, str] | None = None) -> Launch:
         world_size=_parse_int("WORLD_SIZE", env.get("WORLD_SIZE"), 1),
         local_rank=_parse_int("LOCAL_RANK", env.get("LOCAL_RANK"), 0),
     )
+
+
+def cpu_cores(environ: Mapping[str, str] | None = None) -> int:
+    """The CPU cores this process and the processes it starts share: ``ENGINE_CORE_CPUS`` when
+    set, else the cores this process may run on (its affinity mask; every core where the
+    platform has none)."""
+    env = os.environ if environ is None else environ
+    raw = env.get(ENV_CPUS)
+    if raw is not None and raw.strip():
+        if not raw.strip().isdigit() or int(raw) < 1:
+            raise ConfigError(
+                f"{ENV_CPUS}={raw!r} is not a positive whole number: it is how many CPU cores "
+                f"a job's processes share. Set e.g. {ENV_CPUS}=4, or unset it to use the cores "
+                f"this process may run on."
+            )
+        return int(raw)
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
 
 
 def sglang_cpu_seeds(environ: Mapping[str, str] | None = None) -> bool:

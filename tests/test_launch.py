@@ -116,3 +116,15 @@ def test_the_rule_catches_a_stray_read(tmp_path: Path) -> None:
     module.parent.mkdir(parents=True)
     module.write_text('import os\nURI = os.environ.get("X")\n')
     assert environment_users(tmp_path) == ["roles/pkg/mod.py:2"]
+
+
+def test_the_cores_a_job_shares_are_its_affinity_unless_set() -> None:
+    from engine_core.executors.base import threads_per_process
+    from engine_core.settings import cpu_cores
+
+    assert cpu_cores({}) == len(os.sched_getaffinity(0))
+    assert cpu_cores({"ENGINE_CORE_CPUS": "3"}) == 3
+    for wrong in ("0", "-2", "two", "1.5"):
+        with pytest.raises(ConfigError, match=r"ENGINE_CORE_CPUS=.* positive whole number"):
+            cpu_cores({"ENGINE_CORE_CPUS": wrong})
+    assert threads_per_process(2, cores=5) == 2 and threads_per_process(4, cores=2) == 1

@@ -45,7 +45,8 @@ def start_worker_group(
     strategy: str = "PACK",
 ) -> WorkerGroup:
     """``workers`` instances of ``worker_cls`` as processes (``local``) or Ray actors (``ray``),
-    each given its share of this machine's cores (``OMP_NUM_THREADS``, unless ``env`` sets it;
+    each given its share of the cores this process may use (``OMP_NUM_THREADS``, from
+    :func:`~engine_core.settings.cpu_cores`, unless ``env`` sets it;
     the driver keeps its own). On Ray, ``resources`` per worker and the placement ``strategy``
     (:class:`~engine_core.executors.ray.RayWorkerGroup`); local processes take neither."""
     kwargs: dict[str, Any] = {

@@ -10,7 +10,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import math
-import os
 import socket
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -26,7 +25,7 @@ from engine_core.dispatch import (
 )
 from engine_core.errors import ConfigError, DispatchError
 from engine_core.launch import set_for_process
-from engine_core.settings import ENV_COLLECTIVE_TIMEOUT, Settings, launch_from_env
+from engine_core.settings import ENV_COLLECTIVE_TIMEOUT, Settings, cpu_cores, launch_from_env
 
 __all__ = [
     "DEFAULT_CALL_TIMEOUT_S",
@@ -102,9 +101,9 @@ def host_rendezvous(world_size: int) -> tuple[Any, int]:
 
 def threads_per_process(processes: int, cores: int | None = None) -> int:
     """CPU threads each of ``processes`` busy processes gets when they share ``cores`` (default:
-    this machine's): the one rule every executor and job uses, so no module halves, reads or
-    restores another's thread count."""
-    return max(1, (cores or os.cpu_count() or 1) // max(1, processes))
+    :func:`engine_core.settings.cpu_cores`, the cores this process may use): the one rule every
+    executor and job uses, so no module halves, reads or restores another's thread count."""
+    return max(1, (cores or cpu_cores()) // max(1, processes))
 
 
 class WorkerFuture:
