@@ -48,3 +48,37 @@ def test_the_interleaved_steps_pair_each_job_step_with_a_minimal_one() -> None:
     assert RLTrainer.step is step
     assert len(rows) == len(minimal) == 3 and len(times["update"]) == 3
     assert all(t > 0 and 0.0 <= r <= 1.0 for t, r in rows + minimal)
+
+
+def test_trls_side_of_the_learning_comparison_sees_the_tasks_ids_and_reward() -> None:
+    """TRL's prompts tokenize to the job's ids, and its reward is the task's score."""
+    import torch
+
+    from engine_core_roles.data.tasks.digits import BOS, EOS, PAD, SEP, DigitTask, TaskConfig
+
+    trl_side = importlib.import_module("_trl")
+    tok = trl_side.tokenizer()
+    assert tok(["<s> 1 2 3 |"])["input_ids"] == [[BOS, 5, 6, 7, SEP]]
+    assert (tok.eos_token_id, tok.pad_token_id) == (EOS, PAD)
+    task = DigitTask(TaskConfig(name="reverse", num_digits=3))
+    reward = trl_side.task_reward(task)
+    assert reward([[7, 6, 5, EOS], [7, EOS], [], [7, 6, 5, 4]], digits=[[1, 2, 3]] * 4) == [
+        1.0,
+        0.25,
+        0.0,
+        0.75,
+    ]
+    digits = task.sample_digits(3)
+    ids = task.target_ids(digits)
+    assert reward(ids.tolist(), digits=digits.tolist()) == [1.0] * 3
+    assert torch.equal(task.prompt_ids(digits)[:, 0], torch.full((3,), BOS))
+
+
+def test_the_learning_figures_count_a_seed_that_never_arrives_as_the_worst() -> None:
+    learning = importlib.import_module("learning")
+    rewards = [0.0] * 9 + [1.0] * 11
+    assert learning._first_step_at(rewards, 0.5) == 14  # the 10-step mean: 5/10 at step 14
+    assert learning._first_step_at(rewards, 1.01) is None
+    assert learning._median([200, None, 300]) == 300
+    assert learning._median([200, None, None]) is None
+    assert learning._median([100, 200, 300, 400]) == 250

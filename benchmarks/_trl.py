@@ -1,0 +1,183 @@
+"""The experiment a recipe describes, run by TRL's ``GRPOTrainer`` (``benchmarks/learning.py
+--vs trl``), for steps to a reward side by side with ``engine-core run``.
+
+What is the same as the job, and how:
+
+- the model: the recipe's transformers config, built after ``torch.manual_seed(engine.seed)``
+  as the hand-written loop builds it (``benchmarks/_minimal.py``); fp32 (``bf16=False``);
+- the prompts: the digit task's draws in the job's order (``task.seed``), 16 a step, as rows of
+  a dataset TRL does not shuffle (``shuffle_dataset=False``); its token ids through a word-level
+  tokenizer whose vocabulary is the task's ids (``<s>`` 1, ``|`` 2, ``</s>`` 3, digits 4-13), so
+  that TRL's prompt ids are the job's;
+- the reward: the task's own score (the fraction of target positions right, EOS included) on
+  TRL's completion ids, which stop after the first EOS as the job's do;
+- sampling: ``samples_per_prompt`` completions per prompt (``num_generations``), at most the
+  task's response length of new tokens, the recipe's temperature, no top-k or top-p;
+- the update: one optimizer step per generation batch (``per_device_train_batch_size`` = the
+  step's completions, no accumulation, one iteration), AdamW with the recipe's lr, betas, eps
+  and weight decay, gradient clipping at ``clip_grad``, a constant schedule without warm-up,
+  no KL (``beta=0``), group-normalized advantages (``scale_rewards="group"``), the token mean
+  over the batch (``loss_type="dapo"``, the job's ``token-mean``).
+
+What differs and why it cannot matter here: TRL divides by the group's std plus 1e-4, the job
+plus 1e-6 (the task's rewards are multiples of 1/4, so a group's std is 0 or at least 0.06 and
+both advantages agree to 0.2%); TRL's clip range (0.2) and the job's (0.2/0.28) never act in
+one on-policy iteration (the ratio is 1); TRL samples with ``transformers.generate`` and its
+own torch generator stream, the job with its rollout's seeded sampler, so the draws differ
+sample by sample (the same distribution).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from engine_core_roles.jobs.config import seeded
+from engine_core_roles.jobs.rl.config import RLJobConfig
+
+__all__ = ["have_trl", "task_reward", "tokenizer", "trl_grpo"]
+
+
+def have_trl() -> str | None:
+    """TRL's version, or None where it is not installed."""
+    try:
+        import trl
+    except ImportError:
+        return None
+    return str(trl.__version__)
+
+
+def tokenizer() -> Any:
+    """A word-level tokenizer whose ids are the digit task's: ``<s> 1 2 3 |`` is ``BOS 5 6 7 SEP``."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    from engine_core_roles.data.tasks.digits import DIGIT0, VOCAB_SIZE
+
+    vocab = {"<pad>": 0, "<s>": 1, "|": 2, "</s>": 3}
+    vocab |= {str(d): DIGIT0 + d for d in range(10)}
+    vocab |= {f"<unused{i}>": i for i in range(DIGIT0 + 10, VOCAB_SIZE)}
+    core = Tokenizer(WordLevel(vocab, unk_token="<pad>"))
+    core.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+
+
+def task_reward(task: Any) -> Any:
+    """TRL's reward function for the digit task ``task``: its own score on the completion ids
+    (which stop after the first EOS, as the job's responses do), given each row's digits."""
+    from engine_core_roles.data.tasks.digits import PAD
+
+    def reward(completion_ids: list[list[int]], digits: list[list[int]], **_: Any) -> list[float]:
+        width = task.response_len
+        response = torch.full((len(completion_ids), width), PAD)
+        for i, ids in enumerate(completion_ids):
+            ids = ids[:width]
+            response[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        prompt = task.prompt_ids(torch.tensor(digits))
+        return [float(x) for x in task.score(prompt, response)]
+
+    return reward
+
+
+def trl_grpo(raw: dict[str, Any], steps: int, workdir: str) -> tuple[list[float], list[float]]:
+    """(mean reward, seconds) of each of ``steps`` steps of TRL's GRPOTrainer on the digit-task
+    recipe ``raw`` (overrides applied), writing only under ``workdir``."""
+    from datasets import Dataset
+    from transformers import AutoConfig, AutoModelForCausalLM, PrinterCallback, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from engine_core_roles.data.tasks.digits import DigitTask, TaskConfig
+
+    if raw.get("data"):
+        raise SystemExit(
+            "learning --vs trl: this recipe trains on a dataset (its `data` section); the TRL "
+            "side runs the digit-task recipes (a `task` section) only, e.g. --recipe "
+            "roles/engine_core_roles/recipes/grpo_tiny.yaml"
+        )
+    raw = seeded(raw, RLJobConfig)
+    engine, trainer, optim = raw["engine"], raw.get("trainer", {}), raw["engine"].get("optim", {})
+    n_prompts, n = int(raw.get("prompts_per_step", 16)), int(trainer.get("samples_per_prompt", 8))
+    task = DigitTask(TaskConfig(**raw.get("task", {})))
+    digits = [task.sample_digits(n_prompts) for _ in range(steps)]  # the job's order
+    rows = torch.cat(digits).tolist()
+    dataset = Dataset.from_dict(
+        {
+            "prompt": ["<s> " + " ".join(map(str, d)) + " |" for d in rows],
+            "digits": rows,
+        }
+    )
+
+    reward = task_reward(task)
+
+    torch.manual_seed(int(engine.get("seed", 0)))
+    kwargs = dict(engine["model"]["config"])
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    )
+
+    rewards: list[float] = []
+    seconds: list[float] = []
+
+    class Record(TrainerCallback):  # type: ignore[misc]
+        def on_step_begin(self, *_: Any, **__: Any) -> None:
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            seconds.append(time.perf_counter() - self.t0)
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **_: Any) -> None:
+            if logs and "reward" in logs:
+                rewards.append(float(logs["reward"]))
+
+    betas = optim.get("betas", (0.9, 0.999))
+    config = GRPOConfig(
+        output_dir=workdir,
+        max_steps=steps,
+        per_device_train_batch_size=n_prompts * n,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_iterations=1,
+        num_generations=n,
+        max_completion_length=task.response_len,
+        temperature=float(trainer.get("temperature", 1.0)),
+        top_k=0,
+        top_p=1.0,
+        learning_rate=float(optim.get("lr", 1e-5)),
+        weight_decay=float(optim.get("weight_decay", 0.0)),
+        adam_beta1=float(betas[0]),
+        adam_beta2=float(betas[1]),
+        adam_epsilon=float(optim.get("eps", 1e-8)),
+        max_grad_norm=float(optim.get("clip_grad", 1.0)),
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        beta=0.0,
+        loss_type="dapo",
+        scale_rewards="group",
+        shuffle_dataset=False,
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        seed=int(trainer.get("seed", raw.get("seed", 0)) or 0),
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    run = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer(),
+        callbacks=[Record()],
+    )
+    run.remove_callback(PrinterCallback)  # each step's log as a printed dict
+    run.train()
+    return rewards, seconds
