@@ -17,7 +17,11 @@ What is the same as the job, and how:
   step's completions, no accumulation, one iteration), AdamW with the recipe's lr, betas, eps
   and weight decay, gradient clipping at ``clip_grad``, a constant schedule without warm-up,
   no KL (``beta=0``), group-normalized advantages (``scale_rewards="group"``), the token mean
-  over the batch (``loss_type="dapo"``, the job's ``token-mean``).
+  over the batch (``loss_type="dapo"``, the job's ``token-mean``), the recipe's entropy bonus
+  (``actor.entropy_coeff`` as ``entropy_coef``, both the mean entropy over the loss tokens).
+
+Settings of the job that TRL does not have (``trainer.filter_groups``: drawing more prompts in
+place of groups whose samples all score the same) run on the job's side only.
 
 What differs and why it cannot matter here: TRL divides by the group's std plus 1e-4, the job
 plus 1e-6 (the task's rewards are multiples of 1/4, so a group's std is 0 or at least 0.06 and
@@ -157,6 +161,7 @@ def trl_grpo(raw: dict[str, Any], steps: int, workdir: str) -> tuple[list[float]
         lr_scheduler_type="constant",
         warmup_steps=0,
         beta=0.0,
+        entropy_coef=float(raw.get("actor", {}).get("entropy_coeff", 0.0)),
         loss_type="dapo",
         scale_rewards="group",
         shuffle_dataset=False,
