@@ -23,6 +23,7 @@ __all__ = [
     "CheckpointError",
     "WeightSyncError",
     "TrackerError",
+    "OutputError",
     "RunFailed",
     "RunStopped",
     "EXIT_INTERRUPTED",
@@ -94,6 +95,11 @@ class WeightSyncError(EngineCoreError, RuntimeError):
 
 class TrackerError(EngineCoreError, RuntimeError):
     """A metrics tracker (Weights & Biases, MLflow) could not start; nothing was trained."""
+
+
+class OutputError(EngineCoreError, OSError):
+    """A run's own output (its metrics or samples rows) could not be written: a full disk, a
+    folder turned read-only; the checkpoints already committed are untouched."""
 
 
 class RunFailed(EngineCoreError):

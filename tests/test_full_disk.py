@@ -428,3 +428,30 @@ def test_a_disk_full_anywhere_in_a_save_is_one_sentence_and_resumes(
         assert (out / "hf_export" / "config.json").exists()
     finally:
         subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def test_a_full_disk_under_the_runs_metrics_is_one_sentence(tmp_path: Path) -> None:
+    """The run's own rows (``metrics.jsonl``, each tracker's) meeting a full disk between two
+    saves: one sentence naming the file and the step, the reason, the last safe step and what
+    to do, raised as :class:`~engine_core.errors.OutputError` (the job turns it into its one
+    failure line)."""
+    from engine_core.errors import OutputError
+    from engine_core_roles.jobs.tracking import RunTracker
+
+    with _small_disk(tmp_path / "disk") as disk:
+        tracker = RunTracker(disk / "run")
+        tracker.log({"step": 1, "reward": 0.5})
+        fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+        with contextlib.suppress(OSError):
+            while True:  # every page of the tmpfs taken
+                os.write(fd, b"\0" * 4096)
+        os.close(fd)
+        with pytest.raises(OutputError) as raised:
+            for step in range(2, 100):  # the first row the disk cannot take
+                tracker.log({"step": step, "text": "x" * 8192})
+        said = str(raised.value)
+        assert said.startswith("writing step ") and f"metrics to {disk / 'run'}" in said, said
+        assert _NO_SPACE in said and "the last safe one is none yet" in said, said
+        assert "--resume auto" in said and "\n" not in said, said
+        tracker.close()
+        assert (disk / "run" / "metrics.jsonl").read_text().splitlines()[0].startswith('{"step": 1')

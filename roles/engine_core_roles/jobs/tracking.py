@@ -25,6 +25,7 @@ from engine_core.checkpoint import JobCheckpoints, latest_checkpoint, remove_sta
 from engine_core.errors import (
     CheckpointError,
     ConfigError,
+    OutputError,
     PluginError,
     RunFailed,
     RunStopped,
@@ -165,19 +166,40 @@ class RunTracker:
 
     def log(self, row: dict[str, Any]) -> None:
         self._rows.append(row)
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
-        for tracker in self.trackers:
-            tracker.log(row)
+        with self._told(f"writing step {row.get('step')}'s metrics to {self.metrics_path}"):
+            self._file.write(json.dumps(row) + "\n")
+            self._file.flush()
+            for tracker in self.trackers:
+                tracker.log(row)
 
     def log_samples(self, step: int, samples: Sequence[dict[str, Any]]) -> None:
         """Decoded samples of ``step`` (prompt, response, reward, ...) for people to read: one
         JSON line each in ``samples.jsonl``, and to each tracker."""
-        with self.samples_path.open("a") as f:
-            for sample in samples:
-                f.write(json.dumps({"step": step, **sample}) + "\n")
-        for tracker in self.trackers:
-            tracker.log_samples(step, samples)
+        with self._told(f"writing step {step}'s samples to {self.samples_path}"):
+            with self.samples_path.open("a") as f:
+                for sample in samples:
+                    f.write(json.dumps({"step": step, **sample}) + "\n")
+            for tracker in self.trackers:
+                tracker.log_samples(step, samples)
+
+    @contextlib.contextmanager
+    def _told(self, doing: str) -> Iterator[None]:
+        """A write of the run's output that fails (a full disk, a read-only folder) as one
+        :class:`~engine_core.errors.OutputError` sentence: what failed, why, the last safe step
+        and what to do."""
+        try:
+            yield
+        except OSError as e:
+            if isinstance(e, OutputError):
+                raise
+            from engine_core_roles.jobs.saving import why_it_failed
+
+            last = latest_checkpoint(self.out_dir / "checkpoints")
+            raise OutputError(
+                f"{doing} failed: {why_it_failed(e, None)}. Every committed step is intact; the "
+                f"last safe one is {last or 'none yet'}. Free space (or make the folder "
+                f"writable), or move output_dir, and rerun with --resume auto."
+            ) from e
 
     def plot(self, keys: Sequence[str], path: str | Path | None = None, title: str = "") -> Path:
         """One panel per key that was logged, against the step; saved as PNG."""
