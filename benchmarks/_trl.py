@@ -5,12 +5,16 @@ What is the same as the job, and how:
 
 - the model: the recipe's transformers config, built after ``torch.manual_seed(engine.seed)``
   as the hand-written loop builds it (``benchmarks/_minimal.py``); fp32 (``bf16=False``);
-- the prompts: the digit task's draws in the job's order (``task.seed``), 16 a step, as rows of
-  a dataset TRL does not shuffle (``shuffle_dataset=False``); its token ids through a word-level
-  tokenizer whose vocabulary is the task's ids (``<s>`` 1, ``|`` 2, ``</s>`` 3, digits 4-13), so
-  that TRL's prompt ids are the job's;
-- the reward: the task's own score (the fraction of target positions right, EOS included) on
-  TRL's completion ids, which stop after the first EOS as the job's do;
+- the prompts: the job's draws in the job's order (``task.seed`` or ``data.seed``), as rows of a
+  dataset TRL does not shuffle (``shuffle_dataset=False``). A digit task's token ids go
+  through a word-level tokenizer whose vocabulary is the task's ids (``<s>`` 1, ``|`` 2,
+  ``</s>`` 3, digits 4-13), so that TRL's prompt ids are the job's; a text recipe's chat
+  messages through the recipe's tokenizer and chat template, with the rows' other columns;
+- the reward: the digit task's own score (the fraction of target positions right, EOS
+  included) on TRL's completion ids, which stop after the first EOS as the job's do; a text
+  recipe's reward function on the decoded completion, with the row's columns;
+- a text recipe's supervised warm-up (``warmup_sft_steps``), run before TRL starts as the
+  minimal loop writes it out; generation stops at the tokenizer's end of turn as the job's does;
 - sampling: ``samples_per_prompt`` completions per prompt (``num_generations``), at most the
   task's response length of new tokens, the recipe's temperature, no top-k or top-p;
 - the update: one optimizer step per generation batch (``per_device_train_batch_size`` = the
@@ -28,7 +32,8 @@ plus 1e-6 (the task's rewards are multiples of 1/4, so a group's std is 0 or at 
 both advantages agree to 0.2%); TRL's clip range (0.2) and the job's (0.2/0.28) never act in
 one on-policy iteration (the ratio is 1); TRL samples with ``transformers.generate`` and its
 own torch generator stream, the job with its rollout's seeded sampler, so the draws differ
-sample by sample (the same distribution).
+sample by sample (the same distribution). After a warm-up, TRL's AdamW starts with empty
+moments, where the job and the minimal loop go on with the warm-up's.
 """
 
 from __future__ import annotations
@@ -89,41 +94,84 @@ def task_reward(task: Any) -> Any:
     return reward
 
 
+def _text_experiment(raw: dict[str, Any], steps: int, n_prompts: int) -> tuple[Any, ...]:
+    """A text recipe's side for TRL: (dataset of the job's prompts in its order, as chat
+    messages with their other columns; the recipe's reward function on TRL's decoded
+    completions; the recipe's tokenizer; max new tokens; stop ids)."""
+    from datasets import Dataset
+
+    from engine_core.config import ModelConfig
+    from engine_core.models import build_hf_config
+    from engine_core_roles.data.datasets.prompts import DataConfig, PromptData
+    from engine_core_roles.data.datasets.stop_strings import stop_token_ids
+    from engine_core_roles.data.datasets.tokenizer import load_tokenizer
+    from engine_core_roles.data.rewards.functions import RewardConfig, load_function
+
+    model = ModelConfig.model_validate(raw["engine"]["model"])
+    hf = build_hf_config(model)
+    tok = load_tokenizer(model, hf.vocab_size)
+    cfg = DataConfig.model_validate(raw["data"])
+    max_new = int(raw.get("trainer", {}).get("max_new_tokens", 32))
+    data = PromptData(cfg.train_files, tok, cfg, max_length=hf.max_position_embeddings - max_new)
+    order = [i for _ in range(steps) for i in data.next_indices(n_prompts)]  # the job's draws
+    prompts = data.data.select_columns([cfg.prompt_key])[order][cfg.prompt_key]
+    others = data.rows(order)
+    reward_cfg = RewardConfig.model_validate(raw.get("reward") or {})
+    fn = load_function(reward_cfg.fn)
+
+    def reward(completions: list[Any], **columns: Any) -> list[float]:
+        out = []
+        for i, completion in enumerate(completions):
+            text = completion[-1]["content"] if isinstance(completion, list) else completion
+            row = {k: v[i] for k, v in columns.items() if k in others}
+            out.append(float(fn("", text, **row, **reward_cfg.kwargs)))
+        return out
+
+    dataset = Dataset.from_dict({"prompt": prompts, **others})
+    return dataset, reward, tok, max_new, stop_token_ids(tok)
+
+
 def trl_grpo(raw: dict[str, Any], steps: int, workdir: str) -> tuple[list[float], list[float]]:
-    """(mean reward, seconds) of each of ``steps`` steps of TRL's GRPOTrainer on the digit-task
-    recipe ``raw`` (overrides applied), writing only under ``workdir``."""
+    """(mean reward, seconds) of each of ``steps`` steps of TRL's GRPOTrainer on recipe ``raw``
+    (a digit task or a text recipe; overrides applied), writing only under ``workdir``."""
     from datasets import Dataset
     from transformers import AutoConfig, AutoModelForCausalLM, PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from engine_core_roles.data.tasks.digits import DigitTask, TaskConfig
 
-    if raw.get("data"):
-        raise SystemExit(
-            "learning --vs trl: this recipe trains on a dataset (its `data` section); the TRL "
-            "side runs the digit-task recipes (a `task` section) only, e.g. --recipe "
-            "roles/engine_core_roles/recipes/grpo_tiny.yaml"
-        )
     raw = seeded(raw, RLJobConfig)
     engine, trainer, optim = raw["engine"], raw.get("trainer", {}), raw["engine"].get("optim", {})
     n_prompts, n = int(raw.get("prompts_per_step", 16)), int(trainer.get("samples_per_prompt", 8))
-    task = DigitTask(TaskConfig(**raw.get("task", {})))
-    digits = [task.sample_digits(n_prompts) for _ in range(steps)]  # the job's order
-    rows = torch.cat(digits).tolist()
-    dataset = Dataset.from_dict(
-        {
-            "prompt": ["<s> " + " ".join(map(str, d)) + " |" for d in rows],
-            "digits": rows,
-        }
-    )
-
-    reward = task_reward(task)
+    if raw.get("data"):
+        dataset, reward, processing, max_new, stops = _text_experiment(raw, steps, n_prompts)
+    else:
+        task = DigitTask(TaskConfig(**raw.get("task", {})))
+        digits = [task.sample_digits(n_prompts) for _ in range(steps)]  # the job's order
+        rows = torch.cat(digits).tolist()
+        dataset = Dataset.from_dict(
+            {"prompt": ["<s> " + " ".join(map(str, d)) + " |" for d in rows], "digits": rows}
+        )
+        reward, processing, max_new, stops = task_reward(task), tokenizer(), task.response_len, None
 
     torch.manual_seed(int(engine.get("seed", 0)))
     kwargs = dict(engine["model"]["config"])
     model = AutoModelForCausalLM.from_config(
         AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
     )
+    if raw.get("warmup_sft_steps"):  # the recipe's warm-up, as the minimal loop writes it out
+        from _minimal import _warm_up
+
+        warm_opt = torch.optim.AdamW(
+            model.parameters(),
+            lr=float(optim.get("lr", 1e-5)),
+            weight_decay=float(optim.get("weight_decay", 0.0)),
+            betas=tuple(optim.get("betas", (0.9, 0.999))),
+            eps=float(optim.get("eps", 1e-8)),
+        )
+        _warm_up(raw, model, warm_opt)
+    if stops:  # generation stops at the end of turn as well as at EOS, as the job's does
+        model.generation_config.eos_token_id = list(stops)
 
     rewards: list[float] = []
     seconds: list[float] = []
@@ -148,7 +196,7 @@ def trl_grpo(raw: dict[str, Any], steps: int, workdir: str) -> tuple[list[float]
         steps_per_generation=1,
         num_iterations=1,
         num_generations=n,
-        max_completion_length=task.response_len,
+        max_completion_length=max_new,
         temperature=float(trainer.get("temperature", 1.0)),
         top_k=0,
         top_p=1.0,
@@ -180,7 +228,7 @@ def trl_grpo(raw: dict[str, Any], steps: int, workdir: str) -> tuple[list[float]
         reward_funcs=reward,
         args=config,
         train_dataset=dataset,
-        processing_class=tokenizer(),
+        processing_class=processing,
         callbacks=[Record()],
     )
     run.remove_callback(PrinterCallback)  # each step's log as a printed dict
