@@ -66,12 +66,13 @@ def _share_the_cores() -> None:
     recipe's learning test 125 s beside another module, 25 s with the cores shared)."""
     import torch
 
-    from engine_core.settings import ENV_CPUS, cpu_cores
+    from engine_core.executors.base import threads_per_process
+    from engine_core.settings import ENV_CPUS
 
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers <= 1 or ENV_CPUS in os.environ:
         return
-    share = max(1, cpu_cores() // workers)
+    share = threads_per_process(workers)
     os.environ[ENV_CPUS] = str(share)
     os.environ.setdefault("OMP_NUM_THREADS", str(share))
     if torch.get_num_threads() != share:

@@ -31,7 +31,14 @@ from rich.console import Console
 from engine_core.checkpoint import JobCheckpoints
 from engine_core.errors import CheckpointError
 
-__all__ = ["save_checkpoint", "export_hf", "out_of_space", "a_write_failure", "why_it_failed"]
+__all__ = [
+    "save_checkpoint",
+    "export_hf",
+    "out_of_space",
+    "a_write_failure",
+    "what_is_safe",
+    "why_it_failed",
+]
 
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 # what torch's stream writer raises for a short write, and the system's words for a full disk
@@ -156,6 +163,14 @@ def _free(path: Path) -> int | None:
     return None
 
 
+def what_is_safe(last: str | None) -> str:
+    """The end of every write failure's sentence: what is intact, and what to do."""
+    return (
+        f"Every committed step is intact; the last safe one is {last or 'none yet'}. Free space "
+        f"(or make the folder writable), or move output_dir, and rerun with --resume auto."
+    )
+
+
 def _write_failure_told(
     e: BaseException,
     *,
@@ -183,9 +198,7 @@ def _write_failure_told(
     )
     message = (
         f"{doing} failed: {why_it_failed(e, free_at_failure)}; {need} and {size(_free(where))} "
-        f"is free there. Every committed step is intact; the last safe one is "
-        f"{last or 'none yet'}. Free space (or make the folder writable), or move output_dir, "
-        f"and rerun with --resume auto."
+        f"is free there. {what_is_safe(last)}"
     )
     if on_failure != "continue":
         raise CheckpointError(message) from e

@@ -31,6 +31,7 @@ from engine_core.errors import (
     RunStopped,
     TrackerError,
 )
+from engine_core_roles.jobs.saving import what_is_safe, why_it_failed
 from engine_core_roles.jobs.trackers import TENSORBOARD_DIR, Tracker, start_trackers
 
 if TYPE_CHECKING:
@@ -190,15 +191,9 @@ class RunTracker:
         try:
             yield
         except OSError as e:
-            if isinstance(e, OutputError):
-                raise
-            from engine_core_roles.jobs.saving import why_it_failed
-
             last = latest_checkpoint(self.out_dir / "checkpoints")
             raise OutputError(
-                f"{doing} failed: {why_it_failed(e, None)}. Every committed step is intact; the "
-                f"last safe one is {last or 'none yet'}. Free space (or make the folder "
-                f"writable), or move output_dir, and rerun with --resume auto."
+                f"{doing} failed: {why_it_failed(e, None)}. {what_is_safe(last)}"
             ) from e
 
     def plot(self, keys: Sequence[str], path: str | Path | None = None, title: str = "") -> Path:
