@@ -3,8 +3,8 @@
 
 What is the same as the job, and how:
 
-- the model: the recipe's transformers config, built after ``torch.manual_seed(engine.seed)``
-  as the hand-written loop builds it (``benchmarks/_minimal.py``); fp32 (``bf16=False``);
+- the model: the hand-written loop's (``benchmarks/_minimal.py``: the recipe's config or folder,
+  built after ``torch.manual_seed(engine.seed)``, its warm-up done); fp32 (``bf16=False``);
 - the prompts: the job's draws in the job's order (``task.seed`` or ``data.seed``), as rows of a
   dataset TRL does not shuffle (``shuffle_dataset=False``). A digit task's token ids go
   through a word-level tokenizer whose vocabulary is the task's ids (``<s>`` 1, ``|`` 2,
@@ -13,8 +13,7 @@ What is the same as the job, and how:
 - the reward: the digit task's own score (the fraction of target positions right, EOS
   included) on TRL's completion ids, which stop after the first EOS as the job's do; a text
   recipe's reward function on the decoded completion, with the row's columns;
-- a text recipe's supervised warm-up (``warmup_sft_steps``), run before TRL starts as the
-  minimal loop writes it out; generation stops at the tokenizer's end of turn as the job's does;
+- generation stops at a text recipe's end of turn as well as at EOS, as the job's does;
 - sampling: ``samples_per_prompt`` completions per prompt (``num_generations``), at most the
   task's response length of new tokens, the recipe's temperature, no top-k or top-p;
 - the update: one optimizer step per generation batch (``per_device_train_batch_size`` = the
@@ -135,13 +134,13 @@ def trl_grpo(raw: dict[str, Any], steps: int, workdir: str) -> tuple[list[float]
     """(mean reward, seconds) of each of ``steps`` steps of TRL's GRPOTrainer on recipe ``raw``
     (a digit task or a text recipe; overrides applied), writing only under ``workdir``."""
     from datasets import Dataset
-    from transformers import AutoConfig, AutoModelForCausalLM, PrinterCallback, TrainerCallback
+    from transformers import PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from engine_core_roles.data.tasks.digits import DigitTask, TaskConfig
 
     raw = seeded(raw, RLJobConfig)
-    engine, trainer, optim = raw["engine"], raw.get("trainer", {}), raw["engine"].get("optim", {})
+    trainer, optim = raw.get("trainer", {}), raw["engine"].get("optim", {})
     n_prompts, n = int(raw.get("prompts_per_step", 16)), int(trainer.get("samples_per_prompt", 8))
     if raw.get("data"):
         dataset, reward, processing, max_new, stops = _text_experiment(raw, steps, n_prompts)
@@ -154,22 +153,10 @@ def trl_grpo(raw: dict[str, Any], steps: int, workdir: str) -> tuple[list[float]
         )
         reward, processing, max_new, stops = task_reward(task), tokenizer(), task.response_len, None
 
-    torch.manual_seed(int(engine.get("seed", 0)))
-    kwargs = dict(engine["model"]["config"])
-    model = AutoModelForCausalLM.from_config(
-        AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
-    )
-    if raw.get("warmup_sft_steps"):  # the recipe's warm-up, as the minimal loop writes it out
-        from _minimal import _warm_up
+    # the minimal loop's model: its seeding, config or folder, and the recipe's warm-up
+    from _minimal import MinimalGRPO
 
-        warm_opt = torch.optim.AdamW(
-            model.parameters(),
-            lr=float(optim.get("lr", 1e-5)),
-            weight_decay=float(optim.get("weight_decay", 0.0)),
-            betas=tuple(optim.get("betas", (0.9, 0.999))),
-            eps=float(optim.get("eps", 1e-8)),
-        )
-        _warm_up(raw, model, warm_opt)
+    model = MinimalGRPO(raw).model
     if stops:  # generation stops at the end of turn as well as at EOS, as the job's does
         model.generation_config.eos_token_id = list(stops)
 
