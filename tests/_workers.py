@@ -17,22 +17,40 @@ from engine_core.rollout import tensor_checksum
 
 
 class MeshWorker(Worker):
-    """Registers the "actor" mesh as dp_rank = rank // tp, collector = first tp replica."""
+    """Registers the "actor" mesh as dp_rank = rank // tp, collector = first tp replica, and
+    two meshes registered wrongly, each with a method of its own: "two_collectors" (two
+    collectors in dp rank 0) and "missing_dp" (dp rank 1 registered as 0)."""
 
-    def __init__(self, tp: int = 1, world: int = 1, bad: str | None = None) -> None:
-        self.tp, self.world, self.bad = tp, world, bad
+    def __init__(self, tp: int = 1, world: int = 1) -> None:
+        self.tp, self.world = tp, world
         self.rank = int(os.environ.get("RANK", "-1"))
 
     @register(DispatchMode.ALL_TO_ALL)
     def setup(self, rank: int) -> None:
         self.rank = rank
+        dp_size = self.world // self.tp
         dp_rank, tp_rank = divmod(rank, self.tp)
-        is_collect = tp_rank == 0 or (self.bad == "two_collectors" and dp_rank == 0)
-        if self.bad == "missing_dp" and dp_rank == 1:
-            dp_rank = 0
+        self.register_mesh("actor", dp_rank=dp_rank, dp_size=dp_size, is_collect=tp_rank == 0)
         self.register_mesh(
-            "actor", dp_rank=dp_rank, dp_size=self.world // self.tp, is_collect=is_collect
+            "two_collectors",
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            is_collect=tp_rank == 0 or not dp_rank,
         )
+        self.register_mesh(
+            "missing_dp",
+            dp_rank=0 if dp_rank == 1 else dp_rank,
+            dp_size=dp_size,
+            is_collect=tp_rank == 0,
+        )
+
+    @register(DispatchMode.ND_COMPUTE, mesh="two_collectors")
+    def square_on_two_collectors(self, batch: TensorDict) -> TensorDict:
+        return self.square(batch)
+
+    @register(DispatchMode.ND_COMPUTE, mesh="missing_dp")
+    def square_on_missing_dp(self, batch: TensorDict) -> TensorDict:
+        return self.square(batch)
 
     @register(DispatchMode.ND_COMPUTE, mesh="actor")
     def square(self, batch: TensorDict) -> TensorDict:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import difflib
 import importlib
-import json
 import os
 import re
 import subprocess
@@ -29,12 +28,23 @@ PYTHON_PAGES = (*EXECUTED_PAGES, "your-data.md", "sft.md", "agents.md", "moe.md"
 PYTHON_BLOCK = re.compile(r"^(`{3,})python[^\n]*\n(.*?)^\1[ \t]*$", re.M | re.S)
 FENCE = re.compile(r"^[ \t]*(`{3,}|~{3,})")
 
-RUNNER = """
-import json, sys
-namespace = {"__name__": "__main__"}
-for name, source in json.load(sys.stdin):
-    exec(compile(source, name, "exec"), namespace)
+# A page's blocks run in a child forked from one server that has imported what the examples
+# import (tests/_forkserver.py): each page costs its examples, not an interpreter start. The
+# namespace is fresh for each page, so an example that forgets an import still fails.
+PAGE_SERVER = (
+    JOB_MODULES
+    + """
+import os
+import engine_core_roles.jobs.rl, engine_core_roles.jobs.sft  # noqa: F401
+
+def run(request):
+    os.chdir(request["cwd"])
+    namespace = {"__name__": "__main__"}
+    for name, source in request["blocks"]:
+        exec(compile(source, name, "exec"), namespace)
+    return 0
 """
+)
 
 
 def python_blocks(page: Path) -> list[tuple[str, str]]:
@@ -176,19 +186,21 @@ def _fences(text: str) -> list[tuple[int, str]]:
     return fences
 
 
+@pytest.fixture(scope="module")
+def page_server() -> Iterator[ForkServer]:
+    server = ForkServer(PAGE_SERVER, cwd=ROOT)
+    yield server
+    server.close()
+
+
 @pytest.mark.parametrize("page", PYTHON_PAGES)
-def test_python_blocks_run(page: str, tmp_path: Path) -> None:
+def test_python_blocks_run(page: str, tmp_path: Path, page_server: ForkServer) -> None:
     blocks = python_blocks(DOCS / page)
     assert blocks, f"{page} should show a Python example"
-    proc = subprocess.run(
-        [sys.executable, "-c", RUNNER],
-        input=json.dumps(blocks),
-        cwd=tmp_path,  # anything an example writes stays out of the repository
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    log = tmp_path / "output.log"
+    # cwd: anything an example writes stays out of the repository
+    code = page_server.run(blocks=blocks, cwd=str(tmp_path), log=str(log), timeout=300)
+    assert code == 0, log.read_text(errors="replace")
 
 
 # -- the shell commands of the executed pages ----------------------------------------------------

@@ -48,26 +48,43 @@ def data(n: int) -> TensorDict:
     return TensorDict({"x": torch.arange(n)}, batch_size=[n])
 
 
+# One group of four workers (dp=2 x tp=2) for each executor, shared by the tests below that
+# leave it as they found it (its workers alive and answering): a group's start is most of what
+# such a test costs, above all on Ray. Tests that kill a worker, time a call out or change the
+# group's timeouts start groups of their own.
+_SHARED: dict[str, WorkerGroup] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shared_groups() -> Any:
+    yield
+    while _SHARED:
+        _SHARED.popitem()[1].shutdown()
+
+
+def shared(kind: str, request: pytest.FixtureRequest) -> WorkerGroup:
+    if kind not in _SHARED:
+        _SHARED[kind] = make_group(kind, request, 4, tp=2, world=4)
+    return _SHARED[kind]
+
+
 @pytest.mark.parametrize("kind", EXECUTORS)
 def test_nd_dispatch_dp2_tp2(kind: str, request: pytest.FixtureRequest) -> None:
-    with make_group(kind, request, 4, tp=2, world=4) as group:
-        out = group.execute("square", data(6))
-        assert torch.equal(out["y"], torch.arange(6).float() ** 2)
-        assert out["rank"].tolist() == [0, 0, 0, 2, 2, 2]  # one collector per dp rank, dp order
-        # replicas of a dp rank receive the same chunk
-        per_worker = group._call(
-            "digest", [((data(6)[i * 3 : i * 3 + 3],), {}) for i in (0, 0, 1, 1)]
-        )
-        assert per_worker[0] == per_worker[1] and per_worker[2] == per_worker[3]
-        collected = group.execute("digest", data(6))
-        assert collected == [0 + 1 + 2, 3, 3 + 4 + 5, 3]
+    group = shared(kind, request)
+    out = group.execute("square", data(6))
+    assert torch.equal(out["y"], torch.arange(6).float() ** 2)
+    assert out["rank"].tolist() == [0, 0, 0, 2, 2, 2]  # one collector per dp rank, dp order
+    # replicas of a dp rank receive the same chunk
+    per_worker = group._call("digest", [((data(6)[i * 3 : i * 3 + 3],), {}) for i in (0, 0, 1, 1)])
+    assert per_worker[0] == per_worker[1] and per_worker[2] == per_worker[3]
+    collected = group.execute("digest", data(6))
+    assert collected == [0 + 1 + 2, 3, 3 + 4 + 5, 3]
 
 
 @pytest.mark.parametrize("kind", EXECUTORS)
 def test_not_divisible_is_padded_and_trimmed(kind: str, request: pytest.FixtureRequest) -> None:
-    with make_group(kind, request, 2, world=2) as group:
-        out = group.execute("square", data(5))
-        assert torch.equal(out["y"], torch.arange(5).float() ** 2)
+    out = shared(kind, request).execute("square", data(5))  # 5 samples over dp=2
+    assert torch.equal(out["y"], torch.arange(5).float() ** 2)
 
 
 @pytest.mark.parametrize("bad", ["two_collectors", "missing_dp"])
@@ -75,24 +92,21 @@ def test_not_divisible_is_padded_and_trimmed(kind: str, request: pytest.FixtureR
 def test_misregistered_mesh_is_an_error(
     kind: str, bad: str, request: pytest.FixtureRequest
 ) -> None:
-    with make_group(kind, request, 4, tp=2, world=4, bad=bad) as group:
-        with pytest.raises(MeshRegistrationError):
-            group.execute("square", data(4))
+    with pytest.raises(MeshRegistrationError, match=f"mesh '{bad}'"):
+        shared(kind, request).execute(f"square_on_{bad}", data(4))
 
 
 @pytest.mark.parametrize("kind", EXECUTORS)
 def test_worker_error_surfaces_with_its_traceback(
     kind: str, request: pytest.FixtureRequest
 ) -> None:
-    with make_group(kind, request, 2, world=2) as group:
-        with pytest.raises((DispatchError, ValueError), match="fails on purpose"):
-            group.call_all("fail")
+    with pytest.raises((DispatchError, ValueError), match="fails on purpose"):
+        shared(kind, request).call_all("fail")
 
 
 @pytest.mark.parametrize("kind", ["processes", pytest.param("ray", marks=pytest.mark.ray)])
 def test_workers_form_a_real_gloo_group(kind: str, request: pytest.FixtureRequest) -> None:
-    with make_group(kind, request, 2, world=2) as group:
-        assert group.call_all("all_reduce_rank") == [1.0, 1.0]
+    assert shared(kind, request).call_all("all_reduce_rank") == [6.0] * 4
 
 
 def test_all_to_all_through_a_group() -> None:
@@ -212,22 +226,22 @@ def test_the_collective_timeout_reaches_the_workers_environment() -> None:
 def test_non_blocking_calls_return_futures(kind: str, request: pytest.FixtureRequest) -> None:
     """The calls are sent at once; their results (or errors) come when asked for, the same
     every time they are asked for."""
-    with make_group(kind, request, 2, world=2) as group:
-        pending = group.call_all_async("nap", 1, 0.3)
-        busy = torch.randn(64, 64) @ torch.randn(64, 64)  # this process works meanwhile
-        assert pending.result() == [0, 1] and busy.shape == (64, 64)
-        assert pending.result() == [0, 1]
-        nd = group.execute_async("square", data(5))
-        assert torch.equal(nd.result()["y"], torch.arange(5).float() ** 2)
-        each = group.call_each_async("echo", [(1,), (2,)])
-        assert each.result() == [10, 21]
-        with pytest.raises(DispatchError, match="one argument tuple per worker"):
-            group.call_each_async("echo", [(1,)])
-        failing = group.call_all_async("fail")
-        for _ in range(2):
-            with pytest.raises((DispatchError, ValueError), match="fails on purpose"):
-                failing.result()
-        assert group.call_all("whoami") == [0, 1]  # the group is usable after a failed call
+    group = shared(kind, request)
+    pending = group.call_all_async("nap", 1, 0.3)
+    busy = torch.randn(64, 64) @ torch.randn(64, 64)  # this process works meanwhile
+    assert pending.result() == [0, 1, 2, 3] and busy.shape == (64, 64)
+    assert pending.result() == [0, 1, 2, 3]
+    nd = group.execute_async("square", data(5))
+    assert torch.equal(nd.result()["y"], torch.arange(5).float() ** 2)
+    each = group.call_each_async("echo", [(1,), (2,), (3,), (4,)])
+    assert each.result() == [10, 21, 32, 43]
+    with pytest.raises(DispatchError, match="one argument tuple per worker"):
+        group.call_each_async("echo", [(1,)])
+    failing = group.call_all_async("fail")
+    for _ in range(2):
+        with pytest.raises((DispatchError, ValueError), match="fails on purpose"):
+            failing.result()
+    assert group.call_all("whoami") == [0, 1, 2, 3]  # the group is usable after a failed call
 
 
 def test_a_second_call_while_one_is_in_flight_is_refused(request: pytest.FixtureRequest) -> None:

@@ -98,38 +98,56 @@ def test_groups_are_placed_where_they_fit_and_refused_where_nothing_fits(
         cluster.remove_node(second)
 
 
+OTHERS = ("silent", "answered", "raised_there")
+
+# one group of two workers for each way the other worker behaves, all three spanning both nodes
+# and called at once, so that one node's leaving serves the three
 SILENT = r"""
-import json, sys, ray
+import json, sys, threading, ray
 from engine_core.errors import DispatchError
 from engine_core.executors.ray import RayWorkerGroup
 from tests._workers import MeshWorker
 
 ray.init(address=sys.argv[1], log_to_driver=False)
-group = RayWorkerGroup(MeshWorker, 2, strategy="STRICT_SPREAD", call_timeout_s=120)
-leaving = [node for node, _ in group.nodes].index(sys.argv[2])
-raiser = leaving if sys.argv[3] == "raised_there" else 1 - leaving
-print(json.dumps({"raiser": raiser}), flush=True)
-answered = sys.argv[3] != "silent"  # the other answers at once; the raiser lost a peer
-try:
-    group.call_all("raise_or_nap", raiser, 0 if answered else 600, answered)
-except DispatchError as e:
-    print(json.dumps({"said": str(e)}), flush=True)
+raisers, calls, said = {}, {}, {}
+for other in sys.argv[3].split(","):
+    group = RayWorkerGroup(
+        MeshWorker, 2, strategy="STRICT_SPREAD", resources={"CPU": 0.25}, call_timeout_s=120
+    )
+    leaving = [node for node, _ in group.nodes].index(sys.argv[2])
+    raiser = leaving if other == "raised_there" else 1 - leaving
+    answered = other != "silent"  # the other answers at once; the raiser lost a peer
+    raisers[other] = raiser
+    calls[other] = group.call_all_async("raise_or_nap", raiser, 0 if answered else 600, answered)
+print(json.dumps({"raisers": raisers}), flush=True)
+
+def result(other):
+    try:
+        calls[other].result()
+    except DispatchError as e:
+        said[other] = str(e)
+
+threads = [threading.Thread(target=result, args=(other,)) for other in calls]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(json.dumps({"said": said}), flush=True)
 """
 
 
-@pytest.mark.parametrize("other", ["silent", "answered", "raised_there"])
 def test_a_worker_cut_off_with_its_node_is_named_though_it_said_nothing(
-    cluster: Any, tmp_path: Path, other: str
+    cluster: Any, tmp_path: Path
 ) -> None:
-    """One worker raises at once; the other is on a node that leaves the cluster only after
-    the grace period for the others' answers. ``silent``: it never answers; ``answered``: it
-    answered at once, and the raiser's error is a collective's lost peer (the peer may be
-    another group's, on that node); ``raised_there``: the raiser is the one on the leaving node.
-    The worker on the node that left is named first, with its node."""
+    """In each group one worker raises at once; the other is on a node that leaves the cluster
+    only after the grace period for the others' answers. ``silent``: it never answers;
+    ``answered``: it answered at once, and the raiser's error is a collective's lost peer (the
+    peer may be another group's, on that node); ``raised_there``: the raiser is the one on the
+    leaving node. The worker on the node that left is named first, with its node."""
     second = cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
     script = subprocess.Popen(
-        [sys.executable, "-c", SILENT, cluster.address, second.node_id, other],
+        [sys.executable, "-c", SILENT, cluster.address, second.node_id, ",".join(OTHERS)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -137,19 +155,21 @@ def test_a_worker_cut_off_with_its_node_is_named_though_it_said_nothing(
         cwd=Path(__file__).parents[1],
     )
     assert script.stdout is not None
-    first = next((line for line in script.stdout if line.startswith('{"raiser"')), "{}")
-    raiser = json.loads(first).get("raiser")
-    assert raiser is not None, script.communicate(timeout=60)[1][-3000:]
-    time.sleep(FAILURE_GRACE_S + 2)  # the raised error has waited out its grace period
+    first = next((line for line in script.stdout if line.startswith('{"raisers"')), "{}")
+    raisers = json.loads(first).get("raisers")
+    assert raisers is not None, script.communicate(timeout=60)[1][-3000:]
+    time.sleep(FAILURE_GRACE_S + 2)  # the raised errors have waited out their grace period
     cluster.remove_node(second, allow_graceful=False)
-    out, err = script.communicate(timeout=120)
-    said = next(json.loads(s)["said"] for s in out.splitlines() if s.startswith('{"said"'))
-    lines = said.splitlines()
-    lost = raiser if other == "raised_there" else 1 - raiser
-    named = "died during 'raise_or_nap' on node" if other == "silent" else "was on node"
-    assert lines[0].startswith(f"worker {lost} {named}"), said
-    assert "which left the cluster" in lines[0], said
-    assert f"worker {raiser} raised in 'raise_or_nap'" in said, said
+    out, err = script.communicate(timeout=180)
+    said = next((json.loads(s)["said"] for s in out.splitlines() if s.startswith('{"said"')), {})
+    assert set(said) == set(OTHERS), (said, err[-3000:])
+    for other in OTHERS:
+        raiser, lines = raisers[other], said[other].splitlines()
+        lost = raiser if other == "raised_there" else 1 - raiser
+        named = "died during 'raise_or_nap' on node" if other == "silent" else "was on node"
+        assert lines[0].startswith(f"worker {lost} {named}"), (other, said[other])
+        assert "which left the cluster" in lines[0], (other, said[other])
+        assert f"worker {raiser} raised in 'raise_or_nap'" in said[other], (other, said[other])
 
 
 def _job(out: Path, *extra: str) -> list[str]:
