@@ -11,7 +11,8 @@ logged, and sends the signal twice (the second while the run finishes the step a
 
 Each must end with the one-line stop message, one checkpoint of a finished step and exit status
 3, and ``--resume auto`` must continue to the metrics of an uninterrupted run, step by step
-(under the same executor; a Ray run's resume runs in process).
+(under the same executor; a Ray run's resume runs in process), and equal to the uninterrupted
+run in process where only the executor or where one replica runs differ.
 Besides the three executors, the processes a job starts besides its workers are signalled with
 the group: rollout replicas in processes of their own (asynchronous training), and a replica in
 an interpreter started by path.
@@ -123,7 +124,15 @@ _STRAIGHT: dict[tuple[str, ...], list[dict[str, Any]]] = {}
 
 
 def _computing(extra: list[str]) -> tuple[str, ...]:
-    return tuple(a for a in extra if not a.startswith(("placement.executor=", "ray.")))
+    """The settings of ``extra`` that change the numbers: not the executor, nor where one
+    synchronous rollout replica runs (colocated, in a process of its own or in another
+    interpreter, the runs' metrics are equal, measured)."""
+    kept = [
+        a for a in extra if not a.startswith(("placement.executor=", "ray.", "rollout_python="))
+    ]
+    if not any(a.startswith(("rollout_replicas=", "trainer.max_staleness=")) for a in kept):
+        kept = [a for a in kept if not a.startswith("rollout_placement=")]
+    return tuple(kept)
 
 
 def _straight(server: ForkServer, tmp: Path, extra: list[str]) -> list[dict[str, Any]]:
