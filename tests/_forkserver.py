@@ -21,10 +21,12 @@ import select
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["JOB_MODULES", "ForkServer"]
+__all__ = ["JOB_MODULES", "JOB_RUNNER", "ForkServer", "Running"]
 
 # what an engine-core job imports as it runs besides the job's own modules (transformers'
 # tokenizer and model classes, the default engine and rollout, the data files' reader, the
@@ -38,6 +40,25 @@ import datasets
 from transformers import AutoModelForCausalLM, AutoTokenizer
 import engine_core.reference_engine, engine_core_fsdp.fsdp2, engine_core_hf.rollout
 """
+
+# a ``setup`` whose runs are ``engine-core ARGS...`` (``request["args"]``), each in a process group
+# of its own (as a shell's job or a scheduler's job step is), its pid written to
+# ``request["pid_file"]`` once it runs
+JOB_RUNNER = (
+    JOB_MODULES
+    + r"""
+import os
+from engine_core.cli import main  # imported once, before any fork
+import engine_core_roles.jobs.rl.run  # noqa: F401
+
+def run(request):
+    os.setsid()
+    with open(request["pid_file"] + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(request["pid_file"] + ".tmp", request["pid_file"])
+    return main(request["args"])
+"""
+)
 
 SERVER = r"""
 import atexit, json, os, sys, traceback
@@ -118,3 +139,45 @@ class ForkServer:
         self.proc.wait(timeout=60)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
+
+
+class Running:
+    """One ``engine-core`` run forked from a :data:`JOB_RUNNER` server in the background (its
+    exit status, or what the server raised, in :attr:`answer`), its pid written to
+    ``<name>.pid`` and its output to ``<name>.log`` under ``tmp``."""
+
+    def __init__(self, server: ForkServer, tmp: Path, name: str, args: list[str]) -> None:
+        self.pid_file, self.log = tmp / f"{name}.pid", tmp / f"{name}.log"
+        self.answer: dict[str, Any] = {}
+        request = {"args": args, "pid_file": str(self.pid_file), "log": str(self.log)}
+
+        def run() -> None:
+            try:
+                self.answer["code"] = server.run(timeout=600, **request)
+            except BaseException as e:  # named by the test, not lost in the thread
+                self.answer["error"] = e
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def output(self) -> str:
+        return self.log.read_text() if self.log.exists() else ""
+
+    def wait_until(self, ready: Any, what: str, timeout: float) -> int:
+        """Wait until the pid is written and ``ready()``; returns the pid."""
+        deadline = time.monotonic() + timeout
+        while not (self.pid_file.exists() and ready()):
+            assert self.thread.is_alive(), (self.answer, self.output()[-3000:])
+            assert time.monotonic() < deadline, f"{what} in {timeout:g} s"
+            time.sleep(0.01)
+        return int(self.pid_file.read_text())
+
+    def finish(self, timeout: float = 300) -> tuple[Any, str]:
+        """The exit status and the output, once the run has ended."""
+        self.thread.join(timeout=timeout)
+        err = self.output()
+        assert not self.thread.is_alive() and "error" not in self.answer, (
+            self.answer,
+            err[-3000:],
+        )
+        return self.answer["code"], err

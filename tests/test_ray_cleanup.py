@@ -8,8 +8,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,15 +16,13 @@ import pytest
 
 from engine_core_roles.distributed.ray_cluster import RECORD, _processes
 from engine_core_roles.jobs.cli import RECIPES
+from tests._forkserver import JOB_RUNNER, ForkServer, Running
 
 pytestmark = pytest.mark.ray
 
 
 def _command(out: Path, *extra: str) -> list[str]:
     return [
-        sys.executable,
-        "-m",
-        "engine_core.cli",
         "run",
         str(RECIPES / "grpo_tiny.yaml"),
         f"output_dir={out}",
@@ -67,35 +63,34 @@ def test_a_killed_jobs_ray_cluster_is_ended_by_the_next_run(
     """Also with another cluster recorded on the machine (a ``ray start``): the job starts one
     of its own, and neither run touches the other."""
     other = recorded_cluster.head_node.get_session_dir_path()
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     out = tmp_path / "run"
-    job = subprocess.Popen(
-        _command(out, "steps=500"), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    record, metrics = out / RECORD, out / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while not (record.exists() and metrics.exists() and metrics.read_text().strip()):
-        assert job.poll() is None, job.stderr.read() if job.stderr else b""
-        assert time.monotonic() < deadline, "the job started no Ray cluster and step in 300 s"
-        time.sleep(0.1)
-    session = json.loads(record.read_text())["session_dir"]
-    assert session != other, "the job joined the recorded cluster instead of starting its own"
-    job.send_signal(signal.SIGKILL)
-    job.wait(timeout=60)
-    time.sleep(2)
-    left = _alive(session)
-    assert left, "a killed driver's Ray cluster was expected to outlive it"
+    # both runs forked from one server that imported the job's modules (tests/_forkserver.py)
+    server = ForkServer(JOB_RUNNER, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    try:
+        job = Running(server, tmp_path, "first", _command(out, "steps=500"))
+        record, metrics = out / RECORD, out / "metrics.jsonl"
+        pid = job.wait_until(
+            lambda: record.exists() and metrics.exists() and metrics.read_text().strip(),
+            "the job started no Ray cluster and step",
+            300,
+        )
+        session = json.loads(record.read_text())["session_dir"]
+        assert session != other, "the job joined the recorded cluster instead of starting its own"
+        os.kill(pid, signal.SIGKILL)
+        code, _ = job.finish(60)
+        assert code == -signal.SIGKILL, code
+        time.sleep(2)
+        left = _alive(session)
+        assert left, "a killed driver's Ray cluster was expected to outlive it"
 
-    # the next run in the same folder (fresh: no checkpoint was saved) ends them first
-    again = subprocess.run(
-        [*_command(out, "steps=1"), "--resume", "auto"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert again.returncode == 0, again.stderr
-    said = " ".join(again.stderr.split())
+        # the next run in the same folder (fresh: no checkpoint was saved) ends them first
+        code, stderr = Running(
+            server, tmp_path, "again", [*_command(out, "steps=1"), "--resume", "auto"]
+        ).finish(300)
+    finally:
+        server.close()
+    assert code == 0, stderr[-3000:]
+    said = " ".join(stderr.split())
     # some of the orphans may exit on their own between the count above and the next start
     ended = re.search(r"ended (\d+) processes of the local Ray cluster an earlier run in", said)
     assert ended, said

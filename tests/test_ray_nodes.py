@@ -21,6 +21,7 @@ import pytest
 
 from engine_core.executors.base import FAILURE_GRACE_S
 from engine_core_roles.jobs.cli import RECIPES
+from tests._forkserver import JOB_RUNNER, ForkServer, Running
 
 pytestmark = pytest.mark.ray
 
@@ -174,9 +175,6 @@ def test_a_worker_cut_off_with_its_node_is_named_though_it_said_nothing(
 
 def _job(out: Path, *extra: str) -> list[str]:
     return [
-        sys.executable,
-        "-m",
-        "engine_core.cli",
         "run",
         str(RECIPES / "grpo_tiny.yaml"),
         f"output_dir={out}",
@@ -198,26 +196,26 @@ def _job(out: Path, *extra: str) -> list[str]:
 
 
 def test_a_job_spans_two_nodes_stops_when_one_leaves_and_resumes_on_a_new_one(
-    cluster: Any, tmp_path: Path
+    cluster: Any, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     second = cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
     out = tmp_path / "run"
-    job = subprocess.Popen(
-        [*_job(out, "steps=200", f"ray.address={cluster.address}")],
-        env=ENV,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
+    # both runs forked from one server that imported the job's modules (tests/_forkserver.py)
+    server = ForkServer(JOB_RUNNER, env=ENV)
+    request.addfinalizer(server.close)
+    job = Running(
+        server, tmp_path, "first", _job(out, "steps=200", f"ray.address={cluster.address}")
     )
-    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 300
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-        assert job.poll() is None, job.stderr.read() if job.stderr else ""
-        assert time.monotonic() < deadline, "the job logged no two steps in 300 s"
-        time.sleep(0.1)
+    metrics = out / "metrics.jsonl"
+    job.wait_until(
+        lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2,
+        "the job logged no two steps",
+        300,
+    )
     cluster.remove_node(second, allow_graceful=False)  # the node goes, mid-run
-    _, err = job.communicate(timeout=300)
-    assert job.returncode == 1, err
+    code, err = job.finish(300)
+    assert code == 1, err
     for role in ("actor", "rollout"):  # one worker of each group on each node
         placed = next(line for line in err.splitlines() if line.startswith(f"placement: {role}"))
         assert placed.count("1 on node") == 2, placed
@@ -241,14 +239,13 @@ def test_a_job_spans_two_nodes_stops_when_one_leaves_and_resumes_on_a_new_one(
     try:
         cluster.wait_for_nodes()
         last = int(saved[-1].rsplit("_", 1)[1])
-        done = subprocess.run(
-            [*_job(out, f"steps={last + 1}", f"ray.address={cluster.address}"), "--resume", "auto"],
-            env=ENV,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
+        again = [
+            *_job(out, f"steps={last + 1}", f"ray.address={cluster.address}"),
+            "--resume",
+            "auto",
+        ]
+        code, err = Running(server, tmp_path, "resumed", again).finish(300)
+        assert code == 0, err[-3000:]
         rows = [json.loads(line) for line in metrics.read_text().splitlines()]
         assert [r["step"] for r in rows] == list(range(1, last + 2))
         assert not list((out / "checkpoints").glob("*.tmp"))  # removed at the start

@@ -28,7 +28,6 @@ import os
 import random
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -37,26 +36,11 @@ import pytest
 
 from engine_core.errors import EXIT_STOPPED
 from engine_core_roles.jobs.cli import RECIPES
-from tests._forkserver import JOB_MODULES, ForkServer
+from tests._forkserver import JOB_RUNNER, ForkServer
+from tests._forkserver import Running as _Running
 
 RECIPE = RECIPES / "grpo_tiny.yaml"
 STEPS = 6
-
-SETUP = (
-    JOB_MODULES
-    + r"""
-import os
-from engine_core.cli import main  # imported once, before any fork
-import engine_core_roles.jobs.rl.run  # noqa: F401
-
-def run(request):
-    os.setsid()  # a process group of its own, as a shell's job or a scheduler's step has
-    with open(request["pid_file"] + ".tmp", "w") as f:
-        f.write(str(os.getpid()))
-    os.replace(request["pid_file"] + ".tmp", request["pid_file"])
-    return main(["run", *request["args"]])
-"""
-)
 
 EXECUTORS = {
     "in_process": ["placement.executor=in_process"],
@@ -93,13 +77,14 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def server() -> Any:
-    runs = ForkServer(SETUP, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    runs = ForkServer(JOB_RUNNER, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
     yield runs
     runs.close()
 
 
 def _args(out: Path, extra: list[str]) -> list[str]:
     return [
+        "run",
         str(RECIPE),
         f"output_dir={out}",
         f"steps={STEPS}",
@@ -143,48 +128,6 @@ def _straight(server: ForkServer, tmp: Path, extra: list[str]) -> list[dict[str,
         assert code == 0, err[-3000:]
         _STRAIGHT[key] = _rows(out)
     return _STRAIGHT[key]
-
-
-class _Running:
-    """One run forked from ``server`` in the background (its exit status, or what the server
-    raised, in :attr:`answer`), its pid written to ``<name>.pid`` and its output to
-    ``<name>.log`` under ``tmp``."""
-
-    def __init__(self, server: ForkServer, tmp: Path, name: str, args: list[str]) -> None:
-        self.pid_file, self.log = tmp / f"{name}.pid", tmp / f"{name}.log"
-        self.answer: dict[str, Any] = {}
-        request = {"args": args, "pid_file": str(self.pid_file), "log": str(self.log)}
-
-        def run() -> None:
-            try:
-                self.answer["code"] = server.run(timeout=600, **request)
-            except BaseException as e:  # named by the test, not lost in the thread
-                self.answer["error"] = e
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-
-    def output(self) -> str:
-        return self.log.read_text() if self.log.exists() else ""
-
-    def wait_until(self, ready: Any, what: str, timeout: float) -> int:
-        """Wait until the pid is written and ``ready()``; returns the pid."""
-        deadline = time.monotonic() + timeout
-        while not (self.pid_file.exists() and ready()):
-            assert self.thread.is_alive(), (self.answer, self.output()[-3000:])
-            assert time.monotonic() < deadline, f"{what} in {timeout:g} s"
-            time.sleep(0.01)
-        return int(self.pid_file.read_text())
-
-    def finish(self, timeout: float = 300) -> tuple[Any, str]:
-        """The exit status and the output, once the run has ended."""
-        self.thread.join(timeout=timeout)
-        err = self.output()
-        assert not self.thread.is_alive() and "error" not in self.answer, (
-            self.answer,
-            err[-3000:],
-        )
-        return self.answer["code"], err
 
 
 @pytest.mark.parametrize(("extra", "delivery"), CASES)
