@@ -41,21 +41,33 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import engine_core.reference_engine, engine_core_fsdp.fsdp2, engine_core_hf.rollout
 """
 
-# a ``setup`` whose runs are ``engine-core ARGS...`` (``request["args"]``), each in a process group
-# of its own (as a shell's job or a scheduler's job step is), its pid written to
-# ``request["pid_file"]`` once it runs
+# a ``setup`` whose runs are ``engine-core ARGS...`` (``request["args"]``), or a documentation
+# page's Python blocks (``request["blocks"]``: (name, source) pairs run in order in one fresh
+# namespace), in ``request["cwd"]`` (default: the server's folder) with ``request["env"]`` added
+# to the environment; with ``request["pid_file"]``, in a process group of its own (as a shell's
+# job or a scheduler's job step is), its pid written there once it runs
 JOB_RUNNER = (
     JOB_MODULES
     + r"""
 import os
 from engine_core.cli import main  # imported once, before any fork
-import engine_core_roles.jobs.rl.run  # noqa: F401
+import engine_core.parity, engine_core_roles.jobs.rl.run, engine_core_roles.jobs.sft  # noqa: F401
+
+START = os.getcwd()
 
 def run(request):
-    os.setsid()
-    with open(request["pid_file"] + ".tmp", "w") as f:
-        f.write(str(os.getpid()))
-    os.replace(request["pid_file"] + ".tmp", request["pid_file"])
+    os.chdir(request.get("cwd") or START)
+    os.environ.update(request.get("env") or {})
+    if "blocks" in request:
+        namespace = {"__name__": "__main__"}
+        for name, source in request["blocks"]:
+            exec(compile(source, name, "exec"), namespace)
+        return 0
+    if "pid_file" in request:
+        os.setsid()
+        with open(request["pid_file"] + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(request["pid_file"] + ".tmp", request["pid_file"])
     return main(request["args"])
 """
 )
@@ -110,7 +122,13 @@ class ForkServer:
     def __init__(
         self, setup: str, *, cwd: str | Path | None = None, env: dict[str, str] | None = None
     ) -> None:
-        self.proc = subprocess.Popen(
+        self._start = (setup, cwd, env)
+        self.proc = self._started()
+        self._lock = threading.Lock()  # one request at a time: its answer is the next line
+
+    def _started(self) -> subprocess.Popen[str]:
+        setup, cwd, env = self._start
+        return subprocess.Popen(
             [sys.executable, "-c", SERVER, setup],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -121,6 +139,12 @@ class ForkServer:
         )
 
     def run(self, timeout: float | None = None, **request: Any) -> int:
+        with self._lock:
+            if self.proc.poll() is not None:  # killed by an earlier run past its timeout
+                self.proc = self._started()
+            return self._run(timeout, request)
+
+    def _run(self, timeout: float | None, request: dict[str, Any]) -> int:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()

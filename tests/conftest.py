@@ -159,6 +159,20 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 @pytest.fixture(scope="session")
+def job_server() -> Iterator[Any]:
+    """One fork server per pytest worker for the tests that run ``engine-core`` commands and
+    the documentation's examples (``tests/_forkserver.py``: ``JOB_RUNNER``), started in the
+    repository's root: its imports are paid once, not once per module."""
+    from tests._forkserver import JOB_RUNNER, ForkServer
+
+    server = ForkServer(
+        JOB_RUNNER, cwd=Path(__file__).parents[1], env={**os.environ, "RAY_AUTH_MODE": "disabled"}
+    )
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
 def ray_session() -> Iterator[Any]:
     """One local Ray instance (2 CPUs, no auth token written) for every Ray test."""
     ray = pytest.importorskip("ray")

@@ -16,7 +16,7 @@ from types import ModuleType
 import pytest
 
 from engine_core import load_plugins
-from tests._forkserver import JOB_MODULES, ForkServer
+from tests._forkserver import ForkServer
 
 ROOT = Path(__file__).parents[1]
 DOCS = ROOT / "docs"
@@ -27,24 +27,6 @@ EXECUTED_PAGES = ("quickstart.md", "write-your-own-engine.md")
 PYTHON_PAGES = (*EXECUTED_PAGES, "your-data.md", "sft.md", "agents.md", "moe.md")
 PYTHON_BLOCK = re.compile(r"^(`{3,})python[^\n]*\n(.*?)^\1[ \t]*$", re.M | re.S)
 FENCE = re.compile(r"^[ \t]*(`{3,}|~{3,})")
-
-# A page's blocks run in a child forked from one server that has imported what the examples
-# import (tests/_forkserver.py): each page costs its examples, not an interpreter start. The
-# namespace is fresh for each page, so an example that forgets an import still fails.
-PAGE_SERVER = (
-    JOB_MODULES
-    + """
-import os
-import engine_core_roles.jobs.rl, engine_core_roles.jobs.sft  # noqa: F401
-
-def run(request):
-    os.chdir(request["cwd"])
-    namespace = {"__name__": "__main__"}
-    for name, source in request["blocks"]:
-        exec(compile(source, name, "exec"), namespace)
-    return 0
-"""
-)
 
 
 def python_blocks(page: Path) -> list[tuple[str, str]]:
@@ -186,20 +168,16 @@ def _fences(text: str) -> list[tuple[int, str]]:
     return fences
 
 
-@pytest.fixture(scope="module")
-def page_server() -> Iterator[ForkServer]:
-    server = ForkServer(PAGE_SERVER, cwd=ROOT)
-    yield server
-    server.close()
-
-
 @pytest.mark.parametrize("page", PYTHON_PAGES)
-def test_python_blocks_run(page: str, tmp_path: Path, page_server: ForkServer) -> None:
+def test_python_blocks_run(page: str, tmp_path: Path, job_server: ForkServer) -> None:
+    """In a child forked from a server that has imported what the examples import
+    (``tests/_forkserver.py``): each page costs its examples, not an interpreter start. The
+    namespace is fresh for each page, so an example that forgets an import still fails."""
     blocks = python_blocks(DOCS / page)
     assert blocks, f"{page} should show a Python example"
     log = tmp_path / "output.log"
     # cwd: anything an example writes stays out of the repository
-    code = page_server.run(blocks=blocks, cwd=str(tmp_path), log=str(log), timeout=300)
+    code = job_server.run(blocks=blocks, cwd=str(tmp_path), log=str(log), timeout=300)
     assert code == 0, log.read_text(errors="replace")
 
 
@@ -225,18 +203,8 @@ def shell_commands() -> list[str]:
     return commands
 
 
-# Each command runs in a child forked from one server (tests/_forkserver.py) that has imported
-# what the commands import: a run costs the command, not an interpreter start and its imports.
-COMMAND_SERVER = (
-    JOB_MODULES
-    + """
-from engine_core_roles.jobs.cli import main
-import engine_core.parity, engine_core_roles.jobs.sft, engine_core_roles.jobs.rl  # noqa: F401
-
-def run(request):
-    return main(request["args"])
-"""
-)
+# Each command runs in a child forked from the suite's job server (tests/_forkserver.py), which
+# has imported what the commands import: a run costs the command, not an interpreter start.
 
 
 def _shortened(command: str, out: Path, previous: Path | None) -> tuple[list[str], Path]:
@@ -283,34 +251,29 @@ def test_every_documented_command_is_in_one_set() -> None:
     assert all(_command_set(commands[i - 1]) == _command_set(commands[i]) for i in resumed)
 
 
-def _run_commands(name: str, tmp_path: Path) -> None:
+def _run_commands(name: str, tmp_path: Path, server: ForkServer) -> None:
     commands = [c for c in shell_commands() if _command_set(c) == name]
-    server = ForkServer(
-        COMMAND_SERVER,
-        cwd=ROOT,  # recipe paths in the docs are relative to the repository root
-        env={**os.environ, "COLUMNS": "160"},
-    )
-    try:
-        previous: Path | None = None
-        for i, command in enumerate(commands):
-            args, previous = _shortened(command, tmp_path / f"command_{i}", previous)
-            log = tmp_path / f"command_{i}.log"
-            code = server.run(args=args, log=str(log), timeout=600)
-            assert code == 0, f"{command}\n{log.read_text(errors='replace')}"
-    finally:
-        server.close()
+    previous: Path | None = None
+    for i, command in enumerate(commands):
+        args, previous = _shortened(command, tmp_path / f"command_{i}", previous)
+        log = tmp_path / f"command_{i}.log"
+        # recipe paths in the docs are relative to the repository root
+        code = server.run(
+            args=args, cwd=str(ROOT), env={"COLUMNS": "160"}, log=str(log), timeout=600
+        )
+        assert code == 0, f"{command}\n{log.read_text(errors='replace')}"
 
 
 class TestDocumentedCommandsRayAndVllm:
-    def test_they_run(self, tmp_path: Path) -> None:
-        _run_commands("ray_and_vllm", tmp_path)
+    def test_they_run(self, tmp_path: Path, job_server: ForkServer) -> None:
+        _run_commands("ray_and_vllm", tmp_path, job_server)
 
 
 class TestDocumentedCommandsWithProcesses:
-    def test_they_run(self, tmp_path: Path) -> None:
-        _run_commands("processes", tmp_path)
+    def test_they_run(self, tmp_path: Path, job_server: ForkServer) -> None:
+        _run_commands("processes", tmp_path, job_server)
 
 
 class TestDocumentedCommandsInProcess:
-    def test_they_run(self, tmp_path: Path) -> None:
-        _run_commands("in_process", tmp_path)
+    def test_they_run(self, tmp_path: Path, job_server: ForkServer) -> None:
+        _run_commands("in_process", tmp_path, job_server)

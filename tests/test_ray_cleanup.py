@@ -16,7 +16,7 @@ import pytest
 
 from engine_core_roles.distributed.ray_cluster import RECORD, _processes
 from engine_core_roles.jobs.cli import RECIPES
-from tests._forkserver import JOB_RUNNER, ForkServer, Running
+from tests._forkserver import ForkServer, Running
 
 pytestmark = pytest.mark.ray
 
@@ -58,37 +58,34 @@ def recorded_cluster() -> Any:
 
 
 def test_a_killed_jobs_ray_cluster_is_ended_by_the_next_run(
-    tmp_path: Path, recorded_cluster: Any
+    tmp_path: Path, recorded_cluster: Any, job_server: ForkServer
 ) -> None:
     """Also with another cluster recorded on the machine (a ``ray start``): the job starts one
     of its own, and neither run touches the other."""
     other = recorded_cluster.head_node.get_session_dir_path()
     out = tmp_path / "run"
-    # both runs forked from one server that imported the job's modules (tests/_forkserver.py)
-    server = ForkServer(JOB_RUNNER, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
-    try:
-        job = Running(server, tmp_path, "first", _command(out, "steps=500"))
-        record, metrics = out / RECORD, out / "metrics.jsonl"
-        pid = job.wait_until(
-            lambda: record.exists() and metrics.exists() and metrics.read_text().strip(),
-            "the job started no Ray cluster and step",
-            300,
-        )
-        session = json.loads(record.read_text())["session_dir"]
-        assert session != other, "the job joined the recorded cluster instead of starting its own"
-        os.kill(pid, signal.SIGKILL)
-        code, _ = job.finish(60)
-        assert code == -signal.SIGKILL, code
-        time.sleep(2)
-        left = _alive(session)
-        assert left, "a killed driver's Ray cluster was expected to outlive it"
+    # both runs forked from the server that imported the job's modules (tests/_forkserver.py)
+    server = job_server
+    job = Running(server, tmp_path, "first", _command(out, "steps=500"))
+    record, metrics = out / RECORD, out / "metrics.jsonl"
+    pid = job.wait_until(
+        lambda: record.exists() and metrics.exists() and metrics.read_text().strip(),
+        "the job started no Ray cluster and step",
+        300,
+    )
+    session = json.loads(record.read_text())["session_dir"]
+    assert session != other, "the job joined the recorded cluster instead of starting its own"
+    os.kill(pid, signal.SIGKILL)
+    code, _ = job.finish(60)
+    assert code == -signal.SIGKILL, code
+    time.sleep(2)
+    left = _alive(session)
+    assert left, "a killed driver's Ray cluster was expected to outlive it"
 
-        # the next run in the same folder (fresh: no checkpoint was saved) ends them first
-        code, stderr = Running(
-            server, tmp_path, "again", [*_command(out, "steps=1"), "--resume", "auto"]
-        ).finish(300)
-    finally:
-        server.close()
+    # the next run in the same folder (fresh: no checkpoint was saved) ends them first
+    code, stderr = Running(
+        server, tmp_path, "again", [*_command(out, "steps=1"), "--resume", "auto"]
+    ).finish(300)
     assert code == 0, stderr[-3000:]
     said = " ".join(stderr.split())
     # some of the orphans may exit on their own between the count above and the next start

@@ -21,7 +21,7 @@ import pytest
 
 from engine_core.executors.base import FAILURE_GRACE_S
 from engine_core_roles.jobs.cli import RECIPES
-from tests._forkserver import JOB_RUNNER, ForkServer, Running
+from tests._forkserver import ForkServer, Running
 
 pytestmark = pytest.mark.ray
 
@@ -196,14 +196,13 @@ def _job(out: Path, *extra: str) -> list[str]:
 
 
 def test_a_job_spans_two_nodes_stops_when_one_leaves_and_resumes_on_a_new_one(
-    cluster: Any, tmp_path: Path, request: pytest.FixtureRequest
+    cluster: Any, tmp_path: Path, job_server: ForkServer
 ) -> None:
     second = cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
     out = tmp_path / "run"
-    # both runs forked from one server that imported the job's modules (tests/_forkserver.py)
-    server = ForkServer(JOB_RUNNER, env=ENV)
-    request.addfinalizer(server.close)
+    # both runs forked from the server that imported the job's modules (tests/_forkserver.py)
+    server = job_server
     job = Running(
         server, tmp_path, "first", _job(out, "steps=200", f"ray.address={cluster.address}")
     )

@@ -36,7 +36,7 @@ import pytest
 
 from engine_core.errors import EXIT_STOPPED
 from engine_core_roles.jobs.cli import RECIPES
-from tests._forkserver import JOB_RUNNER, ForkServer
+from tests._forkserver import ForkServer
 from tests._forkserver import Running as _Running
 
 RECIPE = RECIPES / "grpo_tiny.yaml"
@@ -75,11 +75,9 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def server() -> Any:
-    runs = ForkServer(JOB_RUNNER, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
-    yield runs
-    runs.close()
+@pytest.fixture
+def server(job_server: ForkServer) -> ForkServer:
+    return job_server
 
 
 def _args(out: Path, extra: list[str]) -> list[str]:
