@@ -65,8 +65,7 @@ def test_a_killed_jobs_ray_cluster_is_ended_by_the_next_run(
     other = recorded_cluster.head_node.get_session_dir_path()
     out = tmp_path / "run"
     # both runs forked from the server that imported the job's modules (tests/_forkserver.py)
-    server = job_server
-    job = Running(server, tmp_path, "first", _command(out, "steps=500"))
+    job = Running(job_server, tmp_path, "first", _command(out, "steps=500"))
     record, metrics = out / RECORD, out / "metrics.jsonl"
     pid = job.wait_until(
         lambda: record.exists() and metrics.exists() and metrics.read_text().strip(),
@@ -84,7 +83,7 @@ def test_a_killed_jobs_ray_cluster_is_ended_by_the_next_run(
 
     # the next run in the same folder (fresh: no checkpoint was saved) ends them first
     code, stderr = Running(
-        server, tmp_path, "again", [*_command(out, "steps=1"), "--resume", "auto"]
+        job_server, tmp_path, "again", [*_command(out, "steps=1"), "--resume", "auto"]
     ).finish(300)
     assert code == 0, stderr[-3000:]
     said = " ".join(stderr.split())

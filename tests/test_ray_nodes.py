@@ -202,9 +202,8 @@ def test_a_job_spans_two_nodes_stops_when_one_leaves_and_resumes_on_a_new_one(
     cluster.wait_for_nodes()
     out = tmp_path / "run"
     # both runs forked from the server that imported the job's modules (tests/_forkserver.py)
-    server = job_server
     job = Running(
-        server, tmp_path, "first", _job(out, "steps=200", f"ray.address={cluster.address}")
+        job_server, tmp_path, "first", _job(out, "steps=200", f"ray.address={cluster.address}")
     )
     metrics = out / "metrics.jsonl"
     job.wait_until(
@@ -243,7 +242,7 @@ def test_a_job_spans_two_nodes_stops_when_one_leaves_and_resumes_on_a_new_one(
             "--resume",
             "auto",
         ]
-        code, err = Running(server, tmp_path, "resumed", again).finish(300)
+        code, err = Running(job_server, tmp_path, "resumed", again).finish(300)
         assert code == 0, err[-3000:]
         rows = [json.loads(line) for line in metrics.read_text().splitlines()]
         assert [r["step"] for r in rows] == list(range(1, last + 2))

@@ -17,7 +17,7 @@ Besides the three executors, the processes a job starts besides its workers are 
 the group: rollout replicas in processes of their own (asynchronous training), and a replica in
 an interpreter started by path.
 
-The runs are forked from one server process that has imported the job's modules
+The runs are forked from the suite's job server, which has imported the job's modules
 (``tests/_forkserver.py``): each case costs its runs, not interpreter starts.
 """
 
@@ -36,8 +36,7 @@ import pytest
 
 from engine_core.errors import EXIT_STOPPED
 from engine_core_roles.jobs.cli import RECIPES
-from tests._forkserver import ForkServer
-from tests._forkserver import Running as _Running
+from tests._forkserver import ForkServer, Running
 
 RECIPE = RECIPES / "grpo_tiny.yaml"
 STEPS = 6
@@ -73,11 +72,6 @@ CASES = [
     ),
     *(pytest.param(extra, "group", id=f"{name}-group") for name, extra in STARTED.items()),
 ]
-
-
-@pytest.fixture
-def server(job_server: ForkServer) -> ForkServer:
-    return job_server
 
 
 def _args(out: Path, extra: list[str]) -> list[str]:
@@ -122,7 +116,7 @@ def _straight(server: ForkServer, tmp: Path, extra: list[str]) -> list[dict[str,
     key = _computing(extra)
     if key not in _STRAIGHT:
         out = tmp / "straight"
-        code, err = _Running(server, tmp, "straight", _args(out, list(key))).finish(600)
+        code, err = Running(server, tmp, "straight", _args(out, list(key))).finish(600)
         assert code == 0, err[-3000:]
         _STRAIGHT[key] = _rows(out)
     return _STRAIGHT[key]
@@ -130,13 +124,13 @@ def _straight(server: ForkServer, tmp: Path, extra: list[str]) -> list[dict[str,
 
 @pytest.mark.parametrize(("extra", "delivery"), CASES)
 def test_a_signal_as_delivered_stops_the_run_at_a_step_that_resumes_exactly(
-    server: ForkServer, tmp_path: Path, extra: list[str], delivery: str
+    job_server: ForkServer, tmp_path: Path, extra: list[str], delivery: str
 ) -> None:
     seed = int.from_bytes(os.urandom(4), "little")
     after = random.Random(seed).randint(1, STEPS - 3)
     sig, to_group = DELIVERIES[delivery]
     out, metrics = tmp_path / "run", tmp_path / "run" / "metrics.jsonl"
-    running = _Running(server, tmp_path, "run", _args(out, extra))
+    running = Running(job_server, tmp_path, "run", _args(out, extra))
     pid = running.wait_until(
         lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= after,
         f"the run logged no step {after}",
@@ -164,21 +158,21 @@ def test_a_signal_as_delivered_stops_the_run_at_a_step_that_resumes_exactly(
     # a Ray run resumes in process: its checkpoint is the same whatever the executor, and a
     # second Ray start would double the case (test_ray_nodes resumes on a Ray cluster)
     again = list(_computing(extra)) if "placement.executor=ray" in extra else extra
-    resumed = _Running(server, tmp_path, "resumed", [*_args(out, again), "--resume", "auto"])
+    resumed = Running(job_server, tmp_path, "resumed", [*_args(out, again), "--resume", "auto"])
     code, err = resumed.finish(600)
     assert code == 0, err[-3000:]
-    assert _rows(out) == _straight(server, tmp_path, extra), seed
+    assert _rows(out) == _straight(job_server, tmp_path, extra), seed
 
 
 def test_a_ctrl_c_before_the_first_step_is_one_line_and_exit_130(
-    server: ForkServer, tmp_path: Path
+    job_server: ForkServer, tmp_path: Path
 ) -> None:
     """SIGINT while the run starts (no step yet to finish) ends it at once: one line, no
     traceback, nothing saved, exit status 130."""
     from engine_core.errors import EXIT_INTERRUPTED
 
     out = tmp_path / "run"
-    running = _Running(server, tmp_path, "run", _args(out, []))
+    running = Running(job_server, tmp_path, "run", _args(out, []))
     pid = running.wait_until(lambda: True, "the run wrote no pid", 120)
     time.sleep(0.3)  # inside the command: loading its plugins and recipe, building models
     os.killpg(pid, signal.SIGINT)
