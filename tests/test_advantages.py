@@ -9,6 +9,7 @@ from engine_core_roles.algorithms.advantages import (
     AdaptiveKLController,
     FixedKLController,
     gae_advantages,
+    group_mean_term,
     grpo_advantages,
     rloo_advantages,
     sequence_to_token_rewards,
@@ -63,6 +64,33 @@ def test_grpo_against_a_loop() -> None:
         assert torch.allclose(got[idx], want, atol=1e-5)
     no_std = grpo_advantages(scores, groups, normalize_std=False)
     assert torch.allclose(no_std[:3], scores[:3] - scores[:3].mean())
+
+
+def test_the_group_mean_term_pushes_a_group_that_scored_alike_below_the_batch() -> None:
+    """A group whose samples all scored the same gets no GRPO advantage, right or wrong; the
+    group-mean term (GRPOParams.group_mean_weight) moves it by its mean against the batch's."""
+    from engine_core_roles.algorithms.base import AdvantageInputs
+    from engine_core_roles.algorithms.builtin import GRPO, GRPOParams
+
+    scores = torch.tensor([0.75, 0.75, 0.75, 1.0, 1.0, 1.0, 0.5, 1.0])
+    groups = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2])
+    term = group_mean_term(scores, groups)
+    means = torch.tensor([0.75] * 3 + [1.0] * 3 + [0.75] * 2)
+    assert torch.allclose(term, (means - scores.mean()) / (scores.std() + 1e-6))
+    assert (term[:3] < 0).all() and (term[3:6] > 0).all()
+    assert group_mean_term(torch.tensor([0.3]), torch.tensor([0])).tolist() == [0.0]
+    mask = torch.ones(8, 2)
+
+    def estimate(weight: float) -> torch.Tensor:
+        estimator = GRPO(GRPOParams(group_mean_weight=weight))
+        inputs = AdvantageInputs(scores=scores, mask=mask, group_ids=groups)
+        return estimator(inputs).advantages
+
+    plain, mixed = estimate(0.0), estimate(0.5)
+    assert (plain[:6] == 0).all()  # the all-alike groups: no gradient under plain GRPO
+    assert torch.allclose(mixed, plain + 0.5 * term.unsqueeze(1) * mask)
+    # the contrast inside a group is GRPO's, unchanged
+    assert torch.allclose(mixed[7] - mixed[6], plain[7] - plain[6])
 
 
 def test_rloo_against_a_loop() -> None:

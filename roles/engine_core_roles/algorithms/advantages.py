@@ -18,6 +18,7 @@ __all__ = [
     "discounted_returns",
     "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",
+    "group_mean_term",
     "sequence_to_token_rewards",
     "FixedKLController",
     "AdaptiveKLController",
@@ -102,6 +103,25 @@ def grpo_advantages(
     std = torch.sqrt(sq / (count - 1).clamp_min(1))
     std = torch.where(count > 1, std, torch.zeros_like(std))
     return centered / (std[gid] + eps)
+
+
+def group_mean_term(
+    scores: torch.Tensor, group_index: torch.Tensor, *, eps: float = 1e-6
+) -> torch.Tensor:
+    """Each sample's group mean against the batch: ``(mean_g - mean_B) / (std_B + eps)`` over
+    the batch's scores (``std_B`` unbiased; 0 for a batch of one score).
+
+    Added to :func:`grpo_advantages` (``GRPOParams.group_mean_weight``), it keeps what group
+    normalization drops: a group whose samples all scored the same gets 0 there, whether they
+    are all right or all equally wrong; here a group below the batch is pushed away from its
+    samples (every token of them less likely), one above it towards them."""
+    scores = scores.float()
+    if scores.numel() < 2:
+        return torch.zeros_like(scores)
+    gid, n = _group_ids(group_index)
+    count = torch.zeros(n).index_add_(0, gid, torch.ones_like(scores))
+    mean = torch.zeros(n).index_add_(0, gid, scores) / count
+    return (mean[gid] - scores.mean()) / (scores.std() + eps)
 
 
 def rloo_advantages(scores: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from pydantic import Field
 from engine_core import FrozenModel
 from engine_core_roles.algorithms.advantages import (
     gae_advantages,
+    group_mean_term,
     grpo_advantages,
     reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
@@ -96,6 +97,13 @@ class GRPOParams(FrozenModel):
         "seq-mean-token-sum-norm, as the dr_grpo preset does).",
     )
     eps: float = Field(1e-6, gt=0, description="Added to the group's std before dividing.")
+    group_mean_weight: float = Field(
+        0.0,
+        ge=0,
+        description="Adds this times (group mean - batch mean) / batch std to each sample's "
+        "advantage: a group whose samples all scored the same, below the batch, is still pushed "
+        "away from its answer (group normalization alone gives it 0). 0: plain GRPO.",
+    )
 
 
 class GRPO(AdvantageEstimator):
@@ -111,6 +119,10 @@ class GRPO(AdvantageEstimator):
             normalize_std=self.params.normalize_std,
             eps=self.params.eps,
         )
+        if self.params.group_mean_weight:
+            adv = adv + self.params.group_mean_weight * group_mean_term(
+                inputs.sequence_rewards(), inputs.group_ids, eps=self.params.eps
+            )
         return AdvantageResult(_per_token(adv, inputs.mask))
 
 
