@@ -80,6 +80,16 @@ def _group_ids(index: torch.Tensor) -> tuple[torch.Tensor, int]:
     return inverse, int(uniq.numel())
 
 
+def _group_sums(
+    scores: torch.Tensor, group_index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each sample's group id, and per group the count and the sum of ``scores``."""
+    gid, n = _group_ids(group_index)
+    count = torch.zeros(n).index_add_(0, gid, torch.ones_like(scores))
+    total = torch.zeros(n).index_add_(0, gid, scores)
+    return gid, count, total
+
+
 def grpo_advantages(
     scores: torch.Tensor,
     group_index: torch.Tensor,
@@ -93,13 +103,11 @@ def grpo_advantages(
     one gets advantage 0).
     """
     scores = scores.float()
-    gid, n = _group_ids(group_index)
-    count = torch.zeros(n).index_add_(0, gid, torch.ones_like(scores))
-    mean = torch.zeros(n).index_add_(0, gid, scores) / count
-    centered = scores - mean[gid]
+    gid, count, total = _group_sums(scores, group_index)
+    centered = scores - (total / count)[gid]
     if not normalize_std:
         return centered
-    sq = torch.zeros(n).index_add_(0, gid, centered.square())
+    sq = torch.zeros_like(count).index_add_(0, gid, centered.square())
     std = torch.sqrt(sq / (count - 1).clamp_min(1))
     std = torch.where(count > 1, std, torch.zeros_like(std))
     return centered / (std[gid] + eps)
@@ -118,18 +126,14 @@ def group_mean_term(
     scores = scores.float()
     if scores.numel() < 2:
         return torch.zeros_like(scores)
-    gid, n = _group_ids(group_index)
-    count = torch.zeros(n).index_add_(0, gid, torch.ones_like(scores))
-    mean = torch.zeros(n).index_add_(0, gid, scores) / count
-    return (mean[gid] - scores.mean()) / (scores.std() + eps)
+    gid, count, total = _group_sums(scores, group_index)
+    return ((total / count)[gid] - scores.mean()) / (scores.std() + eps)
 
 
 def rloo_advantages(scores: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
     """Leave-one-out baseline: ``r_i - mean_{j != i} r_j`` within each group (0 for groups of one)."""
     scores = scores.float()
-    gid, n = _group_ids(group_index)
-    count = torch.zeros(n).index_add_(0, gid, torch.ones_like(scores))
-    total = torch.zeros(n).index_add_(0, gid, scores)
+    gid, count, total = _group_sums(scores, group_index)
     others = count[gid] - 1
     baseline = (total[gid] - scores) / others.clamp_min(1)
     return torch.where(others > 0, scores - baseline, torch.zeros_like(scores))

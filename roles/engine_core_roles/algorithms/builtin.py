@@ -113,15 +113,16 @@ class GRPO(AdvantageEstimator):
     params: GRPOParams
 
     def __call__(self, inputs: AdvantageInputs) -> AdvantageResult:
+        rewards = inputs.sequence_rewards()
         adv = grpo_advantages(
-            inputs.sequence_rewards(),
+            rewards,
             inputs.group_ids,
             normalize_std=self.params.normalize_std,
             eps=self.params.eps,
         )
         if self.params.group_mean_weight:
             adv = adv + self.params.group_mean_weight * group_mean_term(
-                inputs.sequence_rewards(), inputs.group_ids, eps=self.params.eps
+                rewards, inputs.group_ids, eps=self.params.eps
             )
         return AdvantageResult(_per_token(adv, inputs.mask))
 
