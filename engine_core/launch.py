@@ -1,5 +1,6 @@
 """Process launch: the only module that writes ``os.environ`` (:mod:`engine_core.settings` is
-the only one that reads it; the test tooling of :mod:`engine_core.testing` aside).
+the only one that reads it, this module included; the test tooling of :mod:`engine_core.testing`
+aside).
 
 What a process hands on through its environment goes through here: the variables set for this
 process (and so for the processes it starts, which inherit them), the rendezvous variables a
@@ -14,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterable, Iterator, Mapping
+
+from engine_core.settings import environment_copy, variable
 
 __all__ = [
     "RENDEZVOUS",
@@ -51,8 +54,7 @@ def unset_for_process(names: Iterable[str]) -> None:
 def caller_environment(exclude: Iterable[str] = ()) -> dict[str, str]:
     """A copy of this process's environment, ``exclude`` left out: what a worker that does not
     start from a fresh interpreter is handed, to take on with :func:`adopt_environment`."""
-    skipped = frozenset(exclude)
-    return {k: v for k, v in os.environ.items() if k not in skipped}
+    return environment_copy(frozenset(exclude))
 
 
 def adopt_environment(env: Mapping[str, str]) -> None:
@@ -66,7 +68,7 @@ def adopt_environment(env: Mapping[str, str]) -> None:
 def with_variable(name: str, value: str) -> Iterator[None]:
     """``name`` set to ``value`` inside the block (for a process started there), then restored
     as it was (unset again if it was unset)."""
-    saved = os.environ.get(name)
+    saved = variable(name)
     os.environ[name] = value
     try:
         yield

@@ -96,6 +96,8 @@ __all__ = [
     "Settings",
     "cpu_cores",
     "launch_from_env",
+    "environment_copy",
+    "variable",
     "mlflow_tracking_uri",
     "sglang_cpu_seeds",
 ]
@@ -241,6 +243,19 @@ def sglang_cpu_seeds(environ: Mapping[str, str] | None = None) -> bool:
     """Whether the SGLang rollout asked its CPU environment's ``sgl_kernel`` stand-in to keep
     per-sample seeds (``ENGINE_CORE_SGLANG_CPU_SEEDS=1``, set by the rollout, not by users)."""
     return (os.environ if environ is None else environ).get(ENV_SGLANG_CPU_SEEDS) == "1"
+
+
+def environment_copy(exclude: Sequence[str] | frozenset[str] = ()) -> dict[str, str]:
+    """A copy of this process's whole environment, ``exclude`` left out (for
+    :func:`engine_core.launch.caller_environment`: what a forked worker takes on)."""
+    skipped = frozenset(exclude)
+    return {k: v for k, v in os.environ.items() if k not in skipped}
+
+
+def variable(name: str) -> str | None:
+    """The value of ``name`` in this process's environment (None: unset), for
+    :mod:`engine_core.launch` to restore what it set temporarily."""
+    return os.environ.get(name)
 
 
 def mlflow_tracking_uri(environ: Mapping[str, str] | None = None) -> str | None:

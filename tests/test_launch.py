@@ -111,6 +111,19 @@ def test_only_settings_and_launch_touch_the_environment() -> None:
     )
 
 
+# what reads a variable or the whole environment, rather than writing it
+READS = re.compile(
+    r"os\.environ\.(get|items|keys|values|copy)\(|os\.getenv|in os\.environ|= os\.environ\b"
+)
+
+
+def test_the_launch_helper_reads_the_environment_through_settings() -> None:
+    source = (ROOT / "engine_core" / "launch.py").read_text(encoding="utf-8").splitlines()
+    reads = [f"launch.py:{n}" for n, line in enumerate(source, 1) if READS.search(line)]
+    assert not reads, f"{reads} read os.environ: read it through engine_core.settings"
+    assert READS.search("saved = os.environ.get(name)")  # the rule sees the read it replaced
+
+
 def test_the_rule_catches_a_stray_read(tmp_path: Path) -> None:
     module = tmp_path / "roles" / "pkg" / "mod.py"
     module.parent.mkdir(parents=True)
