@@ -46,8 +46,14 @@ class Capability(StrEnum):
     # are replayed in the model's forward (engine_core.moe)
     ROUTING_REPLAY = "routing_replay"
     # rollout capabilities
-    SLEEP = "sleep"
+    SLEEP = "sleep"  # release() frees weights and KV cache, resume() brings them back
     LOGPROBS = "logprobs"
+    # generate_async() returns a future of the batch while the generation runs elsewhere (a
+    # rollout's replicas), so a trainer can train meanwhile (trainer.max_staleness)
+    ASYNC_GENERATION = "async_generation"
+    # the weights are received by the rollout's own processes, which join a weight-sync group
+    # (join_weight_sync / receive_weights / leave_weight_sync) instead of load_weights() here
+    WEIGHT_SYNC_GROUP = "weight_sync_group"
 
 
 def check_capabilities(

@@ -9,9 +9,11 @@ replicas through a weight-sync group they join (:meth:`ProcessRollout.join_weigh
 (:class:`engine_core_roles.distributed.weights.WeightLink`) builds with the policy at rank 0,
 wherever the policy runs.
 
-It is not a :class:`BaseRollout`: it loads no weights in this process. It has the calls a
-trainer makes of a rollout (``generate``, ``expected_weights``, ``release``, ``resume``), and
-``shutdown``.
+It is a :class:`BaseRollout` like any other to the layers above: it declares the replicas'
+capabilities and two of its own, ``async_generation`` (:meth:`ProcessRollout.generate_async`)
+and, unless its replicas run in another interpreter, ``weight_sync_group`` (the replicas
+receive the weights themselves; it loads none in this process). Replicas in another interpreter
+take their weights through :meth:`ProcessRollout.load_weights`, relayed from this process.
 
 - ``generate`` splits the prompts by prompt into ``replicas`` contiguous, near-equal chunks (all
   ``n`` samples of a prompt come from one replica; a replica with no prompt generates nothing),
@@ -75,9 +77,11 @@ from engine_core.rollout import (
 from engine_core.settings import launch_from_env
 from engine_core.weight_sync import WeightSyncGroup, receive_weights
 
-__all__ = ["RolloutWorker", "ProcessRollout", "ROLLOUT_MESH"]
+__all__ = ["RolloutWorker", "ProcessRollout", "ROLLOUT_MESH", "RELAYED_REPLICAS"]
 
 ROLLOUT_MESH = "rollout"
+#: how a weight sync names replicas in another interpreter (this process relays to them)
+RELAYED_REPLICAS = "the rollout replicas in another interpreter (through the driver)"
 
 
 class RolloutWorker(Worker):
@@ -311,7 +315,7 @@ def _merge_replica_outputs(parts: list[tuple[int, TensorDict]], pad_token_id: in
     return out
 
 
-class ProcessRollout:
+class ProcessRollout(BaseRollout):
     """Run ``config``'s rollout backend in ``replicas`` separate processes (one worker group);
     this process splits the prompts between them and merges what they generate.
 
@@ -349,7 +353,7 @@ class ProcessRollout:
             )
         if threads_per_replica is None:
             threads_per_replica = threads_per_process(self.replicas)
-        self.config = config
+        super().__init__(config)
         self.weight_sync_backend = default_backend()
         self.timeout_s, self.executor = timeout_s, executor
         #: the interpreter the replicas run in (None: this one); see :attr:`streams_weights`
@@ -390,9 +394,13 @@ class ProcessRollout:
         except BaseException:
             self.shutdown()
             raise
-        self.capabilities: frozenset[Capability] = caps
+        own = {Capability.ASYNC_GENERATION}
+        if not self.streams_weights:
+            own.add(Capability.WEIGHT_SYNC_GROUP)
+        # the replicas' capabilities, which this object knows once they started
+        self.capabilities = frozenset(caps) | own  # type: ignore[misc]
         self._expected: dict[str, tuple[int, ...]] = expected
-        self._pad_token_id: int = pad
+        self.pad_token_id = pad
 
     @property
     def worker_group(self) -> WorkerGroup:
@@ -424,7 +432,7 @@ class ProcessRollout:
 
     def _merge(self, outputs: list[TensorDict | None]) -> TensorDict:
         parts = [(i, out) for i, out in enumerate(outputs) if out is not None]
-        return _merge_replica_outputs(parts, self._pad_token_id)
+        return _merge_replica_outputs(parts, self.pad_token_id)
 
     def expected_weights(self) -> dict[str, tuple[int, ...]]:
         return dict(self._expected)
@@ -435,6 +443,10 @@ class ProcessRollout:
         pipes (:meth:`load_weights`): replicas in another interpreter, which share no torch
         process group with the trainer. Otherwise they join a weight-sync group."""
         return self.python is not None
+
+    @property
+    def may_span_nodes(self) -> bool:
+        return self.worker_group.may_span_nodes
 
     def load_weights(self, buckets: Iterable[SentBucket]) -> list[WeightBucket]:
         """Every replica loads the stream ``buckets`` (each bucket sent to all of them as raw
@@ -456,7 +468,10 @@ class ProcessRollout:
 
     @property
     def receiver_names(self) -> list[str]:
-        """How a weight sync names each replica in its errors."""
+        """How a weight sync names each replica in its errors (replicas in another interpreter:
+        one receiver, this process, which relays every bucket to them)."""
+        if self.streams_weights:
+            return [RELAYED_REPLICAS]
         return [f"rollout replica {i}" for i in range(self.replicas)]
 
     def join_weight_sync(

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 import xxhash
-from pydantic import Field, PositiveInt, model_validator
+from pydantic import Field, PositiveInt, ValidationError, model_validator
 from tensordict import TensorDict
 
 from engine_core.batch import ROUTED_EXPERTS
@@ -31,6 +31,8 @@ __all__ = [
     "SamplingParams",
     "RolloutConfig",
     "BaseRollout",
+    "Pending",
+    "DRIVER_ROLLOUT",
     "WeightBucket",
     "iter_buckets",
     "BUCKET_BYTES",
@@ -203,14 +205,57 @@ def check_complete(expected: dict[str, tuple[int, ...]], seen: set[str]) -> None
         )
 
 
-def prompt_tensors(prompts: TensorDict, who: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``prompt_ids`` and ``prompt_mask`` of a ``generate`` input; a missing one is named."""
+def prompt_tensors(
+    prompts: TensorDict, who: str, vocab_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``prompt_ids`` and ``prompt_mask`` of a ``generate`` input, checked before anything is
+    generated: both present, integer ``[B, P]`` of one shape, the mask 0/1 and left-padded,
+    no prompt empty, and (given the model's ``vocab_size``) every prompt token an id of the
+    vocabulary. What is wrong is named, with the prompt it is in."""
     for key in (PROMPT_IDS, PROMPT_MASK):
         if key not in prompts.keys():
             raise BatchError(
                 f"{who} needs {key!r} (left-padded [B, P]); got {sorted(prompts.keys())}."
             )
-    return prompts[PROMPT_IDS], prompts[PROMPT_MASK]
+    ids, mask = prompts[PROMPT_IDS], prompts[PROMPT_MASK]
+    for key, t in ((PROMPT_IDS, ids), (PROMPT_MASK, mask)):
+        if not isinstance(t, torch.Tensor) or t.ndim != 2 or t.is_floating_point():
+            raise BatchError(
+                f"{who}: {key!r} must be an integer tensor [B, P]; got "
+                f"{getattr(t, 'dtype', type(t).__name__)} of shape "
+                f"{tuple(getattr(t, 'shape', ()))}."
+            )
+    if ids.shape != mask.shape:
+        raise BatchError(
+            f"{who}: prompt_ids {tuple(ids.shape)} and prompt_mask {tuple(mask.shape)} must have "
+            "one shape."
+        )
+    if not ids.numel():
+        return ids, mask
+    if not ((mask == 0) | (mask == 1)).all():
+        raise BatchError(f"{who}: prompt_mask holds values other than 0 and 1.")
+    empty = (mask.sum(-1) == 0).nonzero().flatten().tolist()
+    if empty:
+        raise BatchError(
+            f"{who}: prompt(s) {empty[:8]} are empty (no 1 in prompt_mask); every prompt needs "
+            "at least one token. Drop empty prompts before generating."
+        )
+    right = (mask[:, 1:] < mask[:, :-1]).any(-1).nonzero().flatten().tolist()
+    if right:
+        raise BatchError(
+            f"{who}: prompt(s) {right[:8]} are not left-padded (a 0 in prompt_mask after a 1); "
+            "pad prompts on the left (engine_core_roles.batch.build.prompt_batch does)."
+        )
+    real = ids[mask.bool()]
+    if vocab_size is not None and ((real < 0) | (real >= vocab_size)).any():
+        bad = sorted({int(x) for x in real[(real < 0) | (real >= vocab_size)].tolist()})
+        rows = ((ids < 0) | (ids >= vocab_size)).logical_and(mask.bool()).any(-1)
+        raise BatchError(
+            f"{who}: token id(s) {bad[:8]} in prompt(s) {rows.nonzero().flatten().tolist()[:8]} "
+            f"are outside the model's vocabulary [0, {vocab_size}); tokenize with the model's "
+            "own tokenizer."
+        )
+    return ids, mask
 
 
 _MASK64 = (1 << 64) - 1
@@ -505,8 +550,28 @@ def iter_buckets(
         yield bucket
 
 
+class Pending(Protocol):
+    """The result of a call still running elsewhere (a rollout's replicas): ``result()`` waits
+    for it and returns it, or raises what the call raised."""
+
+    def result(self) -> Any: ...
+
+
+#: how a weight sync names a rollout that loads its weights in the trainer's driver process
+DRIVER_ROLLOUT = "the rollout in the driver"
+
+
 class BaseRollout(abc.ABC):
-    """A generation backend. Subclasses set :attr:`capabilities` and implement the abstract methods."""
+    """A generation backend: the one rollout type every layer above the core takes.
+
+    Subclasses set :attr:`capabilities` and implement the abstract methods. What a rollout
+    can do beyond ``generate`` and a verified ``load_weights`` it declares as capabilities, and
+    a trainer reads them, never the rollout's class: ``async_generation`` (``generate_async``),
+    ``weight_sync_group`` (its own processes receive the weights: ``join_weight_sync``,
+    ``receive_weights``, ``leave_weight_sync``), ``sleep`` (``release`` / ``resume``),
+    ``routing_replay`` (``SamplingParams.return_routes``), ``lora`` (adapters-only syncs).
+    The calls of an undeclared capability refuse with :class:`CapabilityError`.
+    """
 
     capabilities: ClassVar[frozenset[Capability]] = frozenset()
     config_class: ClassVar[type[RolloutConfig]] = RolloutConfig
@@ -535,7 +600,17 @@ class BaseRollout(abc.ABC):
         """
 
     def check_params(self, params: SamplingParams) -> None:
-        """Refuse what this rollout cannot honour in ``params``; ``generate`` calls it first."""
+        """Refuse what this rollout cannot honour in ``params``, and params that skipped
+        validation (``model_construct``); ``generate`` calls it first."""
+        try:
+            type(params).model_validate(params.model_dump())
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(x) for x in first["loc"]) or "params"
+            raise BatchError(
+                f"{type(self).__name__}.generate refused {type(params).__name__}: {where}: "
+                f"{first['msg']} (got {params.model_dump()})."
+            ) from None
         if params.return_routes and Capability.ROUTING_REPLAY not in self.capabilities:
             raise CapabilityError(
                 f"SamplingParams(return_routes=True): {type(self).__name__} does not return "
@@ -590,6 +665,44 @@ class BaseRollout(abc.ABC):
             done.append(confirm_bucket(bucket, sent, self.load_weight_bucket(bucket)))
             del bucket  # not held while the next bucket arrives
         return done
+
+    def generate_async(self, prompts: TensorDict, params: SamplingParams) -> Pending:
+        """:meth:`generate` without waiting: a pending result, while the generation runs
+        elsewhere. Only a rollout that declares ``async_generation`` has it."""
+        raise self._undeclared(Capability.ASYNC_GENERATION, "generate_async()")
+
+    # -- the weight path of a rollout whose own processes receive its weights
+    @property
+    def receiver_names(self) -> list[str]:
+        """How a weight sync names each receiver of this rollout's weights in its errors."""
+        return [DRIVER_ROLLOUT]
+
+    @property
+    def may_span_nodes(self) -> bool:
+        """Whether the processes that receive this rollout's weights may be on other nodes."""
+        return False
+
+    def join_weight_sync(self, host: str, port: int, first_rank: int, world_size: int) -> Pending:
+        """The rollout's processes join the weight-sync group at ``host:port``, the ``i``-th
+        receiver as rank ``first_rank + i``; pending while the group's rank 0 joins. Only a
+        rollout that declares ``weight_sync_group`` has it (others load through
+        :meth:`load_weights`)."""
+        raise self._undeclared(Capability.WEIGHT_SYNC_GROUP, "join_weight_sync()")
+
+    def receive_weights(self) -> Pending:
+        """Every receiver takes one weight stream from rank 0 of its group, verified; pending
+        while the sender streams (``weight_sync_group``)."""
+        raise self._undeclared(Capability.WEIGHT_SYNC_GROUP, "receive_weights()")
+
+    def leave_weight_sync(self) -> None:
+        """Leave the weight-sync group joined by :meth:`join_weight_sync` (none: nothing)."""
+
+    def _undeclared(self, capability: Capability, call: str) -> CapabilityError:
+        return CapabilityError(
+            f"{type(self).__name__}.{call} needs the {capability} capability, which this "
+            f"rollout does not declare (it declares: "
+            f"{', '.join(sorted(str(c) for c in self.capabilities)) or 'nothing'})."
+        )
 
     def release(self) -> None:
         """Free weights and KV cache (no-op where the backend cannot)."""

@@ -251,7 +251,9 @@ def test_the_trainer_refuses_inconsistent_pieces() -> None:
         RLTrainer(TrainerConfig(algorithm="gspo"), actor=actor, rollout=rollout, **parts)
     with pytest.raises(ValueError, match="samples_per_prompt must be >= 2"):
         TrainerConfig(samples_per_prompt=1)
-    with pytest.raises(ValueError, match="HFRollout generates in this one. Use a ProcessRollout"):
+    with pytest.raises(
+        ValueError, match="declares async_generation.*HFRollout does not. Use a ProcessRollout"
+    ):
         RLTrainer(TrainerConfig(max_staleness=1), actor=actor, rollout=rollout, **parts)
 
     cfg = TrainerConfig(samples_per_prompt=2, max_new_tokens=2)

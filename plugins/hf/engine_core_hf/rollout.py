@@ -86,11 +86,12 @@ class HFRollout(BaseRollout):
         # names and shapes are fixed once built: asked at every sync, read once
         self._shapes = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
         self._generation_configs: dict[tuple[Any, ...], GenerationConfig] = {}
+        self._vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
 
     # -- generation -----------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts: TensorDict, params: SamplingParams) -> TensorDict:
-        ids, mask = prompt_tensors(prompts, "HFRollout.generate")
+        ids, mask = prompt_tensors(prompts, "HFRollout.generate", self._vocab_size)
         self.check_params(params)
         row_seeds = None if params.greedy else _sample_seeds(prompts, params)
         ids, mask = ids.repeat_interleave(params.n, dim=0), mask.repeat_interleave(params.n, dim=0)

@@ -1,9 +1,9 @@
 """The one path from a policy to a rollout: :class:`WeightLink`.
 
 A job connects its policy (an in-process :class:`engine_core_roles.Actor`, or an
-:class:`engine_core_roles.distributed.placement.ActorGroup` of worker processes) to its rollout (an in-process
-:class:`engine_core.rollout.BaseRollout`, or a :class:`engine_core.remote_rollout.ProcessRollout`
-of replica processes) once, with ``WeightLink(policy, rollout)``; every :meth:`WeightLink.sync`
+:class:`engine_core_roles.distributed.placement.ActorGroup` of worker processes) to its rollout
+(any :class:`engine_core.rollout.BaseRollout`; the link reads the rollout's declared
+capabilities, never its class) once, with ``WeightLink(policy, rollout)``; every :meth:`WeightLink.sync`
 then moves the policy's full weights into the rollout the same way:
 
 - **One stream.** The process that holds the policy's full weights (this one for an
@@ -34,8 +34,9 @@ loaded against that checksum.
 
 Each end knows its own transport: the policy is a :class:`_DriverSender` (an :class:`Actor` here)
 or a :class:`_GroupSender` (an actor group's writing rank), the rollout a :class:`_DriverReceiver`
-(a :class:`BaseRollout` here) or a :class:`_ReplicaReceiver` (every replica of a
-:class:`ProcessRollout`). An end in this process does its part of an exchange when asked; an end
+(a rollout that loads its weights in this process) or a :class:`_ReplicaReceiver` (a rollout
+that declares ``weight_sync_group``: every replica of a
+:class:`engine_core.remote_rollout.ProcessRollout`). An end in this process does its part of an exchange when asked; an end
 in worker processes starts its part at once (a non-blocking call) and is waited for after, so
 one process takes part without threads.
 
@@ -55,21 +56,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from engine_core.capabilities import Capability
 from engine_core.comm import default_backend
 from engine_core.config import BUCKET_BYTES
 from engine_core.engine import WeightPart
 from engine_core.executors.base import free_port, meeting_host
 from engine_core.models import is_adapter_name
-from engine_core.remote_rollout import ProcessRollout
-from engine_core.rollout import BaseRollout, sent_buckets
+from engine_core.rollout import DRIVER_ROLLOUT, BaseRollout, sent_buckets
 from engine_core.weight_sync import WeightSyncGroup, receive_weights, send_weights
 from engine_core_roles.distributed.placement import ActorGroup
 from engine_core_roles.models.actor import Actor
 
 __all__ = ["DRIVER_ROLLOUT", "WeightLink"]
-
-DRIVER_ROLLOUT = "the rollout in the driver"
-RELAYED_REPLICAS = "the rollout replicas in another interpreter (through the driver)"
 
 
 class _Part:
@@ -147,9 +145,7 @@ class _DriverSender(_Sender):
 
         return _Part(sent, here=True)
 
-    def direct(
-        self, rollout: BaseRollout | ProcessRollout, bucket_bytes: int, part: WeightPart
-    ) -> int:
+    def direct(self, rollout: BaseRollout, bucket_bytes: int, part: WeightPart) -> int:
         """The weights straight into a rollout in this process (no group)."""
         buckets = self.actor.engine.weight_buckets(part, bucket_bytes)
         rollout.load_weights(sent_buckets(buckets))
@@ -211,14 +207,14 @@ class _Receiver:
 
 
 class _DriverReceiver(_Receiver):
-    """A :class:`BaseRollout` in this process, or the replicas of a :class:`ProcessRollout` in
-    another interpreter, which this process relays every bucket to (over their pipes)."""
+    """A rollout that loads its weights through ``load_weights`` in this process (replicas in
+    another interpreter too: this process relays every bucket to them over their pipes)."""
 
     here, spans_nodes = True, False
 
-    def __init__(self, rollout: BaseRollout | ProcessRollout) -> None:
+    def __init__(self, rollout: BaseRollout) -> None:
         self.rollout = rollout
-        self.names = [DRIVER_ROLLOUT if isinstance(rollout, BaseRollout) else RELAYED_REPLICAS]
+        self.names = list(rollout.receiver_names)
         self.group: WeightSyncGroup | None = None
 
     def join(self, host: str, port: int, world: int, backend: str, timeout_s: float) -> _Part:
@@ -243,13 +239,14 @@ class _DriverReceiver(_Receiver):
 
 
 class _ReplicaReceiver(_Receiver):
-    """Every replica of a :class:`ProcessRollout`, replica ``i`` as rank ``1 + i``."""
+    """The processes of a rollout that declares ``weight_sync_group`` (every replica of a
+    :class:`ProcessRollout`), receiver ``i`` as rank ``1 + i``."""
 
     here = False
 
-    def __init__(self, rollout: ProcessRollout) -> None:
+    def __init__(self, rollout: BaseRollout) -> None:
         self.rollout = rollout
-        self.spans_nodes = rollout.worker_group.may_span_nodes
+        self.spans_nodes = rollout.may_span_nodes
         self.names = rollout.receiver_names
 
     def join(self, host: str, port: int, world: int, backend: str, timeout_s: float) -> _Part:
@@ -274,23 +271,25 @@ def _sender(policy: Actor | ActorGroup) -> _Sender:
     )
 
 
-def _receiver(rollout: BaseRollout | ProcessRollout) -> _Receiver:
-    if isinstance(rollout, ProcessRollout):
-        return _DriverReceiver(rollout) if rollout.streams_weights else _ReplicaReceiver(rollout)
-    if isinstance(rollout, BaseRollout):
-        return _DriverReceiver(rollout)
-    raise TypeError(
-        f"WeightLink connects a policy to a BaseRollout or a ProcessRollout; got a "
-        f"rollout of type {type(rollout).__name__}."
-    )
+def _receiver(rollout: BaseRollout) -> _Receiver:
+    capabilities = getattr(rollout, "capabilities", None)
+    if not isinstance(capabilities, frozenset):
+        raise TypeError(
+            f"WeightLink connects a policy to a rollout (an engine_core.rollout.BaseRollout); "
+            f"got {type(rollout).__name__}, which declares no capabilities."
+        )
+    if Capability.WEIGHT_SYNC_GROUP in capabilities:
+        return _ReplicaReceiver(rollout)
+    return _DriverReceiver(rollout)
 
 
 class WeightLink:
     """Connects ``policy`` to ``rollout``; :meth:`sync` streams the weights, verified.
 
     ``policy`` is an :class:`engine_core_roles.Actor` or an
-    :class:`engine_core_roles.distributed.placement.ActorGroup`; ``rollout`` a
-    :class:`BaseRollout` in this process or a :class:`ProcessRollout`. The connection is made
+    :class:`engine_core_roles.distributed.placement.ActorGroup`; ``rollout`` any
+    :class:`BaseRollout` (its replicas join the link's group where it declares
+    ``weight_sync_group``). The connection is made
     here (a weight-sync group joined by both ends when they are in different processes) and
     kept until :meth:`close`.
     """
@@ -298,7 +297,7 @@ class WeightLink:
     def __init__(
         self,
         policy: Actor | ActorGroup,
-        rollout: BaseRollout | ProcessRollout,
+        rollout: BaseRollout,
         *,
         bucket_bytes: int = BUCKET_BYTES,
         timeout_s: float = 600.0,

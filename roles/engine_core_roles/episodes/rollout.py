@@ -30,6 +30,7 @@ from tensordict import NonTensorStack, TensorDict
 
 from engine_core import BaseRollout, SamplingParams
 from engine_core.batch import ROUTED_EXPERTS
+from engine_core.capabilities import Capability
 from engine_core.errors import ConfigError
 from engine_core.remote_rollout import RolloutWorker
 from engine_core.rollout import (
@@ -122,7 +123,12 @@ class EpisodeRollout(BaseRollout):
     ) -> None:
         super().__init__(inner.config)
         self.inner, self.environment, self.tokenizer = inner, environment, tokenizer
-        self.capabilities = frozenset(inner.capabilities)  # type: ignore[misc]
+        # what the inner rollout does in this process (episodes run here: neither generation
+        # elsewhere nor weights received by processes of its own)
+        self.capabilities = frozenset(inner.capabilities) - {  # type: ignore[misc]
+            Capability.ASYNC_GENERATION,
+            Capability.WEIGHT_SYNC_GROUP,
+        }
         self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
         self.step_timeout_s = step_timeout_s
         self.pad_token_id = inner.pad_token_id  # responses padded as the inner rollout pads

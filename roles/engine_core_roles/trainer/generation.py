@@ -4,8 +4,9 @@ once, when it is built.
 
 With ``max_staleness >= 1`` the rollout generates step ``t + 1``'s samples while the actor trains
 on step ``t``'s, with the weights of before that update (one version old): a non-blocking call
-to a rollout running in other processes
-(:meth:`engine_core.remote_rollout.ProcessRollout.generate_async`), no thread here. Every
+to a rollout that declares ``async_generation``
+(:meth:`engine_core.rollout.BaseRollout.generate_async`: a
+:class:`engine_core.remote_rollout.ProcessRollout`'s replicas), no thread here. Every
 sample's weight version is known, and the generation in flight is part of the trainer's state,
 so a resumed run trains on exactly the samples a straight one would.
 """
@@ -20,8 +21,7 @@ from typing import Protocol
 from tensordict import TensorDict
 
 from engine_core import BaseRollout, SamplingParams
-from engine_core.remote_rollout import ProcessRollout
-from engine_core.rollout import PROMPT_IDS, PROMPT_MASK
+from engine_core.rollout import PROMPT_IDS, PROMPT_MASK, Pending
 from engine_core_roles.batch.build import prompt_batch
 from engine_core_roles.trainer.protocols import PromptBatch, PromptSource
 
@@ -110,7 +110,7 @@ class Generation:
 
     def __init__(
         self,
-        rollout: BaseRollout | ProcessRollout,
+        rollout: BaseRollout,
         prompts: PromptReader,
         params: Params,
         version: Callable[[], int],
@@ -163,6 +163,25 @@ class _Pending(Protocol):
     def result(self) -> Drawn: ...
 
 
+class _Generating:
+    """A generation in flight: its samples, as drawn, computed once when first asked for."""
+
+    def __init__(
+        self, pending: Pending, prompts: TensorDict, version: int, owner: Asynchronous
+    ) -> None:
+        self._pending, self._prompts, self._version, self._owner = pending, prompts, version, owner
+        self._drawn: Drawn | None = None
+
+    def result(self) -> Drawn:
+        if self._drawn is None:
+            gen = self._pending.result()  # raises what the generation raised, every time asked
+            responses = self._owner._responses
+            self._drawn = Drawn(
+                self._prompts, gen if responses is None else responses(gen), self._version
+            )
+        return self._drawn
+
+
 class _Settled:
     """A generation already done (restored by a resume) or that could not start."""
 
@@ -185,7 +204,7 @@ class Asynchronous(Generation):
 
     def __init__(
         self,
-        rollout: ProcessRollout,
+        rollout: BaseRollout,
         prompts: PromptReader,
         params: Params,
         version: Callable[[], int],
@@ -211,11 +230,7 @@ class Asynchronous(Generation):
         except PromptsExhausted as e:  # raised when (and if) that step is run
             return _Settled(error=e)
         params, version = self.params(step, 0), self._version()
-        return self._remote.generate_async(prompts, params).map(
-            lambda gen: Drawn(
-                prompts, gen if self._responses is None else self._responses(gen), version
-            )
-        )
+        return _Generating(self._remote.generate_async(prompts, params), prompts, version, self)
 
     def version_metrics(self, drawn: Drawn, staleness: int) -> dict[str, float]:
         """The weight version that generated the samples, and how many updates old they are."""

@@ -40,7 +40,7 @@ import torch
 from tensordict import TensorDict
 
 from engine_core import ATTENTION_MASK, BaseRollout, EngineCoreError, SamplingParams
-from engine_core.remote_rollout import ProcessRollout
+from engine_core.capabilities import Capability
 from engine_core.rollout import RESPONSE_MASK
 from engine_core_roles.data.rewards.functions import RewardFn, Rewards, SampleReward
 from engine_core_roles.distributed.weights import WeightLink
@@ -127,7 +127,7 @@ class RLTrainer:
         config: TrainerConfig,
         *,
         actor: PolicyRole,
-        rollout: BaseRollout | ProcessRollout,
+        rollout: BaseRollout,
         reward_fn: RewardFn | SampleReward | None = None,
         prompts: PromptSource,
         reference: ReferenceRole | None = None,
@@ -157,11 +157,12 @@ class RLTrainer:
                 "the actor has use_kl_loss=True, which needs reference log-probs; pass "
                 "reference=Reference(engine) (a frozen copy of the initial policy)."
             )
-        if config.max_staleness and not isinstance(rollout, ProcessRollout):
+        asynchronous = Capability.ASYNC_GENERATION in rollout.capabilities
+        if config.max_staleness and not asynchronous:
             raise ValueError(
                 f"max_staleness={config.max_staleness} overlaps generation with training, which "
-                f"needs a rollout that generates in another process; "
-                f"{type(rollout).__name__} generates in this one. Use a ProcessRollout "
+                f"needs a rollout that declares async_generation (one that generates in other "
+                f"processes); {type(rollout).__name__} does not. Use a ProcessRollout "
                 f"(engine-core run: rollout_placement=process), or max_staleness=0."
             )
         self.config = config
@@ -196,7 +197,7 @@ class RLTrainer:
         self._generation: Generation
         # when an update's weights reach the rollout
         self._push_update: Callable[[], None]
-        if isinstance(rollout, ProcessRollout) and config.max_staleness:
+        if asynchronous and config.max_staleness:
             self._generation = Asynchronous(
                 rollout,
                 reader,

@@ -35,7 +35,6 @@ from engine_core import ATTENTION_MASK, BaseRollout, CapabilityError, EngineCore
 from engine_core.batch import ROUTED_EXPERTS
 from engine_core.capabilities import Capability
 from engine_core.moe import expert_load_spread, route_mismatch
-from engine_core.remote_rollout import ProcessRollout
 from engine_core_roles.batch.keys import TRAINER_ROUTES
 from engine_core_roles.trainer.config import TrainerConfig, check_routing_replay
 from engine_core_roles.trainer.protocols import PolicyRole
@@ -143,7 +142,7 @@ def counted_tokens(attention_mask: torch.Tensor) -> torch.Tensor:
 def routing_for(
     config: TrainerConfig,
     actor: PolicyRole,
-    rollout: BaseRollout | ProcessRollout,
+    rollout: BaseRollout,
     num_experts: int | None = None,
 ) -> OwnRoutes:
     """The part for ``config.routing_replay``, after checking that the rollout and the actor can

@@ -131,7 +131,7 @@ class Built:
     """A job's roles, its rollout and the one weight path between them."""
 
     roles: Roles
-    rollout: BaseRollout | ProcessRollout
+    rollout: BaseRollout
     weights: WeightLink
 
 
@@ -241,7 +241,7 @@ def _rollout(
     threads: Threads,
     text: TextParts | None,
     stack: contextlib.ExitStack,
-) -> BaseRollout | ProcessRollout:
+) -> BaseRollout:
     """The rollout in this process, or as replicas in processes of their own (Ray actors
     with the roles on Ray); with an environment, whole episodes run where it generates."""
     spec, rollout_cfg = resolved.rollout
