@@ -82,7 +82,7 @@ def test_site_builds_strict_without_warnings(tmp_path: Path) -> None:
 
 def test_generated_pages_are_current(generator: ModuleType) -> None:
     pages = generator.generated_pages()
-    expected = {"config.md", "write-your-own-engine.md"} | {
+    expected = {"config.md", "write-your-own-engine.md", "write-your-own-rollout.md"} | {
         f"plugins/{p.name}" for p in (DOCS / "plugins").glob("*.md")
     }
     assert expected <= {p.relative_to(DOCS).as_posix() for p in pages}, "markers went missing"

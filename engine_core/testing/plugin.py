@@ -1,9 +1,13 @@
-"""The ``engine_core`` pytest plugin (entry point ``pytest11``): the engine conformance kit.
+"""The ``engine_core`` pytest plugin (entry point ``pytest11``): the engine and rollout
+conformance kits.
 
 ``pytest --engine-core-backend=NAME`` (repeatable) adds the contract tests gathered in
 :mod:`engine_core.testing.contract` (each beside its check in :mod:`engine_core.testing.checks`)
 to the run, parametrized by each named backend. Select only
-them with ``-m engine_core_contract``. Without the option the plugin does nothing.
+them with ``-m engine_core_contract``. ``pytest --engine-core-rollout=NAME`` (repeatable;
+``process:NAME`` runs two replicas of NAME in processes of their own) adds the rollout contract
+(:mod:`engine_core.testing.rollout_contract`), marked ``engine_core_rollout_contract``.
+Without either option the plugin does nothing.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import pytest
 pytest.register_assert_rewrite("engine_core.testing.checks")
 
 OPTION = "--engine-core-backend"
+ROLLOUT_OPTION = "--engine-core-rollout"
 CONTRACT = Path(__file__).with_name("contract.py")
+ROLLOUT_CONTRACT = Path(__file__).with_name("rollout_contract.py")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -28,6 +34,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=[],
         metavar="NAME",
         help="Run the engine contract tests against the registered engine NAME (repeatable).",
+    )
+    group.addoption(
+        ROLLOUT_OPTION,
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="Run the rollout contract tests against the registered rollout NAME, or "
+        "process:NAME for two replicas of it in processes of their own (repeatable).",
     )
     group.addoption(
         "--engine-core-kit-only",
@@ -44,11 +58,19 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "engine_core_contract: an engine-core conformance-kit contract test"
     )
+    config.addinivalue_line(
+        "markers", "engine_core_rollout_contract: an engine-core rollout-kit contract test"
+    )
     if config.getoption("engine_core_backend") and str(CONTRACT) not in config.args:
         config.args.append(str(CONTRACT))
+    if config.getoption("engine_core_rollout") and str(ROLLOUT_CONTRACT) not in config.args:
+        config.args.append(str(ROLLOUT_CONTRACT))
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "engine_core_backend" in metafunc.fixturenames:
         backends = list(dict.fromkeys(metafunc.config.getoption("engine_core_backend")))
         metafunc.parametrize("engine_core_backend", backends, scope="module")
+    if "engine_core_rollout" in metafunc.fixturenames:
+        rollouts = list(dict.fromkeys(metafunc.config.getoption("engine_core_rollout")))
+        metafunc.parametrize("engine_core_rollout", rollouts, scope="module")

@@ -1,4 +1,5 @@
-"""The HF rollout against plain transformers and a trainer forward, on a tiny model."""
+"""The HF rollout against plain transformers and a trainer forward, on a tiny model (the rollout
+kit, ``pytest --engine-core-rollout=hf``, checks its layout, stop ids, seeds and refusals)."""
 
 from __future__ import annotations
 
@@ -99,42 +100,6 @@ def test_a_checkpoints_sampling_defaults_change_nothing(seeded: bool) -> None:
         got = odd.generate(p, params)
         assert torch.equal(got["response_ids"], want["response_ids"])
         assert torch.equal(got["rollout_log_probs"], want["rollout_log_probs"])
-
-
-def test_n_samples_are_adjacent_and_seeded() -> None:
-    r = rollout()
-    p = prompts(2)
-    params = SamplingParams(temperature=1.0, max_new_tokens=5, n=3, seed=11)
-    a, b = r.generate(p, params), r.generate(p, params)
-    assert a.batch_size[0] == 6
-    assert torch.equal(a["prompt_ids"][:3], p["prompt_ids"][0].expand(3, -1))
-    assert torch.equal(a["response_ids"], b["response_ids"])  # same seed, same samples
-
-
-def test_stop_tokens_end_the_response() -> None:
-    r = rollout()
-    p = prompts(8, seed=3)
-    out = r.generate(
-        p, SamplingParams(temperature=1.5, max_new_tokens=12, stop_token_ids=[STOP, 9], seed=0)
-    )
-    for i in range(8):
-        resp, m = out["response_ids"][i], out["response_mask"][i].bool()
-        kept = resp[m].tolist()
-        stops = [j for j, t in enumerate(kept) if t in (STOP, 9)]
-        if not out["truncated"][i]:
-            assert stops == [len(kept) - 1]  # one stop token, the last kept one
-            assert (resp[~m] == 0).all()
-        else:
-            assert stops == [] and len(kept) == 12
-    assert not out["truncated"].all()  # the test must exercise the stop path
-
-
-def test_generate_refuses_missing_prompt_fields() -> None:
-    with pytest.raises(Exception, match="prompt_mask"):
-        rollout().generate(
-            TensorDict({"prompt_ids": torch.ones(1, 2, dtype=torch.long)}, batch_size=[1]),
-            SamplingParams(),
-        )
 
 
 def test_sync_changes_what_is_generated() -> None:

@@ -1,0 +1,31 @@
+"""The rollout contract, as pytest tests run against every ``--engine-core-rollout``.
+
+Collected by the ``engine_core`` pytest plugin when that option is given; each test is marked
+``engine_core_rollout_contract`` and parametrized by rollout name (``NAME``, a registered
+rollout in this process, or ``process:NAME``, two replicas of it in processes of their own).
+Each rollout is started once per run; each test runs one check of
+:mod:`engine_core.testing.rollout_kit`, whose failure names the promise it broke.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from engine_core.testing.rollout_kit import CHECKS, Subject, runs_on_cpu, started
+
+pytestmark = pytest.mark.engine_core_rollout_contract
+
+
+@pytest.fixture(scope="module")
+def rollout_subject(engine_core_rollout: str) -> Iterator[Subject]:
+    if not runs_on_cpu(engine_core_rollout):
+        pytest.skip(f"rollout {engine_core_rollout!r} does not declare cpu: the kit runs on CPU.")
+    with started(engine_core_rollout) as subject:
+        yield subject
+
+
+@pytest.mark.parametrize("check", list(CHECKS))
+def test_rollout_keeps_its_promise(rollout_subject: Subject, check: str) -> None:
+    CHECKS[check](rollout_subject)
