@@ -40,9 +40,9 @@ lint: setup
 	$(VENV)/bin/mypy
 
 # The conformance kits run against every engine in the repository (and the example plugin), and
-# against the hf rollout, the example rollout and two hf replicas in processes of their own.
+# against the hf and vllm rollouts, the example rollout and two hf replicas in processes of their own.
 KIT := $(foreach b,reference fsdp fsdp2 megatron example,--engine-core-backend=$(b)) \
-	$(foreach r,hf example process:hf,--engine-core-rollout=$(r))
+	$(foreach r,hf vllm example process:hf,--engine-core-rollout=$(r))
 
 # Two pytest workers (pytest-xdist), each test module or class whole on one of them (its module-scoped
 # set-ups built once): much of the suite waits on process start-ups, rendezvous and Ray, which

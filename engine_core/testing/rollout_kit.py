@@ -150,8 +150,18 @@ class Subject:
 
 
 def kit_model_config() -> dict[str, Any]:
-    """The tiny Qwen2 every check runs on (eos unset: a sample ends at a stop id or its budget)."""
-    return {**TINY_QWEN2, "eos_token_id": None, "bos_token_id": None, "pad_token_id": 0}
+    """The tiny Qwen2 every check runs on: heads of 32 (the smallest vLLM's CPU attention
+    takes), eos unset (a sample ends at a stop id or its budget)."""
+    return {
+        **TINY_QWEN2,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "eos_token_id": None,
+        "bos_token_id": None,
+        "pad_token_id": 0,
+    }
 
 
 def runs_on_cpu(name: str) -> bool:
@@ -665,6 +675,14 @@ def check_refusals(s: Subject) -> None:
             s.rollout.generate(prompts, params)
         except (EngineCoreError, ValueError, TypeError):
             continue
+        except Exception as e:  # raised from inside the backend, not refused up front
+            raise PromiseBroken(
+                "refusals",
+                f"{what} was not refused: generating from it raised {type(e).__name__}: "
+                f"{str(e)[:200]}.",
+                "check the request before handing it to the backend: prompt_tensors(prompts, "
+                "who, vocab_size) and self.check_params(params) (engine_core.rollout).",
+            ) from e
         raise PromiseBroken(
             "refusals",
             f"{what} was generated from, not refused.",

@@ -212,6 +212,8 @@ class VLLMRollout(BaseRollout):
         # the layout a sync's tensors are converted from into the checkpoint names vLLM's
         # loader takes (stacked experts written out per expert)
         self._layout = meta_model(config.model)
+        # prompt ids are checked against it: vLLM's CPU engine crashes on an id outside
+        self._vocab_size = int(self._layout.get_input_embeddings().weight.shape[0])
         self.stale = False
 
     # -- generation -----------------------------------------------------------------------
@@ -221,7 +223,7 @@ class VLLMRollout(BaseRollout):
                 "the last weight sync into the vLLM rollout failed, so its weights are "
                 "inconsistent; load the full weights again (load_weights) before generating."
             )
-        ids, mask = prompt_tensors(prompts, "VLLMRollout.generate")
+        ids, mask = prompt_tensors(prompts, "VLLMRollout.generate", self._vocab_size)
         self.check_params(params)
         from vllm.inputs import TokensPrompt
 
