@@ -4,7 +4,10 @@ A rollout turns a batch of prompts into responses with per-token log-probs of th
 tokens, accepts fresh weights from a trainer as (HF name, tensor) pairs, and can release and
 resume its memory. Every weight update goes through :meth:`BaseRollout.load_weights`, verified
 (names, shapes and a checksum per bucket) — never silent; a job's weights reach it through one
-link (``engine_core_roles.WeightLink``).
+link (``engine_core_roles.WeightLink``). Every layer above the core takes this one type and reads
+what a rollout can do from its declared capabilities; the rollout kit
+(``pytest --engine-core-rollout=NAME``, :mod:`engine_core.testing.rollout_kit`) checks every
+promise made here against a plain transformers oracle.
 """
 
 from __future__ import annotations

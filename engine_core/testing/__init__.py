@@ -1,6 +1,9 @@
-"""Testing support: the engine conformance kit and what it runs on.
+"""Testing support: the engine and rollout conformance kits and what they run on.
 
-- :mod:`engine_core.testing.plugin`: the pytest plugin (``pytest --engine-core-backend=NAME``).
+- :mod:`engine_core.testing.plugin`: the pytest plugin (``pytest --engine-core-backend=NAME``,
+  ``pytest --engine-core-rollout=NAME``).
+- :mod:`engine_core.testing.rollout_kit`: the rollout kit's checks and oracle;
+  :mod:`engine_core.testing.rollout_contract` its tests.
 - :mod:`engine_core.testing.contract`: the fixtures that run the kit's processes, and the
   contract tests gathered from :mod:`engine_core.testing.checks`.
 - :mod:`engine_core.testing.checks`: one module per concern, each check beside its contract
