@@ -40,9 +40,10 @@ lint: setup
 	$(VENV)/bin/mypy
 
 # The conformance kits run against every engine in the repository (and the example plugin), and
-# against the hf and vllm rollouts, the example rollout and two hf replicas in processes of their own.
+# against the hf and vllm rollouts, the example rollout, and two hf replicas in processes of their
+# own, started directly and as an interpreter of their own is (weights relayed over their pipes).
 KIT := $(foreach b,reference fsdp fsdp2 megatron example,--engine-core-backend=$(b)) \
-	$(foreach r,hf vllm example process:hf,--engine-core-rollout=$(r))
+	$(foreach r,hf vllm example process:hf interpreter:hf,--engine-core-rollout=$(r))
 
 # Two pytest workers (pytest-xdist), each test module or class whole on one of them (its module-scoped
 # set-ups built once): much of the suite waits on process start-ups, rendezvous and Ray, which

@@ -73,6 +73,7 @@ from engine_core.rollout import (
     SentBucket,
     WeightBucket,
     prompt_seeds,
+    prompt_tensors,
 )
 from engine_core.settings import launch_from_env
 from engine_core.weight_sync import WeightSyncGroup, receive_weights
@@ -414,7 +415,12 @@ class ProcessRollout(BaseRollout):
         return out
 
     def generate_async(self, prompts: TensorDict, params: SamplingParams) -> WorkerFuture:
-        """:meth:`generate` without waiting: a future of its result."""
+        """:meth:`generate` without waiting: a future of its result. The request is checked
+        here first (the prompts' layout, the params), so bad input is refused before any
+        replica is sent anything."""
+        if prompts.batch_dims and prompts.batch_size[0]:
+            prompt_tensors(prompts, "ProcessRollout.generate")
+        self.check_params(params)
         n = prompts.batch_size[0] if prompts.batch_dims else 0
         seeds = prompt_seeds(prompts, params) if prompts.batch_dims else None
         if seeds is not None and PROMPT_SEED not in prompts.keys():

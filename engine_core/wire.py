@@ -45,7 +45,19 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from engine_core.errors import EngineCoreError
 
-__all__ = ["ENUMS", "MAGIC", "MODELS", "RECORDS", "WireError", "decode", "encode", "read", "write"]
+__all__ = [
+    "ENUMS",
+    "MAGIC",
+    "MODELS",
+    "RECORDS",
+    "WireError",
+    "decode",
+    "decode_frame",
+    "encode",
+    "read",
+    "read_frame",
+    "write",
+]
 
 MAGIC = b"ECW1"
 _PREFIX = struct.Struct(">4sIQ")  # magic, header length, blob length
@@ -268,6 +280,14 @@ def _read_exactly(fd: int, n: int) -> bytes:
 def read(fd: int) -> Any:
     """One frame's value from file descriptor ``fd``; :class:`EOFError` when the other side has
     closed it before a frame began or during one."""
+    return decode_frame(*read_frame(fd))
+
+
+def read_frame(fd: int) -> tuple[bytes, bytes]:
+    """One whole frame's header and tensor bytes from ``fd``, not decoded: a frame whose value
+    then fails to decode (:func:`decode_frame`) leaves the stream in step for the next one.
+    :class:`EOFError` when the other side has closed ``fd``; :class:`WireError` when what
+    arrives is not a frame (the stream is out of step then)."""
     prefix = _read_exactly(fd, _PREFIX.size)
     magic, header_len, blob_len = _PREFIX.unpack(prefix)
     if magic != MAGIC:
@@ -277,4 +297,9 @@ def read(fd: int) -> Any:
             f"a frame announces a {header_len}-byte header (at most {MAX_HEADER_BYTES}): corrupted."
         )
     header = _read_exactly(fd, header_len)
-    return _payload(header, _read_exactly(fd, blob_len) if blob_len else b"")
+    return header, _read_exactly(fd, blob_len) if blob_len else b""
+
+
+def decode_frame(header: bytes, blob: bytes) -> Any:
+    """The value of a frame :func:`read_frame` read."""
+    return _payload(header, blob)

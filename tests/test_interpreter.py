@@ -27,7 +27,7 @@ from engine_core.batch import BatchMeta
 from engine_core.capabilities import Capability
 from engine_core.config import ModelConfig
 from engine_core.configio import apply_overrides, load_yaml
-from engine_core.errors import ConfigError, DispatchError, WeightSyncError
+from engine_core.errors import BatchError, ConfigError, DispatchError, WeightSyncError
 from engine_core.executors.interpreter import check_interpreter
 from engine_core.models import build_model
 from engine_core.plugins import load_plugins
@@ -203,6 +203,28 @@ def test_a_bucket_changed_on_the_way_is_named_and_the_next_sync_goes_through(oth
         other.load_weights(missing)
     done = other.load_weights(good)  # the stream after a failed one starts in step
     assert [b.checksum for b in done] == [s for _, s in good]
+
+
+def test_a_call_whose_arguments_do_not_decode_is_answered_and_the_replica_goes_on(
+    other: Any,
+) -> None:
+    """Params that skipped validation fail to decode in the other interpreter (it rebuilds them
+    with model_validate): that call gets the error, the replica stays up for the next one. The
+    rollout itself refuses them before sending anything."""
+    prompts = TensorDict(
+        {
+            "prompt_ids": torch.tensor([[5, 9, 13]]),
+            "prompt_mask": torch.ones(1, 3, dtype=torch.long),
+        },
+        batch_size=[1],
+    )
+    bad = SamplingParams.model_construct(**{**SamplingParams().model_dump(), "max_new_tokens": 0})
+    with pytest.raises(DispatchError, match="max_new_tokens"):
+        other.worker_group.call_all("generate", prompts, bad)
+    with pytest.raises(BatchError, match="max_new_tokens"):
+        other.generate(prompts, bad)
+    out = other.generate(prompts, SamplingParams(temperature=0, max_new_tokens=3))
+    assert out["response_ids"].shape == (1, 3)
 
 
 def test_a_replica_that_dies_mid_sync_is_named_and_the_sender_keeps_its_weights() -> None:

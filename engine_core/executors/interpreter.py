@@ -33,7 +33,7 @@ from engine_core.errors import ConfigError
 from engine_core.executors.base import DEFAULT_CALL_TIMEOUT_S, enter_worker_env, worker_env
 from engine_core.executors.local import LocalWorkerGroup
 from engine_core.executors.worker_errors import error_payload
-from engine_core.wire import read, write
+from engine_core.wire import decode_frame, read, read_frame, write
 
 __all__ = ["InterpreterWorkerGroup", "check_interpreter", "probe"]
 
@@ -283,9 +283,14 @@ def serve(read_fd: int, write_fd: int) -> None:
     with contextlib.suppress(BrokenPipeError, ConnectionResetError):
         while True:
             try:
-                method, args, kwargs = read(read_fd)
+                frame = read_frame(read_fd)
             except EOFError:
                 return
+            try:  # a call whose arguments do not decode is answered, and the worker goes on
+                method, args, kwargs = decode_frame(*frame)
+            except Exception as e:
+                write(write_fd, ("error", error_payload(e)))
+                continue
             if method == _STOP:
                 write(write_fd, ("ok", None))
                 return

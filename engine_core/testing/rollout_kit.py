@@ -4,8 +4,10 @@ against an oracle.
 The oracle is a plain transformers forward on the same weights, one sequence at a time: its
 greedy continuation (argmax at every step, ending at a stop id), and its log-probs of any
 sampled sequence at a temperature. A rollout under test is started from a tiny Qwen2 saved in a
-folder (:func:`start_rollout`: ``NAME``, a registered rollout in this process, or
-``process:NAME``, two replicas of it in processes of their own) and driven through its public
+folder (:func:`start_rollout`: ``NAME``, a registered rollout in this process;
+``process:NAME``, two replicas of it in processes of their own; ``interpreter:NAME``, two
+replicas started as an interpreter of their own is, their weights relayed over their pipes)
+and driven through its public
 API only. Each check raises :class:`PromiseBroken`, whose message names the promise, what was
 seen and how to fix it; :mod:`engine_core.testing.rollout_contract` holds the pytest tests that
 run them (``pytest --engine-core-rollout=NAME``).
@@ -24,6 +26,7 @@ routes against the oracle's routers, vision inputs.
 from __future__ import annotations
 
 import contextlib
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -60,9 +63,11 @@ __all__ = [
     "runs_on_cpu",
     "CHECKS",
     "PROCESS_PREFIX",
+    "INTERPRETER_PREFIX",
 ]
 
 PROCESS_PREFIX = "process:"
+INTERPRETER_PREFIX = "interpreter:"
 VOCAB = int(TINY_QWEN2["vocab_size"])
 LOG_PROB_ATOL = 2e-4  # float32 on both sides; a kernel's order of sums differs, nothing else
 SEED = 1234
@@ -168,7 +173,7 @@ def runs_on_cpu(name: str) -> bool:
     """Whether rollout ``name`` (or ``process:NAME``) is registered as running on CPU."""
     from engine_core.plugins import load_plugins
 
-    backend = name.removeprefix(PROCESS_PREFIX)
+    backend = name.removeprefix(PROCESS_PREFIX).removeprefix(INTERPRETER_PREFIX)
     spec = load_plugins().get_backend(BackendKind.ROLLOUT, backend)
     return Capability.CPU in {Capability(c) for c in spec.capabilities}
 
@@ -204,10 +209,12 @@ def start_rollout(name: str) -> Subject:
     initial = oracle.state()
     g = torch.Generator().manual_seed(SEED + 1)
     changed = {n: t + 0.5 * t.std() * torch.randn(t.shape, generator=g) for n, t in initial.items()}
-    replicas = 0
+    replicas, python = 0, None
     backend = name
     if name.startswith(PROCESS_PREFIX):
         backend, replicas = name[len(PROCESS_PREFIX) :], 2
+    elif name.startswith(INTERPRETER_PREFIX):  # the interpreter transport, this Python's
+        backend, replicas, python = name[len(INTERPRETER_PREFIX) :], 2, sys.executable
     plugins = load_plugins()
     spec, cfg = resolve_rollout_config(
         {"backend": backend, "model": ModelConfig(path=folder.name).model_dump(), "seed": 0},
@@ -215,7 +222,7 @@ def start_rollout(name: str) -> Subject:
     )
     rollout: BaseRollout
     if replicas:
-        rollout = ProcessRollout(cfg, replicas=replicas)  # type: ignore[arg-type]
+        rollout = ProcessRollout(cfg, replicas=replicas, python=python)  # type: ignore[arg-type]
     else:
         rollout = spec.load_class()(cfg)
     closers.append(rollout.shutdown)
