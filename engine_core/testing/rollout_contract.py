@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine_core.testing.rollout_kit import CHECKS, Subject, runs_on_cpu, started
+from engine_core.testing.rollout_kit import CHECKS, NotDeclared, Subject, runs_on_cpu, started
 
 pytestmark = pytest.mark.engine_core_rollout_contract
 
@@ -28,4 +28,7 @@ def rollout_subject(engine_core_rollout: str) -> Iterator[Subject]:
 
 @pytest.mark.parametrize("check", list(CHECKS))
 def test_rollout_keeps_its_promise(rollout_subject: Subject, check: str) -> None:
-    CHECKS[check](rollout_subject)
+    try:
+        CHECKS[check](rollout_subject)
+    except NotDeclared as e:
+        pytest.skip(f"the rollout does not declare {e}: nothing to check")

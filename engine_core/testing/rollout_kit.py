@@ -18,8 +18,8 @@ the sampled tokens inside the oracle's top-k and nucleus; seeds reproduce a prom
 whatever the batch around it; the ``n`` samples of a prompt in order; stop ids end a sample
 (the stop id kept as its last token) and ``truncated`` says which samples ran out; a weight
 update in buckets applied and verified, a partial, misshapen or corrupted one refused; weights
-kept through ``release`` / ``resume``; bad input refused; ``generate_async`` where declared.
-Not checked yet: stop strings (``SamplingParams`` has none), LoRA adapter-only syncs, returned
+kept through ``release`` / ``resume``; bad input refused; ``generate_async`` and adapters-only
+LoRA syncs where declared. Not checked yet: stop strings (``SamplingParams`` has none), returned
 routes against the oracle's routers, vision inputs.
 """
 
@@ -57,6 +57,7 @@ from engine_core.testing.models import TINY_QWEN2
 
 __all__ = [
     "PromiseBroken",
+    "NotDeclared",
     "Subject",
     "start_rollout",
     "started",
@@ -71,6 +72,10 @@ INTERPRETER_PREFIX = "interpreter:"
 VOCAB = int(TINY_QWEN2["vocab_size"])
 LOG_PROB_ATOL = 2e-4  # float32 on both sides; a kernel's order of sums differs, nothing else
 SEED = 1234
+
+
+class NotDeclared(Exception):
+    """The check is about a capability the rollout does not declare: nothing to check."""
 
 
 class PromiseBroken(AssertionError):
@@ -92,10 +97,12 @@ def expect(ok: object, promise: str, detail: str, fix: str) -> None:
 class Oracle:
     """Plain transformers on the weights the rollout should hold, one sequence at a time."""
 
-    def __init__(self, folder: str) -> None:
+    def __init__(self, folder: str, model: Any = None) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        self.model = model.eval()
 
     def state(self) -> dict[str, torch.Tensor]:
         return {n: t.detach().clone() for n, t in self.model.state_dict().items()}
@@ -143,6 +150,10 @@ class Subject:
     closers: list[Callable[[], None]] = field(default_factory=list)
     #: the capabilities the rollout's registration declares
     registered: frozenset[Capability] = frozenset()
+    #: the folder the kit's model is saved in
+    folder: str = ""
+    #: another rollout of the same kind on ``model`` (the LoRA check's)
+    build: Callable[[ModelConfig], BaseRollout] | None = None
 
     @property
     def capabilities(self) -> frozenset[Capability]:
@@ -216,18 +227,21 @@ def start_rollout(name: str) -> Subject:
     elif name.startswith(INTERPRETER_PREFIX):  # the interpreter transport, this Python's
         backend, replicas, python = name[len(INTERPRETER_PREFIX) :], 2, sys.executable
     plugins = load_plugins()
-    spec, cfg = resolve_rollout_config(
-        {"backend": backend, "model": ModelConfig(path=folder.name).model_dump(), "seed": 0},
-        plugins,
-    )
-    rollout: BaseRollout
-    if replicas:
-        rollout = ProcessRollout(cfg, replicas=replicas, python=python)  # type: ignore[arg-type]
-    else:
-        rollout = spec.load_class()(cfg)
+    spec = plugins.get_backend(BackendKind.ROLLOUT, backend)
+
+    def build(model: ModelConfig) -> BaseRollout:
+        _, cfg = resolve_rollout_config(
+            {"backend": backend, "model": model.model_dump(), "seed": 0}, plugins
+        )
+        if replicas:
+            return ProcessRollout(cfg, replicas=replicas, python=python)  # type: ignore[arg-type]
+        built: BaseRollout = spec.load_class()(cfg)
+        return built
+
+    rollout = build(ModelConfig(path=folder.name))
     closers.append(rollout.shutdown)
     registered = frozenset(Capability(c) for c in spec.capabilities)
-    return Subject(name, rollout, oracle, initial, changed, closers, registered)
+    return Subject(name, rollout, oracle, initial, changed, closers, registered, folder.name, build)
 
 
 # -- what the checks send ---------------------------------------------------------------------
@@ -754,6 +768,68 @@ def check_checksum_of_loaded(s: Subject) -> None:
         )
 
 
+def check_lora(s: Subject) -> None:
+    """With ``lora`` declared, a rollout built with ``model.lora`` takes the peft tensors once,
+    then the adapters alone, and generates as the peft model with the adapters last sent."""
+    from engine_core.config import LoraConfig
+    from engine_core.models import build_model, is_adapter_name
+
+    if Capability.LORA not in s.capabilities:
+        raise NotDeclared("lora")
+    assert s.build is not None
+    model = ModelConfig(path=s.folder, lora=LoraConfig(rank=4, alpha=8.0))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        oracle = Oracle(s.folder, build_model(model))
+    g = torch.Generator().manual_seed(SEED + 2)
+
+    def adapters() -> dict[str, torch.Tensor]:
+        state = oracle.state()
+        return {
+            n: 0.3 * torch.randn(t.shape, generator=g) if is_adapter_name(n) else t
+            for n, t in state.items()
+        }
+
+    rollout = s.build(model)
+    fix = (
+        "serve model.lora's adapters unmerged: expected_weights() names the peft tensors, the "
+        "first sync loads them all, a sync of the adapters alone replaces the adapters."
+    )
+    try:
+        expected = rollout.expected_weights()
+        shapes = {n: tuple(t.shape) for n, t in oracle.state().items()}
+        expect(
+            expected == shapes,
+            "lora",
+            f"expected_weights() is not the peft model's names and shapes ({sorted(set(expected) ^ set(shapes))[:4]}).",
+            fix,
+        )
+        first = adapters()
+        for label, state, stream in (
+            ("the first sync (base and adapters)", first, first),
+            (
+                "a sync of the adapters alone",
+                second := adapters(),
+                {n: t for n, t in second.items() if is_adapter_name(n)},
+            ),
+        ):
+            try:
+                rollout.load_weights(sent_buckets(sorted(stream.items()), 16 << 10))
+            except WeightSyncError as e:
+                raise PromiseBroken("lora", f"{label} was refused: {e}", fix) from e
+            oracle.load(state)
+            out = rollout.generate(prompt_batch(), SamplingParams(temperature=0, max_new_tokens=6))
+            got, want = responses(out), [oracle.greedy(r, 6) for r in PROMPTS]
+            expect(
+                got == want,
+                "lora",
+                f"after {label}, greedy gives {got}; the peft model with the adapters sent gives {want}.",
+                fix,
+            )
+    finally:
+        rollout.shutdown()
+
+
 CHECKS: dict[str, Callable[[Subject], None]] = {
     "capabilities": check_capabilities,
     "layout": check_layout,
@@ -768,4 +844,5 @@ CHECKS: dict[str, Callable[[Subject], None]] = {
     "release_resume": check_release_resume,
     "refusals": check_refusals,
     "async": check_async,
+    "lora": check_lora,
 }
