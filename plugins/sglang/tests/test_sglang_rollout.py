@@ -144,7 +144,7 @@ def test_requests_name_a_missing_key_and_refuse_an_empty_prompt() -> None:
     with pytest.raises(BatchError, match="needs 'prompt_ids'"):
         build_requests(TensorDict({PROMPT_MASK: p[PROMPT_MASK]}, batch_size=[3]), SamplingParams())
     p[PROMPT_MASK][1] = 0
-    with pytest.raises(BatchError, match="prompt 1 is empty"):
+    with pytest.raises(BatchError, match=r"prompt\(s\) \[1\] are empty"):
         build_requests(p, SamplingParams())
 
 
