@@ -8,6 +8,11 @@ link (``engine_core_roles.WeightLink``). Every layer above the core takes this o
 what a rollout can do from its declared capabilities; the rollout kit
 (``pytest --engine-core-rollout=NAME``, :mod:`engine_core.testing.rollout_kit`) checks every
 promise made here against a plain transformers oracle.
+
+Over 700 lines on purpose: it is the whole generation contract a backend author reads in one
+place (the fields of a result, the sampling settings, seeds, the verified weight stream, and
+the base class whose defaults call them); each part is short, and a plugin imports them all
+through :mod:`engine_core.backend`.
 """
 
 from __future__ import annotations

@@ -167,18 +167,21 @@ class _Generating:
     """A generation in flight: its samples, as drawn, computed once when first asked for."""
 
     def __init__(
-        self, pending: Pending, prompts: TensorDict, version: int, owner: Asynchronous
+        self,
+        pending: Pending,
+        prompts: TensorDict,
+        version: int,
+        responses: Callable[[TensorDict], TensorDict] | None,
     ) -> None:
-        self._pending, self._prompts, self._version, self._owner = pending, prompts, version, owner
+        self._pending, self._prompts, self._version = pending, prompts, version
+        self._responses = responses
         self._drawn: Drawn | None = None
 
     def result(self) -> Drawn:
         if self._drawn is None:
             gen = self._pending.result()  # raises what the generation raised, every time asked
-            responses = self._owner._responses
-            self._drawn = Drawn(
-                self._prompts, gen if responses is None else responses(gen), self._version
-            )
+            made = gen if self._responses is None else self._responses(gen)
+            self._drawn = Drawn(self._prompts, made, self._version)
         return self._drawn
 
 
@@ -230,7 +233,8 @@ class Asynchronous(Generation):
         except PromptsExhausted as e:  # raised when (and if) that step is run
             return _Settled(error=e)
         params, version = self.params(step, 0), self._version()
-        return _Generating(self._remote.generate_async(prompts, params), prompts, version, self)
+        pending = self._remote.generate_async(prompts, params)
+        return _Generating(pending, prompts, version, self._responses)
 
     def version_metrics(self, drawn: Drawn, staleness: int) -> dict[str, float]:
         """The weight version that generated the samples, and how many updates old they are."""
