@@ -18,10 +18,14 @@ plugins failed to load: the listing is informational and shows each failure with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pydantic import ValidationError
 from rich.console import Console
@@ -251,27 +255,84 @@ def main(argv: Sequence[str] | None = None, commands: Sequence[Command] | None =
     A SIGINT outside a job's steps (a job's steps stop on it with a checkpoint, exit 3) is one
     line and :data:`~engine_core.errors.EXIT_INTERRUPTED`.
     """
-    name = "engine-core"
     try:
-        if commands is None:
-            commands, problems = installed_commands()
-            for problem in problems:
-                sys.stderr.write(f"engine-core: warning: {problem}\n")
-        parser = build_parser(commands)
-        args = parser.parse_args(argv)
-        if args.command is None:
-            parser.print_help()
-            return 2
-        command = {c.name: c for c in commands}[args.command]
-        name = f"engine-core {command.name}"
-        return _run(command, args)
+        with _sigint_noted():
+            return _main(argv, commands)
     except KeyboardInterrupt:
         sys.stderr.write(
-            f"{name}: interrupted (SIGINT) while it started or finished, outside its steps; "
-            f"every checkpoint already committed is whole (rerun with --resume auto to "
+            f"{_command_name}: interrupted (SIGINT) while it started or finished, outside its "
+            f"steps; every checkpoint already committed is whole (rerun with --resume auto to "
             f"continue from the newest).\n"
         )
         return EXIT_INTERRUPTED
+
+
+_command_name = "engine-core"
+_sigint_seen = False
+
+
+def sigint_seen() -> bool:
+    """Whether a SIGINT reached this command since it started. Python drops the
+    ``KeyboardInterrupt`` of a SIGINT that lands while a finalizer (``__del__``) runs, so a job
+    taking SIGINT over for its steps asks this first (:func:`raise_if_interrupted`)."""
+    return _sigint_seen
+
+
+def raise_if_interrupted() -> None:
+    """Raise ``KeyboardInterrupt`` if a SIGINT reached this command (:func:`sigint_seen`)."""
+    if _sigint_seen:
+        raise KeyboardInterrupt
+
+
+def _on_sigint(signum: int, frame: object) -> None:
+    global _sigint_seen
+    _sigint_seen = True
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _sigint_noted() -> Iterator[None]:
+    """SIGINT raises ``KeyboardInterrupt`` as by default, and is noted (:func:`sigint_seen`),
+    inside the block; on the main thread, unless SIGINT is ignored."""
+    global _sigint_seen, _command_name
+    _sigint_seen, _command_name = False, "engine-core"
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(
+        signal.SIGINT
+    ) in (signal.SIG_IGN, None):
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, _on_sigint)
+    hook = sys.unraisablehook
+
+    def quiet_interrupts(unraisable: Any) -> None:
+        # the KeyboardInterrupt of a SIGINT that landed in a finalizer: noted, it ends the run
+        # at the next check (raise_if_interrupted) in one line; not a traceback on stderr
+        if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+            hook(unraisable)
+
+    sys.unraisablehook = quiet_interrupts
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        sys.unraisablehook = hook
+        _sigint_seen = False
+
+
+def _main(argv: Sequence[str] | None, commands: Sequence[Command] | None) -> int:
+    global _command_name
+    if commands is None:
+        commands, problems = installed_commands()
+        for problem in problems:
+            sys.stderr.write(f"engine-core: warning: {problem}\n")
+    parser = build_parser(commands)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    command = {c.name: c for c in commands}[args.command]
+    _command_name = f"engine-core {command.name}"
+    return _run(command, args)
 
 
 def _run(command: Command, args: argparse.Namespace) -> int:

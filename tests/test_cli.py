@@ -274,3 +274,36 @@ def test_resume_reads_auto_and_leaves_the_recipe_and_overrides_alone() -> None:
         args = parser.parse_args(argv)
         assert args.resume == mode, argv
         assert _recipe(args, "grpo_tiny.yaml")["steps"] == steps, argv
+
+
+def test_a_sigint_python_drops_in_a_finalizer_still_ends_the_run_before_its_steps(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A SIGINT that lands while a ``__del__`` runs loses its KeyboardInterrupt (Python prints
+    'Exception ignored' and goes on); the job's stop handling, taking SIGINT over, still ends
+    the run there: one line, exit 130, no step run."""
+    import gc
+    import os
+    import signal
+
+    from engine_core.cli import Command, main
+    from engine_core.errors import EXIT_INTERRUPTED
+    from engine_core_roles.jobs.stopping import StopRequests
+
+    steps: list[int] = []
+
+    class Interrupted:
+        def __del__(self) -> None:
+            os.kill(os.getpid(), signal.SIGINT)  # handled here, inside the finalizer
+
+    def run(args: Any, settings: Any) -> int:
+        Interrupted()
+        gc.collect()
+        with StopRequests(["SIGINT"], None).installed():
+            steps.append(1)
+        return 0
+
+    code = main(["start"], commands=[Command("start", "start a run", run)])
+    err = capsys.readouterr().err
+    assert code == EXIT_INTERRUPTED and not steps, err
+    assert err.strip().splitlines()[-1].startswith("engine-core start: interrupted (SIGINT)")

@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
+from engine_core.cli import raise_if_interrupted
+
 __all__ = ["StopRequests", "check_stop_signals"]
 
 # signals a process cannot catch, or that a job needs for itself
@@ -56,6 +58,9 @@ class StopRequests:
         try:
             for sig in self.signals:
                 previous[sig] = signal.signal(sig, self._noted)
+            # a SIGINT before this (while the command started) whose KeyboardInterrupt Python
+            # dropped (it landed in a finalizer) still ends the run here, before any step
+            raise_if_interrupted()
             yield self
         finally:
             for sig, handler in previous.items():

@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from engine_core.checkpoint import JobCheckpoints, latest_checkpoint, remove_stale_staging
+from engine_core.cli import raise_if_interrupted
 from engine_core.errors import (
     CheckpointError,
     ConfigError,
@@ -149,7 +150,9 @@ class RunTracker:
     def for_job(cls, job: JobConfig, *, resume_after_step: int | None) -> RunTracker:
         """The tracker of ``job``'s run: its ``trackers`` started (one sentence,
         :class:`~engine_core.errors.TrackerError`, for one that cannot start), continuing the
-        tracker runs of its output folder."""
+        tracker runs of its output folder. A SIGINT the command took while it started ends
+        the run here, before anything is written (:func:`engine_core.cli.raise_if_interrupted`)."""
+        raise_if_interrupted()
         out = Path(job.output_dir)
         started = start_trackers(
             job.trackers,
