@@ -106,7 +106,7 @@ def main() -> None:
         "--loops",
         type=lambda v: v.split(","),
         default=["engine_core", "minimal"],
-        help="comma-separated: engine_core,minimal",
+        help="comma-separated: engine_core,minimal,trl (trl: as --vs trl)",
     )
     parser.add_argument(
         "--vs",
@@ -127,9 +127,9 @@ def main() -> None:
     if args.algorithm:
         _compare_algorithms(args, extra)
         return
-    loops = list(args.loops)
+    loops = [loop for loop in args.loops if loop != "trl"]
     peer: dict[str, Any] = {}
-    if args.vs == "trl":
+    if args.vs == "trl" or "trl" in args.loops:
         from _trl import have_trl
 
         version = have_trl()

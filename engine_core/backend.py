@@ -127,6 +127,10 @@ _EXPORTS: dict[str, str] = {
     "model_weight_shapes": "engine_core.rollout",
     "prompt_tensors": "engine_core.rollout",
     "prompt_seeds": "engine_core.rollout",
+    "stop_string_end": "engine_core.stop_strings",
+    "holds_stop_string": "engine_core.stop_strings",
+    "load_stop_tokenizer": "engine_core.stop_strings",
+    "tokenizer_folder": "engine_core.stop_strings",
     "sample_seeds": "engine_core.rollout",
     "derive_seed": "engine_core.rollout",
     "response_batch": "engine_core.rollout",
@@ -277,6 +281,12 @@ if TYPE_CHECKING:
         verified_buckets,
     )
     from engine_core.routing_replay import RoutingInputs, balance_of, routing_request
+    from engine_core.stop_strings import (
+        holds_stop_string,
+        load_stop_tokenizer,
+        stop_string_end,
+        tokenizer_folder,
+    )
 
 
 __getattr__, __dir__ = lazy_exports(

@@ -54,6 +54,9 @@ class Capability(StrEnum):
     # the weights are received by the rollout's own processes, which join a weight-sync group
     # (join_weight_sync / receive_weights / leave_weight_sync) instead of load_weights() here
     WEIGHT_SYNC_GROUP = "weight_sync_group"
+    # SamplingParams.stop_strings end a sample after the token that completes one of them in
+    # its decoded text (the rollout decodes with the model folder's tokenizer as it generates)
+    STOP_STRINGS = "stop_strings"
 
 
 def check_capabilities(

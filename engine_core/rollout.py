@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 import xxhash
-from pydantic import Field, PositiveInt, ValidationError, model_validator
+from pydantic import Field, PositiveInt, ValidationError, field_validator, model_validator
 from tensordict import TensorDict
 
 from engine_core.batch import ROUTED_EXPERTS
@@ -108,6 +108,23 @@ class SamplingSettings(FrozenModel):
     stop_token_ids: list[int] = Field(
         default_factory=list, description="Token ids that end a response."
     )
+    stop_strings: list[str] = Field(
+        default_factory=list,
+        description="Strings that end a response: it ends after the first token at which its "
+        "text (decoded by the model's tokenizer, special tokens skipped) holds one of them; the "
+        "string stays in the response and the sample is not truncated. Needs a rollout that "
+        "declares stop_strings and a tokenizer (model.tokenizer or the model folder's own).",
+    )
+
+    @field_validator("stop_strings")
+    @classmethod
+    def _stop_strings_nonempty(cls, v: list[str]) -> list[str]:
+        if any(not s for s in v):
+            raise ValueError(
+                f"stop strings must be non-empty (an empty one would end every response at its "
+                f"first token); got {v!r}."
+            )
+        return v
 
 
 class SamplingParams(SamplingSettings):
@@ -624,6 +641,12 @@ class BaseRollout(abc.ABC):
                 f"SamplingParams(return_routes=True): {type(self).__name__} does not return "
                 f"the experts it routed tokens to (it does not declare routing_replay); turn "
                 f"routing replay off or use a rollout that declares it (hf)."
+            )
+        if params.stop_strings and Capability.STOP_STRINGS not in self.capabilities:
+            raise CapabilityError(
+                f"SamplingParams(stop_strings={params.stop_strings!r}): {type(self).__name__} "
+                f"stops on token ids only (it does not declare stop_strings); give stop tokens "
+                f"as stop_token_ids or use a rollout that declares it (hf, vllm, sglang)."
             )
         if params.return_routes and self.routes_from_start and not self.config.return_routes:
             raise CapabilityError(

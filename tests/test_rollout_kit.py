@@ -19,6 +19,7 @@ BROKEN = [
     ("example-never-truncated", "greedy", "truncated", "truncated=[False"),
     ("example-skips-later-updates", "weights", "weight update", "after a second update"),
     ("example-drops-stop-token", "stop", "stop ids", "with stop_token_ids="),
+    ("example-stops-after-budget", "stop_strings", "truncated", "ended on a stop string"),
 ]
 
 

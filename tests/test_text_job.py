@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-from tensordict import TensorDict
 
 from engine_core.configio import apply_overrides, load_yaml
 from engine_core.errors import ConfigError
@@ -220,9 +219,9 @@ def test_a_warm_up_on_demonstrations_teaches_their_form(
         )
     )
     short = ["steps=1", "engine.optim.lr=1e-2"]
-    # the cold run also ends its responses at a stop string of three tokens (StopStrings runs
-    # on every generation; what it cuts is its own test's)
-    run_rl_job(_raw(user, tmp_path / "cold", *short, "data.stop_strings=[END]"), load_plugins())
+    # the cold run also ends its responses at a stop string of three tokens (the rollout's;
+    # where it ends them is the rollout kit's to check)
+    run_rl_job(_raw(user, tmp_path / "cold", *short, "trainer.stop_strings=[END]"), load_plugins())
     warm = [f"data.demos=[{demos}]", "warmup_sft_steps=40", "warmup_batch_size=8"]
     run_rl_job(_raw(user, tmp_path / "warm", *short, *warm), load_plugins())
     cold, warm_row = _rows(tmp_path / "cold")[0], _rows(tmp_path / "warm")[0]
@@ -307,45 +306,37 @@ def test_filter_groups_replaces_groups_that_all_scored_the_same(tmp_path: Path) 
     assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-4
 
 
-def test_stop_strings_end_responses_at_their_first_occurrence(user: dict[str, Path]) -> None:
-    """A single-token stop string is a stop id of the rollout; a longer one ends the response
-    after the token that completes it (the tokens after it masked out), wherever it falls."""
+def test_stop_strings_reach_the_rollout_and_are_refused_where_nothing_can_find_them(
+    user: dict[str, Path], tmp_path: Path
+) -> None:
+    """trainer.stop_strings go into every generation's SamplingParams (training and
+    evaluation) and the rollout stops on them (the rollout kit checks where); a job whose model
+    has no tokenizer (the digit task) or whose rollout does not stop on strings is refused
+    before anything is built, and data.stop_strings says where the setting lives."""
+    from engine_core.errors import CapabilityError
+    from engine_core_roles import TrainerConfig
+
+    assert TrainerConfig(stop_strings=["END"]).sampling_params(3).stop_strings == ["END"]
+    # the tokenizer's own stops: EOS (this one has no end-of-turn token)
     from transformers import AutoTokenizer
 
-    from engine_core.rollout import RESPONSE_IDS, RESPONSE_MASK
-    from engine_core_roles.data.datasets.stop_strings import (
-        StopStrings,
-        multi_token_stop_strings,
-        stop_token_ids,
-    )
+    from engine_core_roles.data.datasets.stop_strings import stop_token_ids
 
     tok = AutoTokenizer.from_pretrained(user["model"])
     assert stop_token_ids(tok) == [tok.eos_token_id]
-    assert stop_token_ids(tok, ["\n"]) == [tok.eos_token_id, tok("\n")["input_ids"][0]]
-    assert stop_token_ids(tok, ["END"]) == [tok.eos_token_id]  # three tokens: not a stop id
-    assert multi_token_stop_strings(tok, ["\n", "END"]) == ["END"]
-
-    def ids(text: str) -> list[int]:
-        return list(tok(text, add_special_tokens=False)["input_ids"])
-
-    texts = ["12END34", "END", "1234", "12EN", "xENDyENDz"]
-    rows = [ids(t) for t in texts]
-    width = max(map(len, rows)) + 1
-    response = torch.zeros((len(rows), width), dtype=torch.long)
-    mask = torch.zeros_like(response)
-    for i, r in enumerate(rows):
-        response[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
-    samples = TensorDict({RESPONSE_IDS: response, RESPONSE_MASK: mask}, batch_size=[len(rows)])
-    out = StopStrings(tok, ["END"])(samples.clone())
-    kept = [
-        tok.decode(out[RESPONSE_IDS][i][out[RESPONSE_MASK][i].bool()].tolist())
-        for i in range(len(rows))
-    ]
-    assert kept == ["12END", "END", "1234", "12EN", "xEND"]
-    # only tokens after the stop are masked: the kept ones are the response's own prefix
-    assert torch.equal(out[RESPONSE_MASK] <= mask, torch.ones_like(mask, dtype=torch.bool))
-    with pytest.raises(ValueError, match="non-empty"):
-        StopStrings(tok, [""])
+    digits = apply_overrides(
+        load_yaml(RECIPES / "grpo_tiny.yaml"),
+        [f"output_dir={tmp_path / 'digits'}", "trainer.stop_strings=[END]"],
+    )
+    with pytest.raises(ConfigError, match="the model has no tokenizer"):
+        run_rl_job(digits, load_plugins())
+    raw = _raw(user, tmp_path / "sglang", "trainer.stop_strings=[END]", "rollout.backend=sglang")
+    with pytest.raises(CapabilityError, match=r"trainer.stop_strings=\['END'\]: rollout: "):
+        run_rl_job(raw, load_plugins())
+    with pytest.raises(ValueError, match="set trainer.stop_strings instead"):
+        run_rl_job(_raw(user, tmp_path / "data", "data.stop_strings=[END]"), load_plugins())
+    for out in ("digits", "sglang", "data"):
+        assert not (tmp_path / out).exists()
 
 
 def test_the_three_override_command_runs_as_typed_and_says_what_it_dropped(

@@ -20,8 +20,9 @@ whatever the batch around it; the ``n`` samples of a prompt in order; stop ids e
 (the stop id kept as its last token) and ``truncated`` says which samples ran out; a weight
 update in buckets applied and verified, a partial, misshapen or corrupted one refused; weights
 kept through ``release`` / ``resume``; bad input refused; ``generate_async`` and adapters-only
-LoRA syncs where declared. Not checked yet: stop strings (``SamplingParams`` has none), returned
-routes against the oracle's routers, vision inputs.
+LoRA syncs where declared; stop strings end a sample where their definition says
+(:mod:`engine_core.stop_strings`) where declared. Not checked yet: returned routes against the
+oracle's routers, vision inputs.
 """
 
 from __future__ import annotations
@@ -377,6 +378,74 @@ def check_stop(s: Subject) -> None:
             )
 
 
+def _string_ending_inside(s: Subject, prompt: list[int], start: int) -> str:
+    """Text of ``prompt``'s greedy continuation from token ``start`` on, two tokens' worth,
+    cut one character short where the second token has more than one: a stop string whose
+    last character lies inside a token."""
+    cont = s.oracle.greedy(prompt, start + 2)
+    text = s.oracle.decode(cont[start : start + 2])
+    return text[:-1] if len(s.oracle.decode(cont[start + 1 : start + 2])) > 1 else text
+
+
+def check_stop_strings(s: Subject) -> None:
+    """Where ``stop_strings`` is declared: a sample ends after the first token at which its
+    decoded text holds a stop string (that token kept, ``truncated`` False), also where the
+    string ends inside a token; a sample that never holds one runs to its budget, truncated."""
+    from engine_core.stop_strings import holds_stop_string, stop_string_end
+
+    if Capability.STOP_STRINGS not in s.capabilities:
+        raise NotDeclared
+    strings = [_string_ending_inside(s, PROMPTS[0], 2), _string_ending_inside(s, PROMPTS[2], 4)]
+    params = SamplingParams(temperature=0, max_new_tokens=10, stop_strings=strings)
+    out = generate(s, prompt_batch(), params)
+    got, cut = responses(out), out[TRUNCATED].tolist()
+    fix = (
+        "after each token, decode the response so far with the model's tokenizer "
+        "(skip_special_tokens=True; engine_core.stop_strings.load_stop_tokenizer) and end the "
+        "sample there, not truncated, once the text holds one of params.stop_strings."
+    )
+    ended = 0
+    for i, prompt in enumerate(PROMPTS):
+        full = s.oracle.greedy(prompt, 10)
+        end = stop_string_end(s.oracle.decode, full, strings)
+        want = full if end is None else full[:end]
+        ended += end is not None
+        expect(
+            got[i] == want,
+            "stop strings",
+            f"prompt {i} with stop_strings={strings!r}: got {got[i]} "
+            f"({s.oracle.decode(got[i])!r}), want {want} ({s.oracle.decode(want)!r}).",
+            fix,
+        )
+        expect(
+            cut[i] == (end is None),
+            "truncated",
+            f"prompt {i}: the sample {'ran to max_new_tokens' if end is None else 'ended on a stop string'} "
+            f"but truncated={cut[i]}.",
+            "a sample that ends on a stop string is not truncated; truncated is True exactly "
+            "where max_new_tokens ran out.",
+        )
+    assert ended >= 2, (strings, got)  # the kit's own choice of strings ends two prompts
+    sampled = ["e", "q", "x"]
+    out = generate(
+        s,
+        prompt_batch(),
+        SamplingParams(temperature=1.5, max_new_tokens=10, n=4, seed=SEED, stop_strings=sampled),
+    )
+    for r, resp in enumerate(responses(out)):
+        holds = [
+            holds_stop_string(s.oracle.decode(resp[:k]), sampled)
+            for k in (len(resp) - 1, len(resp))
+        ]
+        state = "truncated" if out[TRUNCATED][r] else "not truncated"
+        expect(
+            not holds[0] and holds[1] != bool(out[TRUNCATED][r]),
+            "stop strings",
+            f"sample {r} ({state}) is {s.oracle.decode(resp)!r} with stop_strings={sampled!r}.",
+            fix,
+        )
+
+
 def _sync(s: Subject, state: dict[str, torch.Tensor]) -> list[Any]:
     named = sorted(state.items())
     return list(s.rollout.load_weights(sent_buckets(named, 16 << 10)))
@@ -493,6 +562,21 @@ def check_refusals(s: Subject) -> None:
             good,
         ),
     ]
+    if Capability.STOP_STRINGS not in s.capabilities:
+        cases.append(
+            (
+                "stop_strings without stop_strings declared",
+                prompt_batch(),
+                good.model_copy(update={"stop_strings": ["ab"]}),
+            )
+        )
+    cases.append(
+        (
+            "an empty stop string (params built without validation)",
+            prompt_batch(),
+            SamplingParams.model_construct(**{**good.model_dump(), "stop_strings": [""]}),
+        )
+    )
     if Capability.ROUTING_REPLAY not in s.capabilities:
         cases.append(
             (
@@ -648,6 +732,7 @@ CHECKS: dict[str, Callable[[Subject], None]] = {
     "seeds": check_seeds,
     "sample_order": check_sample_order,
     "stop": check_stop,
+    "stop_strings": check_stop_strings,
     "weights": check_weights,
     "checksums": check_checksum_of_loaded,
     "release_resume": check_release_resume,

@@ -71,11 +71,16 @@ class Oracle:
     """Plain transformers on the weights the rollout should hold, one sequence at a time."""
 
     def __init__(self, folder: str, model: Any = None) -> None:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if model is None:
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         self.model = model.eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+
+    def decode(self, ids: list[int]) -> str:
+        """The text a stop string is looked for in (:mod:`engine_core.stop_strings`)."""
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
     def state(self) -> dict[str, torch.Tensor]:
         return {n: t.detach().clone() for n, t in self.model.state_dict().items()}
@@ -153,6 +158,33 @@ def kit_model_config() -> dict[str, Any]:
     }
 
 
+def token_text(i: int) -> str:
+    """Token ``i``'s text in the kit's tokenizer: id 0 the (special) pad, 1-26 one letter each,
+    the rest two or three letters, so a stop string can end inside a token."""
+    if i == 0:
+        return "<pad>"
+    if i <= 26:
+        return chr(96 + i)
+    return chr(97 + (i * 7) % 26) + chr(97 + (i * 11) % 26)
+
+
+def kit_tokenizer(vocab: int) -> Any:
+    """A tokenizer of ``vocab`` tokens whose decode concatenates the tokens' texts, saved with
+    the kit's model: rollouts that stop on strings decode with it."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    texts: dict[str, int] = {}
+    for i in range(vocab):
+        text = token_text(i)
+        while text in texts:
+            text += "z"
+        texts[text] = i
+    tokenizer = Tokenizer(models.WordLevel(texts, unk_token="<pad>"))
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>")
+
+
 def runs_on_cpu(name: str) -> bool:
     """Whether rollout ``name`` (or ``process:NAME``) is registered as running on CPU."""
     from engine_core.plugins import load_plugins
@@ -189,6 +221,7 @@ def start_rollout(name: str) -> Subject:
         torch.manual_seed(SEED)
         config = AutoConfig.for_model(**raw)
         AutoModelForCausalLM.from_config(config).save_pretrained(folder.name)
+    kit_tokenizer(VOCAB).save_pretrained(folder.name)
     oracle = Oracle(folder.name)
     initial = oracle.state()
     g = torch.Generator().manual_seed(SEED + 1)

@@ -18,5 +18,6 @@ HF_CAPABILITIES = frozenset(
         Capability.SLEEP,
         Capability.LORA,
         Capability.ROUTING_REPLAY,  # returns routed_experts (SamplingParams.return_routes)
+        Capability.STOP_STRINGS,  # decodes with the model's tokenizer as it generates
     }
 )

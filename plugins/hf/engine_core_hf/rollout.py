@@ -35,7 +35,13 @@ import numpy as np
 import torch
 from pydantic import Field, PositiveInt
 from tensordict import TensorDict
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 from engine_core.backend import (
     PROMPT_IDS,
@@ -51,6 +57,8 @@ from engine_core.backend import (
     RouteRecorder,
     SamplingParams,
     build_model,
+    holds_stop_string,
+    load_stop_tokenizer,
     prompt_seeds,
     prompt_tensors,
     tensor_checksum,
@@ -87,12 +95,15 @@ class HFRollout(BaseRollout):
         self._shapes = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
         self._generation_configs: dict[tuple[Any, ...], GenerationConfig] = {}
         self._vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
+        self._tokenizer: Any = None  # read on the first request with stop_strings
 
     # -- generation -----------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts: TensorDict, params: SamplingParams) -> TensorDict:
         ids, mask = prompt_tensors(prompts, "HFRollout.generate", self._vocab_size)
         self.check_params(params)
+        if params.stop_strings and self._tokenizer is None:
+            self._tokenizer = load_stop_tokenizer(self.cfg.model, "HFRollout")
         row_seeds = None if params.greedy else _sample_seeds(prompts, params)
         ids, mask = ids.repeat_interleave(params.n, dim=0), mask.repeat_interleave(params.n, dim=0)
         rows = self.cfg.generation_batch_size * params.n  # every sample of a prompt in one call
@@ -172,6 +183,10 @@ class HFRollout(BaseRollout):
         kwargs: dict[str, Any] = {"generation_config": self._generation_config(params, sample)}
         if row_seeds is not None:  # our sampler picks each row's token; generate takes argmax
             kwargs["logits_processor"] = LogitsProcessorList([_RowSampler(row_seeds, params)])
+        strings = None
+        if params.stop_strings:
+            strings = _StopAtStrings(self._tokenizer, params.stop_strings, ids.shape[1])
+            kwargs["stopping_criteria"] = StoppingCriteriaList([strings])
         recorder = RouteRecorder(self.model) if params.return_routes else contextlib.nullcontext()
         with recorder:
             out = self.model.generate(
@@ -186,10 +201,15 @@ class HFRollout(BaseRollout):
         for s in stop:
             is_stop |= resp == s
         after_stop = (is_stop.long().cumsum(-1) - is_stop.long()) > 0
+        ended = is_stop.any(-1)
+        if strings is not None and strings.ends is not None:  # past the token ending a string
+            at = strings.ends[:, None]
+            after_stop |= (at > 0) & (torch.arange(resp.shape[1])[None, :] >= at)
+            ended |= strings.ends > 0
         resp_mask = (~after_stop).long()
         resp = resp.masked_fill(after_stop, self.pad_token_id)
         logps = logps.masked_fill(after_stop, 0.0)
-        truncated = ~is_stop.any(-1)
+        truncated = ~ended
         routes = None
         if isinstance(recorder, RouteRecorder):
             routes = _generation_routes(recorder.forwards(), ids.shape, resp.shape[1])
@@ -213,6 +233,27 @@ class HFRollout(BaseRollout):
 
     def resume(self) -> None:
         self.model.to(self.device)
+
+
+class _StopAtStrings(StoppingCriteria):
+    """Ends each row after the token at which its response's text holds one of ``strings``
+    (:mod:`engine_core.stop_strings`' definition); ``ends[i]`` is then row i's response length
+    (0 while it has not ended on a string). Each step decodes the rows still going, once."""
+
+    def __init__(self, tokenizer: Any, strings: list[str], prompt_len: int) -> None:
+        self.tokenizer, self.strings, self.start = tokenizer, strings, prompt_len
+        self.ends: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> Any:
+        resp = input_ids[:, self.start :].cpu()
+        if self.ends is None:
+            self.ends = torch.zeros(resp.shape[0], dtype=torch.long)
+        going = (self.ends == 0).nonzero().squeeze(-1).tolist()
+        texts = self.tokenizer.batch_decode(resp[going].tolist(), skip_special_tokens=True)
+        for i, text in zip(going, texts, strict=True):
+            if holds_stop_string(text, self.strings):
+                self.ends[i] = resp.shape[1]
+        return (self.ends > 0).to(input_ids.device)
 
 
 def _signed(c: int) -> int:

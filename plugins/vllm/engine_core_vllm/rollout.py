@@ -1,6 +1,6 @@
 """``VLLMRollout``: generation with vLLM's offline ``LLM`` engine, run in the calling process.
 
-- Prompts go in as token ids (no tokenizer is loaded); each prompt's ``n`` samples come back
+- Prompts go in as token ids; each prompt's ``n`` samples come back
   adjacent, right-padded, with the log-prob of every sampled token. vLLM is started with
   ``logprobs_mode="processed_logprobs"``: the log-softmax of the logits divided by the
   temperature (1 for greedy) — the quantity a trainer computes with ``BatchMeta(temperature=T)``
@@ -21,6 +21,10 @@
   back from the model's parameters; the checksum covers the tensors the loader received, and the
   rollout-vs-trainer log-prob difference (reported each step by the training loop) covers the
   rest.
+- Stop strings (``SamplingParams.stop_strings``) are vLLM's own ``stop``, the string kept in the
+  output: vLLM is started with the model's tokenizer where the model has one
+  (:func:`engine_core.stop_strings.tokenizer_folder`), without one otherwise (then a request
+  with stop strings is refused); only requests with stop strings are detokenized.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from engine_core.backend import (
     checkpoint_tensors,
     confirm_bucket,
     is_adapter_name,
+    load_stop_tokenizer,
     meta_model,
     model_weight_shapes,
     place_routes,
@@ -60,6 +65,7 @@ from engine_core.backend import (
     set_default_for_process,
     set_for_process,
     split_peft_tensors,
+    tokenizer_folder,
 )
 from engine_core_vllm.plugin import VLLM_CAPABILITIES
 
@@ -150,9 +156,11 @@ def to_vllm_sampling_params(params: SamplingParams, seed: int | None = None) -> 
         top_k=params.top_k if params.top_k > 0 else 0,
         max_tokens=params.max_new_tokens,
         stop_token_ids=list(params.stop_token_ids),
+        stop=list(params.stop_strings) or None,
+        include_stop_str_in_output=True,
         seed=seed,
         logprobs=0,  # the sampled token's log-prob only
-        detokenize=False,
+        detokenize=bool(params.stop_strings),  # vLLM looks for stop strings in its text
     )
 
 
@@ -195,12 +203,15 @@ class VLLMRollout(BaseRollout):
         self._lora: Any = None  # the LoRARequest of the adapters served now
         if config.return_routes:  # vLLM records routes in its prefix-cached KV blocks
             serving.update(enable_return_routed_experts=True, enable_prefix_caching=True)
+        self._tokenizer = tokenizer_folder(config.model.model_copy(update={"path": path}))
+        if self._tokenizer is not None:
+            serving["tokenizer"] = self._tokenizer
         with _routes_refused(config.return_routes):
             self.llm = LLM(
                 **serving,
                 enable_sleep_mode=self._sleep_mode,
                 model=path,
-                skip_tokenizer_init=True,
+                skip_tokenizer_init=self._tokenizer is None,
                 dtype=dtype,
                 seed=config.seed,
                 enforce_eager=config.enforce_eager,
@@ -225,6 +236,8 @@ class VLLMRollout(BaseRollout):
             )
         ids, mask = prompt_tensors(prompts, "VLLMRollout.generate", self._vocab_size)
         self.check_params(params)
+        if params.stop_strings and self._tokenizer is None:
+            load_stop_tokenizer(self.cfg.model, "VLLMRollout")  # refuses: the model has none
         from vllm.inputs import TokensPrompt
 
         requests = [

@@ -13,11 +13,7 @@ from engine_core_roles.data.datasets.chats import (
 )
 from engine_core_roles.data.datasets.files import SeededOrder, read_rows
 from engine_core_roles.data.datasets.prompts import DataConfig, PromptData
-from engine_core_roles.data.datasets.stop_strings import (
-    StopStrings,
-    multi_token_stop_strings,
-    stop_token_ids,
-)
+from engine_core_roles.data.datasets.stop_strings import stop_token_ids
 from engine_core_roles.data.datasets.tokenizer import load_tokenizer
 from engine_core_roles.data.rewards.answers import (
     BUILTINS,
@@ -74,8 +70,6 @@ __all__ = [
     "Rewards",
     "SampleReward",
     "stop_token_ids",
-    "multi_token_stop_strings",
-    "StopStrings",
     "PAD",
     "BOS",
     "SEP",

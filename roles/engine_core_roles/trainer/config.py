@@ -183,6 +183,7 @@ class TrainerConfig(SamplingSettings, Seeded):
             max_new_tokens=self.max_new_tokens,
             n=self.samples_per_prompt,
             stop_token_ids=list(self.stop_token_ids),
+            stop_strings=list(self.stop_strings),
             seed=seed,
             return_routes=self.routing_replay in ("rollout", "measure"),
         )

@@ -105,8 +105,7 @@ Params = Callable[[int, int], SamplingParams]
 
 
 class Generation:
-    """Generates on ``rollout``; ``responses`` (None: as they are) takes every generation's
-    samples before anything reads them; ``version()`` is the weight version the rollout holds."""
+    """Generates on ``rollout``; ``version()`` is the weight version the rollout holds."""
 
     def __init__(
         self,
@@ -114,19 +113,18 @@ class Generation:
         prompts: PromptReader,
         params: Params,
         version: Callable[[], int],
-        responses: Callable[[TensorDict], TensorDict] | None = None,
     ) -> None:
         self.rollout, self.prompts, self.params = rollout, prompts, params
-        self._version, self._responses = version, responses
+        self._version = version
 
     def draw(self, step: int) -> Drawn:
         """Step ``step``'s prompts and samples."""
         raise NotImplementedError
 
     def generate(self, prompts: TensorDict, params: SamplingParams) -> TensorDict:
-        """Samples of ``prompts`` now, through ``responses``."""
-        samples = self.rollout.generate(prompts, params)
-        return samples if self._responses is None else self._responses(samples)
+        """Samples of ``prompts`` now."""
+        samples: TensorDict = self.rollout.generate(prompts, params)
+        return samples
 
     def version_metrics(self, drawn: Drawn, staleness: int) -> dict[str, float]:
         """The step's row figures of the weights that generated ``drawn`` (none here)."""
@@ -166,22 +164,14 @@ class _Pending(Protocol):
 class _Generating:
     """A generation in flight: its samples, as drawn, computed once when first asked for."""
 
-    def __init__(
-        self,
-        pending: Pending,
-        prompts: TensorDict,
-        version: int,
-        responses: Callable[[TensorDict], TensorDict] | None,
-    ) -> None:
+    def __init__(self, pending: Pending, prompts: TensorDict, version: int) -> None:
         self._pending, self._prompts, self._version = pending, prompts, version
-        self._responses = responses
         self._drawn: Drawn | None = None
 
     def result(self) -> Drawn:
         if self._drawn is None:
             gen = self._pending.result()  # raises what the generation raised, every time asked
-            made = gen if self._responses is None else self._responses(gen)
-            self._drawn = Drawn(self._prompts, made, self._version)
+            self._drawn = Drawn(self._prompts, gen, self._version)
         return self._drawn
 
 
@@ -211,11 +201,10 @@ class Asynchronous(Generation):
         prompts: PromptReader,
         params: Params,
         version: Callable[[], int],
-        responses: Callable[[TensorDict], TensorDict] | None = None,
         *,
         before_next: Callable[[], None],
     ) -> None:
-        super().__init__(rollout, prompts, params, version, responses)
+        super().__init__(rollout, prompts, params, version)
         self._remote, self._before_next = rollout, before_next
         self._pending: _Pending | None = None
 
@@ -234,7 +223,7 @@ class Asynchronous(Generation):
             return _Settled(error=e)
         params, version = self.params(step, 0), self._version()
         pending = self._remote.generate_async(prompts, params)
-        return _Generating(pending, prompts, version, self._responses)
+        return _Generating(pending, prompts, version)
 
     def version_metrics(self, drawn: Drawn, staleness: int) -> dict[str, float]:
         """The weight version that generated the samples, and how many updates old they are."""

@@ -112,9 +112,7 @@ class RLTrainer:
     actor uses a KL loss; a ``critic`` exactly when the advantage estimator of
     ``config.algorithm`` needs one (``gae``: ``algorithm="ppo"``).
     ``global_step`` is the number of steps already taken (set it when resuming a checkpoint).
-    ``responses``, when given, takes every generation's samples before anything reads them and
-    returns them (e.g. :class:`engine_core_roles.data.datasets.stop_strings.StopStrings`, which ends responses at
-    stop strings of several tokens by masking what follows). ``num_experts``, for a mixture of
+    ``num_experts``, for a mixture of
     experts under routing replay, turns on the expert-load metrics (``moe/load_spread*``).
 
     >>> trainer = RLTrainer(TrainerConfig(), actor=actor, rollout=rollout,
@@ -135,7 +133,6 @@ class RLTrainer:
         reward_model: RewardRole | None = None,
         global_step: int = 0,
         weights: WeightLink | None = None,
-        responses: Callable[[TensorDict], TensorDict] | None = None,
         num_experts: int | None = None,
     ) -> None:
         if reward_fn is None and reward_model is None:
@@ -203,12 +200,11 @@ class RLTrainer:
                 reader,
                 params,
                 self._synced_version,
-                responses,
                 before_next=self._sync_if_stale,
             )
             self._push_update = _later  # before the next generation starts (before_next)
         else:
-            self._generation = Synchronous(rollout, reader, params, self._synced_version, responses)
+            self._generation = Synchronous(rollout, reader, params, self._synced_version)
             self._push_update = self.sync_weights  # now: the next step generates with them
         self._scorer = Scorer(reward_fn, reward_model, config.reward_model_weight)
         self._scoring = (

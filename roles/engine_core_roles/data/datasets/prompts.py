@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from pydantic import Field, PositiveInt, field_validator
+from pydantic import Field, PositiveInt, field_validator, model_validator
 from tensordict import NonTensorStack, TensorDict
 
 from engine_core.errors import ConfigError
@@ -44,13 +44,6 @@ class DataConfig(FilesConfig):
         description="Longer prompts are dropped (counted); default: the model's context minus "
         "the response length.",
     )
-    stop_strings: list[str] = Field(
-        default_factory=list,
-        description="Responses also end at these strings: one that is one token of the "
-        "tokenizer is a stop token id of the rollout; a longer one ends the response after the "
-        "token that completes it (the rollout generates on; what follows is not trained on).",
-    )
-
     demos: list[str] = Field(
         default_factory=list,
         description="JSONL files of demonstrations ({'messages': [...]} ending with the "
@@ -60,6 +53,17 @@ class DataConfig(FilesConfig):
     )
 
     _demos_one_or_many = field_validator("demos", mode="before")(one_or_many)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stop_strings_are_the_trainers(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "stop_strings" in data:
+            raise ValueError(
+                f"data.stop_strings={data['stop_strings']!r}: stop strings are a sampling "
+                f"setting, beside the stop token ids; set trainer.stop_strings instead (the "
+                f"rollout stops on them as it generates)."
+            )
+        return data
 
 
 class PromptData:

@@ -29,6 +29,7 @@ from engine_core.hookspecs import AlgorithmNeed
 from engine_core.models import build_hf_config
 from engine_core.remote_rollout import ProcessRollout
 from engine_core.rollout import BaseRollout
+from engine_core.stop_strings import tokenizer_folder
 from engine_core_roles.algorithms.select import resolve_algorithm
 from engine_core_roles.distributed.placement import (
     ActorGroup,
@@ -81,6 +82,7 @@ def resolve(job: RLJobConfig, manager: PluginManager) -> Resolved:
             f"Fix the plugin's config class."
         )
     _check_routing_capabilities(job, engine[0])
+    _check_stop_strings(job, rollout_spec, rollout_cfg)
     critic = None
     algorithm = resolve_algorithm(job.trainer.algorithm, manager)
     if AlgorithmNeed.CRITIC in algorithm.needs:
@@ -92,6 +94,24 @@ def resolve(job: RLJobConfig, manager: PluginManager) -> Resolved:
         )
         _check_vocabulary(engine[1], reward_model[1])
     return Resolved(engine, (rollout_spec, rollout_cfg), critic, reward_model)
+
+
+def _check_stop_strings(job: RLJobConfig, spec: BackendSpec, cfg: RolloutConfig) -> None:
+    """trainer.stop_strings need a rollout that stops on strings and a tokenizer to decode with."""
+    strings = job.trainer.stop_strings
+    if not strings:
+        return
+    try:
+        check_capabilities(spec.name, spec.capabilities, [Capability.STOP_STRINGS])
+    except CapabilityError as e:
+        raise CapabilityError(f"trainer.stop_strings={strings!r}: rollout: {e}") from None
+    if tokenizer_folder(cfg.model) is None:
+        raise ConfigError(
+            f"trainer.stop_strings={strings!r} are found in the decoded text, and the model has "
+            f"no tokenizer (engine.model.path={cfg.model.path!r}, engine.model.tokenizer="
+            f"{cfg.model.tokenizer!r}); set engine.model.tokenizer to a folder holding one, or "
+            f"stop on token ids (trainer.stop_token_ids)."
+        )
 
 
 def _check_routing_capabilities(job: RLJobConfig, engine: BackendSpec) -> None:

@@ -297,7 +297,7 @@ class RLJobConfig(JobConfig):
 
     def text_trainer_config(self, stops: list[int]) -> TrainerConfig:
         """The loop's settings of a text job: ``trainer``, stopping at ``stops`` (the
-        tokenizer's EOS, its chat template's end of turn and data.stop_strings' tokens) where
+        tokenizer's EOS and its chat template's end of turn) where
         ``trainer`` leaves stop_token_ids unset."""
         if "stop_token_ids" in self.trainer.model_fields_set:
             return self.trainer

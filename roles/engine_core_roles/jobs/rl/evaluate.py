@@ -32,6 +32,7 @@ def evaluate(trainer: RLTrainer, text: TextParts, job: RLJobConfig, step: int) -
         max_new_tokens=base.max_new_tokens,
         n=k,
         stop_token_ids=list(base.stop_token_ids),
+        stop_strings=list(base.stop_strings),
         seed=None if cfg.greedy else seed,
     )
     threshold = (job.reward or RewardConfig()).success_threshold

@@ -115,7 +115,6 @@ def _run(
         critic=roles.critic,
         reward_model=roles.reward_model,
         weights=built.weights,
-        responses=source.responses,
         num_experts=num_experts_of(
             build_hf_config(ModelConfig.model_validate(job.engine["model"]))
         ),

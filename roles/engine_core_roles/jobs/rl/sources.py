@@ -11,7 +11,6 @@ from tensordict import TensorDict
 
 from engine_core import BaseEngine
 from engine_core.errors import CheckpointError
-from engine_core_roles.data.datasets.stop_strings import StopStrings
 from engine_core_roles.data.rewards.functions import RewardFn, SampleReward
 from engine_core_roles.data.tasks.digits import PAD, DigitTask
 from engine_core_roles.distributed.placement import RoleGroup
@@ -31,7 +30,6 @@ class Source:
     key = ""
     trainer_config: TrainerConfig
     reward: RewardFn | SampleReward
-    responses: StopStrings | None = None
 
     def prompts(self, step: int) -> PromptBatch:
         raise NotImplementedError
@@ -89,14 +87,14 @@ class TaskSource(Source):
 
 class TextSource(Source):
     """The text job: batches of the training prompt files, scored by the reward function on the
-    decoded samples; responses end at multi-token stop strings."""
+    decoded samples."""
 
     key = "data"
 
     def __init__(self, job: RLJobConfig, text: TextParts) -> None:
         self.job, self.text = job, text
         self.trainer_config = job.text_trainer_config(text.stops)
-        self.reward, self.responses = text.reward, text.stop_strings
+        self.reward = text.reward
 
     def prompts(self, step: int) -> TensorDict:
         return self.text.train.next_batch(self.job.prompts_per_step)

@@ -19,11 +19,7 @@ from engine_core.errors import ConfigError
 from engine_core.models import build_hf_config
 from engine_core_roles.batch.keys import ROW
 from engine_core_roles.data.datasets.prompts import PromptData
-from engine_core_roles.data.datasets.stop_strings import (
-    StopStrings,
-    multi_token_stop_strings,
-    stop_token_ids,
-)
+from engine_core_roles.data.datasets.stop_strings import stop_token_ids
 from engine_core_roles.data.datasets.tokenizer import load_tokenizer
 from engine_core_roles.data.rewards.functions import RewardConfig
 from engine_core_roles.data.rewards.text import TextReward
@@ -45,7 +41,6 @@ class TextParts:
     environment: Callable[[], Environment] | None = None
     tools: list[dict[str, Any]] | None = None
     context: int | None = None  # the model's context length
-    stop_strings: StopStrings | None = None  # ends responses at multi-token stop strings
     val_reward: TextReward | None = None
 
 
@@ -79,22 +74,9 @@ def text_parts(job: RLJobConfig, console: Console) -> TextParts | None:
     train = PromptData(
         job.data.train_files, tokenizer, job.data, max_length=limit, tools=tools, rows=rows
     )
-    stops = stop_token_ids(tokenizer, job.data.stop_strings)
-    longer = multi_token_stop_strings(tokenizer, job.data.stop_strings)
-    if longer and job.env is not None:
-        raise ConfigError(
-            f"data.stop_strings {longer} are several tokens of this tokenizer; with env an "
-            f"episode's turns stop on token ids only. Give single-token stop strings, or drop "
-            f"them."
-        )
-    if "stop_token_ids" in job.trainer.model_fields_set and job.data.stop_strings:
-        raise ConfigError(
-            "both trainer.stop_token_ids and data.stop_strings are set; give the stops in one "
-            "place (trainer.stop_token_ids replaces the tokenizer's own)."
-        )
+    stops = stop_token_ids(tokenizer)
     reward = TextReward(reward_cfg, tokenizer, train, show=job.log_samples)
     text = TextParts(tokenizer, train, reward, stops, environment=environment, tools=tools)
-    text.stop_strings = StopStrings(tokenizer, longer) if longer else None
     text.context = None if context is None else int(context)
     sets = [("data.train_files", train)]
     if job.data.val_files:
