@@ -93,6 +93,8 @@ BACKEND_SURFACE = {
     "BUCKET_BYTES", "TRUNCATED", "PROMPT_IDS", "PROMPT_MASK", "PROMPT_SEED",
     "RESPONSE_IDS", "RESPONSE_MASK", "ROLLOUT_LOG_PROBS", "prompt_seeds", "sample_seeds",
     "derive_seed",
+    # stop strings
+    "stop_string_end", "holds_stop_string", "tokenizer_folder", "load_stop_tokenizer",
     # the environment a backend's library reads
     "set_for_process", "set_default_for_process",
     # errors

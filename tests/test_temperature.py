@@ -176,19 +176,21 @@ def test_the_actor_refuses_a_temperature_of_its_own() -> None:
 
 
 def test_the_sampling_settings_are_declared_once() -> None:
-    """temperature, max_new_tokens and stop_token_ids are SamplingSettings' fields, inherited
-    by the trainer's config and each step's SamplingParams alike: the same field, the same
-    checks, and the step's params carry the trainer's values."""
+    """temperature, max_new_tokens, stop_token_ids and stop_strings are SamplingSettings'
+    fields, inherited by the trainer's config and each step's SamplingParams alike: the same
+    field, the same checks, and the step's params carry the trainer's values."""
     from engine_core.rollout import SamplingSettings
 
     shared = set(SamplingSettings.model_fields)
-    assert shared == {"temperature", "max_new_tokens", "stop_token_ids"}
+    assert shared == {"temperature", "max_new_tokens", "stop_token_ids", "stop_strings"}
     for cls in (TrainerConfig, SamplingParams):
         assert issubclass(cls, SamplingSettings)
         for name in shared:
             own, base = cls.model_fields[name], SamplingSettings.model_fields[name]
             assert repr(own) == repr(base), (cls, name)
-    config = TrainerConfig(temperature=0.7, max_new_tokens=5, stop_token_ids=[2])
+    config = TrainerConfig(
+        temperature=0.7, max_new_tokens=5, stop_token_ids=[2], stop_strings=["\n\n"]
+    )
     params = config.sampling_params(1)
     assert {k: getattr(params, k) for k in shared} == {k: getattr(config, k) for k in shared}
     with pytest.raises(ValueError, match=r"trainer\.temperature=0 samples greedily"):
