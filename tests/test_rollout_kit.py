@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -52,3 +53,50 @@ def test_no_isinstance_on_rollout_kinds_above_the_core() -> None:
             ):
                 found.append(f"{path.relative_to(ROLES)}:{node.lineno}: {ast.unparse(node)}")
     assert not found, found
+
+
+def test_routes_placed_one_token_late_are_caught() -> None:
+    """The routes check fails a rollout whose routes sit one position late (the prompt's
+    forward's experts shifted onto the next token), naming the token and the promise."""
+    from engine_core.rollout import ROUTED_EXPERTS
+
+    with started("hf") as subject:
+        build = subject.build
+        assert build is not None
+
+        def shifted(model: Any, **fields: Any) -> Any:
+            rollout = build(model, **fields)
+            generate = rollout.generate
+
+            def late(prompts: Any, params: Any) -> Any:
+                out = generate(prompts, params)
+                out[ROUTED_EXPERTS] = out[ROUTED_EXPERTS].roll(1, dims=1)
+                return out
+
+            rollout.generate = late  # type: ignore[method-assign]
+            return rollout
+
+        subject.build = shifted
+        with pytest.raises(PromiseBroken) as caught:
+            CHECKS["routes"](subject)
+    assert caught.value.promise == "routes"
+    assert "are not the routers'" in str(caught.value)
+
+
+def test_the_kit_options_set_the_rollout_up_and_refuse_a_setting_it_lacks() -> None:
+    """``--engine-core-rollout-config=KEY=VALUE`` reaches the rollout's config (a ``device=``
+    lets a rollout that does not declare cpu run), and a key the config lacks is refused
+    naming the valid ones before any rollout starts."""
+    from engine_core.errors import ConfigError
+    from engine_core.testing.rollout_subject import runs_on_cpu
+
+    assert runs_on_cpu("hf") and not runs_on_cpu("sglang")
+    assert runs_on_cpu("sglang", ["device=cpu"])
+    with pytest.raises(Exception, match=r"rollout\.no_such_field\n.*Valid keys here: seed"):
+        with started("hf", None, ["no_such_field=1"]):
+            pass
+    with pytest.raises(ConfigError, match="override 'nonsense' has no '='"):
+        with started("hf", None, ["nonsense"]):
+            pass
+    with started("hf", None, ["generation_batch_size=3"]) as subject:
+        assert subject.rollout.config.generation_batch_size == 3

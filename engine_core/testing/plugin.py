@@ -44,6 +44,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "process:NAME for two replicas of it in processes of their own (repeatable).",
     )
     group.addoption(
+        "--engine-core-rollout-python",
+        default=None,
+        metavar="PATH",
+        help="The interpreter interpreter:NAME starts its replicas in (default: this one), e.g. "
+        "an environment of the rollout's own.",
+    )
+    group.addoption(
+        "--engine-core-rollout-config",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="Set a field of the rollout's config under test (repeatable), e.g. device=cpu; a "
+        "rollout that does not declare cpu runs when its device is given.",
+    )
+    group.addoption(
         "--engine-core-kit-only",
         action="append",
         default=[],

@@ -13,16 +13,28 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine_core.testing.rollout_kit import CHECKS, NotDeclared, Subject, runs_on_cpu, started
+from engine_core.testing.rollout_kit import (
+    CHECKS,
+    CannotRunHere,
+    NotDeclared,
+    Subject,
+    runs_on_cpu,
+    started,
+)
 
 pytestmark = pytest.mark.engine_core_rollout_contract
 
 
 @pytest.fixture(scope="module")
-def rollout_subject(engine_core_rollout: str) -> Iterator[Subject]:
-    if not runs_on_cpu(engine_core_rollout):
-        pytest.skip(f"rollout {engine_core_rollout!r} does not declare cpu: the kit runs on CPU.")
-    with started(engine_core_rollout) as subject:
+def rollout_subject(engine_core_rollout: str, pytestconfig: pytest.Config) -> Iterator[Subject]:
+    settings = pytestconfig.getoption("engine_core_rollout_config")
+    python = pytestconfig.getoption("engine_core_rollout_python")
+    if not runs_on_cpu(engine_core_rollout, settings):
+        pytest.skip(
+            f"rollout {engine_core_rollout!r} does not declare cpu: the kit runs on CPU (give "
+            f"its device with --engine-core-rollout-config=device=cpu where it can)."
+        )
+    with started(engine_core_rollout, python, settings) as subject:
         yield subject
 
 
@@ -32,3 +44,5 @@ def test_rollout_keeps_its_promise(rollout_subject: Subject, check: str) -> None
         CHECKS[check](rollout_subject)
     except NotDeclared as e:
         pytest.skip(f"the rollout does not declare {e}: nothing to check")
+    except CannotRunHere as e:
+        pytest.skip(f"the rollout refused to start this check on this host: {e}")

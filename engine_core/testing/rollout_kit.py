@@ -21,8 +21,8 @@ whatever the batch around it; the ``n`` samples of a prompt in order; stop ids e
 update in buckets applied and verified, a partial, misshapen or corrupted one refused; weights
 kept through ``release`` / ``resume``; bad input refused; ``generate_async`` and adapters-only
 LoRA syncs where declared; stop strings end a sample where their definition says
-(:mod:`engine_core.stop_strings`) where declared. Not checked yet: returned routes against the
-oracle's routers, vision inputs.
+(:mod:`engine_core.stop_strings`) where declared; returned routes against the oracle's routers
+where ``routing_replay`` is declared. Not checked yet: vision inputs.
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ __all__ = [
     "started",
     "runs_on_cpu",
     "CHECKS",
+    "CannotRunHere",
     "PROCESS_PREFIX",
     "INTERPRETER_PREFIX",
 ]
@@ -394,7 +395,7 @@ def check_stop_strings(s: Subject) -> None:
     from engine_core.stop_strings import holds_stop_string, stop_string_end
 
     if Capability.STOP_STRINGS not in s.capabilities:
-        raise NotDeclared
+        raise NotDeclared("stop_strings")
     strings = [_string_ending_inside(s, PROMPTS[0], 2), _string_ending_inside(s, PROMPTS[2], 4)]
     params = SamplingParams(temperature=0, max_new_tokens=10, stop_strings=strings)
     out = generate(s, prompt_batch(), params)
@@ -723,6 +724,83 @@ def check_lora(s: Subject) -> None:
         rollout.shutdown()
 
 
+class CannotRunHere(Exception):
+    """The rollout declares what the check is about, but refused to start it on this host,
+    saying why (e.g. vLLM records routes only where Triton runs)."""
+
+
+def check_routes(s: Subject) -> None:
+    """Where ``routing_replay`` is declared: started with ``return_routes`` on a mixture of
+    experts, the rollout returns ``routed_experts`` ``[B*n, P+R, layers, top_k]`` whose every
+    prompt and response token (the last, fed to no forward, aside) holds the experts the
+    oracle's routers choose for it in one forward over the whole sequence."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    from engine_core.errors import CapabilityError
+    from engine_core.moe import RouteRecorder
+    from engine_core.rollout import ROUTED_EXPERTS
+    from engine_core.testing.rollout_subject import kit_moe_config, save_kit_model
+
+    if Capability.ROUTING_REPLAY not in s.capabilities:
+        raise NotDeclared("routing_replay")
+    assert s.build is not None
+    config = kit_moe_config()
+    fix = (
+        "record each forward's router choice (engine_core.moe.RouteRecorder on a transformers "
+        "model) and place the prompt's and each fed-back token's experts at their positions "
+        "(engine_core.rollout.place_routes)."
+    )
+    with tempfile.TemporaryDirectory(prefix="engine-core-rollout-kit-moe-") as folder:
+        save_kit_model(folder, config)
+        try:
+            rollout = s.build(ModelConfig(path=folder), return_routes=True)
+        except CapabilityError as e:
+            raise CannotRunHere(str(e)) from e
+        try:
+            params = SamplingParams(
+                temperature=1.0, max_new_tokens=6, n=2, seed=SEED, return_routes=True
+            )
+            out = rollout.generate(prompt_batch(), params)
+        finally:
+            rollout.shutdown()
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    expect(
+        ROUTED_EXPERTS in out.keys(),
+        "routes",
+        f"return_routes=True but the result has no {ROUTED_EXPERTS}.",
+        fix,
+    )
+    routes = out[ROUTED_EXPERTS]
+    width, rows = out[PROMPT_IDS].shape[1], out.batch_size[0]
+    layers, top_k = config["num_hidden_layers"], config["num_experts_per_tok"]
+    shape = (rows, width + out[RESPONSE_IDS].shape[1], layers, top_k)
+    expect(
+        tuple(routes.shape) == shape,
+        "routes",
+        f"{ROUTED_EXPERTS} has shape {tuple(routes.shape)}, want {shape} "
+        f"([B*n, P+R, layers, top_k]).",
+        fix,
+    )
+    for k in range(rows):
+        p, r = out[PROMPT_MASK][k].bool(), out[RESPONSE_MASK][k].bool()
+        ids = torch.cat([out[PROMPT_IDS][k][p], out[RESPONSE_IDS][k][r]])
+        with torch.no_grad(), RouteRecorder(model) as rec:
+            model(ids[None])
+        want = rec.routes().permute(1, 0, 2).sort(-1).values[:-1]  # [tokens, layers, top_k]
+        got = torch.cat([routes[k, :width][p], routes[k, width:][r]]).sort(-1).values[:-1]
+        wrong = (got != want).any(-1).any(-1).nonzero().flatten().tolist()
+        expect(
+            not wrong,
+            "routes",
+            f"sample {k}: the experts returned for tokens {wrong} (of {len(ids)}) are not the "
+            f"routers' (token {wrong[0] if wrong else 0}: got {got[wrong[0]].tolist() if wrong else []}, "
+            f"want {want[wrong[0]].tolist() if wrong else []}).",
+            fix,
+        )
+
+
 CHECKS: dict[str, Callable[[Subject], None]] = {
     "capabilities": check_capabilities,
     "layout": check_layout,
@@ -739,4 +817,5 @@ CHECKS: dict[str, Callable[[Subject], None]] = {
     "refusals": check_refusals,
     "async": check_async,
     "lora": check_lora,
+    "routes": check_routes,
 }

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,8 +130,9 @@ class Subject:
     registered: frozenset[Capability] = frozenset()
     #: the folder the kit's model is saved in
     folder: str = ""
-    #: another rollout of the same kind on ``model`` (the LoRA check's)
-    build: Callable[[ModelConfig], BaseRollout] | None = None
+    #: another rollout of the same kind on ``model``, its config's other fields as given
+    #: (the LoRA and routes checks')
+    build: Callable[..., BaseRollout] | None = None
 
     @property
     def capabilities(self) -> frozenset[Capability]:
@@ -155,6 +156,30 @@ def kit_model_config() -> dict[str, Any]:
         "eos_token_id": None,
         "bos_token_id": None,
         "pad_token_id": 0,
+    }
+
+
+def save_kit_model(folder: str, config: dict[str, Any]) -> None:
+    """The kit's model of ``config`` (seeded weights) and its tokenizer, saved in ``folder``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+        model.save_pretrained(folder)
+    kit_tokenizer(VOCAB).save_pretrained(folder)
+
+
+def kit_moe_config() -> dict[str, Any]:
+    """The kit's model as a Qwen3 mixture of experts (4 experts, top-2): the routes check's."""
+    return {
+        **kit_model_config(),
+        "model_type": "qwen3_moe",
+        "moe_intermediate_size": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "head_dim": 32,
     }
 
 
@@ -185,8 +210,12 @@ def kit_tokenizer(vocab: int) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>")
 
 
-def runs_on_cpu(name: str) -> bool:
-    """Whether rollout ``name`` (or ``process:NAME``) is registered as running on CPU."""
+def runs_on_cpu(name: str, settings: Sequence[str] = ()) -> bool:
+    """Whether rollout ``name`` (or ``process:NAME``) is registered as running on CPU, or is
+    set up for it (``settings`` give its ``device``, e.g. SGLang's CPU engine in an
+    environment of its own)."""
+    if any(s.startswith("device=") for s in settings):
+        return True
     from engine_core.plugins import load_plugins
 
     backend = name.removeprefix(PROCESS_PREFIX).removeprefix(INTERPRETER_PREFIX)
@@ -195,52 +224,50 @@ def runs_on_cpu(name: str) -> bool:
 
 
 @contextlib.contextmanager
-def started(name: str) -> Iterator[Subject]:
+def started(
+    name: str, python: str | None = None, settings: Sequence[str] = ()
+) -> Iterator[Subject]:
     """:func:`start_rollout` of ``name``, closed (the rollout shut down, its folder removed) on
     exit."""
-    subject = start_rollout(name)
+    subject = start_rollout(name, python, settings)
     try:
         yield subject
     finally:
         subject.close()
 
 
-def start_rollout(name: str) -> Subject:
-    """``name`` (a registered rollout, or ``process:NAME`` for two replicas of one) started on
-    the kit's tiny model, saved to a folder first; the oracle loads that folder."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+def start_rollout(name: str, python: str | None = None, settings: Sequence[str] = ()) -> Subject:
+    """``name`` (a registered rollout, ``process:NAME`` for two replicas of one, or
+    ``interpreter:NAME`` for two replicas in the interpreter ``python``, by default this one)
+    started on the kit's tiny model, saved to a folder first; the oracle loads that folder.
+    ``settings``: ``KEY=VALUE`` overrides of the rollout's config (say ``device=cpu``)."""
+    from engine_core.configio import apply_overrides
     from engine_core.plugins import load_plugins
     from engine_core.remote_rollout import ProcessRollout
     from engine_core.resolve import resolve_rollout_config
 
     folder = tempfile.TemporaryDirectory(prefix="engine-core-rollout-kit-")
     closers: list[Callable[[], None]] = [folder.cleanup]
-    raw = kit_model_config()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(SEED)
-        config = AutoConfig.for_model(**raw)
-        AutoModelForCausalLM.from_config(config).save_pretrained(folder.name)
-    kit_tokenizer(VOCAB).save_pretrained(folder.name)
+    save_kit_model(folder.name, kit_model_config())
     oracle = Oracle(folder.name)
     initial = oracle.state()
     g = torch.Generator().manual_seed(SEED + 1)
     changed = {n: t + 0.5 * t.std() * torch.randn(t.shape, generator=g) for n, t in initial.items()}
-    replicas, python = 0, None
+    replicas, interpreter = 0, None
     backend = name
     if name.startswith(PROCESS_PREFIX):
         backend, replicas = name[len(PROCESS_PREFIX) :], 2
-    elif name.startswith(INTERPRETER_PREFIX):  # the interpreter transport, this Python's
-        backend, replicas, python = name[len(INTERPRETER_PREFIX) :], 2, sys.executable
+    elif name.startswith(INTERPRETER_PREFIX):  # the interpreter transport
+        backend, replicas = name[len(INTERPRETER_PREFIX) :], 2
+        interpreter = python or sys.executable
     plugins = load_plugins()
     spec = plugins.get_backend(BackendKind.ROLLOUT, backend)
 
-    def build(model: ModelConfig) -> BaseRollout:
-        _, cfg = resolve_rollout_config(
-            {"backend": backend, "model": model.model_dump(), "seed": 0}, plugins
-        )
+    def build(model: ModelConfig, **fields: Any) -> BaseRollout:
+        raw = {"backend": backend, "model": model.model_dump(), "seed": 0, **fields}
+        _, cfg = resolve_rollout_config(apply_overrides(raw, settings), plugins)
         if replicas:
-            return ProcessRollout(cfg, replicas=replicas, python=python)  # type: ignore[arg-type]
+            return ProcessRollout(cfg, replicas=replicas, python=interpreter)  # type: ignore[arg-type]
         built: BaseRollout = spec.load_class()(cfg)
         return built
 

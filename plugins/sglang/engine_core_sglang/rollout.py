@@ -185,16 +185,22 @@ class SGLangRequests:
 
 
 def build_requests(
-    prompts: TensorDict, params: SamplingParams, *, deterministic: bool = False
+    prompts: TensorDict,
+    params: SamplingParams,
+    *,
+    deterministic: bool = False,
+    vocab_size: int | None = None,
 ) -> SGLangRequests:
     """Strip the left padding of each prompt and repeat it ``n`` times (its samples adjacent).
 
     With ``deterministic`` every sample gets its own ``sampling_seed``: sample ``j`` of prompt
     ``i`` ``derive_seed(prompt_seeds[i], j)`` (reproducible, and the same however the prompts
     are batched or split), or fresh randomness when no seed is set: SGLang's seeded sampler
-    gives two requests with one seed the same noise at each position.
+    gives two requests with one seed the same noise at each position. Prompt ids are checked
+    against ``vocab_size`` where given: an id outside it kills SGLang's scheduler (an
+    ``IndexError`` in its embedding, every process of the engine gone).
     """
-    ids, mask = prompt_tensors(prompts, "SGLangRollout.generate")
+    ids, mask = prompt_tensors(prompts, "SGLangRollout.generate", vocab_size)
     if ids.shape != mask.shape:
         raise BatchError(
             f"{PROMPT_IDS} {tuple(ids.shape)} and {PROMPT_MASK} {tuple(mask.shape)} differ."
@@ -406,6 +412,7 @@ class SGLangRollout(BaseRollout):
         self._expected = model_weight_shapes(config.model, adapters=lora is not None)
         # the layout synced tensors are converted from into the checkpoint names SGLang takes
         self._layout = meta_model(config.model)
+        self._vocab_size = int(self._layout.get_input_embeddings().weight.shape[0])
         self._adapters: AdapterFolders | None = None
         self._lora: str | None = None  # the name of the adapter version served now
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -476,7 +483,12 @@ class SGLangRollout(BaseRollout):
         if self._released:
             raise WeightSyncError("the SGLang rollout's memory is released; resume() first.")
         self.check_params(params)
-        requests = build_requests(prompts, params, deterministic=self.cfg.deterministic_inference)
+        requests = build_requests(
+            prompts,
+            params,
+            deterministic=self.cfg.deterministic_inference,
+            vocab_size=self._vocab_size,
+        )
         outputs = self.engine.generate(
             input_ids=requests.input_ids,
             sampling_params=requests.sampling_params,

@@ -148,6 +148,16 @@ def test_requests_name_a_missing_key_and_refuse_an_empty_prompt() -> None:
         build_requests(p, SamplingParams())
 
 
+def test_requests_refuse_a_token_id_outside_the_vocabulary() -> None:
+    """An id at or past the vocabulary size kills SGLang's scheduler (found by the rollout
+    kit on its CPU engine): the rollout refuses it before the engine sees it."""
+    p = prompts()
+    top = int(p[PROMPT_IDS].max())
+    build_requests(p, SamplingParams(), vocab_size=top + 1)
+    with pytest.raises(BatchError, match=str(top)):
+        build_requests(p, SamplingParams(), vocab_size=top)
+
+
 def test_deterministic_requests_get_distinct_reproducible_seeds() -> None:
     def seeds(params: SamplingParams) -> list[int]:
         req = build_requests(prompts(), params, deterministic=True)
