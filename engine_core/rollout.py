@@ -185,8 +185,14 @@ class RolloutConfig(Seeded):
     )
 
     def required_capabilities(self) -> set[Capability]:
-        """Capabilities this config asks of its rollout; checked when the config is resolved."""
-        return {Capability.ROUTING_REPLAY} if self.return_routes else set()
+        """Capabilities this config asks of its rollout; checked when the config is resolved:
+        routes with ``return_routes``, adapters served unmerged with ``model.lora``."""
+        need: set[Capability] = set()
+        if self.return_routes:
+            need.add(Capability.ROUTING_REPLAY)
+        if self.model.lora is not None:
+            need.add(Capability.LORA)
+        return need
 
 
 @dataclass(frozen=True)

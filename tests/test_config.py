@@ -299,6 +299,26 @@ def test_rollout_resolution(manager: PluginManager) -> None:
         resolve_rollout_config({"backend": "vllm"}, manager)
 
 
+def test_a_rollout_config_asks_its_rollout_for_lora_and_routes() -> None:
+    """model.lora needs a rollout that serves adapters unmerged (lora), return_routes one that
+    returns routes (routing_replay): the example rollout declares neither, hf both."""
+    from engine_core.plugins import load_plugins
+
+    plugins = load_plugins()
+    plain = {"config": {"model_type": "qwen2"}}
+    lora = {**plain, "lora": {"rank": 4}}
+    with pytest.raises(CapabilityError, match=r"backend 'example' does not support: lora"):
+        resolve_rollout_config({"backend": "example", "model": lora}, plugins)
+    with pytest.raises(CapabilityError, match=r"does not support: routing_replay"):
+        resolve_rollout_config(
+            {"backend": "example", "model": plain, "return_routes": True}, plugins
+        )
+    _, cfg = resolve_rollout_config(
+        {"backend": "hf", "model": lora, "return_routes": True}, plugins
+    )
+    assert cfg.required_capabilities() == {Capability.LORA, Capability.ROUTING_REPLAY}
+
+
 def test_derived_engine_values_are_computed_before_the_frozen_config_exists() -> None:
     """Packing attends through sdpa_varlen when the model names no attention, and a compute
     dtype equal to the model's is no mixed precision: both derived on the input, so the

@@ -348,7 +348,7 @@ def test_registered_with_its_capabilities() -> None:
     manager = load_plugins()
     spec = manager.get_rollout("sglang")
     assert spec.capabilities == frozenset(
-        {Capability.LOGPROBS, Capability.SLEEP, Capability.ROUTING_REPLAY}
+        {Capability.LOGPROBS, Capability.SLEEP, Capability.ROUTING_REPLAY, Capability.LORA}
     )
     assert Capability.CPU not in spec.capabilities
     assert spec.distribution == "engine-core-sglang"

@@ -13,7 +13,13 @@ __all__ = ["engine_core_register", "VLLM_CAPABILITIES"]
 # routing_replay: started with rollout.return_routes, vLLM returns the experts each token went
 # to (enable_return_routed_experts; its Model Runner V2 only, which needs Triton)
 VLLM_CAPABILITIES = frozenset(
-    {Capability.CPU, Capability.LOGPROBS, Capability.ROUTING_REPLAY, Capability.STOP_STRINGS}
+    {
+        Capability.CPU,
+        Capability.LOGPROBS,
+        Capability.ROUTING_REPLAY,
+        Capability.STOP_STRINGS,
+        Capability.LORA,  # the base once, then each adapter version as a LoRARequest
+    }
 )
 
 
