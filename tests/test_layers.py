@@ -274,3 +274,20 @@ def test_an_import_from_a_plugin_outside_the_core_is_caught(
 ) -> None:
     sources = package_sources(plugin, PLUGINS[plugin])
     assert plugin_problems(plugin, _with(sources, module, line)), f"nothing caught for {line!r}"
+
+
+MAX_LINES = 700
+
+
+def test_no_module_is_over_700_lines_without_saying_why() -> None:
+    """A module outside the tests holds one concern: over 700 lines, its docstring says why
+    ("Over 700 lines on purpose: ...")."""
+    roots = [ROOT / CORE, SOURCE, *PLUGINS.values()]
+    long = []
+    for path in sorted(p for root in roots for p in root.rglob("*.py")):
+        text = path.read_text()
+        if text.count("\n") > MAX_LINES:
+            doc = ast.get_docstring(ast.parse(text)) or ""
+            if "Over 700 lines on purpose" not in doc:
+                long.append(f"{path.relative_to(ROOT)} ({text.count(chr(10))} lines)")
+    assert not long, f"split these by concern, or say why in the docstring: {long}"

@@ -307,3 +307,12 @@ def generate(subject: Subject, prompts: TensorDict, params: SamplingParams) -> T
 
 def prompt_of(prompts: TensorDict, i: int) -> list[int]:
     return prompts[PROMPT_IDS][i][prompts[PROMPT_MASK][i].bool()].tolist()
+
+
+def greedy_both(
+    rollout: BaseRollout, oracle: Oracle, max_new: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """The kit's prompts continued greedily for ``max_new`` tokens by ``rollout`` and by
+    ``oracle``."""
+    out = rollout.generate(prompt_batch(), SamplingParams(temperature=0, max_new_tokens=max_new))
+    return responses(out), [oracle.greedy(r, max_new) for r in PROMPTS]

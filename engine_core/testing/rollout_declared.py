@@ -1,0 +1,270 @@
+"""The rollout kit's checks of what a rollout declares beyond the base contract: stop strings
+(``stop_strings``), ``generate_async`` (``async_generation``), adapters-only LoRA syncs
+(``lora``) and returned routes (``routing_replay``). A check of a capability the rollout does
+not declare raises :class:`NotDeclared` (the test is skipped, saying so), except
+``generate_async``, which must refuse when undeclared. Each raises :class:`PromiseBroken` as
+the base checks in :mod:`engine_core.testing.rollout_kit` do, which lists them all in
+``CHECKS``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine_core.capabilities import Capability
+from engine_core.config import ModelConfig
+from engine_core.errors import EngineCoreError, WeightSyncError
+from engine_core.rollout import (
+    PROMPT_IDS,
+    PROMPT_MASK,
+    RESPONSE_IDS,
+    RESPONSE_MASK,
+    TRUNCATED,
+    SamplingParams,
+    sent_buckets,
+)
+from engine_core.testing.rollout_subject import (
+    PROMPTS,
+    SEED,
+    NotDeclared,
+    Oracle,
+    PromiseBroken,
+    Subject,
+    expect,
+    generate,
+    greedy_both,
+    prompt_batch,
+    responses,
+)
+
+__all__ = ["CannotRunHere", "check_async", "check_lora", "check_routes", "check_stop_strings"]
+
+
+def _string_ending_inside(s: Subject, prompt: list[int], start: int) -> str:
+    """Text of ``prompt``'s greedy continuation from token ``start`` on, two tokens' worth,
+    cut one character short where the second token has more than one: a stop string whose
+    last character lies inside a token."""
+    cont = s.oracle.greedy(prompt, start + 2)
+    text = s.oracle.decode(cont[start : start + 2])
+    return text[:-1] if len(s.oracle.decode(cont[start + 1 : start + 2])) > 1 else text
+
+
+def check_stop_strings(s: Subject) -> None:
+    """Where ``stop_strings`` is declared: a sample ends after the first token at which its
+    decoded text holds a stop string (that token kept, ``truncated`` False), also where the
+    string ends inside a token; a sample that never holds one runs to its budget, truncated."""
+    from engine_core.stop_strings import holds_stop_string, stop_string_end
+
+    if Capability.STOP_STRINGS not in s.capabilities:
+        raise NotDeclared("stop_strings")
+    strings = [_string_ending_inside(s, PROMPTS[0], 2), _string_ending_inside(s, PROMPTS[2], 4)]
+    params = SamplingParams(temperature=0, max_new_tokens=10, stop_strings=strings)
+    out = generate(s, prompt_batch(), params)
+    got, cut = responses(out), out[TRUNCATED].tolist()
+    fix = (
+        "after each token, decode the response so far with the model's tokenizer "
+        "(skip_special_tokens=True; engine_core.stop_strings.load_stop_tokenizer) and end the "
+        "sample there, not truncated, once the text holds one of params.stop_strings."
+    )
+    ended = 0
+    for i, prompt in enumerate(PROMPTS):
+        full = s.oracle.greedy(prompt, 10)
+        end = stop_string_end(s.oracle.decode, full, strings)
+        want = full if end is None else full[:end]
+        ended += end is not None
+        expect(
+            got[i] == want,
+            "stop strings",
+            f"prompt {i} with stop_strings={strings!r}: got {got[i]} "
+            f"({s.oracle.decode(got[i])!r}), want {want} ({s.oracle.decode(want)!r}).",
+            fix,
+        )
+        expect(
+            cut[i] == (end is None),
+            "truncated",
+            f"prompt {i}: the sample {'ran to max_new_tokens' if end is None else 'ended on a stop string'} "
+            f"but truncated={cut[i]}.",
+            "a sample that ends on a stop string is not truncated; truncated is True exactly "
+            "where max_new_tokens ran out.",
+        )
+    assert ended >= 2, (strings, got)  # the kit's own choice of strings ends two prompts
+    sampled = ["e", "q", "x"]
+    out = generate(
+        s,
+        prompt_batch(),
+        SamplingParams(temperature=1.5, max_new_tokens=10, n=4, seed=SEED, stop_strings=sampled),
+    )
+    for r, resp in enumerate(responses(out)):
+        holds = [
+            holds_stop_string(s.oracle.decode(resp[:k]), sampled)
+            for k in (len(resp) - 1, len(resp))
+        ]
+        state = "truncated" if out[TRUNCATED][r] else "not truncated"
+        expect(
+            not holds[0] and holds[1] != bool(out[TRUNCATED][r]),
+            "stop strings",
+            f"sample {r} ({state}) is {s.oracle.decode(resp)!r} with stop_strings={sampled!r}.",
+            fix,
+        )
+
+
+def check_async(s: Subject) -> None:
+    """Where ``async_generation`` is declared, ``generate_async(...).result()`` is ``generate``."""
+    p = prompt_batch()
+    params = SamplingParams(temperature=1.0, max_new_tokens=5, n=2, seed=SEED)
+    if Capability.ASYNC_GENERATION not in s.capabilities:
+        try:
+            s.rollout.generate_async(p, params)
+        except EngineCoreError:
+            return
+        raise PromiseBroken(
+            "async generation",
+            "generate_async() ran without async_generation declared.",
+            "declare async_generation, or leave BaseRollout.generate_async as it is.",
+        )
+    pending = s.rollout.generate_async(p, params)
+    got = responses(pending.result())
+    expect(
+        got == responses(generate(s, p, params)),
+        "async generation",
+        "generate_async(...).result() differs from generate(...) for the same seeded call.",
+        "return a pending result of exactly what generate returns.",
+    )
+
+
+def check_lora(s: Subject) -> None:
+    """With ``lora`` declared, a rollout built with ``model.lora`` takes the peft tensors once,
+    then the adapters alone, and generates as the peft model with the adapters last sent."""
+    from engine_core.config import LoraConfig
+    from engine_core.models import build_model, is_adapter_name
+
+    if Capability.LORA not in s.capabilities:
+        raise NotDeclared("lora")
+    assert s.build is not None
+    model = ModelConfig(path=s.folder, lora=LoraConfig(rank=4, alpha=8.0))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        oracle = Oracle(s.folder, build_model(model))
+    g = torch.Generator().manual_seed(SEED + 2)
+
+    def adapters() -> dict[str, torch.Tensor]:
+        state = oracle.state()
+        return {
+            n: 0.3 * torch.randn(t.shape, generator=g) if is_adapter_name(n) else t
+            for n, t in state.items()
+        }
+
+    rollout = s.build(model)
+    fix = (
+        "serve model.lora's adapters unmerged: expected_weights() names the peft tensors, the "
+        "first sync loads them all, a sync of the adapters alone replaces the adapters."
+    )
+    try:
+        expected = rollout.expected_weights()
+        shapes = {n: tuple(t.shape) for n, t in oracle.state().items()}
+        expect(
+            expected == shapes,
+            "lora",
+            f"expected_weights() is not the peft model's names and shapes ({sorted(set(expected) ^ set(shapes))[:4]}).",
+            fix,
+        )
+        first = adapters()
+        for label, state, stream in (
+            ("the first sync (base and adapters)", first, first),
+            (
+                "a sync of the adapters alone",
+                second := adapters(),
+                {n: t for n, t in second.items() if is_adapter_name(n)},
+            ),
+        ):
+            try:
+                rollout.load_weights(sent_buckets(sorted(stream.items()), 16 << 10))
+            except WeightSyncError as e:
+                raise PromiseBroken("lora", f"{label} was refused: {e}", fix) from e
+            oracle.load(state)
+            got, want = greedy_both(rollout, oracle, 6)
+            expect(
+                got == want,
+                "lora",
+                f"after {label}, greedy gives {got}; the peft model with the adapters sent gives {want}.",
+                fix,
+            )
+    finally:
+        rollout.shutdown()
+
+
+class CannotRunHere(Exception):
+    """The rollout declares what the check is about, but refused to start it on this host,
+    saying why (e.g. vLLM records routes only where Triton runs)."""
+
+
+def check_routes(s: Subject) -> None:
+    """Where ``routing_replay`` is declared: started with ``return_routes`` on a mixture of
+    experts, the rollout returns ``routed_experts`` ``[B*n, P+R, layers, top_k]`` whose every
+    prompt and response token (the last, fed to no forward, aside) holds the experts the
+    oracle's routers choose for it in one forward over the whole sequence."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    from engine_core.errors import CapabilityError
+    from engine_core.moe import RouteRecorder
+    from engine_core.rollout import ROUTED_EXPERTS
+    from engine_core.testing.rollout_subject import kit_moe_config, save_kit_model
+
+    if Capability.ROUTING_REPLAY not in s.capabilities:
+        raise NotDeclared("routing_replay")
+    assert s.build is not None
+    config = kit_moe_config()
+    fix = (
+        "record each forward's router choice (engine_core.moe.RouteRecorder on a transformers "
+        "model) and place the prompt's and each fed-back token's experts at their positions "
+        "(engine_core.rollout.place_routes)."
+    )
+    with tempfile.TemporaryDirectory(prefix="engine-core-rollout-kit-moe-") as folder:
+        save_kit_model(folder, config)
+        try:
+            rollout = s.build(ModelConfig(path=folder), return_routes=True)
+        except CapabilityError as e:
+            raise CannotRunHere(str(e)) from e
+        try:
+            params = SamplingParams(
+                temperature=1.0, max_new_tokens=6, n=2, seed=SEED, return_routes=True
+            )
+            out = rollout.generate(prompt_batch(), params)
+        finally:
+            rollout.shutdown()
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    expect(
+        ROUTED_EXPERTS in out.keys(),
+        "routes",
+        f"return_routes=True but the result has no {ROUTED_EXPERTS}.",
+        fix,
+    )
+    routes = out[ROUTED_EXPERTS]
+    width, rows = out[PROMPT_IDS].shape[1], out.batch_size[0]
+    layers, top_k = config["num_hidden_layers"], config["num_experts_per_tok"]
+    shape = (rows, width + out[RESPONSE_IDS].shape[1], layers, top_k)
+    expect(
+        tuple(routes.shape) == shape,
+        "routes",
+        f"{ROUTED_EXPERTS} has shape {tuple(routes.shape)}, want {shape} "
+        f"([B*n, P+R, layers, top_k]).",
+        fix,
+    )
+    for k in range(rows):
+        p, r = out[PROMPT_MASK][k].bool(), out[RESPONSE_MASK][k].bool()
+        ids = torch.cat([out[PROMPT_IDS][k][p], out[RESPONSE_IDS][k][r]])
+        with torch.no_grad(), RouteRecorder(model) as rec:
+            model(ids[None])
+        want = rec.routes().permute(1, 0, 2).sort(-1).values[:-1]  # [tokens, layers, top_k]
+        got = torch.cat([routes[k, :width][p], routes[k, width:][r]]).sort(-1).values[:-1]
+        wrong = (got != want).any(-1).any(-1).nonzero().flatten().tolist()
+        expect(
+            not wrong,
+            "routes",
+            f"sample {k}: the experts returned for tokens {wrong} (of {len(ids)}) are not the "
+            f"routers' (token {wrong[0] if wrong else 0}: got {got[wrong[0]].tolist() if wrong else []}, "
+            f"want {want[wrong[0]].tolist() if wrong else []}).",
+            fix,
+        )
