@@ -101,10 +101,7 @@ def _check_stop_strings(job: RLJobConfig, spec: BackendSpec, cfg: RolloutConfig)
     strings = job.trainer.stop_strings
     if not strings:
         return
-    try:
-        check_capabilities(spec.name, spec.capabilities, [Capability.STOP_STRINGS])
-    except CapabilityError as e:
-        raise CapabilityError(f"trainer.stop_strings={strings!r}: rollout: {e}") from None
+    _require(spec, Capability.STOP_STRINGS, f"trainer.stop_strings={strings!r}: rollout")
     if tokenizer_folder(cfg.model) is None:
         raise ConfigError(
             f"trainer.stop_strings={strings!r} are found in the decoded text, and the model has "
@@ -122,12 +119,17 @@ def _check_routing_capabilities(job: RLJobConfig, engine: BackendSpec) -> None:
     asks = [f"trainer.routing_replay={mode}"] if mode != "off" else []
     if job.actor.moe_aux_loss_coef > 0:
         asks.append(f"actor.moe_aux_loss_coef={job.actor.moe_aux_loss_coef:g}")
-    if not asks:
-        return
+    if asks:
+        _require(engine, Capability.ROUTING_REPLAY, f"{' and '.join(asks)}: engine")
+
+
+def _require(spec: BackendSpec, capability: Capability, asked: str) -> None:
+    """Refuse a setting (``asked``: what asks for it and of which role) that needs a
+    capability ``spec`` does not declare."""
     try:
-        check_capabilities(engine.name, engine.capabilities, [Capability.ROUTING_REPLAY])
+        check_capabilities(spec.name, spec.capabilities, [capability])
     except CapabilityError as e:
-        raise CapabilityError(f"{' and '.join(asks)}: engine: {e}") from None
+        raise CapabilityError(f"{asked}: {e}") from None
 
 
 @dataclass
