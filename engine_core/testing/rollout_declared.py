@@ -205,8 +205,6 @@ def check_routes(s: Subject) -> None:
     oracle's routers choose for it in one forward over the whole sequence."""
     import tempfile
 
-    from transformers import AutoModelForCausalLM
-
     from engine_core.errors import CapabilityError
     from engine_core.moe import RouteRecorder
     from engine_core.rollout import ROUTED_EXPERTS
@@ -234,7 +232,7 @@ def check_routes(s: Subject) -> None:
             out = rollout.generate(prompt_batch(), params)
         finally:
             rollout.shutdown()
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        model = Oracle(folder).model
     expect(
         ROUTED_EXPERTS in out.keys(),
         "routes",
@@ -260,11 +258,11 @@ def check_routes(s: Subject) -> None:
         want = rec.routes().permute(1, 0, 2).sort(-1).values[:-1]  # [tokens, layers, top_k]
         got = torch.cat([routes[k, :width][p], routes[k, width:][r]]).sort(-1).values[:-1]
         wrong = (got != want).any(-1).any(-1).nonzero().flatten().tolist()
-        expect(
-            not wrong,
-            "routes",
-            f"sample {k}: the experts returned for tokens {wrong} (of {len(ids)}) are not the "
-            f"routers' (token {wrong[0] if wrong else 0}: got {got[wrong[0]].tolist() if wrong else []}, "
-            f"want {want[wrong[0]].tolist() if wrong else []}).",
-            fix,
-        )
+        if wrong:
+            t = wrong[0]
+            raise PromiseBroken(
+                "routes",
+                f"sample {k}: the experts returned for tokens {wrong} (of {len(ids)}) are not "
+                f"the routers' (token {t}: got {got[t].tolist()}, want {want[t].tolist()}).",
+                fix,
+            )
