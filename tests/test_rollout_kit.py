@@ -87,12 +87,14 @@ def test_the_kit_options_set_the_rollout_up_and_refuse_a_setting_it_lacks() -> N
     """``--engine-core-rollout-config=KEY=VALUE`` reaches the rollout's config (a ``device=``
     lets a rollout that does not declare cpu run), and a key the config lacks is refused
     naming the valid ones before any rollout starts."""
+    from pydantic import ValidationError
+
     from engine_core.errors import ConfigError
     from engine_core.testing.rollout_subject import runs_on_cpu
 
     assert runs_on_cpu("hf") and not runs_on_cpu("sglang")
     assert runs_on_cpu("sglang", ["device=cpu"])
-    with pytest.raises(Exception, match=r"rollout\.no_such_field\n.*Valid keys here: seed"):
+    with pytest.raises(ValidationError, match=r"rollout\.no_such_field\n.*Valid keys here: seed"):
         with started("hf", None, ["no_such_field=1"]):
             pass
     with pytest.raises(ConfigError, match="override 'nonsense' has no '='"):
