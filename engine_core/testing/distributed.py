@@ -75,6 +75,10 @@ def _entry(
             torch.cuda.set_device(rank)  # one GPU per rank
         if pg_backend is not None:
             dist.init_process_group(pg_backend, rank=rank, world_size=world_size)
+            # every rank through gloo's full-mesh connect before any goes on: a rank whose
+            # function fails at once (a config refused) would otherwise tear its sockets down
+            # while a slower peer still reads the handshake ("Connection closed by peer")
+            dist.barrier()
         result = fn(rank, world_size, *args)
         queue.put(
             (rank, "ok", pickle.dumps(result))
