@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from engine_core.backend import BackendRegistry, Capability, hookimpl
 from engine_core.configio import apply_overrides, load_yaml
 from engine_core.errors import ConfigError
 from engine_core.plugins import load_plugins
@@ -306,6 +307,19 @@ def test_filter_groups_replaces_groups_that_all_scored_the_same(tmp_path: Path) 
     assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-4
 
 
+class _IdsOnlyRolloutPlugin:
+    """The example rollout registered as one that stops on token ids only."""
+
+    @hookimpl
+    def engine_core_register(self, registry: BackendRegistry) -> None:
+        registry.register_rollout(
+            "ids-only",
+            "engine_core_example.rollout:ExampleRollout",
+            config="engine_core.rollout:RolloutConfig",
+            capabilities={Capability.CPU, Capability.LOGPROBS},
+        )
+
+
 def test_stop_strings_reach_the_rollout_and_are_refused_where_nothing_can_find_them(
     user: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -330,12 +344,14 @@ def test_stop_strings_reach_the_rollout_and_are_refused_where_nothing_can_find_t
     )
     with pytest.raises(ConfigError, match="the model has no tokenizer"):
         run_rl_job(digits, load_plugins())
-    raw = _raw(user, tmp_path / "sglang", "trainer.stop_strings=[END]", "rollout.backend=sglang")
+    raw = _raw(user, tmp_path / "ids", "trainer.stop_strings=[END]", "rollout.backend=ids-only")
+    manager = load_plugins()
+    manager.register(_IdsOnlyRolloutPlugin(), "ids-only-plugin")
     with pytest.raises(CapabilityError, match=r"trainer.stop_strings=\['END'\]: rollout: "):
-        run_rl_job(raw, load_plugins())
+        run_rl_job(raw, manager)
     with pytest.raises(ValueError, match="set trainer.stop_strings instead"):
         run_rl_job(_raw(user, tmp_path / "data", "data.stop_strings=[END]"), load_plugins())
-    for out in ("digits", "sglang", "data"):
+    for out in ("digits", "ids", "data"):
         assert not (tmp_path / out).exists()
 
 

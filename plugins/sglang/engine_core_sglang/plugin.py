@@ -15,9 +15,16 @@ __all__ = ["engine_core_register", "SGLANG_CAPABILITIES"]
 # re-allocate GPU memory through SGLang's memory saver (CUDA only). ROUTING_REPLAY: started with
 # rollout.return_routes, SGLang returns the experts each token went to
 # (enable_return_routed_experts).
-# lora: the base once, then each adapter version loaded from a folder (load_lora_adapter)
+# lora: the base once, then each adapter version loaded from a folder (load_lora_adapter).
+# stop_strings: each response cut after SGLang answers, with the model's tokenizer (rollout.py)
 SGLANG_CAPABILITIES = frozenset(
-    {Capability.LOGPROBS, Capability.SLEEP, Capability.ROUTING_REPLAY, Capability.LORA}
+    {
+        Capability.LOGPROBS,
+        Capability.SLEEP,
+        Capability.ROUTING_REPLAY,
+        Capability.LORA,
+        Capability.STOP_STRINGS,
+    }
 )
 
 

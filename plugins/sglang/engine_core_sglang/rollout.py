@@ -29,6 +29,13 @@ Semantics of SGLang 0.5.23 that the code relies on:
   otherwise a seeded request is refused rather than sampled unseeded.
 - Stops: a sample ends at one of ``stop_token_ids`` or at the model's EOS token (from its
   config); the stop token is kept. With ``skip_tokenizer_init`` SGLang returns ids untrimmed.
+- Stop strings: SGLang matches ``stop`` strings in the text its own detokenizer keeps, which
+  ``skip_tokenizer_init`` turns off. The rollout cuts each response instead, after SGLang has
+  answered, at the first token whose prefix text holds a string
+  (:func:`engine_core.stop_strings.stop_string_end`, the model's tokenizer), keeping that token
+  and marking the sample not truncated. The tokens kept are the ones stopping there would have
+  given (each token is sampled from the ones before it, a seeded sample's noise from its seed and
+  position); the tokens past the cut are computed and dropped.
 - Weights: ``update_weights_from_tensor`` must run inside a weight-update session
   (``begin_weight_update`` / ``end_weight_update``); buckets are loaded one call each and the
   prefix cache is flushed once at the end.
@@ -45,8 +52,9 @@ from __future__ import annotations
 import random
 import re
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -56,6 +64,7 @@ from tensordict import TensorDict
 from engine_core.backend import (
     PROMPT_IDS,
     PROMPT_MASK,
+    RESPONSE_MASK,
     ROUTED_EXPERTS,
     AdapterFolders,
     BaseRollout,
@@ -72,6 +81,7 @@ from engine_core.backend import (
     checked_buckets,
     checkpoint_tensors,
     confirm_bucket,
+    load_stop_tokenizer,
     meta_model,
     model_weight_shapes,
     place_routes,
@@ -81,6 +91,7 @@ from engine_core.backend import (
     saved_model_folder,
     set_for_process,
     split_peft_tensors,
+    stop_string_end,
 )
 from engine_core_sglang.plugin import SGLANG_CAPABILITIES
 
@@ -275,6 +286,7 @@ def parse_outputs(
     n: int,
     *,
     pad_token_id: int = 0,
+    stop_at: Callable[[list[int]], int | None] | None = None,
 ) -> TensorDict:
     """SGLang's answers to :func:`build_requests` as the rollout contract's batch.
 
@@ -282,7 +294,9 @@ def parse_outputs(
     ``{"output_ids": [...], "meta_info": {"finish_reason": {"type": "stop" | "length", ...},
     "prompt_tokens": int, "output_token_logprobs": [(logprob, token_id, text), ...], ...}}``.
     Responses are right-padded with ``pad_token_id``; an aborted or unknown finish, or log-probs
-    that do not line up with the tokens, raise :class:`BatchError`.
+    that do not line up with the tokens, raise :class:`BatchError`. ``stop_at(ids)``: how many
+    of a response's ids a stop string lets it keep (None: all); a response cut there is not
+    truncated.
     """
     ids, mask = prompts[PROMPT_IDS], prompts[PROMPT_MASK]
     total = ids.shape[0] * n
@@ -293,7 +307,16 @@ def parse_outputs(
         )
     prompt_lens = [int(x) for x in mask.sum(-1).tolist()]
     parsed = [_parse_one(k, out, prompt_lens[k // n]) for k, out in enumerate(outputs)]
+    if stop_at is not None:
+        parsed = [_cut(sample, stop_at(sample[0])) for sample in parsed]
     return response_batch(ids, mask, n, parsed, pad_token_id)
+
+
+def _cut(
+    sample: tuple[list[int], list[float], bool], keep: int | None
+) -> tuple[list[int], list[float], bool]:
+    toks, lps, truncated = sample
+    return sample if keep is None else (toks[:keep], lps[:keep], False)
 
 
 def _parse_one(
@@ -467,6 +490,7 @@ class SGLangRollout(BaseRollout):
             kwargs["enable_return_routed_experts"] = True
         self.engine: Any = sglang.Engine(**kwargs)
         self._stale: str | None = None  # why generate() refuses; None while weights are current
+        self._tokenizer: Any = None  # read on the first request with stop_strings
         self._released = False
 
     @property
@@ -483,6 +507,8 @@ class SGLangRollout(BaseRollout):
         if self._released:
             raise WeightSyncError("the SGLang rollout's memory is released; resume() first.")
         self.check_params(params)
+        if params.stop_strings and self._tokenizer is None:
+            self._tokenizer = load_stop_tokenizer(self.cfg.model, "SGLangRollout")
         requests = build_requests(
             prompts,
             params,
@@ -496,10 +522,24 @@ class SGLangRollout(BaseRollout):
             lora_path=None if self._lora is None else [self._lora] * len(requests.input_ids),
             **({"return_routed_experts": True} if params.return_routes else {}),
         )
-        result = parse_outputs(outputs, prompts, params.n, pad_token_id=self.pad_token_id)
+        stop_at = None
+        if params.stop_strings:
+            strings, tokenizer = list(params.stop_strings), self._tokenizer
+
+            def stop_at(ids: list[int]) -> int | None:
+                decode = partial(tokenizer.decode, skip_special_tokens=True)
+                return stop_string_end(decode, ids, strings)
+
+        result = parse_outputs(
+            outputs, prompts, params.n, pad_token_id=self.pad_token_id, stop_at=stop_at
+        )
         if params.return_routes:
             assert self._routes_layout is not None
-            routes = [sglang_routes(k, out, *self._routes_layout) for k, out in enumerate(outputs)]
+            kept = (result[PROMPT_MASK].sum(-1) + result[RESPONSE_MASK].sum(-1)).tolist()
+            routes = [  # a response cut at a stop string keeps its tokens' rows only
+                sglang_routes(k, out, *self._routes_layout)[: int(kept[k])]
+                for k, out in enumerate(outputs)
+            ]
             result[ROUTED_EXPERTS] = place_routes(result, routes)
         return result
 

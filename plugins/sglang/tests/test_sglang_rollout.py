@@ -201,6 +201,37 @@ def test_outputs_become_the_contract_batch() -> None:
     assert out[TRUNCATED].tolist() == [False, True] * 3
 
 
+def test_a_stop_string_cuts_a_response_after_the_token_that_completes_it() -> None:
+    """SGLang, started without its tokenizer, answers to the budget or a stop id; the rollout
+    cuts each response at the first prefix whose text holds a string (token kept, log-probs
+    with it, not truncated); a response that holds none is left as SGLang answered it."""
+    from engine_core.stop_strings import stop_string_end
+
+    texts = {3: "a", 8: "bc", 2: "d", 4: "x", 6: "b", 7: "c", 9: "cd"}
+
+    def decode(ids: list[int]) -> str:
+        return "".join(texts[t] for t in ids)
+
+    outputs = [
+        sglang_output([3, 8, 2], [-0.5, -1.0, -0.25], stop(2), 4),  # "abcd": "b" ends in 8
+        sglang_output([4, 4, 4, 4], [-0.1, -0.2, -0.3, -0.4], length(4), 4),  # none
+        sglang_output([6, 7, 9, 2], [-1.0, -2.0, -3.0, -4.0], length(4), 2),  # "b" at once
+        sglang_output([4, 9, 2, 2], [-1.0, -2.0, -3.0, -4.0], length(4), 2),  # "cd" in one
+        sglang_output([4, 7, 2], [-1.0, -2.0, -3.0], length(3), 3),  # "cd" over two tokens
+        sglang_output([4, 4, 2], [-1.0, -1.0, -1.0], length(3), 3),  # "xxd": none
+    ]
+    out = parse_outputs(
+        outputs,
+        prompts(),
+        2,
+        stop_at=lambda ids: stop_string_end(decode, ids, ["b", "cd"]),
+    )
+    assert out[RESPONSE_MASK].sum(-1).tolist() == [2, 4, 1, 2, 3, 3]
+    assert out[RESPONSE_IDS][0].tolist() == [3, 8, 0, 0]
+    assert out[ROLLOUT_LOG_PROBS][3].tolist() == [-1.0, -2.0, 0.0, 0.0]
+    assert out[TRUNCATED].tolist() == [False, True, False, False, False, True]
+
+
 @pytest.mark.parametrize(
     ("finish", "match"),
     [
@@ -348,7 +379,13 @@ def test_registered_with_its_capabilities() -> None:
     manager = load_plugins()
     spec = manager.get_rollout("sglang")
     assert spec.capabilities == frozenset(
-        {Capability.LOGPROBS, Capability.SLEEP, Capability.ROUTING_REPLAY, Capability.LORA}
+        {
+            Capability.LOGPROBS,
+            Capability.SLEEP,
+            Capability.ROUTING_REPLAY,
+            Capability.LORA,
+            Capability.STOP_STRINGS,
+        }
     )
     assert Capability.CPU not in spec.capabilities
     assert spec.distribution == "engine-core-sglang"
