@@ -57,8 +57,10 @@ def test_the_moe_recipe_replays_the_rollouts_routes(tmp_path: Path) -> None:
 
 def test_trainer_side_replay_and_off_run_without_the_rollouts_routes(tmp_path: Path) -> None:
     """``trainer``: the update replays the old-log-prob pass's routes (two epochs, so the second
-    epoch routes as the old policy did, not as the updated one); ``off`` logs no mismatch, here
-    with a vLLM rollout taking the experts' weights at every step."""
+    epoch routes as the old policy did, not as the updated one); ``off`` logs no mismatch and
+    the rollout samples as the actor scores. (The experts' sync into vLLM, stacked in the actor
+    and per expert in vLLM's loader, is ``plugins/vllm/tests``'
+    ``test_a_mixture_of_experts_syncs_its_stacked_experts_into_vllm``.)"""
     rows = _run(
         tmp_path / "trainer",
         "trainer.routing_replay=trainer",
@@ -67,14 +69,7 @@ def test_trainer_side_replay_and_off_run_without_the_rollouts_routes(tmp_path: P
     )
     assert len(rows) == 2 and all("rollout/route_mismatch" not in r for r in rows)
     assert all(r["actor/num_optimizer_steps"] == 2 for r in rows)
-    # off, on vLLM in a process of its own: the experts, stacked in the actor, reach vLLM's
-    # per-expert loader at every sync, verified, and vLLM samples as the actor scores
-    off = _run(
-        tmp_path / "off",
-        "trainer.routing_replay=off",
-        "rollout.backend=vllm",
-        "rollout_placement=process",
-    )
+    off = _run(tmp_path / "off", "trainer.routing_replay=off")
     assert all("rollout/route_mismatch" not in r for r in off)
     assert max(r["rollout/logprob_diff_max"] for r in off) < 1e-5
 
