@@ -21,6 +21,13 @@ BROKEN = [
     ("example-skips-later-updates", "weights", "weight update", "after a second update"),
     ("example-drops-stop-token", "stop", "stop ids", "with stop_token_ids="),
     ("example-stops-after-budget", "stop_strings", "truncated", "ended on a stop string"),
+    # two replicas of it in processes of their own, the weights streamed to them over a group
+    (
+        "process:example-skips-later-updates",
+        "weight_sync_group",
+        "weight sync group",
+        "over the group, greedy gives",
+    ),
 ]
 
 
@@ -35,6 +42,22 @@ def test_each_broken_rollout_is_caught_naming_the_promise(
     message = str(caught.value)
     assert message.startswith(f"rollout promise '{promise}' broken: ") and detail in message
     assert "Fix: " in message
+
+
+def test_every_check_is_a_clause_of_the_conformance_page() -> None:
+    """docs/conformance.md's rollout table names every check of ``CHECKS`` in its check
+    column."""
+    page = (Path(__file__).parents[1] / "docs" / "conformance.md").read_text(encoding="utf-8")
+    table = page[
+        page.index("| promise | check | what must hold | broken variant the kit fails |") :
+    ]
+    named = {
+        name.strip("` ")
+        for line in table.splitlines()
+        if line.startswith("| ")
+        for name in line.split("|")[2].split(",")
+    }
+    assert set(CHECKS) <= named, sorted(set(CHECKS) - named)
 
 
 def test_no_isinstance_on_rollout_kinds_above_the_core() -> None:

@@ -1,8 +1,9 @@
 """The rollout kit's checks of what a rollout declares beyond the base contract: stop strings
 (``stop_strings``), ``generate_async`` (``async_generation``), adapters-only LoRA syncs
-(``lora``) and returned routes (``routing_replay``). A check of a capability the rollout does
-not declare raises :class:`NotDeclared` (the test is skipped, saying so), except
-``generate_async``, which must refuse when undeclared. Each raises :class:`PromiseBroken` as
+(``lora``), returned routes (``routing_replay``) and weights streamed to the rollout's own
+processes over a group (``weight_sync_group``). A check of a capability the rollout does not
+declare raises :class:`NotDeclared` (the test is skipped, saying so), except
+``generate_async`` and ``join_weight_sync``, which must refuse when undeclared. Each raises :class:`PromiseBroken` as
 the base checks in :mod:`engine_core.testing.rollout_kit` do, which lists them all in
 ``CHECKS``.
 """
@@ -37,7 +38,14 @@ from engine_core.testing.rollout_subject import (
     responses,
 )
 
-__all__ = ["CannotRunHere", "check_async", "check_lora", "check_routes", "check_stop_strings"]
+__all__ = [
+    "CannotRunHere",
+    "check_async",
+    "check_lora",
+    "check_routes",
+    "check_stop_strings",
+    "check_weight_sync_group",
+]
 
 
 def _string_ending_inside(s: Subject, prompt: list[int], start: int) -> str:
@@ -266,3 +274,95 @@ def check_routes(s: Subject) -> None:
                 f"the routers' (token {t}: got {got[t].tolist()}, want {want[t].tolist()}).",
                 fix,
             )
+
+
+def check_weight_sync_group(s: Subject) -> None:
+    """Where ``weight_sync_group`` is declared: the rollout's processes (one per name in
+    ``receiver_names``) join a :class:`~engine_core.weight_sync.WeightSyncGroup` whose rank 0
+    is the kit, take a stream of the changed weights in 16 KiB buckets, verified (greedy then
+    equals the oracle on them), refuse a partial stream (the kit's ``send_weights`` raises
+    naming a receiver) and take the next good one; without it, ``join_weight_sync`` refuses."""
+    from engine_core.executors.base import free_port
+    from engine_core.weight_sync import WeightSyncGroup, send_weights
+
+    fix = (
+        "join the group as ranks first_rank.. (one per process that holds weights) and load "
+        "each received stream through load_weights (engine_core.weight_sync.receive_weights)."
+    )
+    host, port = "127.0.0.1", free_port()
+    names = list(s.rollout.receiver_names)
+    if Capability.WEIGHT_SYNC_GROUP not in s.capabilities:
+        try:
+            s.rollout.join_weight_sync(host, port, 1, len(names) + 1)
+        except EngineCoreError:
+            return
+        raise PromiseBroken(
+            "weight sync group",
+            "join_weight_sync() ran without weight_sync_group declared.",
+            "declare weight_sync_group, or leave BaseRollout.join_weight_sync as it is.",
+        )
+    joining = s.rollout.join_weight_sync(host, port, 1, len(names) + 1)
+    group = WeightSyncGroup(host=host, port=port, rank=0, world_size=len(names) + 1)
+    try:
+        joining.result()
+
+        def stream(state: dict[str, torch.Tensor]) -> Exception | None:
+            """The sender's error (None: every receiver verified the stream); a receiver's
+            own failure is raised only where the sender saw none."""
+            receiving = s.rollout.receive_weights()
+            sent: Exception | None = None
+            try:
+                send_weights(
+                    group, sorted(state.items()), bucket_bytes=16 << 10, receiver_names=names
+                )
+            except WeightSyncError as e:
+                sent = e
+            try:
+                receiving.result()
+            except EngineCoreError:
+                if sent is None:
+                    raise
+            return sent
+
+        for state, label in ((s.changed, "a stream"), (s.initial, "a second stream")):
+            refused = stream(state)
+            expect(
+                refused is None,
+                "weight sync group",
+                f"{label} over the group was refused: {refused}",
+                fix,
+            )
+            s.oracle.load(state)
+            got, want = greedy_both(s.rollout, s.oracle, 6)
+            expect(
+                got == want,
+                "weight sync group",
+                f"after {label} over the group, greedy gives {got}; the sent weights give {want}.",
+                fix,
+            )
+        refused = stream(dict(sorted(s.changed.items())[:-1]))  # a parameter left out
+        if refused is None:
+            raise PromiseBroken("weight sync group", "a partial stream was accepted.", fix)
+        expect(
+            any(n in str(refused) for n in names),
+            "weight sync group",
+            f"a partial stream was refused without naming its receiver: {refused}",
+            "report each receiver's failure back to the sender (receive_weights does).",
+        )
+        # the next good stream goes through, and the kit's weights are back
+        expect(
+            stream(s.initial) is None,
+            "weight sync group",
+            "after a refused stream, a good one was refused.",
+            fix,
+        )
+        got, want = greedy_both(s.rollout, s.oracle, 6)
+        expect(
+            got == want,
+            "weight sync group",
+            "after a refused stream, a good one was not applied.",
+            fix,
+        )
+    finally:
+        s.rollout.leave_weight_sync()
+        group.close()

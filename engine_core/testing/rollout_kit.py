@@ -22,9 +22,10 @@ update in buckets applied and verified, a partial, misshapen or corrupted one re
 kept through ``release`` / ``resume``; bad input refused; ``generate_async`` and adapters-only
 LoRA syncs where declared; stop strings end a sample where their definition says
 (:mod:`engine_core.stop_strings`) where declared; returned routes against the oracle's routers
-where ``routing_replay`` is declared. The checks of declared capabilities (stop strings, async
-generation, LoRA, routes) are in :mod:`engine_core.testing.rollout_declared`; ``CHECKS`` lists
-every check. Not checked yet: vision inputs.
+where ``routing_replay`` is declared; weights streamed over a group into the rollout's own
+processes where ``weight_sync_group`` is. The checks of declared capabilities (stop strings,
+async generation, LoRA, routes, the weight-sync group) are in
+:mod:`engine_core.testing.rollout_declared`; ``CHECKS`` lists every check. Not checked yet: vision inputs.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from engine_core.testing.rollout_declared import (
     check_lora,
     check_routes,
     check_stop_strings,
+    check_weight_sync_group,
 )
 from engine_core.testing.rollout_subject import (
     INTERPRETER_PREFIX,
@@ -586,4 +588,5 @@ CHECKS: dict[str, Callable[[Subject], None]] = {
     "async": check_async,
     "lora": check_lora,
     "routes": check_routes,
+    "weight_sync_group": check_weight_sync_group,
 }
