@@ -69,7 +69,7 @@ sglang-env:
 	bash plugins/sglang/cpu/build_env.sh .venv-sglang
 
 # The rollout kit against SGLang's CPU engine: two replicas in .venv-sglang (make sglang-env
-# first), deterministic inference for per-sample seeds, a small KV pool. About 4 minutes here.
+# first), deterministic inference for per-sample seeds, a small KV pool. About 6.5 minutes here.
 SGLANG_KIT := --engine-core-rollout=interpreter:sglang --engine-core-rollout-python=.venv-sglang/bin/python \
 	$(foreach s,device=cpu deterministic_inference=true max_total_tokens=4096 mem_fraction_static=0.05,--engine-core-rollout-config=$(s))
 kit-sglang: setup
