@@ -69,6 +69,7 @@ from engine_core.testing.rollout_subject import (
     PromiseBroken,
     Subject,
     expect,
+    expect_follows,
     generate,
     greedy_both,
     prompt_batch,
@@ -406,13 +407,8 @@ def check_weights(s: Subject) -> None:
                 f"{label} reported {len(done)} buckets covering {len(names)} of {len(shapes)} parameters.",
                 fix,
             )
-            s.oracle.load(state)
-            got, want = greedy_both(s.rollout, s.oracle, 6)
-            expect(
-                got == want,
-                "weight update",
-                f"after {label}, greedy gives {got}; the sent weights give {want}.",
-                "apply every bucket to the model that generates.",
+            expect_follows(
+                s, state, "weight update", label, "apply every bucket to the model that generates."
             )
         named = sorted(s.initial.items())
         broken: dict[str, list[tuple[str, torch.Tensor]]] = {

@@ -316,3 +316,18 @@ def greedy_both(
     ``oracle``."""
     out = rollout.generate(prompt_batch(), SamplingParams(temperature=0, max_new_tokens=max_new))
     return responses(out), [oracle.greedy(r, max_new) for r in PROMPTS]
+
+
+def expect_follows(
+    s: Subject, state: dict[str, torch.Tensor], promise: str, after: str, fix: str
+) -> None:
+    """The oracle takes ``state``; the rollout, sent it ``after`` something, must then continue
+    the kit's prompts greedily as the oracle does."""
+    s.oracle.load(state)
+    got, want = greedy_both(s.rollout, s.oracle, 6)
+    expect(
+        got == want,
+        promise,
+        f"after {after}, greedy gives {got}; the sent weights give {want}.",
+        fix,
+    )

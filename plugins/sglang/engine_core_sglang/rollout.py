@@ -522,14 +522,10 @@ class SGLangRollout(BaseRollout):
             lora_path=None if self._lora is None else [self._lora] * len(requests.input_ids),
             **({"return_routed_experts": True} if params.return_routes else {}),
         )
-        stop_at = None
+        stop_at: Callable[[list[int]], int | None] | None = None
         if params.stop_strings:
-            strings, tokenizer = list(params.stop_strings), self._tokenizer
-
-            def stop_at(ids: list[int]) -> int | None:
-                decode = partial(tokenizer.decode, skip_special_tokens=True)
-                return stop_string_end(decode, ids, strings)
-
+            decode = partial(self._tokenizer.decode, skip_special_tokens=True)
+            stop_at = partial(stop_string_end, decode, strings=list(params.stop_strings))
         result = parse_outputs(
             outputs, prompts, params.n, pad_token_id=self.pad_token_id, stop_at=stop_at
         )
