@@ -20,5 +20,6 @@ REFERENCE_CAPABILITIES = frozenset(
         Capability.MIXED_PRECISION,
         Capability.ACTIVATION_OFFLOAD,
         Capability.ROUTING_REPLAY,
+        Capability.VISION,  # engine_core.vision: images reach the default forward
     }
 )

@@ -45,6 +45,9 @@ class Capability(StrEnum):
     # engines: a batch's routed_experts (a mixture of experts' choice per token and MoE layer)
     # are replayed in the model's forward (engine_core.moe)
     ROUTING_REPLAY = "routing_replay"
+    # engines: a batch's images (engine_core.vision: pixel_values, image_grid_thw,
+    # rope_positions) reach a vision-language model's forward; rollouts: prompts with images
+    VISION = "vision"
     # rollout capabilities
     SLEEP = "sleep"  # release() frees weights and KV cache, resume() brings them back
     LOGPROBS = "logprobs"

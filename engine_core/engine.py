@@ -69,6 +69,15 @@ from engine_core.routing_replay import (
     refuse_routing,
     routing_request,
 )
+from engine_core.vision import (
+    ROPE_POSITIONS,
+    VisionInputs,
+    check_vision_batch,
+    has_images,
+    is_vision_config,
+    refuse_vision,
+    rope_positions,
+)
 
 # attention kernels that take the packed row's sequence boundaries as cu_seq_lens_* kwargs
 VARLEN_KERNELS = frozenset({"sdpa_varlen", "flash_attention_2"})
@@ -328,12 +337,19 @@ class BaseEngine(ModelOutputs, EngineCheckpoints, WeightExport, abc.ABC):
         self._check_model_limits(batch)
         if Capability.ROUTING_REPLAY not in self.capabilities:  # read at every step, as declared
             refuse_routing(batch, type(self).__name__)
+        if Capability.VISION not in self.capabilities:
+            refuse_vision(batch, type(self).__name__)
+        check_vision_batch(batch, self.hf_config)
         self.__extension.check_batch(batch, type(self).__name__)
         if not forward_only and self.loss_fn is None:
             raise EngineCoreError(
                 "forward_backward_step(forward_only=False) needs a loss; call set_loss_fn() first."
             )
-        self.require_module()
+        module = self.require_module()
+        if has_images(batch) and ROPE_POSITIONS not in batch.keys():
+            # once per sample, before the split; on a copy: the caller's batch stays as it was
+            batch = batch.copy()
+            batch[ROPE_POSITIONS] = rope_positions(module, batch)
         cfg = self.config
         micro_batches, plan = prepare_micro_batches(
             batch,
@@ -463,7 +479,10 @@ class BaseEngine(ModelOutputs, EngineCheckpoints, WeightExport, abc.ABC):
         <engine_core.forward_extension.ForwardExtension.input_parts>`). An engine whose model
         takes more (images, say) returns them after these: each is a small
         :class:`InputPart`, and the loop is unchanged."""
-        return self.__extension.input_parts
+        parts = self.__extension.input_parts
+        if is_vision_config(self.hf_config):  # every call: its positions are 4 rows
+            parts = (*parts, VisionInputs)
+        return parts
 
     def forward_extension(self) -> ForwardExtension:
         """The engine's one hook into the micro-batch loop, chosen once when it is built
@@ -570,7 +589,8 @@ class BaseEngine(ModelOutputs, EngineCheckpoints, WeightExport, abc.ABC):
         before anything runs (a model would index out of range, or extrapolate silently)."""
         from engine_core.errors import BatchError
 
-        vocab = getattr(self.hf_config, "vocab_size", None)
+        text = self.hf_config.get_text_config()
+        vocab = getattr(text, "vocab_size", None)
         top = int(batch[INPUT_IDS].max())
         if vocab is not None and top >= vocab:
             raise BatchError(
@@ -578,7 +598,7 @@ class BaseEngine(ModelOutputs, EngineCheckpoints, WeightExport, abc.ABC):
                 f"(ids 0..{vocab - 1}); the tokenizer and the model do not match, or the model's "
                 f"vocab_size is too small for the task's tokens."
             )
-        positions = getattr(self.hf_config, "max_position_embeddings", None)
+        positions = getattr(text, "max_position_embeddings", None)
         longest = int(batch[ATTENTION_MASK].sum(-1).max())
         if positions is not None and longest > positions:
             raise BatchError(

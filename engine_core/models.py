@@ -1,7 +1,8 @@
 """Building transformers models from a :class:`~engine_core.config.ModelConfig`.
 
 Shared by every engine that trains Hugging Face models: causal LMs for actors and references,
-token-classification models with one label as value heads for critics.
+image-text-to-text models for vision-language ones (the class comes from the config,
+:func:`model_class`), token-classification models with one label as value heads for critics.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ __all__ = [
     "DTYPES",
     "build_hf_config",
     "build_model",
+    "model_class",
     "apply_lora",
     "is_adapter_name",
     "merged_lora_tensors",
@@ -80,11 +82,9 @@ def build_model(
     ``load_weights=False`` only builds the architecture (randomly initialised, left where it was
     created): the way to get a skeleton under a meta-device context.
     """
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
-
-    auto = AutoModelForTokenClassification if cfg.value_head else AutoModelForCausalLM
     dtype = DTYPES[cfg.dtype]
     hf_config = build_hf_config(cfg)
+    auto = model_class(cfg, hf_config)
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code}
     if cfg.attn_implementation is not None:
         if cfg.attn_implementation == SDPA_VARLEN:
@@ -110,6 +110,30 @@ def build_model(
     if cfg.lora is not None:
         model = apply_lora(model, cfg)
     return cast(nn.Module, model)
+
+
+def model_class(cfg: ModelConfig, hf_config: Any) -> Any:
+    """The transformers auto class that builds ``cfg``'s model, chosen by its config: a
+    vision-language model (a config with a ``vision_config``) is an image-text-to-text model,
+    a critic's (``value_head``) a token-classification model with one label, anything else a
+    causal LM."""
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForTokenClassification,
+    )
+
+    from engine_core.vision import is_vision_config
+
+    if is_vision_config(hf_config):
+        if cfg.value_head:
+            raise ConfigError(
+                f"model.value_head: a value head on a vision-language model "
+                f"({type(hf_config).__name__}) is not built here; train the critic on a text "
+                f"model, or set value_head=false."
+            )
+        return AutoModelForImageTextToText
+    return AutoModelForTokenClassification if cfg.value_head else AutoModelForCausalLM
 
 
 def _zero_missing_head_bias(model: nn.Module, missing: list[str] | set[str]) -> None:

@@ -13,6 +13,7 @@ from engine_core_roles.algorithms.advantages import (
     grpo_advantages,
     rloo_advantages,
     sequence_to_token_rewards,
+    signal_groups,
 )
 
 
@@ -91,6 +92,23 @@ def test_the_group_mean_term_pushes_a_group_that_scored_alike_below_the_batch() 
     assert torch.allclose(mixed, plain + 0.5 * term.unsqueeze(1) * mask)
     # the contrast inside a group is GRPO's, unchanged
     assert torch.allclose(mixed[7] - mixed[6], plain[7] - plain[6])
+
+
+def test_signal_scale_sizes_the_update_as_if_the_uniform_groups_were_not_there() -> None:
+    """GRPOParams.signal_scale: every advantage times the batch's samples over those in groups
+    with two different scores (here 8 over 2), the advantages' contrast unchanged."""
+    from engine_core_roles.algorithms.base import AdvantageInputs
+    from engine_core_roles.algorithms.builtin import GRPO, GRPOParams
+
+    scores = torch.tensor([0.75, 0.75, 0.75, 1.0, 1.0, 1.0, 0.5, 1.0])
+    groups = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2])
+    assert signal_groups(scores, groups).tolist() == [False] * 6 + [True] * 2
+    inputs = AdvantageInputs(scores=scores, mask=torch.ones(8, 2), group_ids=groups)
+    plain = GRPO(GRPOParams())(inputs).advantages
+    scaled = GRPO(GRPOParams(signal_scale=True))(inputs).advantages
+    assert torch.allclose(scaled, plain * 4.0) and plain.abs().sum() > 0
+    alike = AdvantageInputs(scores=torch.ones(4), mask=torch.ones(4, 2), group_ids=groups[:4])
+    assert (GRPO(GRPOParams(signal_scale=True))(alike).advantages == 0).all()
 
 
 def test_rloo_against_a_loop() -> None:

@@ -25,6 +25,7 @@ FSDP_CAPABILITIES = frozenset(
         Capability.LORA,
         Capability.OFFLOAD,
         Capability.ROUTING_REPLAY,  # the default forward: transformers' routers, replayed
+        Capability.VISION,  # engine_core.vision: images reach the default forward
     }
 )
 

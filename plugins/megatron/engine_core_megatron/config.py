@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, PositiveInt, model_validator
@@ -9,6 +11,7 @@ from pydantic import Field, PositiveInt, model_validator
 from engine_core.backend import (
     EngineConfig,
 )
+from engine_core_megatron.convert import SUPPORTED_MODEL_TYPES
 
 __all__ = ["MegatronEngineConfig"]
 
@@ -62,4 +65,28 @@ class MegatronEngineConfig(EngineConfig):
                 "virtual_pipeline_parallel_size needs pipeline_parallel_size > 1; got "
                 "pipeline_parallel_size=1. Unset virtual_pipeline_parallel_size."
             )
+        self._mapped_family()
         return self
+
+    def _mapped_family(self) -> None:
+        """The model's family must be one megatron-core builds here, checked from the config
+        alone (the folder's config.json), before any process starts: a vision-language model
+        (or any other family) is refused with the list of those mapped."""
+        if self.model.config is not None:
+            raw = self.model.config
+        else:
+            assert self.model.path is not None
+            try:
+                raw = json.loads((Path(self.model.path) / "config.json").read_text())
+            except (OSError, ValueError):
+                return  # missing or unreadable: the model's own loader says which
+        kind = raw.get("model_type") if isinstance(raw, dict) else None
+        vision = isinstance(raw, dict) and raw.get("vision_config") is not None
+        if kind in SUPPORTED_MODEL_TYPES and not vision:
+            return
+        what = "a vision-language model" if vision else "a model"
+        raise ValueError(
+            f"megatron maps the families {', '.join(SUPPORTED_MODEL_TYPES)} (text decoders) "
+            f"and got {what} of model_type {kind!r}; train it with engine.backend=fsdp2 or "
+            f"fsdp, which build any transformers model (vision-language ones included)."
+        )

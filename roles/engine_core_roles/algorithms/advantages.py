@@ -19,6 +19,7 @@ __all__ = [
     "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",
     "group_mean_term",
+    "signal_groups",
     "sequence_to_token_rewards",
     "FixedKLController",
     "AdaptiveKLController",
@@ -128,6 +129,16 @@ def group_mean_term(
         return torch.zeros_like(scores)
     gid, count, total = _group_sums(scores, group_index)
     return ((total / count)[gid] - scores.mean()) / (scores.std() + eps)
+
+
+def signal_groups(scores: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """Each sample's flag: does its group hold two different scores (so that group
+    normalization gives it a non-zero advantage)?"""
+    scores = scores.float()
+    gid, n = _group_ids(group_index)
+    low = torch.full((n,), math.inf).scatter_reduce(0, gid, scores, "amin")
+    high = torch.full((n,), -math.inf).scatter_reduce(0, gid, scores, "amax")
+    return (high > low)[gid]
 
 
 def rloo_advantages(scores: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:

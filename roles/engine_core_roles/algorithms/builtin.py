@@ -21,6 +21,7 @@ from engine_core_roles.algorithms.advantages import (
     reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
     rloo_advantages,
+    signal_groups,
     whiten,
 )
 from engine_core_roles.algorithms.base import (
@@ -104,6 +105,14 @@ class GRPOParams(FrozenModel):
         "advantage: a group whose samples all scored the same, below the batch, is still pushed "
         "away from its answer (group normalization alone gives it 0). 0: plain GRPO.",
     )
+    signal_scale: bool = Field(
+        False,
+        description="Multiply every advantage by the batch's sample count over the count of "
+        "samples in groups with two different scores, so the loss's token mean is as if taken "
+        "over the groups that carry signal alone: the update keeps its size as groups turn "
+        "uniform (all right, or all equally wrong), without drawing more prompts as "
+        "trainer.filter_groups does.",
+    )
 
 
 class GRPO(AdvantageEstimator):
@@ -124,6 +133,9 @@ class GRPO(AdvantageEstimator):
             adv = adv + self.params.group_mean_weight * group_mean_term(
                 rewards, inputs.group_ids, eps=self.params.eps
             )
+        if self.params.signal_scale:
+            signal = signal_groups(rewards, inputs.group_ids)
+            adv = adv * (signal.numel() / max(1, int(signal.sum())))
         return AdvantageResult(_per_token(adv, inputs.mask))
 
 

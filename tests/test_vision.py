@@ -1,0 +1,201 @@
+"""Vision-language models in an engine: images as batch fields, 3-D positions, parity with
+transformers per sample (padded and packed), and the refusals before anything runs."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from engine_core.batch import ATTENTION_MASK, LOG_PROBS
+from engine_core.capabilities import Capability
+from engine_core.errors import BatchError, CapabilityError, ConfigError
+from engine_core.model_inputs import InputPart, ModelInputs
+from engine_core.reference_engine import ReferenceEngine, ReferenceEngineConfig
+from engine_core.testing.models import engine_config, nll_loss
+from engine_core.testing.vision import (
+    TINY_QWEN2_5_VL,
+    TINY_QWEN3_VL,
+    VL_IMAGE_TOKEN,
+    image_batch,
+    plain_vl_log_probs,
+)
+from engine_core.vision import IMAGE_GRID_THW, PIXEL_VALUES, ROPE_POSITIONS, VisionInputs
+
+FAMILIES = {"qwen2_5_vl": TINY_QWEN2_5_VL, "qwen3_vl": TINY_QWEN3_VL}
+# three image sizes (one of two frames), a row with two images and a text-only row
+GRIDS = [[(1, 4, 4)], [], [(1, 2, 6), (1, 4, 2)], [(2, 4, 4)]]
+
+
+def _engine(family: str, cls: type[ReferenceEngine] = ReferenceEngine, **extra: Any) -> Any:
+    engine = cls(
+        ReferenceEngineConfig(**engine_config(model={"config": dict(FAMILIES[family])}, **extra))
+    )
+    engine.init_model()
+    return engine
+
+
+def _gap(engine: Any, batch: TensorDict) -> float:
+    with torch.no_grad():
+        got = engine.forward_backward_step(batch, forward_only=True).outputs[LOG_PROBS]
+    want = plain_vl_log_probs(engine.module, batch)
+    real = batch[ATTENTION_MASK].bool()
+    return float((got - want)[real].abs().max())
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"use_packing": False},
+        {"use_packing": True},
+        {"use_packing": True, "max_tokens_per_micro_batch": 30},  # reordered, 3 calls
+    ],
+    ids=["padded", "packed", "packed-token-budget"],
+)
+def test_log_probs_with_images_equal_transformers_per_sample(family: str, layout: dict) -> None:
+    engine = _engine(family, **layout)
+    batch = image_batch(GRIDS, seq_len=48)
+    keys = set(batch.keys())
+    assert _gap(engine, batch) < 1e-5
+    assert set(batch.keys()) == keys  # the positions were computed on a copy
+
+
+def test_the_3d_positions_are_the_models_own_and_travel_with_the_batch() -> None:
+    engine = _engine("qwen2_5_vl", use_packing=True)
+    batch = image_batch(GRIDS, seq_len=48)
+    from engine_core.vision import rope_positions
+
+    batch[ROPE_POSITIONS] = rope_positions(engine.module, batch)
+    image_row = batch[ROPE_POSITIONS][0][batch["input_ids"][0] == VL_IMAGE_TOKEN]
+    assert len({tuple(r) for r in image_row.tolist()}) == image_row.shape[0] > 1  # 2-D grid
+    assert _gap(engine, batch) < 1e-5
+    shuffled = batch[torch.tensor([3, 1, 0, 2])]  # the fields follow their rows
+    assert _gap(engine, shuffled) < 1e-5
+    wrong = batch.clone()
+    wrong[ROPE_POSITIONS] = wrong[ROPE_POSITIONS].flip(0)  # another sample's positions
+    assert _gap(engine, wrong) > 1e-3
+
+
+class _ImagesDropped(VisionInputs):
+    """The bug class to guard against: the images looked for where they are not, so the model
+    is called without them (and without their grids)."""
+
+    @classmethod
+    def build(cls, micro_batch: TensorDict, inputs: ModelInputs) -> VisionInputs | None:
+        part = super().build(micro_batch.exclude(PIXEL_VALUES, IMAGE_GRID_THW), inputs)
+        return part
+
+
+class _DropsImages(ReferenceEngine):
+    def input_parts(self) -> tuple[type[InputPart], ...]:
+        return tuple(_ImagesDropped if p is VisionInputs else p for p in super().input_parts())
+
+
+def test_an_engine_that_drops_the_images_fails_the_parity_check() -> None:
+    batch = image_batch(GRIDS, seq_len=48)
+    assert _gap(_engine("qwen2_5_vl", _DropsImages, use_packing=True), batch) > 1e-3
+
+
+def test_a_training_step_reaches_the_vision_tower() -> None:
+    engine = _engine("qwen2_5_vl", use_packing=True)
+    engine.set_loss_fn(nll_loss)
+    with engine.train_mode():
+        engine.forward_backward_step(image_batch(GRIDS, seq_len=48))
+    tower = [p.grad for n, p in engine.module.named_parameters() if ".visual." in f".{n}"]
+    assert tower and all(g is not None for g in tower)
+    assert sum(float(g.abs().sum()) for g in tower) > 0
+
+
+class _NoVision(ReferenceEngine):
+    capabilities: ClassVar[frozenset[Capability]] = ReferenceEngine.capabilities - {
+        Capability.VISION
+    }
+
+
+def _refused(engine: Any, batch: TensorDict, error: type[Exception], *words: str) -> None:
+    before = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    with pytest.raises(error) as info:
+        engine.forward_backward_step(batch, forward_only=True)
+    for word in words:
+        assert word in str(info.value)
+    after = engine.module.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_an_engine_without_the_vision_capability_refuses_images() -> None:
+    _refused(
+        _engine("qwen2_5_vl", _NoVision),
+        image_batch(GRIDS, seq_len=48),
+        CapabilityError,
+        "_NoVision does not feed",
+        "vision capability",
+    )
+
+
+def _broken(change: str) -> TensorDict:
+    batch = image_batch(GRIDS, seq_len=48)
+    if change == "one image token too many":
+        batch["input_ids"][0, 1] = VL_IMAGE_TOKEN
+    elif change == "grids without pixels":
+        del batch[PIXEL_VALUES]
+    elif change == "another processor's patches":
+        batch[PIXEL_VALUES] = batch[PIXEL_VALUES][..., :40]
+    elif change == "grids beyond the patches":
+        batch[IMAGE_GRID_THW][3, 0, 0] = 9
+    elif change == "positions of another shape":
+        batch[ROPE_POSITIONS] = torch.zeros(4, 48, dtype=torch.long)
+    return batch
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ("one image token too many", ("sample 0 holds", "image tokens", "do not truncate")),
+        ("grids without pixels", ("without pixel_values",)),
+        ("another processor's patches", ("width 40", "takes 96")),
+        ("grids beyond the patches", ("samples [3]", "more than")),
+        ("positions of another shape", ("rope_positions has shape (4, 48)",)),
+    ],
+)
+def test_a_batch_whose_images_do_not_match_is_refused_before_anything_runs(
+    change: str, words: tuple[str, ...]
+) -> None:
+    _refused(_engine("qwen2_5_vl"), _broken(change), BatchError, *words)
+
+
+def test_a_text_model_refuses_images() -> None:
+    engine = ReferenceEngine(ReferenceEngineConfig(**engine_config()))
+    engine.init_model()
+    batch = image_batch([[(1, 2, 2)], []], seq_len=16)
+    batch["input_ids"] = batch["input_ids"].clamp_max(30)
+    _refused(engine, batch, BatchError, "has no vision tower")
+
+
+def test_the_model_class_comes_from_the_config() -> None:
+    from transformers import AutoConfig
+
+    from engine_core.config import ModelConfig
+    from engine_core.models import model_class
+
+    raw = dict(TINY_QWEN2_5_VL)
+    hf = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    assert model_class(ModelConfig(config=dict(TINY_QWEN2_5_VL)), hf).__name__ == (
+        "AutoModelForImageTextToText"
+    )
+    with pytest.raises(ConfigError, match="value head on a vision-language model"):
+        model_class(ModelConfig(config=dict(TINY_QWEN2_5_VL), value_head=True), hf)
+
+
+def test_megatron_refuses_a_vision_language_model_before_any_process_starts(tmp_path) -> None:
+    pytest.importorskip("engine_core_megatron")
+    from engine_core_megatron.config import MegatronEngineConfig
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="a vision-language model of model_type 'qwen2_5_vl'"):
+        MegatronEngineConfig(backend="megatron", model={"config": dict(TINY_QWEN2_5_VL)})
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_vl", "vision_config": {}}')
+    with pytest.raises(ValidationError, match="maps the families llama, qwen2"):
+        MegatronEngineConfig(backend="megatron", model={"path": str(tmp_path)})
