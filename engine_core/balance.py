@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from engine_core.batch import sequence_lengths, split_with_meta
+from engine_core.batch import sample_workloads, split_with_meta
 from engine_core.errors import BatchError
 
 __all__ = ["balanced_partition", "balance_batch", "inverse_permutation"]
@@ -141,14 +141,15 @@ def inverse_permutation(perm: Sequence[int] | np.ndarray | torch.Tensor) -> np.n
 
 
 def balance_batch(batch: TensorDict, dp_size: int) -> tuple[TensorDict, np.ndarray]:
-    """Reorder ``batch`` so that ``dp_size`` contiguous equal chunks carry balanced token loads.
+    """Reorder ``batch`` so that ``dp_size`` contiguous equal chunks carry balanced loads (real
+    tokens, and pixel patches where there are images: :func:`~engine_core.batch.sample_workloads`).
 
     Returns the reordered batch (with its own copy of the metadata) and the permutation ``perm``
     (``reordered[i] = batch[perm[i]]``); put outputs back with ``out[inverse_permutation(perm)]``.
     When the sample count does not divide by ``dp_size`` the leading chunks hold one sample
     more, as ``torch.tensor_split`` splits.
     """
-    groups = balanced_partition(sequence_lengths(batch).numpy(), dp_size)
+    groups = balanced_partition(sample_workloads(batch).numpy(), dp_size)
     perm = np.concatenate(groups)
     (reordered,) = split_with_meta(batch, [torch.from_numpy(perm)])
     return reordered, perm

@@ -41,6 +41,7 @@ __all__ = [
     "require_keys",
     "require_token_shaped",
     "sequence_lengths",
+    "sample_workloads",
     "validate_batch",
 ]
 
@@ -59,6 +60,10 @@ ROUTED_EXPERTS = "routed_experts"
 #: sequence-level load-balancing loss (:func:`engine_core.moe.balance_terms`), detached: the
 #: engine adds the loss itself (:class:`MoeAuxLoss`)
 MOE_AUX = "moe_aux"
+#: optional, int ``[B, I, 3]``: each sample's images' patch grids ``(t, h, w)``, rows of 0 past
+#: its last image (the vision fields, with ``pixel_values`` and ``rope_positions``, are
+#: :mod:`engine_core.vision`'s)
+IMAGE_GRID_THW = "image_grid_thw"
 META_KEY = "meta"
 
 
@@ -229,6 +234,15 @@ def require_keys(
 def sequence_lengths(batch: TensorDict) -> torch.Tensor:
     """Number of real tokens per sample (``attention_mask.sum(-1)``) as int64."""
     return batch[ATTENTION_MASK].long().sum(-1)
+
+
+def sample_workloads(batch: TensorDict) -> torch.Tensor:
+    """Each sample's work, int64 ``[B]``: its real tokens plus, with images, its pixel patches
+    (the vision tower's tokens). DP balancing and the micro-batch token budget count it."""
+    work = sequence_lengths(batch)
+    if IMAGE_GRID_THW in batch.keys():
+        work = work + batch[IMAGE_GRID_THW].long().prod(-1).sum(-1)
+    return work
 
 
 def require_token_shaped(batch: TensorDict, keys: Iterable[str], *, method: str) -> None:

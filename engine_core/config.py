@@ -122,6 +122,26 @@ class ModelConfig(FrozenModel):
             raise ValueError("model.config must include 'model_type' (e.g. 'qwen2', 'llama').")
         return self
 
+    def raw_config(self) -> dict[str, Any]:
+        """The model's config as plain data, read without building it: ``config``, or the
+        folder's ``config.json`` (empty when it cannot be read: the loader then says why)."""
+        if self.config is not None:
+            return dict(self.config)
+        import json
+        from pathlib import Path
+
+        assert self.path is not None
+        try:
+            raw = json.loads((Path(self.path) / "config.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        return raw if isinstance(raw, dict) else {}
+
+    @property
+    def is_vision(self) -> bool:
+        """Whether this is a vision-language model: its config has a vision tower's."""
+        return self.raw_config().get("vision_config") is not None
+
 
 class OptimConfig(FrozenModel):
     """AdamW with an optional warmup followed by a constant or cosine schedule."""
@@ -273,6 +293,8 @@ class EngineConfig(Seeded):
         need: set[Capability] = set()
         if self.model.value_head:
             need.add(Capability.VALUE_HEAD)
+        if self.model.is_vision:
+            need.add(Capability.VISION)
         if self.model.lora is not None:
             need.add(Capability.LORA)
         if self.model.gradient_checkpointing:

@@ -531,7 +531,9 @@ class BaseEngine(ModelOutputs, EngineCheckpoints, WeightExport, abc.ABC):
         request = inputs.head
         offload = self.__offload if self.__offload is not None else contextlib.nullcontext()
         around = contextlib.nullcontext() if hooks is None else hooks.model_context(module)
-        with self.forward_context(), offload, around:
+        vision = inputs.part(VisionInputs)
+        tower = contextlib.nullcontext() if vision is None else vision.tower_context(module)
+        with self.forward_context(), offload, around, tower:
             if request is None:
                 raw = module(**inputs.kwargs)
             else:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from engine_core.batch import META_KEY, get_meta, sequence_lengths, set_meta, split_with_meta
+from engine_core.batch import META_KEY, get_meta, sample_workloads, set_meta, split_with_meta
 from engine_core.comm import all_reduce_cpu
 from engine_core.errors import BatchError, TokenBudgetError
 
@@ -261,7 +261,8 @@ def plan_token_budget(
     if over.size:
         i = int(over[0])
         raise TokenBudgetError(
-            f"{where}sample {i} has {int(lens[i])} tokens, more than max_tokens_per_micro_batch="
+            f"{where}sample {i} has {int(lens[i])} tokens (pixel patches count as tokens), "
+            f"more than max_tokens_per_micro_batch="
             f"{max_tokens} ({over.size} sample(s) over budget). Raise max_tokens_per_micro_batch "
             f"to at least {int(lens.max())} or truncate the sequences."
         )
@@ -297,7 +298,8 @@ def prepare_micro_batches(
 ) -> tuple[list[TensorDict], MicroBatchPlan]:
     """Split ``batch`` by a fixed size or a token budget; neither gives one micro-batch.
 
-    The token budget counts real tokens (:func:`~engine_core.batch.sequence_lengths`).
+    The token budget counts real tokens, and pixel patches where there are images
+    (:func:`~engine_core.batch.sample_workloads`).
     """
     if micro_batch_size is not None and max_tokens_per_micro_batch is not None:
         raise BatchError(
@@ -307,7 +309,7 @@ def prepare_micro_batches(
         )
     n = int(batch.batch_size[0])
     if max_tokens_per_micro_batch is not None:
-        plan = plan_token_budget(sequence_lengths(batch), max_tokens_per_micro_batch, group=group)
+        plan = plan_token_budget(sample_workloads(batch), max_tokens_per_micro_batch, group=group)
     else:
         plan = plan_fixed(n, micro_batch_size if micro_batch_size is not None else max(n, 1))
     return plan.split(batch), plan

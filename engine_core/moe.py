@@ -80,6 +80,8 @@ ROUTER_RULES: dict[str, RouterRule] = {
     "Qwen2MoeTopKRouter": RouterRule(normalize="norm_topk_prob"),
     "OlmoeTopKRouter": RouterRule(normalize="norm_topk_prob"),
     "MixtralTopKRouter": RouterRule(normalize=True, to_logits_dtype=False),
+    # Qwen3-VL-MoE's text experts: always renormalised over the chosen ones
+    "Qwen3VLMoeTextTopKRouter": RouterRule(normalize=True),
 }
 
 

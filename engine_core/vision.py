@@ -24,7 +24,8 @@ three are the rotary ones.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +33,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from engine_core.batch import ATTENTION_MASK, INPUT_IDS
+from engine_core.batch import ATTENTION_MASK, IMAGE_GRID_THW, INPUT_IDS
 from engine_core.errors import BatchError, CapabilityError
 from engine_core.model_inputs import InputPart, ModelInputs
 from engine_core.packing import pack_tensor
@@ -53,7 +54,6 @@ __all__ = [
 ]
 
 PIXEL_VALUES = "pixel_values"
-IMAGE_GRID_THW = "image_grid_thw"
 ROPE_POSITIONS = "rope_positions"
 #: the keys that say a batch carries images
 VISION_KEYS = (PIXEL_VALUES, IMAGE_GRID_THW)
@@ -280,9 +280,55 @@ class VisionInputs(InputPart):
         rows = [values[i, : int(counts[i])] for i in range(grids.shape[0])]
         return cls(position_ids, torch.cat(rows), grids[grids[..., 0] > 0].long())
 
+    def tower_context(self, module: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        """Entered around the model call (``BaseEngine.forward_model``). For a micro-batch
+        without images, the vision tower still runs, on one blank image of the smallest grid,
+        its output times 0 added to the token embeddings: under sharded data parallelism a
+        tower's parameters are gathered in its forward and its gradients reduced in its
+        backward on every rank at once, so a rank whose micro-batch holds no image would skip
+        both while another rank waits in them. The outputs are unchanged."""
+        if self.pixel_values is not None:
+            return contextlib.nullcontext()
+        return _blank_image(module)
+
     def model_kwargs(self, device: torch.device) -> dict[str, Any]:
         out: dict[str, Any] = {"position_ids": self.position_ids.to(device)}
         if self.pixel_values is not None and self.image_grid_thw is not None:
             out["pixel_values"] = self.pixel_values.to(device)
             out["image_grid_thw"] = self.image_grid_thw.to(device)
         return out
+
+
+def _total(out: Any) -> torch.Tensor:
+    """The sum of every floating tensor in a module's output (a tensor, a tuple, a mapping)."""
+    if isinstance(out, torch.Tensor):
+        return out.float().sum() if out.is_floating_point() else torch.zeros(())
+    values = out.values() if isinstance(out, dict) else out if isinstance(out, tuple | list) else ()
+    parts = [_total(v) for v in values if v is not None]
+    return torch.stack([p.to(parts[0].device) for p in parts]).sum() if parts else torch.zeros(())
+
+
+@contextlib.contextmanager
+def _blank_image(model: nn.Module) -> Iterator[None]:
+    """While entered, the token embeddings of ``model`` gain 0 times its vision tower's output
+    on one blank image (:meth:`VisionInputs.tower_context`)."""
+    inner = _rope_module(model)
+    tower = getattr(inner, "visual", None)
+    if tower is None:
+        yield
+        return
+    vision = inner.config.vision_config
+    merge = int(vision.spatial_merge_size)
+    width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    dtype = next(tower.parameters()).dtype
+
+    def add_blank(_module: nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
+        pixels = torch.zeros(merge * merge, width, dtype=dtype, device=out.device)
+        grid = torch.tensor([[1, merge, merge]], device=out.device)
+        return out + 0.0 * _total(tower(pixels, grid_thw=grid)).to(out.device, out.dtype)
+
+    handle = inner.get_input_embeddings().register_forward_hook(add_blank)
+    try:
+        yield
+    finally:
+        handle.remove()

@@ -43,6 +43,7 @@ MIXED_PRECISION = "test_mixed_precision_computes_in_bf16_on_float32_master_weigh
 TIED = "test_tied_embeddings_export_and_checkpoint"
 CHECKPOINTING = "test_gradient_checkpointing_recomputes_the_blocks"
 ROUTING = "test_routing_replay_follows_the_given_routes"
+VISION = "test_log_probs_with_images_match_transformers"
 UPDATE = {
     "test_update_matches_a_plain_adamw_loop_single_process",
     "test_update_matches_a_plain_adamw_loop_two_dp_ranks",
@@ -63,12 +64,12 @@ GROUPS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
         frozenset(
             {
                 *(MODES, RESTORED, OFFLOADED, OPTIMIZER, EXPORT, REGISTERED, INPUTS),
-                *(BF16, MIXED_PRECISION, TIED, CHECKPOINTING, ROUTING),
+                *(BF16, MIXED_PRECISION, TIED, CHECKPOINTING, ROUTING, VISION),
             }
         ),
         (
             *("modes", "optimizer", "export", "inputs", "bf16", "mixed_precision", "tied"),
-            *("recompute", "routing"),
+            *("recompute", "routing", "vision"),
         ),
     ),
     "process": (frozenset({NO_GROUP, MODES}), ("lifecycle", "modes")),
@@ -141,6 +142,9 @@ BROKEN = {
     "example-forgets-optimizer": Broken("numerics", frozenset({TO}), "optimizer on ['cpu'], want"),
     "example-ignores-routes": Broken(
         "lifecycle", frozenset({ROUTING}), "it routed on its own (its log-probs are the model's"
+    ),
+    "example-drops-images": Broken(
+        "lifecycle", frozenset({VISION}), "the model was called without the images"
     ),
     "example-bf16-master-weights": Broken(
         "lifecycle", frozenset({MIXED_PRECISION}), "The master weights are not float32"

@@ -88,6 +88,7 @@ from engine_core.testing.checks.update import (
     test_update_matches_a_plain_adamw_loop_two_dp_ranks,
     update_oracle,
 )
+from engine_core.testing.checks.vision import test_log_probs_with_images_match_transformers
 from engine_core.testing.checks.weights import (
     test_export_hf_writes_replaces_and_survives_a_failure,
     test_hf_config_is_the_models,
@@ -138,6 +139,7 @@ __all__ = [
     "test_is_distributed_follows_the_default_process_group",
     "test_load_shards_refuses_a_folder_without_its_files",
     "test_log_probs_and_entropy_match_transformers",
+    "test_log_probs_with_images_match_transformers",
     "test_lora_trains_adapters_only",
     "test_metrics_reduce_over_micro_batches_and_ranks",
     "test_micro_batch_counts_agree_across_dp_ranks",

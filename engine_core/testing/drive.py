@@ -19,6 +19,7 @@ from engine_core.plugins import load_plugins
 from engine_core.resolve import resolve_engine_config
 from engine_core.testing.models import TINY_QWEN2, engine_config, nll_loss
 from engine_core.testing.oracle import UPDATE_STEPS, eval_batch, masked_batch, train_batch
+from engine_core.testing.vision import TINY_QWEN2_5_VL
 
 __all__ = [
     "CAPABILITY_TRIGGERS",
@@ -57,6 +58,7 @@ CAPABILITY_TRIGGERS: dict[Capability, dict[str, Any]] = {
     Capability.BF16: {"model": {"config": dict(TINY_QWEN2), "dtype": "bfloat16"}},
     Capability.MIXED_PRECISION: {"compute_dtype": "bfloat16"},
     Capability.ACTIVATION_OFFLOAD: {"activation_offload": True},
+    Capability.VISION: {"model": {"config": dict(TINY_QWEN2_5_VL)}},
 }
 
 

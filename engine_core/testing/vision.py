@@ -7,20 +7,31 @@ images, its pixel patches random (the models' forwards take any values).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 from tensordict import TensorDict
 
 from engine_core.batch import ATTENTION_MASK, INPUT_IDS, make_batch
-from engine_core.vision import IMAGE_GRID_THW, PIXEL_VALUES, patch_counts, vision_fields
+from engine_core.moe import RouteRecorder, replaying
+from engine_core.vision import (
+    IMAGE_GRID_THW,
+    PIXEL_VALUES,
+    patch_counts,
+    rope_positions,
+    vision_fields,
+)
 
 __all__ = [
     "TINY_QWEN2_5_VL",
     "TINY_QWEN3_VL",
+    "TINY_QWEN3_VL_MOE",
     "VL_IMAGE_TOKEN",
     "image_batch",
     "plain_vl_log_probs",
+    "plain_vl_loss_and_grad_norm",
+    "vl_own_routes",
 ]
 
 #: the special ids of the tiny configs below (text ids are 1 .. 95)
@@ -93,6 +104,20 @@ TINY_QWEN3_VL: dict[str, Any] = {
 }
 
 
+#: Qwen3-VL-MoE: the dense config's vision tower, its text layers mixtures of 4 experts, top 2
+TINY_QWEN3_VL_MOE: dict[str, Any] = {
+    **TINY_QWEN3_VL,
+    "model_type": "qwen3_vl_moe",
+    "text_config": {
+        **TINY_QWEN3_VL["text_config"],
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 24,
+        "decoder_sparse_step": 1,
+    },
+}
+
+
 def image_batch(
     grids: list[list[tuple[int, int, int]]], *, seq_len: int = 64, seed: int = 0
 ) -> TensorDict:
@@ -139,24 +164,84 @@ def image_batch(
     return batch
 
 
-def plain_vl_log_probs(model: torch.nn.Module, batch: TensorDict) -> torch.Tensor:
-    """Each sample alone through the vision-language ``model`` (its own images, the model's
-    own positions): log-probs aligned to ``input_ids``."""
+def _sample_log_probs(
+    model: torch.nn.Module, batch: TensorDict, i: int, rope: torch.Tensor | None
+) -> torch.Tensor:
+    """Sample ``i`` alone through ``model``: the log-prob of each of its real tokens after the
+    first, with its images (``rope`` None) or at their positions without them."""
     ids, mask = batch[INPUT_IDS], batch[ATTENTION_MASK]
     grids, values = batch[IMAGE_GRID_THW], batch[PIXEL_VALUES]
-    counts = patch_counts(grids)
-    out = torch.zeros(ids.shape)
+    count = int(patch_counts(grids)[i])
+    real = mask[i].bool()
+    seq = ids[i][real].unsqueeze(0)
+    kwargs: dict[str, Any] = {"input_ids": seq}
+    if rope is not None:  # the images' positions, without the images
+        text = torch.arange(seq.shape[1])[None, None]
+        kwargs["position_ids"] = torch.cat([text, rope[i, real].T[:, None]])
+    elif count:
+        kwargs["pixel_values"] = values[i, :count]
+        kwargs["image_grid_thw"] = grids[i][grids[i, :, 0] > 0]
+        kwargs["mm_token_type_ids"] = (seq == VL_IMAGE_TOKEN).int()
+    logp = torch.log_softmax(model(**kwargs).logits.float()[0, :-1], -1)
+    return logp.gather(-1, seq[0, 1:, None]).squeeze(-1)
+
+
+def plain_vl_log_probs(
+    model: torch.nn.Module,
+    batch: TensorDict,
+    *,
+    images: bool = True,
+    routes: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Each sample alone through the vision-language ``model`` (its own images, the model's
+    own positions): log-probs aligned to ``input_ids``. ``images=False``: the same ids without
+    the images at their positions (what a model called without them gives). ``routes``
+    (``[B, L, layers, top_k]``, a mixture of experts): each sample's routes replayed."""
+    mask = batch[ATTENTION_MASK]
+    out = torch.zeros(mask.shape)
+    rope = None if images else rope_positions(model, batch)
     with torch.no_grad():
-        for i in range(ids.shape[0]):
+        for i in range(mask.shape[0]):
             real = mask[i].bool()
-            seq = ids[i][real].unsqueeze(0)
-            kwargs: dict[str, Any] = {"input_ids": seq}
-            if int(counts[i]):
-                kwargs["pixel_values"] = values[i, : int(counts[i])]
-                kwargs["image_grid_thw"] = grids[i][grids[i, :, 0] > 0]
-                kwargs["mm_token_type_ids"] = (seq == VL_IMAGE_TOKEN).int()
-            logits = model(**kwargs).logits
-            logp = torch.log_softmax(logits.float()[0, :-1], -1)
             idx = real.nonzero().squeeze(-1)
-            out[i, idx[1:]] = logp.gather(-1, seq[0, 1:, None]).squeeze(-1)
+            replay = (
+                contextlib.nullcontext()
+                if routes is None
+                else replaying(model, routes[i, real].transpose(0, 1))
+            )
+            with replay:
+                out[i, idx[1:]] = _sample_log_probs(model, batch, i, rope)
     return out
+
+
+def vl_own_routes(model: torch.nn.Module, batch: TensorDict) -> torch.Tensor:
+    """The experts a vision-language mixture of experts' routers choose for each real token of
+    ``batch``, each sample alone with its images: ``[B, L, layers, top_k]``, zeros on
+    padding."""
+    mask = batch[ATTENTION_MASK].bool()
+    out: torch.Tensor | None = None
+    with torch.no_grad():
+        for i in range(mask.shape[0]):
+            with RouteRecorder(model) as rec:
+                _sample_log_probs(model, batch, i, None)
+            chosen = rec.routes().transpose(0, 1)  # [tokens, layers, top_k]
+            if out is None:
+                out = torch.zeros(*mask.shape, *chosen.shape[1:], dtype=torch.int64)
+            out[i, mask[i]] = chosen
+    assert out is not None
+    return out
+
+
+def plain_vl_loss_and_grad_norm(model: torch.nn.Module, batch: TensorDict) -> tuple[float, float]:
+    """Token-mean NLL over every predicted token of the batch (each sample alone, with its
+    images) and the norm of its gradient, the vision tower's included."""
+    model.zero_grad(set_to_none=True)
+    mask = batch[ATTENTION_MASK]
+    total = (mask.sum(-1) - 1).clamp_min(0).sum()
+    loss = sum(-_sample_log_probs(model, batch, i, None).sum() / total for i in range(len(mask)))
+    assert isinstance(loss, torch.Tensor)
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+    model.zero_grad(set_to_none=True)
+    return float(loss.detach()), norm

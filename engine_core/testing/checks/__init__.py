@@ -10,7 +10,7 @@ that judge its result.
 - :mod:`.update`: the update against a plain AdamW loop; the optimizer and schedule.
 - :mod:`.precision`: a bfloat16 model, and bfloat16 compute on float32 master weights.
 - :mod:`.weights`: export, the weight streams, ``export_hf``, tied embeddings.
-- :mod:`.lora`, :mod:`.routing`: LoRA adapters; MoE routing replay.
+- :mod:`.lora`, :mod:`.routing`, :mod:`.vision`: LoRA adapters; MoE routing replay; images.
 - :mod:`.checkpoint`: resume, rotation and the checkpoint sequence.
 - :mod:`.refusals`: refused batches, inputs left unmodified, what leaves no trace, a skipped
   step.
@@ -33,6 +33,7 @@ from engine_core.testing.checks import (
     refusals,
     routing,
     update,
+    vision,
     weights,
 )
 from engine_core.testing.checks.registry import Check, Context, Layout, Registry
@@ -51,6 +52,7 @@ REGISTRY = Registry(
         *refusals.CHECKS,
         *lora.CHECKS,
         *routing.CHECKS,
+        *vision.CHECKS,
         *layout.CHECKS,
     )
 )

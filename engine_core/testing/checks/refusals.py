@@ -102,7 +102,15 @@ def _refused_batches(caps: frozenset[Capability]) -> dict[str, tuple[str, Tensor
                 "CapabilityError",
                 with_meta(train_batch(), **{field_name: value}),
             )
-    else:
+    if Capability.VISION not in caps:
+        from engine_core.vision import IMAGE_GRID_THW, PIXEL_VALUES
+
+        pictured = train_batch()
+        b = pictured[INPUT_IDS].shape[0]
+        pictured[PIXEL_VALUES] = torch.zeros(b, 4, 96)
+        pictured[IMAGE_GRID_THW] = torch.tensor([1, 2, 2]).expand(b, 1, 3).clone()
+        cases["images without vision"] = ("CapabilityError", pictured)
+    if Capability.ROUTING_REPLAY in caps:
         cases["BatchMeta.moe_aux without the loss_mask it aggregates over"] = (
             "BatchError",
             with_meta(train_batch(), moe_aux={"coef": 0.1}),

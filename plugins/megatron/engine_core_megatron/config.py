@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, PositiveInt, model_validator
@@ -72,16 +70,10 @@ class MegatronEngineConfig(EngineConfig):
         """The model's family must be one megatron-core builds here, checked from the config
         alone (the folder's config.json), before any process starts: a vision-language model
         (or any other family) is refused with the list of those mapped."""
-        if self.model.config is not None:
-            raw = self.model.config
-        else:
-            assert self.model.path is not None
-            try:
-                raw = json.loads((Path(self.model.path) / "config.json").read_text())
-            except (OSError, ValueError):
-                return  # missing or unreadable: the model's own loader says which
-        kind = raw.get("model_type") if isinstance(raw, dict) else None
-        vision = isinstance(raw, dict) and raw.get("vision_config") is not None
+        raw = self.model.raw_config()
+        if not raw:
+            return  # missing or unreadable: the model's own loader says which
+        kind, vision = raw.get("model_type"), self.model.is_vision
         if kind in SUPPORTED_MODEL_TYPES and not vision:
             return
         what = "a vision-language model" if vision else "a model"
