@@ -246,24 +246,32 @@ class VisionInputs(InputPart):
     position_ids: torch.Tensor
     pixel_values: torch.Tensor | None
     image_grid_thw: torch.Tensor | None
+    #: under context parallelism: the whole packed row's ids and this rank's slice of it
+    #: ``[start, end)``; the rank's model call takes the images' features of its image tokens
+    split: tuple[torch.Tensor, int, int] | None = None
 
     @classmethod
     def build(cls, micro_batch: TensorDict, inputs: ModelInputs) -> VisionInputs | None:
         keys = micro_batch.keys()
         text = inputs.kwargs["position_ids"].cpu()  # packed [1, T] (maybe a shard), or [b, L]
         images = IMAGE_GRID_THW in keys and bool((micro_batch[IMAGE_GRID_THW][..., 0] > 0).any())
-        if inputs.shard is not None and images:
-            raise BatchError(
-                "images under context parallelism are not handled yet: a rank's slice of the "
-                "row would hold only part of an image's tokens; train images with "
-                "context_parallel_size=1."
-            )
-        if ROPE_POSITIONS in keys and inputs.shard is None:
+        shard, packed = inputs.shard, inputs.packed
+        row: torch.Tensor | None = None
+        if ROPE_POSITIONS in keys:
             rope = micro_batch[ROPE_POSITIONS]
-            if inputs.packed is not None:
-                rope3 = pack_tensor(inputs.packed, rope)[0].T.unsqueeze(1)  # [3, 1, T]
+            if packed is not None:
+                rope3 = pack_tensor(packed, rope)[0].T.unsqueeze(1)  # [3, 1, T]
             else:
                 rope3 = rope.permute(2, 0, 1)  # [3, b, L]
+            if shard is not None and packed is not None:
+                # the row as split over the context-parallel group: padded by one sequence
+                # of padding (positions from 0), of which this rank holds its slice
+                extra = shard.padded - shard.length
+                filler = torch.arange(extra, dtype=rope3.dtype).expand(3, 1, extra)
+                rope3 = torch.cat([rope3, filler], -1)
+                step = shard.padded // shard.size
+                rope3 = rope3[..., shard.start : shard.start + step]
+                row = packed.input_ids[0].cpu()
         elif images:
             raise BatchError(
                 f"the micro-batch carries images without {ROPE_POSITIONS}; the engine computes "
@@ -278,7 +286,11 @@ class VisionInputs(InputPart):
         counts = patch_counts(grids)
         values = micro_batch[PIXEL_VALUES]
         rows = [values[i, : int(counts[i])] for i in range(grids.shape[0])]
-        return cls(position_ids, torch.cat(rows), grids[grids[..., 0] > 0].long())
+        split = None
+        if shard is not None and row is not None:
+            step = shard.padded // shard.size
+            split = (row, shard.start, shard.start + step)
+        return cls(position_ids, torch.cat(rows), grids[grids[..., 0] > 0].long(), split)
 
     def tower_context(self, module: nn.Module) -> contextlib.AbstractContextManager[Any]:
         """Entered around the model call (``BaseEngine.forward_model``). For a micro-batch
@@ -286,10 +298,15 @@ class VisionInputs(InputPart):
         its output times 0 added to the token embeddings: under sharded data parallelism a
         tower's parameters are gathered in its forward and its gradients reduced in its
         backward on every rank at once, so a rank whose micro-batch holds no image would skip
-        both while another rank waits in them. The outputs are unchanged."""
-        if self.pixel_values is not None:
-            return contextlib.nullcontext()
-        return _blank_image(module)
+        both while another rank waits in them. The outputs are unchanged. Under context
+        parallelism every rank of the group encodes the micro-batch's whole images and keeps
+        the features of the image tokens in its slice of the row (an image's tokens may fall
+        on two ranks); the tower's gradients, like the decoder's, are summed over the group."""
+        if self.pixel_values is None:
+            return _blank_image(module)
+        if self.split is not None:
+            return _features_of_slice(module, *self.split)
+        return contextlib.nullcontext()
 
     def model_kwargs(self, device: torch.device) -> dict[str, Any]:
         out: dict[str, Any] = {"position_ids": self.position_ids.to(device)}
@@ -332,3 +349,37 @@ def _blank_image(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         handle.remove()
+
+
+def _slice_features(out: Any, first: int, count: int) -> Any:
+    """``out`` of a model's ``get_image_features`` (per-image features, and a Qwen3-VL's
+    deepstack features per layer) keeping the image tokens ``[first, first + count)`` of all
+    its images' tokens together."""
+
+    def keep(parts: Sequence[torch.Tensor]) -> tuple[torch.Tensor]:
+        return (torch.cat(list(parts), 0)[first : first + count],)
+
+    out.pooler_output = keep(out.pooler_output)
+    deepstack = getattr(out, "deepstack_features", None)
+    if deepstack is not None:
+        out.deepstack_features = [keep(layer) for layer in deepstack]
+    return out
+
+
+@contextlib.contextmanager
+def _features_of_slice(model: nn.Module, row: torch.Tensor, start: int, end: int) -> Iterator[None]:
+    """While entered, ``model``'s image features are those of the image tokens of ``row``
+    (the whole packed row's ids) that fall in ``[start, end)``."""
+    inner = _rope_module(model)
+    image = row == inner.config.image_token_id
+    first, count = int(image[:start].sum()), int(image[start:end].sum())
+    original = inner.get_image_features
+
+    def sliced(*args: Any, **kwargs: Any) -> Any:
+        return _slice_features(original(*args, **kwargs), first, count)
+
+    inner.get_image_features = sliced
+    try:
+        yield
+    finally:
+        del inner.get_image_features  # the class's method again

@@ -190,9 +190,11 @@ class FSDP2Engine(FSDPEngineBase):
                 full_state = build_model(cfg.model, device="cpu").state_dict()
             module = build_skeleton(cfg.model)
         cp = self.context_parallel_group
-        if cp is not None:  # each attention layer splits its heads over the group
+        if cp is not None:  # each decoder attention layer splits its heads over the group
             for block in decoder_blocks(module):
-                setattr(block.self_attn, CP_GROUP_ATTR, cp)
+                # a vision tower's blocks (attention `attn`) see whole images on every rank
+                if hasattr(block, "self_attn"):
+                    setattr(block.self_attn, CP_GROUP_ATTR, cp)
         parallelize(
             module,
             mesh=self.mesh,
@@ -243,7 +245,7 @@ def build_mesh(cfg: FSDP2EngineConfig, device_type: str) -> tuple[DeviceMesh, De
     if tp * cp > 1:
         # tensor parallelism gives each rank 1/tp of the heads (q/k/v are column-split);
         # context parallelism spreads those local heads over its cp ranks around attention
-        hf = build_hf_config(cfg.model)
+        hf = build_hf_config(cfg.model).get_text_config()  # a VLM's decoder's
         heads = hf.num_attention_heads
         kv = getattr(hf, "num_key_value_heads", None) or heads
         if heads % (tp * cp) or kv % (tp * cp):
