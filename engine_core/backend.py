@@ -69,6 +69,14 @@ _EXPORTS: dict[str, str] = {
     "adapted_modules": "engine_core.models",
     "RouteRecorder": "engine_core.moe",
     "check_routes": "engine_core.moe",
+    # images (vision-language models)
+    "PIXEL_VALUES": "engine_core.vision",
+    "IMAGE_GRID_THW": "engine_core.vision",
+    "ROPE_POSITIONS": "engine_core.vision",
+    "VisionInputs": "engine_core.vision",
+    "check_vision_batch": "engine_core.vision",
+    "has_images": "engine_core.vision",
+    "patch_counts": "engine_core.vision",
     "ROUTED_EXPERTS": "engine_core.batch",
     "MOE_AUX": "engine_core.batch",
     "MoeAuxLoss": "engine_core.batch",
@@ -286,6 +294,15 @@ if TYPE_CHECKING:
         load_stop_tokenizer,
         stop_string_end,
         tokenizer_folder,
+    )
+    from engine_core.vision import (
+        IMAGE_GRID_THW,
+        PIXEL_VALUES,
+        ROPE_POSITIONS,
+        VisionInputs,
+        check_vision_batch,
+        has_images,
+        patch_counts,
     )
 
 

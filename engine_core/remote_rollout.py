@@ -419,7 +419,8 @@ class ProcessRollout(BaseRollout):
         here first (the prompts' layout, the params), so bad input is refused before any
         replica is sent anything."""
         if prompts.batch_dims and prompts.batch_size[0]:
-            prompt_tensors(prompts, "ProcessRollout.generate")
+            images = Capability.VISION in self.capabilities
+            prompt_tensors(prompts, "ProcessRollout.generate", images=images)
         self.check_params(params)
         n = prompts.batch_size[0] if prompts.batch_dims else 0
         seeds = prompt_seeds(prompts, params) if prompts.batch_dims else None

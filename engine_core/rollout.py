@@ -237,12 +237,23 @@ def check_complete(expected: dict[str, tuple[int, ...]], seen: set[str]) -> None
 
 
 def prompt_tensors(
-    prompts: TensorDict, who: str, vocab_size: int | None = None
+    prompts: TensorDict, who: str, vocab_size: int | None = None, *, images: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``prompt_ids`` and ``prompt_mask`` of a ``generate`` input, checked before anything is
     generated: both present, integer ``[B, P]`` of one shape, the mask 0/1 and left-padded,
     no prompt empty, and (given the model's ``vocab_size``) every prompt token an id of the
-    vocabulary. What is wrong is named, with the prompt it is in."""
+    vocabulary. What is wrong is named, with the prompt it is in. Prompts with images
+    (``pixel_values``, ``image_grid_thw``: :mod:`engine_core.vision`) are refused unless the
+    rollout takes them (``images``: it declares ``vision``)."""
+    from engine_core.vision import VISION_KEYS, has_images
+
+    if has_images(prompts) and not images:
+        found = [k for k in VISION_KEYS if k in prompts.keys()]
+        raise CapabilityError(
+            f"{who}: the prompts carry images ({', '.join(found)}), and this rollout generates "
+            f"from token ids alone (it does not declare vision); use a rollout that declares "
+            f"it (engine-core plugins lists each rollout's), or drop the images."
+        )
     for key in (PROMPT_IDS, PROMPT_MASK):
         if key not in prompts.keys():
             raise BatchError(

@@ -20,6 +20,7 @@ from engine_core.testing.vision import (
     TINY_QWEN3_VL,
     VL_IMAGE_TOKEN,
     image_batch,
+    image_prompts,
     plain_vl_log_probs,
 )
 from engine_core.vision import IMAGE_GRID_THW, PIXEL_VALUES, ROPE_POSITIONS, VisionInputs
@@ -244,3 +245,80 @@ def test_qwen3_vl_moe_replays_the_given_routes_with_images(tmp_path) -> None:
     real = batch[ATTENTION_MASK].bool()
     assert float((got - want)[real].abs().max()) < 1e-5
     assert float((got - own)[real].abs().max()) > 1e-3
+
+
+@pytest.fixture(scope="module")
+def vl_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from engine_core.config import ModelConfig
+    from engine_core.models import build_model
+
+    folder = tmp_path_factory.mktemp("qwen2_5_vl")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        build_model(ModelConfig(config=dict(TINY_QWEN2_5_VL))).save_pretrained(str(folder))
+    return str(folder)
+
+
+def _hf_rollout(folder: str) -> Any:
+    from engine_core_hf.rollout import HFRollout, HFRolloutConfig
+
+    return HFRollout(HFRolloutConfig(backend="hf", model={"path": folder}, generation_batch_size=2))
+
+
+def test_the_hf_rollout_samples_from_the_images_and_the_trainer_agrees(vl_folder: str) -> None:
+    """Seeded samples of prompts with images (three sizes, two in one prompt, one prompt
+    without), in two generate calls: the trainer's log-probs of the samples, with the images
+    carried into the training batch, equal the rollout's; another image changes its own
+    prompt's samples and no other's."""
+    from engine_core.rollout import ROLLOUT_LOG_PROBS, SamplingParams
+    from engine_core_roles.batch.build import training_batch
+
+    rollout = _hf_rollout(vl_folder)
+    prompts = image_prompts([[(1, 4, 4)], [], [(1, 2, 6), (1, 4, 2)], [(2, 4, 4)]])
+    params = SamplingParams(n=2, max_new_tokens=6, temperature=1.0, seed=3)
+    out = rollout.generate(prompts, params)
+    assert torch.equal(out[IMAGE_GRID_THW], prompts[IMAGE_GRID_THW].repeat_interleave(2, 0))
+    batch = training_batch(out, params)
+    engine = ReferenceEngine(
+        ReferenceEngineConfig(**engine_config(model={"path": vl_folder}, use_packing=True))
+    )
+    engine.init_model()
+    with torch.no_grad():
+        got = engine.forward_backward_step(batch, forward_only=True).outputs[LOG_PROBS]
+    trained = batch["loss_mask"].bool()
+    assert float((got - batch[ROLLOUT_LOG_PROBS])[trained].abs().max()) < 1e-5
+
+    other = prompts.clone()
+    other[PIXEL_VALUES][0] = torch.randn_like(other[PIXEL_VALUES][0])
+    again = rollout.generate(other, params)
+    lp, lp2 = out[ROLLOUT_LOG_PROBS], again[ROLLOUT_LOG_PROBS]
+    assert not torch.allclose(lp[:2], lp2[:2])  # prompt 0's samples saw another image
+    assert torch.equal(lp[2:], lp2[2:])  # the other prompts' samples did not change
+
+
+def test_prompts_with_images_are_refused_where_they_cannot_be_used(vl_folder: str) -> None:
+    from engine_core_example.rollout import ExampleRollout
+    from engine_core_hf.rollout import HFRollout, HFRolloutConfig
+
+    from engine_core.config import ModelConfig
+    from engine_core.rollout import SamplingParams
+
+    prompts = image_prompts([[(1, 2, 2)], []])
+    params = SamplingParams(max_new_tokens=2)
+    example = ExampleRollout(HFRolloutConfig(backend="hf", model={"path": vl_folder}))
+    with pytest.raises(CapabilityError, match="does not declare vision"):
+        example.generate(prompts, params)
+    rollout = _hf_rollout(vl_folder)
+    broken = prompts.clone()
+    broken["prompt_ids"][1, -1] = VL_IMAGE_TOKEN  # an image token without its image
+    with pytest.raises(BatchError, match="sample 1 holds 1 image tokens"):
+        rollout.generate(broken, params)
+    text = HFRollout(
+        HFRolloutConfig(
+            backend="hf", model=ModelConfig(config=dict(engine_config()["model"]["config"]))
+        )
+    )
+    safe = prompts.clone()
+    safe["prompt_ids"] = safe["prompt_ids"].clamp_max(30)
+    with pytest.raises(BatchError, match="has no vision tower"):
+        text.generate(safe, params)

@@ -29,6 +29,7 @@ __all__ = [
     "TINY_QWEN3_VL_MOE",
     "VL_IMAGE_TOKEN",
     "image_batch",
+    "image_prompts",
     "plain_vl_log_probs",
     "plain_vl_loss_and_grad_norm",
     "vl_own_routes",
@@ -184,6 +185,29 @@ def _sample_log_probs(
         kwargs["mm_token_type_ids"] = (seq == VL_IMAGE_TOKEN).int()
     logp = torch.log_softmax(model(**kwargs).logits.float()[0, :-1], -1)
     return logp.gather(-1, seq[0, 1:, None]).squeeze(-1)
+
+
+def image_prompts(grids: list[list[tuple[int, int, int]]], *, seed: int = 0) -> TensorDict:
+    """:func:`image_batch`'s samples as ``generate`` prompts: ``prompt_ids`` / ``prompt_mask``
+    left-padded to the longest, with their ``pixel_values`` and ``image_grid_thw``."""
+    batch = image_batch(grids, seq_len=128, seed=seed)
+    ids, mask = batch[INPUT_IDS], batch[ATTENTION_MASK]
+    width = int(mask.sum(-1).max())
+    prompt_ids = torch.zeros(len(grids), width, dtype=torch.long)
+    prompt_mask = torch.zeros(len(grids), width, dtype=torch.long)
+    for i in range(len(grids)):
+        n = int(mask[i].sum())
+        prompt_ids[i, width - n :] = ids[i, :n]
+        prompt_mask[i, width - n :] = 1
+    return TensorDict(
+        {
+            "prompt_ids": prompt_ids,
+            "prompt_mask": prompt_mask,
+            PIXEL_VALUES: batch[PIXEL_VALUES],
+            IMAGE_GRID_THW: batch[IMAGE_GRID_THW],
+        },
+        batch_size=[len(grids)],
+    )
 
 
 def plain_vl_log_probs(

@@ -44,6 +44,8 @@ from transformers import (
 )
 
 from engine_core.backend import (
+    IMAGE_GRID_THW,
+    PIXEL_VALUES,
     PROMPT_IDS,
     PROMPT_MASK,
     RESPONSE_IDS,
@@ -57,8 +59,11 @@ from engine_core.backend import (
     RouteRecorder,
     SamplingParams,
     build_model,
+    check_vision_batch,
+    has_images,
     holds_stop_string,
     load_stop_tokenizer,
+    patch_counts,
     prompt_seeds,
     prompt_tensors,
     tensor_checksum,
@@ -100,8 +105,9 @@ class HFRollout(BaseRollout):
     # -- generation -----------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts: TensorDict, params: SamplingParams) -> TensorDict:
-        ids, mask = prompt_tensors(prompts, "HFRollout.generate", self._vocab_size)
+        ids, mask = prompt_tensors(prompts, "HFRollout.generate", self._vocab_size, images=True)
         self.check_params(params)
+        pictured = _images_of(prompts, ids, mask, self.model)
         if params.stop_strings and self._tokenizer is None:
             self._tokenizer = load_stop_tokenizer(self.cfg.model, "HFRollout")
         row_seeds = None if params.greedy else _sample_seeds(prompts, params)
@@ -113,6 +119,9 @@ class HFRollout(BaseRollout):
                 mask[i : i + rows],
                 params,
                 None if row_seeds is None else row_seeds[i : i + rows],
+                None
+                if pictured is None
+                else _chunk_images(pictured, i // params.n, rows // params.n),
             )
             for i in range(0, ids.shape[0], rows)
         ]
@@ -138,6 +147,9 @@ class HFRollout(BaseRollout):
         )
         if routed is not None:
             out[ROUTED_EXPERTS] = routed
+        if pictured is not None:  # each sample keeps its prompt's images, for the trainer
+            for key in (PIXEL_VALUES, IMAGE_GRID_THW):
+                out[key] = pictured[key].repeat_interleave(params.n, dim=0)
         return out
 
     def _generation_config(self, params: SamplingParams, sample: bool) -> GenerationConfig:
@@ -178,9 +190,12 @@ class HFRollout(BaseRollout):
         mask: torch.Tensor,
         params: SamplingParams,
         row_seeds: torch.Tensor | None,
+        images: TensorDict | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any]:
         sample = not params.greedy and row_seeds is None
         kwargs: dict[str, Any] = {"generation_config": self._generation_config(params, sample)}
+        if images is not None:  # the chunk's prompts' images, each once per sample row
+            kwargs.update(_vision_kwargs(images, ids, params.n, self.model, self.device))
         if row_seeds is not None:  # our sampler picks each row's token; generate takes argmax
             kwargs["logits_processor"] = LogitsProcessorList([_RowSampler(row_seeds, params)])
         strings = None
@@ -439,3 +454,48 @@ def _pad_right(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
         return t
     trailing = (0, 0) * (t.dim() - 2)  # F.pad's pairs run from the last dimension back
     return torch.nn.functional.pad(t, (*trailing, 0, width - t.shape[1]), value=value)
+
+
+def _images_of(
+    prompts: TensorDict, ids: torch.Tensor, mask: torch.Tensor, model: Any
+) -> TensorDict | None:
+    """The prompts' images (``pixel_values``, ``image_grid_thw`` per prompt), checked against
+    the prompts' image tokens and the model; None for prompts without images."""
+    if not has_images(prompts):
+        return None
+    batch = TensorDict(
+        {
+            "input_ids": ids,
+            "attention_mask": mask,
+            **{k: prompts[k] for k in (PIXEL_VALUES, IMAGE_GRID_THW) if k in prompts.keys()},
+        },
+        batch_size=[ids.shape[0]],
+    )
+    check_vision_batch(batch, model.config)
+    return batch.select(PIXEL_VALUES, IMAGE_GRID_THW)
+
+
+def _chunk_images(images: TensorDict, first: int, count: int) -> TensorDict:
+    """The images of prompts ``[first, first + count)``."""
+    return images[first : first + count]
+
+
+def _vision_kwargs(
+    images: TensorDict, ids: torch.Tensor, n: int, model: Any, device: torch.device
+) -> dict[str, Any]:
+    """``generate``'s vision inputs for a chunk whose rows are its prompts' ``n`` samples
+    each: every row's images in row order, their grids, and the image tokens' type ids (from
+    which transformers computes the 3-D positions of the prompt and of each new token)."""
+    grids, values = images[IMAGE_GRID_THW], images[PIXEL_VALUES]
+    counts = patch_counts(grids)
+    pixels, thw = [], []
+    for row in range(ids.shape[0]):
+        p = row // n
+        pixels.append(values[p, : int(counts[p])])
+        thw.append(grids[p][grids[p, :, 0] > 0])
+    kinds = (ids == model.config.image_token_id).int()
+    return {
+        "pixel_values": torch.cat(pixels).to(device),
+        "image_grid_thw": torch.cat(thw).to(device),
+        "mm_token_type_ids": kinds.to(device),
+    }

@@ -16,7 +16,7 @@ import torch
 from tensordict import TensorDict
 
 from engine_core import BatchError, BatchMeta, SamplingParams, make_batch
-from engine_core.batch import INPUT_IDS, ROUTED_EXPERTS
+from engine_core.batch import IMAGE_GRID_THW, INPUT_IDS, ROUTED_EXPERTS
 from engine_core.rollout import (
     PROMPT_IDS,
     PROMPT_MASK,
@@ -25,6 +25,7 @@ from engine_core.rollout import (
     RESPONSE_MASK,
     ROLLOUT_LOG_PROBS,
 )
+from engine_core.vision import PIXEL_VALUES
 
 __all__ = ["prompt_batch", "training_batch", "sequence_batch"]
 
@@ -96,7 +97,8 @@ def training_batch(rollout_output: TensorDict, params: SamplingParams) -> Tensor
     When the rollout output holds ``rollout_log_probs`` ``[B, R]``, the result holds it too,
     aligned to ``input_ids`` like ``old_log_probs`` (0 on the prompt): the actor's mismatch
     correction reads it; so does ``routed_experts`` ``[B, P + R, layers, top_k]`` (a mixture of
-    experts' routes, replayed by the engines).
+    experts' routes, replayed by the engines), and ``pixel_values`` / ``image_grid_thw`` (the
+    images of each sample's prompt, :mod:`engine_core.vision`).
     """
     missing = [
         k
@@ -143,6 +145,9 @@ def training_batch(rollout_output: TensorDict, params: SamplingParams) -> Tensor
                 f"prompt and response token."
             )
         batch[ROUTED_EXPERTS] = routes
+    for key in (PIXEL_VALUES, IMAGE_GRID_THW):  # each sample's prompt's images
+        if key in rollout_output.keys():
+            batch[key] = rollout_output[key]
     return batch
 
 
