@@ -322,3 +322,34 @@ def test_prompts_with_images_are_refused_where_they_cannot_be_used(vl_folder: st
     safe["prompt_ids"] = safe["prompt_ids"].clamp_max(30)
     with pytest.raises(BatchError, match="has no vision tower"):
         text.generate(safe, params)
+
+
+def test_a_sync_that_changes_only_the_vision_tower_changes_the_samples(vl_folder: str) -> None:
+    """The engine's full parameters, the vision tower's included, reach the hf rollout
+    (names, shapes and checksums verified); after an update of the tower alone the rollout's
+    log-probs on the same images follow the new weights, as the trainer computes them."""
+    from engine_core.rollout import ROLLOUT_LOG_PROBS, SamplingParams, sent_buckets
+    from engine_core_roles.batch.build import training_batch
+
+    engine = ReferenceEngine(
+        ReferenceEngineConfig(**engine_config(model={"path": vl_folder}, use_packing=True))
+    )
+    engine.init_model()
+    rollout = _hf_rollout(vl_folder)
+    names = {n for n, _ in engine.named_full_params()}
+    assert any(".visual." in f".{n}" for n in names) and names == set(rollout.expected_weights())
+    prompts = image_prompts([[(1, 4, 4)], [(1, 2, 6), (1, 4, 2)]])
+    params = SamplingParams(n=2, max_new_tokens=4, temperature=1.0, seed=5)
+    before = rollout.generate(prompts, params)
+    with torch.no_grad():
+        for name, p in engine.module.named_parameters():
+            if ".visual." in f".{name}":
+                p.add_(0.05 * torch.randn_like(p))
+    rollout.load_weights(sent_buckets(engine.named_full_params()))
+    after = rollout.generate(prompts, params)
+    assert not torch.allclose(before[ROLLOUT_LOG_PROBS], after[ROLLOUT_LOG_PROBS])
+    batch = training_batch(after, params)
+    with torch.no_grad():
+        got = engine.forward_backward_step(batch, forward_only=True).outputs[LOG_PROBS]
+    trained = batch["loss_mask"].bool()
+    assert float((got - batch[ROLLOUT_LOG_PROBS])[trained].abs().max()) < 1e-5
