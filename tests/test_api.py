@@ -93,6 +93,9 @@ BACKEND_SURFACE = {
     "BUCKET_BYTES", "TRUNCATED", "PROMPT_IDS", "PROMPT_MASK", "PROMPT_SEED",
     "RESPONSE_IDS", "RESPONSE_MASK", "ROLLOUT_LOG_PROBS", "prompt_seeds", "sample_seeds",
     "derive_seed",
+    # images (vision-language models)
+    "PIXEL_VALUES", "IMAGE_GRID_THW", "ROPE_POSITIONS", "VisionInputs", "check_vision_batch",
+    "has_images", "patch_counts",
     # stop strings
     "stop_string_end", "holds_stop_string", "tokenizer_folder", "load_stop_tokenizer",
     # the environment a backend's library reads
