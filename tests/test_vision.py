@@ -302,11 +302,11 @@ def test_prompts_with_images_are_refused_where_they_cannot_be_used(vl_folder: st
     from engine_core_hf.rollout import HFRollout, HFRolloutConfig
 
     from engine_core.config import ModelConfig
-    from engine_core.rollout import SamplingParams
+    from engine_core.rollout import RolloutConfig, SamplingParams
 
     prompts = image_prompts([[(1, 2, 2)], []])
     params = SamplingParams(max_new_tokens=2)
-    example = ExampleRollout(HFRolloutConfig(backend="hf", model={"path": vl_folder}))
+    example = ExampleRollout(RolloutConfig(backend="example", model={"path": vl_folder}))
     with pytest.raises(CapabilityError, match="does not declare vision"):
         example.generate(prompts, params)
     rollout = _hf_rollout(vl_folder)

@@ -119,9 +119,7 @@ class HFRollout(BaseRollout):
                 mask[i : i + rows],
                 params,
                 None if row_seeds is None else row_seeds[i : i + rows],
-                None
-                if pictured is None
-                else _chunk_images(pictured, i // params.n, rows // params.n),
+                None if pictured is None else pictured[i // params.n : (i + rows) // params.n],
             )
             for i in range(0, ids.shape[0], rows)
         ]
@@ -473,11 +471,6 @@ def _images_of(
     )
     check_vision_batch(batch, model.config)
     return batch.select(PIXEL_VALUES, IMAGE_GRID_THW)
-
-
-def _chunk_images(images: TensorDict, first: int, count: int) -> TensorDict:
-    """The images of prompts ``[first, first + count)``."""
-    return images[first : first + count]
 
 
 def _vision_kwargs(
