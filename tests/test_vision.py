@@ -494,3 +494,83 @@ def test_a_bad_image_row_is_refused_with_its_file_and_row(
             base=tmp_path,
             where="row 1",
         )
+
+
+def _image_job(
+    folder: str, root: Any, out: Any, rows: list[dict[str, Any]], *extra: str
+) -> dict[str, Any]:
+    import json
+
+    from engine_core.configio import apply_overrides, load_yaml
+    from engine_core_roles.jobs.cli import RECIPES
+
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "rewards.py").write_text(
+        "def says(prompt, response, answer, **row):\n    return float(answer in response)\n"
+    )
+    raw = load_yaml(RECIPES / "grpo_tiny.yaml")
+    raw.pop("task")
+    raw["engine"]["model"] = {"path": folder}
+    raw["data"] = {"train_files": [str(root / "train.jsonl")]}
+    raw["reward"] = {"fn": f"{root / 'rewards.py'}:says"}
+    raw["trainer"].update({"max_new_tokens": 3, "samples_per_prompt": 2})
+    base = [f"output_dir={out}", "steps=2", "prompts_per_step=2", "log_every=1", "save_every=2"]
+    return apply_overrides(raw, [*base, "engine.backend=reference", *extra])
+
+
+def _image_rows(root: Any) -> list[dict[str, Any]]:
+    colours = {"1": (255, 0, 0), "2": (0, 255, 0), "3": (0, 0, 255)}
+    (root / "images").mkdir(exist_ok=True)
+    for name, colour in colours.items():
+        _png(root / "images" / f"{name}.png", (16 + 8 * int(name), 16), colour)
+    return [
+        {
+            "prompt": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image", "image": f"images/{name}.png"},
+                        {"type": "text", "text": "which?"},
+                    ],
+                }
+            ],
+            "answer": name,
+        }
+        for name in colours
+    ]
+
+
+def test_an_rl_job_trains_on_prompts_with_images(
+    vl_chat_folder: tuple[str, Any], tmp_path: Any
+) -> None:
+    """`engine-core run`'s job on chat rows with images (files beside the data): the hf rollout
+    samples from them and the trainer's log-probs of the samples, with the images, equal the
+    rollout's at every step."""
+    import json
+
+    from engine_core.plugins import load_plugins
+    from engine_core_roles.jobs.rl.run import run_rl_job
+
+    folder, _ = vl_chat_folder
+    raw = _image_job(folder, tmp_path, tmp_path / "run", _image_rows(tmp_path))
+    run_rl_job(raw, load_plugins())
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    assert all(r["rollout/logprob_diff_max"] < 1e-5 for r in rows)
+
+
+def test_a_job_with_a_bad_image_row_is_refused_before_anything_is_written(
+    vl_chat_folder: tuple[str, Any], tmp_path: Any
+) -> None:
+    from engine_core.plugins import load_plugins
+    from engine_core_roles.jobs.rl.run import run_rl_job
+
+    folder, _ = vl_chat_folder
+    rows = _image_rows(tmp_path)
+    rows[2]["prompt"][0]["content"][0]["image"] = "images/gone.png"
+    raw = _image_job(folder, tmp_path, tmp_path / "run", rows)
+    with pytest.raises(ConfigError) as info:
+        run_rl_job(raw, load_plugins())
+    assert "train.jsonl, row 2" in str(info.value) and "gone.png" in str(info.value)
+    out = tmp_path / "run"
+    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()

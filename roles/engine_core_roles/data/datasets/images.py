@@ -56,18 +56,29 @@ class ImagePromptRenderer:
     """Renders chat prompts with images for the vision-language model saved in ``folder``
     (its config, image processor) with ``tokenizer`` (whose chat template renders image parts).
 
-    ``max_image_pixels``: an image with more pixels (width x height) than this is refused
-    (None: any size; the image processor resizes within its own budget either way)."""
+    ``image_token_id``: the model's image token (default: read from ``folder``'s config, the
+    model's own). ``max_image_pixels``: an image with more pixels (width x height) than this
+    is refused (None: any size; the image processor resizes within its own budget either
+    way)."""
 
-    def __init__(self, folder: str, tokenizer: Any, *, max_image_pixels: int | None = None) -> None:
+    def __init__(
+        self,
+        folder: str,
+        tokenizer: Any,
+        *,
+        image_token_id: int | None = None,
+        max_image_pixels: int | None = None,
+    ) -> None:
         from transformers import AutoConfig, AutoImageProcessor
 
-        config = AutoConfig.from_pretrained(folder)
-        if getattr(config, "vision_config", None) is None:
-            raise ConfigError(
-                f"{folder}: the prompts hold images but the model ({config.model_type}) has no "
-                f"vision tower; use a vision-language model, or drop the images."
-            )
+        if image_token_id is None:
+            config = AutoConfig.from_pretrained(folder)
+            if getattr(config, "vision_config", None) is None:
+                raise ConfigError(
+                    f"{folder}: the prompts hold images but the model ({config.model_type}) "
+                    f"has no vision tower; use a vision-language model, or drop the images."
+                )
+            image_token_id = int(config.image_token_id)
         try:
             self.processor = AutoImageProcessor.from_pretrained(folder)
         except (OSError, ValueError) as e:
@@ -76,7 +87,7 @@ class ImagePromptRenderer:
                 f"(preprocessor_config.json, saved by the model's processor): {e}"
             ) from None
         self.tokenizer, self.max_image_pixels = tokenizer, max_image_pixels
-        self.image_token_id = int(config.image_token_id)
+        self.image_token_id = int(image_token_id)
         self.placeholder = str(tokenizer.convert_ids_to_tokens(self.image_token_id))
         self.merge = int(getattr(self.processor, "merge_size", 1))
 

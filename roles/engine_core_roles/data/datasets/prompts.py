@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,9 +18,21 @@ from pydantic import Field, PositiveInt, field_validator, model_validator
 from tensordict import NonTensorStack, TensorDict
 
 from engine_core.errors import ConfigError
+from engine_core.vision import vision_fields
 from engine_core_roles.batch.build import prompt_batch
 from engine_core_roles.batch.keys import ROW, ROW_INDEX
-from engine_core_roles.data.datasets.files import FilesConfig, SeededOrder, one_or_many, read_rows
+from engine_core_roles.data.datasets.files import (
+    FilesConfig,
+    SeededOrder,
+    concatenate,
+    one_or_many,
+    read_parts,
+)
+from engine_core_roles.data.datasets.images import (
+    ImagePromptRenderer,
+    RenderedPrompt,
+    image_parts,
+)
 
 __all__ = ["DataConfig", "PromptData"]
 
@@ -38,6 +51,12 @@ class DataConfig(FilesConfig):
         None,
         description="None: messages through the template, strings as they are; true: a string "
         "prompt becomes one user message; false: strings only.",
+    )
+    max_image_pixels: PositiveInt | None = Field(
+        None,
+        description="Prompts with images: an image of more pixels (width x height) is refused, "
+        "with its file and row (None: any size; the model's image processor resizes within "
+        "its own budget).",
     )
     max_prompt_length: PositiveInt | None = Field(
         None,
@@ -84,10 +103,20 @@ class PromptData:
         what: str = "data.train_files",
         tools: list[dict[str, Any]] | None = None,
         rows: bool = False,
+        images: ImagePromptRenderer | None = None,
     ) -> None:
         self.cfg, self.tokenizer, self.what, self.tools = cfg, tokenizer, what, tools
         self.with_rows = rows
-        data = read_rows(files, what)
+        # prompts with images (ImagePromptRenderer): each row's file, for paths relative to it
+        self.images = images
+        parts = read_parts(files, what)
+        self._sources: list[tuple[int, str]] = []  # (first row, file) of each part
+        first = 0
+        for name, part in parts:
+            self._sources.append((first, name))
+            first += len(part)
+        self._pictures: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+        data = concatenate(parts, files, what)
         if cfg.prompt_key not in data.column_names:
             raise ConfigError(
                 f"{what}: no {cfg.prompt_key!r} column; the columns are "
@@ -106,11 +135,19 @@ class PromptData:
                 ]
             ).encode()
         ).hexdigest()[:16]
+        self._limit = max_length
         rendered = data.map(
-            self._render_batch, batched=True, new_fingerprint=fingerprint, desc="rendering prompts"
+            self._render_batch,
+            batched=True,
+            with_indices=True,
+            # a prompt's ids depend on its images' sizes, which the fingerprint does not see
+            load_from_cache_file=images is None,
+            new_fingerprint=fingerprint,
+            desc="rendering prompts",
         )
         lengths = rendered.with_format(None)[_IDS_COLUMN]
         keep = [i for i, ids in enumerate(lengths) if len(ids) <= max_length]
+        self._rendered_index = keep  # the file row of each kept prompt
         self.total, self.dropped, self.max_length = (
             len(rendered),
             len(rendered) - len(keep),
@@ -135,9 +172,35 @@ class PromptData:
     def __len__(self) -> int:
         return len(self.data)
 
-    def render(self, prompt: Any) -> list[int]:
+    def _where(self, index: int) -> tuple[str, int]:
+        """The file row ``index`` (of the files together) comes from, and its row there."""
+        first, name = next((f, n) for f, n in reversed(self._sources) if f <= index)
+        return name, index - first
+
+    def _render_pictured(self, prompt: Any, index: int) -> RenderedPrompt:
+        """A prompt with images through :attr:`images` (its paths relative to its file)."""
+        assert self.images is not None  # the callers check
+        name, row = self._where(index)
+        where = f"{self.what}: {name}, row {row}"
+        return self.images.render(
+            prompt,
+            base=Path(name).parent,
+            where=where,
+            max_length=self._limit,
+            tools=self.tools,
+        )
+
+    def render(self, prompt: Any, index: int | None = None) -> list[int]:
         """One prompt's token ids: messages through the chat template (generation prompt
-        added), a string as it is."""
+        added), a string as it is; messages with images through the renderer of images
+        (``index``: the row, for the file its image paths are relative to)."""
+        if isinstance(prompt, list) and image_parts(prompt):
+            if self.images is None:
+                raise ConfigError(
+                    f"{self.what}: a prompt holds images and the model is a text model; train "
+                    f"a vision-language model (engine.model.path with its image processor)."
+                )
+            return list(self._render_pictured(prompt, index or 0).ids)
         use_template = self.cfg.chat_template
         if isinstance(prompt, str) and use_template:
             prompt = [{"role": "user", "content": prompt}]
@@ -165,8 +228,31 @@ class PromptData:
         )
         return list(ids)
 
-    def _render_batch(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
-        return {_IDS_COLUMN: [self.render(p) for p in batch[self.cfg.prompt_key]]}
+    def _render_batch(
+        self, batch: dict[str, list[Any]], indices: list[int]
+    ) -> dict[str, list[Any]]:
+        prompts = batch[self.cfg.prompt_key]
+        return {_IDS_COLUMN: [self.render(p, i) for p, i in zip(prompts, indices, strict=True)]}
+
+    def _images_of(self, indices: Sequence[int]) -> dict[str, torch.Tensor] | None:
+        """The batch fields of these prompts' images (None when none has any), rendered once
+        per row and kept."""
+        if self.images is None:
+            return None
+        pictures = []
+        for i in indices:
+            if i not in self._pictures:
+                prompt = self._whole[i][self.cfg.prompt_key]
+                index = self._rendered_index[i]
+                if isinstance(prompt, list) and image_parts(prompt):
+                    out = self._render_pictured(prompt, index)
+                    self._pictures[i] = (out.pixel_values, out.grids)
+                else:
+                    self._pictures[i] = (None, None)
+            pictures.append(self._pictures[i])
+        if all(p is None for p, _ in pictures):
+            return None
+        return vision_fields([p for p, _ in pictures], [g for _, g in pictures])
 
     def next_indices(self, n: int) -> list[int]:
         """The next ``n`` rows in draw order (into the next epoch when this one runs out)."""
@@ -183,6 +269,10 @@ class PromptData:
         ids = self._ids[list(indices)][_IDS_COLUMN]
         out = prompt_batch(ids, pad_token_id=int(self.tokenizer.pad_token_id))
         out[ROW_INDEX] = torch.tensor(list(indices), dtype=torch.long)
+        pictured = self._images_of(indices)
+        if pictured is not None:  # each prompt's images, beside its ids
+            for key, value in pictured.items():
+                out[key] = value
         if self.with_rows:
             table = self._whole[list(indices)]
             out[ROW] = NonTensorStack.from_list(

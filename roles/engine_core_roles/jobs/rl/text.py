@@ -18,6 +18,7 @@ from engine_core import (
 from engine_core.errors import ConfigError
 from engine_core.models import build_hf_config
 from engine_core_roles.batch.keys import ROW
+from engine_core_roles.data.datasets.images import ImagePromptRenderer
 from engine_core_roles.data.datasets.prompts import PromptData
 from engine_core_roles.data.datasets.stop_strings import stop_token_ids
 from engine_core_roles.data.datasets.tokenizer import load_tokenizer
@@ -53,9 +54,24 @@ def text_parts(job: RLJobConfig, console: Console) -> TextParts | None:
         model = ModelConfig.model_validate(job.engine.get("model"))
     except ValidationError as e:
         raise prefix_validation_error(e, ("engine", "model"), "ModelConfig") from None
-    hf_config = build_hf_config(model)
+    whole = build_hf_config(model)
+    hf_config = whole.get_text_config()  # a vision-language model's decoder
     tokenizer = load_tokenizer(model, getattr(hf_config, "vocab_size", None))
     context = getattr(hf_config, "max_position_embeddings", None)
+    images = None
+    if model.is_vision:  # prompts with images: the folder's image processor renders them
+        folder = model.tokenizer or model.path
+        if folder is None:
+            raise ConfigError(
+                "a vision-language model built from a config has no image processor; set "
+                "engine.model.tokenizer to a folder holding its tokenizer and image processor."
+            )
+        images = ImagePromptRenderer(
+            folder,
+            tokenizer,
+            image_token_id=int(whole.image_token_id),
+            max_image_pixels=job.data.max_image_pixels,
+        )
     room = None if context is None else int(context) - job.trainer.max_new_tokens
     if room is not None and room < 1:
         raise ConfigError(
@@ -72,7 +88,13 @@ def text_parts(job: RLJobConfig, console: Console) -> TextParts | None:
         tools = probe.tools
     rows = environment is not None
     train = PromptData(
-        job.data.train_files, tokenizer, job.data, max_length=limit, tools=tools, rows=rows
+        job.data.train_files,
+        tokenizer,
+        job.data,
+        max_length=limit,
+        tools=tools,
+        rows=rows,
+        images=images,
     )
     stops = stop_token_ids(tokenizer)
     reward = TextReward(reward_cfg, tokenizer, train, show=job.log_samples)
@@ -88,6 +110,7 @@ def text_parts(job: RLJobConfig, console: Console) -> TextParts | None:
             what="data.val_files",
             tools=tools,
             rows=rows,
+            images=images,
         )
         text.val_reward = TextReward(reward_cfg, tokenizer, text.val, show=0)
         sets.append(("data.val_files", text.val))
