@@ -77,6 +77,7 @@ _EXPORTS: dict[str, str] = {
     "check_vision_batch": "engine_core.vision",
     "has_images": "engine_core.vision",
     "patch_counts": "engine_core.vision",
+    "images_in_order": "engine_core.vision",
     "ROUTED_EXPERTS": "engine_core.batch",
     "MOE_AUX": "engine_core.batch",
     "MoeAuxLoss": "engine_core.batch",
@@ -302,6 +303,7 @@ if TYPE_CHECKING:
         VisionInputs,
         check_vision_batch,
         has_images,
+        images_in_order,
         patch_counts,
     )
 

@@ -42,6 +42,7 @@ __all__ = [
     "require_token_shaped",
     "sequence_lengths",
     "sample_workloads",
+    "patch_counts",
     "validate_batch",
 ]
 
@@ -236,12 +237,18 @@ def sequence_lengths(batch: TensorDict) -> torch.Tensor:
     return batch[ATTENTION_MASK].long().sum(-1)
 
 
+def patch_counts(grids: torch.Tensor) -> torch.Tensor:
+    """Each sample's count of pixel patches, ``[B]``, from its images' grids ``[B, I, 3]``
+    (``image_grid_thw``)."""
+    return grids.long().prod(-1).sum(-1)
+
+
 def sample_workloads(batch: TensorDict) -> torch.Tensor:
     """Each sample's work, int64 ``[B]``: its real tokens plus, with images, its pixel patches
     (the vision tower's tokens). DP balancing and the micro-batch token budget count it."""
     work = sequence_lengths(batch)
     if IMAGE_GRID_THW in batch.keys():
-        work = work + batch[IMAGE_GRID_THW].long().prod(-1).sum(-1)
+        work = work + patch_counts(batch[IMAGE_GRID_THW])
     return work
 
 

@@ -33,7 +33,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from engine_core.batch import ATTENTION_MASK, IMAGE_GRID_THW, INPUT_IDS
+from engine_core.batch import ATTENTION_MASK, IMAGE_GRID_THW, INPUT_IDS, patch_counts
 from engine_core.errors import BatchError, CapabilityError
 from engine_core.model_inputs import InputPart, ModelInputs
 from engine_core.packing import pack_tensor
@@ -47,6 +47,8 @@ __all__ = [
     "is_vision_config",
     "has_images",
     "patch_counts",
+    "images_in_order",
+    "patch_width",
     "vision_fields",
     "rope_positions",
     "check_vision_batch",
@@ -71,9 +73,20 @@ def has_images(batch: TensorDict) -> bool:
     return any(k in keys for k in VISION_KEYS)
 
 
-def patch_counts(grids: torch.Tensor) -> torch.Tensor:
-    """Each sample's count of pixel patches, ``[B]``, from its images' grids ``[B, I, 3]``."""
-    return grids.long().prod(-1).sum(-1)
+def images_in_order(values: torch.Tensor, grids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The images of rows as a model's call takes them: every row's real pixel patches one
+    after another ``[patches, D]`` (from ``pixel_values`` ``[B, P, D]``) and their grids
+    ``[images, 3]`` (from ``image_grid_thw`` ``[B, I, 3]``, without its rows of 0)."""
+    counts = patch_counts(grids)
+    rows = [values[i, : int(counts[i])] for i in range(grids.shape[0])]
+    return torch.cat(rows), grids[grids[..., 0] > 0].long()
+
+
+def patch_width(vision_config: Any) -> int:
+    """The width of one pixel patch a vision tower takes: channels x temporal patch x
+    patch x patch."""
+    v = vision_config
+    return int(v.in_channels * v.temporal_patch_size * v.patch_size**2)
 
 
 def vision_fields(
@@ -209,7 +222,7 @@ def check_vision_batch(batch: TensorDict, hf_config: Any) -> None:
             f"{grids.dtype} of shape {tuple(grids.shape)}."
         )
     vision = hf_config.vision_config
-    width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    width = patch_width(vision)
     if values.shape[-1] != width:
         raise BatchError(
             f"{PIXEL_VALUES} has patches of width {values.shape[-1]}; the model's vision tower "
@@ -256,22 +269,22 @@ class VisionInputs(InputPart):
         text = inputs.kwargs["position_ids"].cpu()  # packed [1, T] (maybe a shard), or [b, L]
         images = IMAGE_GRID_THW in keys and bool((micro_batch[IMAGE_GRID_THW][..., 0] > 0).any())
         shard, packed = inputs.shard, inputs.packed
-        row: torch.Tensor | None = None
+        split = None
         if ROPE_POSITIONS in keys:
             rope = micro_batch[ROPE_POSITIONS]
-            if packed is not None:
-                rope3 = pack_tensor(packed, rope)[0].T.unsqueeze(1)  # [3, 1, T]
-            else:
+            if packed is None:
                 rope3 = rope.permute(2, 0, 1)  # [3, b, L]
-            if shard is not None and packed is not None:
-                # the row as split over the context-parallel group: padded by one sequence
-                # of padding (positions from 0), of which this rank holds its slice
-                extra = shard.padded - shard.length
-                filler = torch.arange(extra, dtype=rope3.dtype).expand(3, 1, extra)
-                rope3 = torch.cat([rope3, filler], -1)
-                step = shard.padded // shard.size
-                rope3 = rope3[..., shard.start : shard.start + step]
-                row = packed.input_ids[0].cpu()
+            else:
+                row = pack_tensor(packed, rope)  # [1, T, 3]
+                if shard is not None:
+                    # the row as split over the context-parallel group: padded by one
+                    # sequence of padding (positions from 0), of which this rank holds a slice
+                    extra = shard.padded - shard.length
+                    filler = torch.arange(extra, dtype=row.dtype)[None, :, None].expand(1, -1, 3)
+                    row = shard.local(torch.cat([row, filler], 1))
+                    step = shard.padded // shard.size
+                    split = (packed.input_ids[0].cpu(), shard.start, shard.start + step)
+                rope3 = row[0].T.unsqueeze(1)  # [3, 1, T]
         elif images:
             raise BatchError(
                 f"the micro-batch carries images without {ROPE_POSITIONS}; the engine computes "
@@ -282,15 +295,8 @@ class VisionInputs(InputPart):
         position_ids = torch.cat([text.unsqueeze(0), rope3.to(text.dtype)], 0)
         if not images:
             return cls(position_ids, None, None)
-        grids = micro_batch[IMAGE_GRID_THW]
-        counts = patch_counts(grids)
-        values = micro_batch[PIXEL_VALUES]
-        rows = [values[i, : int(counts[i])] for i in range(grids.shape[0])]
-        split = None
-        if shard is not None and row is not None:
-            step = shard.padded // shard.size
-            split = (row, shard.start, shard.start + step)
-        return cls(position_ids, torch.cat(rows), grids[grids[..., 0] > 0].long(), split)
+        pixels, grids = images_in_order(micro_batch[PIXEL_VALUES], micro_batch[IMAGE_GRID_THW])
+        return cls(position_ids, pixels, grids, split)
 
     def tower_context(self, module: nn.Module) -> contextlib.AbstractContextManager[Any]:
         """Entered around the model call (``BaseEngine.forward_model``). For a micro-batch
@@ -336,7 +342,7 @@ def _blank_image(model: nn.Module) -> Iterator[None]:
         return
     vision = inner.config.vision_config
     merge = int(vision.spatial_merge_size)
-    width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    width = patch_width(vision)
     dtype = next(tower.parameters()).dtype
 
     def add_blank(_module: nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:

@@ -95,7 +95,7 @@ BACKEND_SURFACE = {
     "derive_seed",
     # images (vision-language models)
     "PIXEL_VALUES", "IMAGE_GRID_THW", "ROPE_POSITIONS", "VisionInputs", "check_vision_batch",
-    "has_images", "patch_counts",
+    "has_images", "patch_counts", "images_in_order",
     # stop strings
     "stop_string_end", "holds_stop_string", "tokenizer_folder", "load_stop_tokenizer",
     # the environment a backend's library reads

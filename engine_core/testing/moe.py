@@ -12,6 +12,7 @@ each sequence alone through transformers with its routes replayed.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ __all__ = [
     "TINY_QWEN2_MOE",
     "TINY_QWEN3_MOE",
     "own_routes",
+    "routes_per_sample",
     "routed_batch",
 ]
 
@@ -97,26 +99,41 @@ def _rows(batch: TensorDict) -> list[torch.Tensor]:
     return [ids[i][mask[i]].unsqueeze(0) for i in range(ids.shape[0])]
 
 
-def own_routes(model: Any, batch: TensorDict, routes: torch.Tensor | None = None) -> torch.Tensor:
-    """The experts ``model``'s own routers choose for each real token of ``batch``
-    (``[B, L, layers, top_k]``, zeros on padding), each sequence alone; with ``routes``, while
-    those are replayed (each router's choice before the replay replaces it)."""
-    mask = batch[ATTENTION_MASK].bool()
+def routes_per_sample(
+    model: Any, mask: torch.Tensor, forward: Callable[[int], Any]
+) -> torch.Tensor:
+    """The experts ``model``'s routers choose while ``forward(i)`` runs sample ``i`` alone,
+    for each real token of ``mask`` ``[B, L]``: ``[B, L, layers, top_k]``, zeros on
+    padding."""
+    mask = mask.bool()
     out: torch.Tensor | None = None
     with torch.no_grad():
-        for i, row in enumerate(_rows(batch)):
+        for i in range(mask.shape[0]):
             with RouteRecorder(model) as rec:
-                if routes is None:
-                    model(row)
-                else:
-                    with replaying(model, routes[i][mask[i]].transpose(0, 1)):
-                        model(row)
+                forward(i)
             chosen = rec.routes().transpose(0, 1)  # [tokens, layers, top_k]
             if out is None:
                 out = torch.zeros(*mask.shape, *chosen.shape[1:], dtype=torch.int64)
             out[i, mask[i]] = chosen
     assert out is not None
     return out
+
+
+def own_routes(model: Any, batch: TensorDict, routes: torch.Tensor | None = None) -> torch.Tensor:
+    """The experts ``model``'s own routers choose for each real token of ``batch``
+    (``[B, L, layers, top_k]``, zeros on padding), each sequence alone; with ``routes``, while
+    those are replayed (each router's choice before the replay replaces it)."""
+    mask = batch[ATTENTION_MASK].bool()
+    rows = _rows(batch)
+
+    def forward(i: int) -> None:
+        if routes is None:
+            model(rows[i])
+            return
+        with replaying(model, routes[i][mask[i]].transpose(0, 1)):
+            model(rows[i])
+
+    return routes_per_sample(model, mask, forward)
 
 
 def routed_batch(model: Any, num_samples: int = 6) -> tuple[TensorDict, torch.Tensor]:

@@ -14,10 +14,12 @@ import torch
 from tensordict import TensorDict
 
 from engine_core.batch import ATTENTION_MASK, INPUT_IDS, make_batch
-from engine_core.moe import RouteRecorder, replaying
+from engine_core.moe import replaying
+from engine_core.testing.moe import routes_per_sample
 from engine_core.vision import (
     IMAGE_GRID_THW,
     PIXEL_VALUES,
+    images_in_order,
     patch_counts,
     rope_positions,
     vision_fields,
@@ -44,64 +46,47 @@ _TOKENS = {
     "vision_end_token_id": VL_END,
 }
 _PATCH = {"patch_size": 4, "temporal_patch_size": 2, "spatial_merge_size": 2, "in_channels": 3}
+# what the two families' tiny decoders and towers share (head size 16)
+_TEXT = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 80,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+_TOWER = {
+    **_PATCH,
+    "depth": 2,
+    "hidden_size": 24,
+    "intermediate_size": 40,
+    "num_heads": 2,
+    "out_hidden_size": 64,
+}
 
 TINY_QWEN2_5_VL: dict[str, Any] = {
     "model_type": "qwen2_5_vl",
     **_TOKENS,
-    "text_config": {
-        "vocab_size": 128,
-        "hidden_size": 64,
-        "intermediate_size": 80,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 256,
-        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    },
-    "vision_config": {
-        **_PATCH,
-        "depth": 2,
-        "hidden_size": 24,
-        "intermediate_size": 40,
-        "num_heads": 2,
-        "out_hidden_size": 64,
-        "window_size": 16,
-        "fullatt_block_indexes": [1],
-    },
+    "text_config": {**_TEXT, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
+    "vision_config": {**_TOWER, "window_size": 16, "fullatt_block_indexes": [1]},
 }
 
 TINY_QWEN3_VL: dict[str, Any] = {
     "model_type": "qwen3_vl",
     **_TOKENS,
     "text_config": {
-        "vocab_size": 128,
-        "hidden_size": 64,
-        "intermediate_size": 80,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        **_TEXT,
         "head_dim": 16,
-        "max_position_embeddings": 256,
         "rope_scaling": {
             "rope_type": "default",
             "mrope_section": [2, 3, 3],
             "mrope_interleaved": True,
         },
-        "bos_token_id": 1,
-        "eos_token_id": 2,
     },
-    "vision_config": {
-        **_PATCH,
-        "depth": 2,
-        "hidden_size": 24,
-        "intermediate_size": 40,
-        "num_heads": 2,
-        "out_hidden_size": 64,
-        "num_position_embeddings": 64,
-        "deepstack_visual_indexes": [0],
-    },
+    "vision_config": {**_TOWER, "num_position_embeddings": 64, "deepstack_visual_indexes": [0]},
 }
 
 
@@ -171,7 +156,7 @@ def _sample_log_probs(
     """Sample ``i`` alone through ``model``: the log-prob of each of its real tokens after the
     first, with its images (``rope`` None) or at their positions without them."""
     ids, mask = batch[INPUT_IDS], batch[ATTENTION_MASK]
-    grids, values = batch[IMAGE_GRID_THW], batch[PIXEL_VALUES]
+    grids = batch[IMAGE_GRID_THW]
     count = int(patch_counts(grids)[i])
     real = mask[i].bool()
     seq = ids[i][real].unsqueeze(0)
@@ -180,8 +165,8 @@ def _sample_log_probs(
         text = torch.arange(seq.shape[1])[None, None]
         kwargs["position_ids"] = torch.cat([text, rope[i, real].T[:, None]])
     elif count:
-        kwargs["pixel_values"] = values[i, :count]
-        kwargs["image_grid_thw"] = grids[i][grids[i, :, 0] > 0]
+        pixels, thw = images_in_order(batch[PIXEL_VALUES][i : i + 1], grids[i : i + 1])
+        kwargs["pixel_values"], kwargs["image_grid_thw"] = pixels, thw
         kwargs["mm_token_type_ids"] = (seq == VL_IMAGE_TOKEN).int()
     logp = torch.log_softmax(model(**kwargs).logits.float()[0, :-1], -1)
     return logp.gather(-1, seq[0, 1:, None]).squeeze(-1)
@@ -242,18 +227,9 @@ def vl_own_routes(model: torch.nn.Module, batch: TensorDict) -> torch.Tensor:
     """The experts a vision-language mixture of experts' routers choose for each real token of
     ``batch``, each sample alone with its images: ``[B, L, layers, top_k]``, zeros on
     padding."""
-    mask = batch[ATTENTION_MASK].bool()
-    out: torch.Tensor | None = None
-    with torch.no_grad():
-        for i in range(mask.shape[0]):
-            with RouteRecorder(model) as rec:
-                _sample_log_probs(model, batch, i, None)
-            chosen = rec.routes().transpose(0, 1)  # [tokens, layers, top_k]
-            if out is None:
-                out = torch.zeros(*mask.shape, *chosen.shape[1:], dtype=torch.int64)
-            out[i, mask[i]] = chosen
-    assert out is not None
-    return out
+    return routes_per_sample(
+        model, batch[ATTENTION_MASK], lambda i: _sample_log_probs(model, batch, i, None)
+    )
 
 
 def plain_vl_loss_and_grad_norm(model: torch.nn.Module, batch: TensorDict) -> tuple[float, float]:

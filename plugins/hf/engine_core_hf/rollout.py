@@ -62,8 +62,8 @@ from engine_core.backend import (
     check_vision_batch,
     has_images,
     holds_stop_string,
+    images_in_order,
     load_stop_tokenizer,
-    patch_counts,
     prompt_seeds,
     prompt_tensors,
     tensor_checksum,
@@ -479,16 +479,13 @@ def _vision_kwargs(
     """``generate``'s vision inputs for a chunk whose rows are its prompts' ``n`` samples
     each: every row's images in row order, their grids, and the image tokens' type ids (from
     which transformers computes the 3-D positions of the prompt and of each new token)."""
-    grids, values = images[IMAGE_GRID_THW], images[PIXEL_VALUES]
-    counts = patch_counts(grids)
-    pixels, thw = [], []
-    for row in range(ids.shape[0]):
-        p = row // n
-        pixels.append(values[p, : int(counts[p])])
-        thw.append(grids[p][grids[p, :, 0] > 0])
+    prompt_of_row = torch.arange(ids.shape[0]) // n
+    pixels, grids = images_in_order(
+        images[PIXEL_VALUES][prompt_of_row], images[IMAGE_GRID_THW][prompt_of_row]
+    )
     kinds = (ids == model.config.image_token_id).int()
     return {
-        "pixel_values": torch.cat(pixels).to(device),
-        "image_grid_thw": torch.cat(thw).to(device),
+        "pixel_values": pixels.to(device),
+        "image_grid_thw": grids.to(device),
         "mm_token_type_ids": kinds.to(device),
     }
