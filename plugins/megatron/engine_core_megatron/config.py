@@ -73,7 +73,7 @@ class MegatronEngineConfig(EngineConfig):
         raw = self.model.raw_config()
         if not raw:
             return  # missing or unreadable: the model's own loader says which
-        kind, vision = raw.get("model_type"), self.model.is_vision
+        kind, vision = raw.get("model_type"), raw.get("vision_config") is not None
         if kind in SUPPORTED_MODEL_TYPES and not vision:
             return
         what = "a vision-language model" if vision else "a model"

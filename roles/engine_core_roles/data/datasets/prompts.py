@@ -115,7 +115,6 @@ class PromptData:
         for name, part in parts:
             self._sources.append((first, name))
             first += len(part)
-        self._pictures: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
         data = concatenate(parts, files, what)
         if cfg.prompt_key not in data.column_names:
             raise ConfigError(
@@ -165,6 +164,7 @@ class PromptData:
         self._ids = self.data.select_columns([_IDS_COLUMN])
         self._other = self.data.select_columns(self.columns) if self.columns else None
         self._whole = self.data.select_columns(list(data.column_names))
+        self._prompts = self.data.select_columns([cfg.prompt_key])
         self.order = SeededOrder(
             len(self.data), shuffle=cfg.shuffle, seed=cfg.seed, what=what, rows="prompts"
         )
@@ -235,24 +235,23 @@ class PromptData:
         return {_IDS_COLUMN: [self.render(p, i) for p, i in zip(prompts, indices, strict=True)]}
 
     def _images_of(self, indices: Sequence[int]) -> dict[str, torch.Tensor] | None:
-        """The batch fields of these prompts' images (None when none has any), rendered once
-        per row and kept."""
+        """The batch fields of these prompts' images (None when none has any). Read and
+        processed for each batch, as a data loader does, not kept: a dataset's pixels would
+        otherwise fill memory over an epoch."""
         if self.images is None:
             return None
-        pictures = []
-        for i in indices:
-            if i not in self._pictures:
-                prompt = self._whole[i][self.cfg.prompt_key]
-                index = self._rendered_index[i]
-                if isinstance(prompt, list) and image_parts(prompt):
-                    out = self._render_pictured(prompt, index)
-                    self._pictures[i] = (out.pixel_values, out.grids)
-                else:
-                    self._pictures[i] = (None, None)
-            pictures.append(self._pictures[i])
-        if all(p is None for p, _ in pictures):
+        pixels: list[torch.Tensor | None] = []
+        grids: list[torch.Tensor | None] = []
+        prompts = self._prompts[list(indices)][self.cfg.prompt_key]
+        for i, prompt in zip(indices, prompts, strict=True):
+            out = None
+            if isinstance(prompt, list) and image_parts(prompt):
+                out = self._render_pictured(prompt, self._rendered_index[i])
+            pixels.append(None if out is None else out.pixel_values)
+            grids.append(None if out is None else out.grids)
+        if all(p is None for p in pixels):
             return None
-        return vision_fields([p for p, _ in pictures], [g for _, g in pictures])
+        return vision_fields(pixels, grids)
 
     def next_indices(self, n: int) -> list[int]:
         """The next ``n`` rows in draw order (into the next epoch when this one runs out)."""

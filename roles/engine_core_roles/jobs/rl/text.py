@@ -17,6 +17,7 @@ from engine_core import (
 )
 from engine_core.errors import ConfigError
 from engine_core.models import build_hf_config
+from engine_core.vision import is_vision_config
 from engine_core_roles.batch.keys import ROW
 from engine_core_roles.data.datasets.images import ImagePromptRenderer
 from engine_core_roles.data.datasets.prompts import PromptData
@@ -59,7 +60,7 @@ def text_parts(job: RLJobConfig, console: Console) -> TextParts | None:
     tokenizer = load_tokenizer(model, getattr(hf_config, "vocab_size", None))
     context = getattr(hf_config, "max_position_embeddings", None)
     images = None
-    if model.is_vision:  # prompts with images: the folder's image processor renders them
+    if is_vision_config(whole):  # prompts with images: the folder's image processor renders them
         folder = model.tokenizer or model.path
         if folder is None:
             raise ConfigError(
