@@ -194,6 +194,16 @@ def recipe_reward_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="session")
+def vl_chat_folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any]:
+    """A tiny Qwen2.5-VL folder with its tokenizer, a chat template rendering image parts, and
+    an image processor (``tests/fixtures/vl_chat.py``); and its tokenizer."""
+    from tests.fixtures.vl_chat import build_vl_chat_folder
+
+    folder = tmp_path_factory.mktemp("qwen2_5_vl_chat")
+    return str(folder), build_vl_chat_folder(folder)
+
+
 @pytest.fixture(params=["local", "memory"])
 def root(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """A checkpoint root: a local folder, or an fsspec ``memory://`` URL (removed afterwards)."""

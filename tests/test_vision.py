@@ -3,7 +3,6 @@ transformers per sample (padded and packed), and the refusals before anything ru
 
 from __future__ import annotations
 
-import io
 from typing import Any, ClassVar
 
 import pytest
@@ -25,6 +24,7 @@ from engine_core.testing.vision import (
     plain_vl_log_probs,
 )
 from engine_core.vision import IMAGE_GRID_THW, PIXEL_VALUES, ROPE_POSITIONS, VisionInputs
+from tests.fixtures.vl_chat import png
 
 FAMILIES = {"qwen2_5_vl": TINY_QWEN2_5_VL, "qwen3_vl": TINY_QWEN3_VL}
 # three image sizes (one of two frames), a row with two images and a text-only row
@@ -356,60 +356,6 @@ def test_a_sync_that_changes_only_the_vision_tower_changes_the_samples(vl_folder
     assert float((got - batch[ROLLOUT_LOG_PROBS])[trained].abs().max()) < 1e-5
 
 
-VL_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
-    "{{ m['content'] }}{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}"
-    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-@pytest.fixture(scope="module")
-def vl_chat_folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any]:
-    """A tiny Qwen2.5-VL saved with its tokenizer (the shipped tiny one and the vision tokens),
-    a chat template that renders image parts, and an image processor (patch 4, merge 2)."""
-    from transformers import AutoTokenizer
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
-
-    from engine_core.config import ModelConfig
-    from engine_core.models import build_model
-    from engine_core_roles.jobs.cli import RECIPES
-
-    folder = tmp_path_factory.mktemp("qwen2_5_vl_chat")
-    tok = AutoTokenizer.from_pretrained(str(RECIPES / "tiny_text" / "tokenizer"))
-    vision = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-    tok.add_special_tokens({"additional_special_tokens": vision})
-    tok.chat_template = VL_TEMPLATE
-    start, end, image, video = tok.convert_tokens_to_ids(vision)
-    raw = {
-        **TINY_QWEN2_5_VL,
-        "image_token_id": image,
-        "video_token_id": video,
-        "vision_start_token_id": start,
-        "vision_end_token_id": end,
-    }
-    torch.manual_seed(0)
-    build_model(ModelConfig(config=raw)).save_pretrained(str(folder))
-    tok.save_pretrained(str(folder))
-    Qwen2VLImageProcessorPil(
-        patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=64, max_pixels=1024
-    ).save_pretrained(str(folder))
-    return str(folder), tok
-
-
-def _png(path: Any, size: tuple[int, int], colour: tuple[int, int, int]) -> bytes:
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.new("RGB", size, colour).save(buffer, format="PNG")
-    if path is not None:
-        path.write_bytes(buffer.getvalue())
-    return buffer.getvalue()
-
-
 def test_chat_prompts_with_images_render_through_the_folders_template_and_processor(
     vl_chat_folder: tuple[str, Any], tmp_path: Any
 ) -> None:
@@ -419,14 +365,14 @@ def test_chat_prompts_with_images_render_through_the_folders_template_and_proces
     from engine_core_roles.data.datasets.images import ImagePromptRenderer
 
     folder, tok = vl_chat_folder
-    _png(tmp_path / "red.png", (24, 16), (200, 30, 30))
+    png(tmp_path / "red.png", (24, 16), (200, 30, 30))
     messages = [
         {
             "role": "user",
             "content": [
                 {"type": "image", "image": "red.png"},
                 {"type": "text", "text": "123"},
-                {"type": "image", "image": {"bytes": _png(None, (40, 40), (0, 0, 255))}},
+                {"type": "image", "image": {"bytes": png(None, (40, 40), (0, 0, 255))}},
             ],
         }
     ]
@@ -465,7 +411,7 @@ def test_a_bad_image_row_is_refused_with_its_file_and_row(
 
     folder, tok = vl_chat_folder
     (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not an image")
-    _png(tmp_path / "big.png", (80, 80), (1, 2, 3))
+    png(tmp_path / "big.png", (80, 80), (1, 2, 3))
     renderer = ImagePromptRenderer(folder, tok, max_image_pixels=4096)
 
     def refused(part: Any, *words: str, max_length: int | None = None, extra: int = 0) -> None:
@@ -484,7 +430,7 @@ def test_a_bad_image_row_is_refused_with_its_file_and_row(
     refused("missing.png", "missing.png", "does not exist")
     refused("broken.png", "cannot be read")
     refused("big.png", "80 x 80 = 6400 pixels", "max_image_pixels=4096")
-    refused(_png(None, (16, 16), (9, 9, 9)), "cut through its image tokens", max_length=8)
+    refused(png(None, (16, 16), (9, 9, 9)), "cut through its image tokens", max_length=8)
     text_only = ImagePromptRenderer(folder, tok)
     text_only.tokenizer = type(tok).from_pretrained(folder)
     text_only.tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}{% endfor %}"
@@ -522,7 +468,7 @@ def _image_rows(root: Any) -> list[dict[str, Any]]:
     colours = {"1": (255, 0, 0), "2": (0, 255, 0), "3": (0, 0, 255)}
     (root / "images").mkdir(exist_ok=True)
     for name, colour in colours.items():
-        _png(root / "images" / f"{name}.png", (16 + 8 * int(name), 16), colour)
+        png(root / "images" / f"{name}.png", (16 + 8 * int(name), 16), colour)
     return [
         {
             "prompt": [
