@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field, PositiveInt, field_validator
 
 from engine_core.config import Seeded
 from engine_core.errors import ConfigError
@@ -39,6 +39,12 @@ class FilesConfig(Seeded):
         default_factory=list, description="Validation rows, read as train_files are."
     )
     shuffle: bool = True
+    max_image_pixels: PositiveInt | None = Field(
+        None,
+        description="Rows with images: an image of more pixels (width x height) is refused, "
+        "with its file and row (None: any size; the model's image processor resizes within "
+        "its own budget).",
+    )
 
     _one_or_many = field_validator("train_files", "val_files", mode="before")(one_or_many)
 

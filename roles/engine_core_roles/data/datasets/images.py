@@ -1,5 +1,6 @@
-"""Prompts with images: chat messages whose content holds images, rendered through the model
-folder's own chat template and image processor into token ids and the batch's vision fields.
+"""Chats with images (the RL job's prompts, the SFT job's conversations): chat messages whose
+content holds images, rendered through the model folder's own chat template and image processor
+into token ids and the batch's vision fields.
 
 A message's ``content`` may be a list of parts, ``{"type": "text", "text": ...}`` and
 ``{"type": "image", "image": ...}``, the image given as a file path (relative to the data file
@@ -28,8 +29,10 @@ from typing import Any
 import torch
 
 from engine_core import ConfigError
+from engine_core.config import ModelConfig
+from engine_core.vision import is_vision_config
 
-__all__ = ["ImagePromptRenderer", "RenderedPrompt", "image_parts"]
+__all__ = ["EncodedTexts", "ImagePromptRenderer", "RenderedPrompt", "image_parts", "image_renderer"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,16 @@ class RenderedPrompt:
     (None for a prompt without images)."""
 
     ids: list[int]
+    pixel_values: torch.Tensor | None
+    grids: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class EncodedTexts:
+    """Pieces of one rendered conversation as token ids (one list per piece), and its images'
+    pixel patches ``[p, D]`` and grids ``[n, 3]`` (None without images)."""
+
+    ids: list[list[int]]
     pixel_values: torch.Tensor | None
     grids: torch.Tensor | None
 
@@ -104,7 +117,10 @@ class ImagePromptRenderer:
             if isinstance(value, str):
                 path = Path(value) if Path(value).is_absolute() else base / value
                 if not path.is_file():
-                    raise ConfigError(f"{where}: the image {str(path)!r} does not exist.")
+                    raise ConfigError(
+                        f"{where}: the image {str(path)!r} does not exist (a relative path is "
+                        f"read from the data file's folder); fix the path, or drop the row."
+                    )
                 source: Any = path
             elif isinstance(value, bytes | bytearray):
                 source = io.BytesIO(value)
@@ -127,6 +143,58 @@ class ImagePromptRenderer:
             )
         return image.convert("RGB")
 
+    def read(
+        self, parts: Sequence[Mapping[str, Any]], base: Path, where: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pixel patches ``[p, D]`` and grids ``[n, 3]`` of these image parts, read (paths
+        relative to ``base``), checked and processed; a batch reads its rows' images this way
+        rather than keeping every row's pixels."""
+        images = [self.open(p, base, where) for p in parts]
+        out = self.processor(images=images, return_tensors="pt")
+        return out["pixel_values"].float(), out["image_grid_thw"].long()
+
+    def encode(
+        self,
+        texts: Sequence[str],
+        parts: Sequence[Mapping[str, Any]],
+        *,
+        base: Path,
+        where: str,
+    ) -> EncodedTexts:
+        """Pieces of one rendered conversation (``texts``, in order, holding the template's
+        placeholders of ``parts``' images one after another) as token ids, each placeholder
+        expanded to its image's tokens; with the images' pixel patches and grids."""
+        slots = sum(t.count(self.placeholder) for t in texts)
+        if slots != len(parts):
+            raise ConfigError(
+                f"{where}: the chat template renders {slots} image placeholder(s) "
+                f"({self.placeholder!r}) for the row's {len(parts)} image(s); use the model's "
+                f"own chat template, which renders one per image part."
+            )
+        if not parts:
+            return EncodedTexts([self._ids(t) for t in texts], None, None)
+        pixel_values, grids = self.read(parts, base, where)
+        counts = iter((grids.prod(-1) // self.merge**2).tolist())
+        ids = []
+        for text in texts:
+            pieces = text.split(self.placeholder)
+            expanded = pieces[0] + "".join(
+                self.placeholder * next(counts) + piece for piece in pieces[1:]
+            )
+            ids.append(self._ids(expanded))
+        want = int((grids.prod(-1) // self.merge**2).sum())
+        got = sum(piece.count(self.image_token_id) for piece in ids)
+        if got != want:
+            raise ConfigError(
+                f"{where}: the row holds {got} image tokens after rendering, the image "
+                f"processor's grids give {want}; the tokenizer splits the placeholder "
+                f"{self.placeholder!r} (it must be one added token)."
+            )
+        return EncodedTexts(ids, pixel_values, grids)
+
+    def _ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
     def render(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -137,40 +205,38 @@ class ImagePromptRenderer:
         tools: list[dict[str, Any]] | None = None,
     ) -> RenderedPrompt:
         """``messages`` (with the generation prompt) as token ids and vision fields."""
-        parts = image_parts(messages)
         text = self.tokenizer.apply_chat_template(
             list(messages), tools=tools, add_generation_prompt=True, tokenize=False
         )
-        slots = text.count(self.placeholder)
-        if slots != len(parts):
+        out = self.encode([text], image_parts(messages), base=base, where=where)
+        ids = out.ids[0]
+        if max_length is not None and len(ids) > max_length and out.grids is not None:
+            images = ids.count(self.image_token_id)
             raise ConfigError(
-                f"{where}: the chat template renders {slots} image placeholder(s) "
-                f"({self.placeholder!r}) for the row's {len(parts)} image(s); use the model's "
-                f"own chat template, which renders one per image part."
-            )
-        if not parts:
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            return RenderedPrompt(list(ids), None, None)
-        images = [self.open(p, base, where) for p in parts]
-        out = self.processor(images=images, return_tensors="pt")
-        grids = out["image_grid_thw"].long()
-        counts = (grids.prod(-1) // self.merge**2).tolist()
-        pieces = text.split(self.placeholder)
-        expanded = pieces[0] + "".join(
-            self.placeholder * n + piece for n, piece in zip(counts, pieces[1:], strict=True)
-        )
-        ids = list(self.tokenizer(expanded, add_special_tokens=False)["input_ids"])
-        got = sum(1 for i in ids if i == self.image_token_id)
-        if got != sum(counts):
-            raise ConfigError(
-                f"{where}: the prompt holds {got} image tokens after rendering, the image "
-                f"processor's grids give {sum(counts)}; the tokenizer splits the placeholder "
-                f"{self.placeholder!r} (it must be one added token)."
-            )
-        if max_length is not None and len(ids) > max_length:
-            raise ConfigError(
-                f"{where}: the prompt is {len(ids)} tokens ({sum(counts)} of them its images'), "
+                f"{where}: the prompt is {len(ids)} tokens ({images} of them its images'), "
                 f"over the {max_length} it may have; it would be cut through its image tokens. "
                 f"Raise data.max_prompt_length, shrink the images, or drop the row."
             )
-        return RenderedPrompt(ids, out["pixel_values"].float(), grids)
+        return RenderedPrompt(ids, out.pixel_values, out.grids)
+
+
+def image_renderer(
+    model: ModelConfig, hf_config: Any, tokenizer: Any, *, max_image_pixels: int | None
+) -> ImagePromptRenderer | None:
+    """The renderer of the rows' images for ``model`` (whose transformers config is
+    ``hf_config``), its image processor read from ``model.tokenizer`` or ``model.path``; None
+    for a text model (whose rows with images are refused where they are rendered)."""
+    if not is_vision_config(hf_config):
+        return None
+    folder = model.tokenizer or model.path
+    if folder is None:
+        raise ConfigError(
+            "a vision-language model built from a config has no image processor; set "
+            "engine.model.tokenizer to a folder holding its tokenizer and image processor."
+        )
+    return ImagePromptRenderer(
+        folder,
+        tokenizer,
+        image_token_id=int(hf_config.image_token_id),
+        max_image_pixels=max_image_pixels,
+    )

@@ -52,12 +52,6 @@ class DataConfig(FilesConfig):
         description="None: messages through the template, strings as they are; true: a string "
         "prompt becomes one user message; false: strings only.",
     )
-    max_image_pixels: PositiveInt | None = Field(
-        None,
-        description="Prompts with images: an image of more pixels (width x height) is refused, "
-        "with its file and row (None: any size; the model's image processor resizes within "
-        "its own budget).",
-    )
     max_prompt_length: PositiveInt | None = Field(
         None,
         description="Longer prompts are dropped (counted); default: the model's context minus "

@@ -17,9 +17,8 @@ from engine_core import (
 )
 from engine_core.errors import ConfigError
 from engine_core.models import build_hf_config
-from engine_core.vision import is_vision_config
 from engine_core_roles.batch.keys import ROW
-from engine_core_roles.data.datasets.images import ImagePromptRenderer
+from engine_core_roles.data.datasets.images import image_renderer
 from engine_core_roles.data.datasets.prompts import PromptData
 from engine_core_roles.data.datasets.stop_strings import stop_token_ids
 from engine_core_roles.data.datasets.tokenizer import load_tokenizer
@@ -59,20 +58,8 @@ def text_parts(job: RLJobConfig, console: Console) -> TextParts | None:
     hf_config = whole.get_text_config()  # a vision-language model's decoder
     tokenizer = load_tokenizer(model, getattr(hf_config, "vocab_size", None))
     context = getattr(hf_config, "max_position_embeddings", None)
-    images = None
-    if is_vision_config(whole):  # prompts with images: the folder's image processor renders them
-        folder = model.tokenizer or model.path
-        if folder is None:
-            raise ConfigError(
-                "a vision-language model built from a config has no image processor; set "
-                "engine.model.tokenizer to a folder holding its tokenizer and image processor."
-            )
-        images = ImagePromptRenderer(
-            folder,
-            tokenizer,
-            image_token_id=int(whole.image_token_id),
-            max_image_pixels=job.data.max_image_pixels,
-        )
+    # prompts with images: the folder's image processor renders them
+    images = image_renderer(model, whole, tokenizer, max_image_pixels=job.data.max_image_pixels)
     room = None if context is None else int(context) - job.trainer.max_new_tokens
     if room is not None and room < 1:
         raise ConfigError(
