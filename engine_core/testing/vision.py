@@ -167,7 +167,8 @@ def _sample_log_probs(
     elif count:
         pixels, thw = images_in_order(batch[PIXEL_VALUES][i : i + 1], grids[i : i + 1])
         kwargs["pixel_values"], kwargs["image_grid_thw"] = pixels, thw
-        kwargs["mm_token_type_ids"] = (seq == VL_IMAGE_TOKEN).int()
+        config: Any = model.config
+        kwargs["mm_token_type_ids"] = (seq == int(config.image_token_id)).int()
     logp = torch.log_softmax(model(**kwargs).logits.float()[0, :-1], -1)
     return logp.gather(-1, seq[0, 1:, None]).squeeze(-1)
 

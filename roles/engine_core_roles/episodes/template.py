@@ -59,6 +59,10 @@ class _Template:
     def after_turn(self, model_text: str, observations: list[Message]) -> list[int]:
         """Ids the template puts after a model turn whose text (special tokens kept) is
         ``model_text``, for ``observations``, up to the next assistant turn's start."""
+        return self.ids(self.after_turn_text(model_text, observations))
+
+    def after_turn_text(self, model_text: str, observations: list[Message]) -> str:
+        """:meth:`after_turn`'s text, before it is tokenized."""
         full = self.render([*self._base_messages, *observations], generation=True)
         if not full.startswith(self._base):
             raise ConfigError(
@@ -74,7 +78,7 @@ class _Template:
             if model_text.endswith(tail[:k]):
                 missing = tail[k:]
                 break
-        return self.ids(missing + rest)
+        return missing + rest
 
 
 def check_template(tokenizer: Any, tools: list[dict[str, Any]] | None) -> None:

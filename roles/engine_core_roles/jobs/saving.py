@@ -267,14 +267,16 @@ def export_hf(
     path: Path,
     *,
     tokenizer: Any = None,
+    image_processor: Any = None,
     last: str | None,
     on_failure: str,
     console: Console,
 ) -> str | None:
     """The Hugging Face export at ``path``: ``export(path)`` (an engine's ``export_hf``), then
-    ``tokenizer`` (when given) saved into the folder it wrote, so that ``from_pretrained`` and
-    the tokenizer both load it; return the folder, or None when it could not be written and
-    ``on_failure`` is ``continue`` (the run then finishes without it).
+    ``tokenizer`` and ``image_processor`` (when given) saved into the folder it wrote, so that
+    ``from_pretrained``, the tokenizer and the image processor all load it; return the folder,
+    or None when it could not be written and ``on_failure`` is ``continue`` (the run then
+    finishes without it).
 
     A write failure is the checkpoints' one sentence (the space it needs: the export it
     replaces, when there is one); the half-written ``<path>.tmp`` is removed."""
@@ -283,8 +285,9 @@ def export_hf(
     needed = _size(path)
     try:
         folder = export(str(path))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(folder)
+        for part in (tokenizer, image_processor):
+            if part is not None:
+                part.save_pretrained(folder)
         return folder
     except (Exception, CheckpointException) as e:
         if _write_failure_told(

@@ -6,12 +6,13 @@ The job is configured by a YAML recipe plus dotted overrides, resolved against t
 engine's config class before anything is built; the tokenizer and the datasets are read and
 every row checked before the engine is. A conversation is tokenized as the RL job's warm-up and
 episode rollout tokenize it (:class:`~engine_core_roles.episodes.demos.DemoRenderer`: the loss
-on the assistant's tokens only), and the steps are
+on the assistant's tokens only; a vision-language model's conversations may hold images, each
+batch carrying its rows' pixels), and the steps are
 :class:`~engine_core_roles.trainer.sft.SFTTrainer`'s (the supervised step every job shares, the
 validation loss every ``eval_every`` steps). Around them: checkpoints (the engine, the data
 position and the step, committed together) every ``save_every`` steps and at the end, exact
 ``--resume``, a progress bar, ``metrics.jsonl`` (and TensorBoard, a plot), and a Hugging Face
-export with the tokenizer.
+export with the tokenizer (and a vision-language model's image processor).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from engine_core.models import build_hf_config
 from engine_core.plugins import BackendSpec, PluginManager
 from engine_core.resolve import resolve_engine_config
 from engine_core_roles.data.datasets.chats import ChatData, ChatDataConfig
+from engine_core_roles.data.datasets.images import ImagePromptRenderer, image_renderer
 from engine_core_roles.data.datasets.tokenizer import load_tokenizer
 from engine_core_roles.data.tasks.digits import DigitTask
 from engine_core_roles.episodes.demos import DemoRenderer
@@ -96,20 +98,24 @@ class Chats:
     tokenizer: Any
     train: ChatData
     val: ChatData | None = None
+    images: ImagePromptRenderer | None = None  # a vision-language model's, with its processor
 
 
 def chat_datasets(
     data: ChatDataConfig, model_cfg: ModelConfig, console: Console | None = None
 ) -> Chats:
     """The tokenizer and the datasets of ``data``: every row checked and tokenized (the
-    assistant's tokens trained on), conversations longer than the model's context (or
+    assistant's tokens trained on; a vision-language model's rows may hold images, rendered
+    through its folder's image processor), conversations longer than the model's context (or
     ``data.max_length``) dropped and counted (and said on ``console``)."""
-    hf_config = build_hf_config(model_cfg)
+    whole = build_hf_config(model_cfg)
+    hf_config = whole.get_text_config()  # a vision-language model's decoder
     tokenizer = load_tokenizer(model_cfg, getattr(hf_config, "vocab_size", None))
     context = getattr(hf_config, "max_position_embeddings", None)
     limits = [v for v in (data.max_length, context) if v is not None]
     limit = int(min(limits)) if limits else 1 << 30
-    render = DemoRenderer(tokenizer)
+    images = image_renderer(model_cfg, whole, tokenizer, max_image_pixels=data.max_image_pixels)
+    render = DemoRenderer(tokenizer, images=images)
     pad = int(tokenizer.pad_token_id or 0)
 
     def read(files: list[str], what: str) -> ChatData:
@@ -121,7 +127,7 @@ def chat_datasets(
             console.print(f"{what}: {len(chats)} conversations{dropped}")
         return chats
 
-    chats = Chats(tokenizer, read(data.train_files, "data.train_files"))
+    chats = Chats(tokenizer, read(data.train_files, "data.train_files"), images=images)
     if data.val_files:
         chats.val = read(data.val_files, "data.val_files")
     return chats
@@ -268,6 +274,7 @@ def _train(
         engine.export_hf,
         out_dir / "hf_export",
         tokenizer=None if chats is None else chats.tokenizer,
+        image_processor=None if chats is None or chats.images is None else chats.images.processor,
         last=ckpt,
         on_failure=job.on_save_failure,
         console=console,

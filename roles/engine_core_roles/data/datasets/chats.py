@@ -3,7 +3,8 @@
 row before anything trains, tokenizes each conversation once through the renderer a job hands it
 (token ids and a loss mask), drops conversations too long for the model (counted), and hands out
 batches in a seeded order, epoch after epoch; its position is a small dict the job's checkpoint
-keeps.
+keeps. Conversations whose messages hold images (for a vision-language model's renderer) carry
+their images' pixel patches and grids in their batch, read for each batch, not kept.
 """
 
 from __future__ import annotations
@@ -11,18 +12,22 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 from pydantic import Field, PositiveInt
 from tensordict import TensorDict
 
 from engine_core.errors import ConfigError
+from engine_core.vision import vision_fields
 from engine_core_roles.batch.build import sequence_batch
 from engine_core_roles.data.datasets.files import FilesConfig, SeededOrder, concatenate, read_parts
+from engine_core_roles.data.datasets.images import ImagePromptRenderer, image_parts
 
 __all__ = ["ChatDataConfig", "ChatData", "ChatRenderer", "check_conversation"]
 
 _IDS, _MASK, _LENGTH = "_engine_core_ids", "_engine_core_loss_mask", "_engine_core_length"
+_IMAGES = "_engine_core_images"  # how many images a conversation holds
 
 
 class ChatDataConfig(FilesConfig):
@@ -42,12 +47,16 @@ class ChatDataConfig(FilesConfig):
 
 class ChatRenderer(Protocol):
     """Tokenizes one conversation: its token ids and a loss mask of as many entries (1 on the
-    tokens trained on). ``who`` names the conversation in errors; :meth:`fingerprint` changes
-    whenever the output would (the tokenizer, its template), so a cached rendering is reused
-    only for the same one."""
+    tokens trained on). ``who`` names the conversation in errors, ``base`` is the folder its
+    image paths are relative to; :meth:`fingerprint` changes whenever the output would (the
+    tokenizer, its template), so a cached rendering is reused only for the same one.
+    ``images`` reads a conversation's images for its batch (None: a text model's renderer,
+    which refuses conversations with images)."""
+
+    images: ImagePromptRenderer | None
 
     def __call__(
-        self, messages: Sequence[dict[str, Any]], who: str
+        self, messages: Sequence[dict[str, Any]], who: str, *, base: Path | None = None
     ) -> tuple[list[int], list[int]]: ...
 
     def fingerprint(self) -> str: ...
@@ -105,17 +114,19 @@ class ChatData:
         fingerprint = hashlib.sha256(
             json.dumps([data._fingerprint, key, render.fingerprint()]).encode()
         ).hexdigest()[:16]
+        self.max_length = max_length
         rendered = data.select_columns([key]).map(
             self._render_batch,
             batched=True,
             with_indices=True,
-            remove_columns=[key],
+            # a conversation's ids depend on its images' sizes, which the fingerprint does not see
+            load_from_cache_file=render.images is None,
             new_fingerprint=fingerprint,
             desc="tokenizing conversations",
         )
         keep = [i for i, n in enumerate(rendered[_LENGTH]) if n <= max_length]
         self.total, self.dropped = len(rendered), len(rendered) - len(keep)
-        self.max_length = max_length
+        self._rows = keep  # the row (of the files together) of each kept conversation
         if not keep:
             raise ConfigError(
                 f"{what}: all {self.total} conversations are longer than {max_length} tokens "
@@ -123,6 +134,9 @@ class ChatData:
                 f"a longer context."
             )
         self.data = rendered if not self.dropped else rendered.select(keep)
+        # views, selected once: a batch reads its rows' tokens, and its pictured rows' messages
+        self._tokens = self.data.select_columns([_IDS, _MASK, _IMAGES])
+        self._messages = self.data.select_columns([key])
         self.order = SeededOrder(
             len(self.data), shuffle=cfg.shuffle, seed=cfg.seed, what=what, rows="conversations"
         )
@@ -132,28 +146,73 @@ class ChatData:
 
     def where(self, index: int) -> str:
         """Row ``index`` of the dataset as the user knows it: ``row N of FILE`` (from 1)."""
+        first, name = self._first(index)
+        return f"row {index + 1 - first} of {name}"
+
+    def _first(self, index: int) -> tuple[int, str]:
+        """The first row (of the files together) of the file row ``index`` is in, and the file."""
+        first = 0
         for name, size in self._origins:
-            if index < size:
-                return f"row {index + 1} of {name}"
-            index -= size
+            if index < first + size:
+                return first, name
+            first += size
         raise IndexError(index)
 
     def _render_batch(self, batch: dict[str, list[Any]], indices: list[int]) -> dict[str, Any]:
-        ids, masks = [], []
+        ids, masks, images = [], [], []
         for messages, i in zip(batch[self.cfg.messages_key], indices, strict=True):
             who = f"{self.what}: {self.where(i)}"
             check_conversation(messages, who)
-            row_ids, mask = self.render([_present(m) for m in messages], who)
+            present = [_present(m) for m in messages]
+            base = Path(self._first(i)[1]).parent
+            row_ids, mask = self.render(present, who, base=base)
+            count = len(image_parts(present))
+            if count and len(row_ids) > self.max_length:
+                raise ConfigError(
+                    f"{who} is {len(row_ids)} tokens ({count} image(s) among them), over the "
+                    f"{self.max_length} the model takes (its context, or data.max_length); a "
+                    f"conversation with images is not dropped or cut (it would be cut through "
+                    f"its image tokens). Use smaller images (or a smaller max_pixels in the "
+                    f"image processor's config), raise data.max_length, or drop the row."
+                )
             ids.append(row_ids)
             masks.append(mask)
-        return {_IDS: ids, _MASK: masks, _LENGTH: [len(x) for x in ids]}
+            images.append(count)
+        return {_IDS: ids, _MASK: masks, _LENGTH: [len(x) for x in ids], _IMAGES: images}
 
     def batch(self, indices: Sequence[int]) -> TensorDict:
-        """The supervised batch of these rows (of the kept conversations), right-padded."""
-        rows = self.data[list(indices)]
-        return sequence_batch(
+        """The supervised batch of these rows (of the kept conversations), right-padded; with
+        the rows' images (``pixel_values``, ``image_grid_thw``) where any has one."""
+        rows = self._tokens[list(indices)]
+        out = sequence_batch(
             list(zip(rows[_IDS], rows[_MASK], strict=True)), pad_token_id=self.pad_token_id
         )
+        if any(rows[_IMAGES]):
+            for key, value in self._images_of(indices, rows[_IMAGES]).items():
+                out[key] = value
+        return out
+
+    def _images_of(self, indices: Sequence[int], counts: list[int]) -> dict[str, Any]:
+        """The vision fields of these rows: read and processed for each batch, as a data
+        loader does, not kept (a dataset's pixels would otherwise fill memory over an epoch)."""
+        images = self.render.images
+        assert images is not None  # rows with images were rendered by a renderer with one
+        pixels: list[Any] = []
+        grids: list[Any] = []
+        key = self.cfg.messages_key
+        for i, count in zip(indices, counts, strict=True):
+            if not count:
+                pixels.append(None)
+                grids.append(None)
+                continue
+            row = self._rows[i]
+            messages = [_present(m) for m in self._messages[i][key]]
+            base = Path(self._first(row)[1]).parent
+            who = f"{self.what}: {self.where(row)}"
+            values, grid = images.read(image_parts(messages), base, who)
+            pixels.append(values)
+            grids.append(grid)
+        return vision_fields(pixels, grids)
 
     def next_indices(self, n: int) -> list[int]:
         """The next ``n`` rows in draw order (into the next epoch when this one runs out)."""
