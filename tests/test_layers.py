@@ -37,8 +37,9 @@ ALLOWED: dict[str, frozenset[str]] = {
     "data": frozenset({"batch"}),
     "episodes": frozenset({"batch", "data"}),
     "trainer": frozenset({"batch", "algorithms", "models", "distributed", "data", "episodes"}),
+    "serving": frozenset({"batch", "data", "episodes"}),
     "jobs": frozenset(
-        {"batch", "algorithms", "models", "distributed", "data", "episodes", "trainer"}
+        {"batch", "algorithms", "models", "distributed", "data", "episodes", "trainer", "serving"}
     ),
 }
 

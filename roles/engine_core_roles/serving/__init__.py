@@ -1,0 +1,29 @@
+"""An OpenAI-compatible endpoint in front of any rollout, with sessions recorded token for token
+(``docs/serving.md``). Needs the ``serve`` extra: ``pip install 'engine-core-roles[serve]'``."""
+
+from __future__ import annotations
+
+from engine_core_roles.serving.app import SESSION_HEADER, Endpoint, build_app
+from engine_core_roles.serving.config import ServeConfig, is_loopback
+from engine_core_roles.serving.protocol import ApiError
+from engine_core_roles.serving.sampler import Sampled, ServedRollout
+from engine_core_roles.serving.server import BackgroundServer, serve, served_rollout
+from engine_core_roles.serving.sessions import Call, Choice, Session, Sessions
+
+__all__ = [
+    "ApiError",
+    "BackgroundServer",
+    "Call",
+    "Choice",
+    "Endpoint",
+    "SESSION_HEADER",
+    "Sampled",
+    "ServeConfig",
+    "ServedRollout",
+    "Session",
+    "Sessions",
+    "build_app",
+    "is_loopback",
+    "serve",
+    "served_rollout",
+]

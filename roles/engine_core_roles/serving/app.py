@@ -1,0 +1,431 @@
+"""The OpenAI-compatible endpoint as an ASGI application (:func:`build_app`).
+
+Starlette, served by uvicorn: both are small, widely used and maintained by one group
+(encode), and Starlette is the core FastAPI is built on. FastAPI's extras (dependency
+injection, generated schemas) would add nothing here: requests are validated by the pydantic
+models of :mod:`~engine_core_roles.serving.protocol` and every refusal is an OpenAI error
+object written by hand, with the status OpenAI's API gives it.
+
+Routes, each also under ``/sessions/{session_id}`` (a base URL per session; a request may
+instead name its session in the ``X-Session-Id`` header):
+
+- ``GET /v1/models``; ``POST /v1/chat/completions``; ``POST /v1/completions``
+- ``POST /v1/sessions`` (a new id), ``GET /v1/sessions/{id}`` (the record so far),
+  ``POST /v1/sessions/{id}/end`` (the record; the id is never taken again)
+- ``GET /health`` (no key needed)
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from engine_core.errors import BatchError, CapabilityError, ConfigError
+from engine_core.rollout import SamplingParams
+from engine_core_roles.serving.chat import (
+    assistant_message,
+    check_tools,
+    render_messages,
+    reply_text,
+)
+from engine_core_roles.serving.config import ServeConfig
+from engine_core_roles.serving.protocol import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    SamplingFields,
+    error_body,
+    parse_request,
+)
+from engine_core_roles.serving.responses import (
+    Reply,
+    chat_body,
+    chat_chunks,
+    completion_body,
+    completion_chunks,
+    sse,
+)
+from engine_core_roles.serving.sampler import Sampled, ServedRollout
+from engine_core_roles.serving.sessions import Sessions, check_session_id
+
+__all__ = ["Endpoint", "build_app", "SESSION_HEADER", "JSONAnswer", "StreamAnswer"]
+
+SESSION_HEADER = "X-Session-Id"
+_log = logging.getLogger(__name__)
+# a Starlette request: only build_app imports Starlette (the serve extra), so that the rest of
+# the roles, the command line included, imports without it
+Request = Any
+
+
+@dataclass(frozen=True)
+class JSONAnswer:
+    """A JSON body and its status."""
+
+    body: Any
+    status: int = 200
+
+
+@dataclass(frozen=True)
+class StreamAnswer:
+    """Server-sent events."""
+
+    events: Iterator[str]
+
+
+Answer = JSONAnswer | StreamAnswer
+Handler = Callable[[Request], Awaitable[Answer]]
+
+
+class Endpoint:
+    """The endpoint's state: its config, the rollout it serves, and the sessions."""
+
+    def __init__(self, config: ServeConfig, served: ServedRollout) -> None:
+        self.config, self.served = config, served
+        self.sessions = Sessions(config.max_sessions)
+        key = config.api_key
+        self._key = None if key is None else key.get_secret_value().encode()
+
+    # -- what every request goes through -------------------------------------------------------
+    def guarded(self, handler: Handler, *, key: bool = True) -> Handler:
+        """``handler`` behind the API key, answering each refusal as an OpenAI error object."""
+
+        async def run(request: Request) -> Answer:
+            try:
+                if key:
+                    self._check_key(request)
+                return await handler(request)
+            except ApiError as e:
+                return JSONAnswer(e.body(), e.status)
+            except Exception:  # the server stays up; the client gets no internals
+                _log.exception("request %s %s failed", request.method, request.url.path)
+                return JSONAnswer(
+                    error_body("the server failed on this request; see its log.", "server_error"),
+                    500,
+                )
+
+        return run
+
+    def _check_key(self, request: Request) -> None:
+        if self._key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        # compared in constant time, so the time taken says nothing about the key
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), self._key):
+            raise ApiError(
+                401,
+                "missing or wrong API key; send it as 'Authorization: Bearer KEY' (the "
+                "openai client's api_key).",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
+
+    async def _body(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise self._too_large(int(length))
+        body, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise self._too_large(size)
+            body.append(part)
+        return b"".join(body)
+
+    def _too_large(self, size: int) -> ApiError:
+        return ApiError(
+            413,
+            f"the request body has {size} bytes or more; this server takes at most "
+            f"{self.config.max_body_bytes} (max_body_bytes).",
+            code="request_too_large",
+        )
+
+    def _session(self, request: Request) -> str | None:
+        path = request.path_params.get("session_id")
+        header = request.headers.get(SESSION_HEADER)
+        if path is not None and header is not None and header != path:
+            raise ApiError(
+                400,
+                f"the URL names session {path!r} and the {SESSION_HEADER} header {header!r}; "
+                f"name one session, in one place.",
+                param="session_id",
+            )
+        sid = path if path is not None else header
+        return None if sid is None else check_session_id(sid)
+
+    def _params(self, req: SamplingFields, limit: int | None, stop: list[str], n: int) -> Any:
+        if req.model != self.config.model_name:
+            raise ApiError(
+                404,
+                f"the model {req.model!r} does not exist here; this server serves "
+                f"{self.config.model_name!r} (GET /v1/models).",
+                param="model",
+                code="model_not_found",
+            )
+        cfg = self.config
+        if req.n > cfg.max_n:
+            raise ApiError(400, f"n={req.n}; this server allows at most {cfg.max_n}.", param="n")
+        tokens = limit or cfg.default_max_tokens
+        if tokens > cfg.max_tokens:
+            raise ApiError(
+                400,
+                f"max_tokens={tokens}; this server allows at most {cfg.max_tokens} per choice.",
+                param="max_tokens",
+            )
+        try:
+            return SamplingParams(
+                temperature=req.temperature,
+                top_p=req.top_p,
+                top_k=req.top_k,
+                n=n,
+                seed=req.seed,
+                max_new_tokens=tokens,
+                stop_token_ids=self.served.stop_token_ids,
+                stop_strings=stop,
+            )
+        except ValidationError as e:
+            first = e.errors(include_url=False)[0]
+            param = ".".join(str(x) for x in first["loc"])
+            raise ApiError(400, f"{param}: {first['msg']}.", param=param) from None
+
+    def _check_prompt(self, ids: list[int], max_new: int, param: str) -> None:
+        vocab = self.served.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(
+                400,
+                f"token id(s) {bad[:8]} are outside the model's vocabulary [0, {vocab}).",
+                param=param,
+            )
+        if not ids:
+            raise ApiError(400, "the prompt is empty; send at least one token.", param=param)
+        most = self.config.max_prompt_tokens
+        context = self.served.context
+        if context is not None:
+            most = min(most, int(context) - max_new)
+        if len(ids) > most:
+            raise ApiError(
+                400,
+                f"the prompt has {len(ids)} tokens; at most {most} fit here (max_prompt_tokens "
+                f"{self.config.max_prompt_tokens}, the model's context {context} less "
+                f"max_tokens {max_new}). Shorten the prompt or ask for fewer tokens.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    async def _sample(self, session: str | None, prompts: list[list[int]], params: Any) -> Sampled:
+        if session is not None:
+            self.sessions.check(session)
+        try:
+            return await self.served.sample(prompts, params)
+        except (BatchError, CapabilityError) as e:  # what the rollout refuses in a request
+            raise ApiError(400, str(e)) from None
+
+    def _extra(self, prompt: Any, sampled: Sampled, session: str | None, calls: list[int]) -> Any:
+        extra: dict[str, Any] = {
+            "prompt_token_ids": prompt,
+            "weight_version": sampled.weight_version,
+        }
+        if session is not None:
+            extra.update(session_id=session, call_index=calls[0] if len(calls) == 1 else calls)
+        return extra
+
+    def _texts(self, ids: list[int]) -> list[str]:
+        return [str(self.served.tokenizer.decode([t])) for t in ids]
+
+    # -- routes ----------------------------------------------------------------------------------
+    async def models(self, request: Request) -> Answer:
+        del request
+        card = {
+            "id": self.config.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "engine-core",
+        }
+        return JSONAnswer({"object": "list", "data": [card]})
+
+    async def chat(self, request: Request) -> Answer:
+        session = self._session(request)
+        req: ChatRequest = parse_request(await self._body(request), ChatRequest)
+        stop = req.stop_strings()
+        params = self._params(req, req.token_limit(), stop, req.n)
+        if req.top_logprobs:
+            raise ApiError(
+                400,
+                f"top_logprobs={req.top_logprobs}: the rollouts behind this server report the "
+                f"log-prob of the sampled token only; ask logprobs=true with top_logprobs 0.",
+                param="top_logprobs",
+            )
+        if req.tool_choice not in (None, "auto", "none"):
+            raise ApiError(
+                400,
+                f"tool_choice={req.tool_choice!r}: this server lets the model choose (auto) or "
+                f"reads no calls (none); it cannot force a call.",
+                param="tool_choice",
+            )
+        tools = check_tools(req.tools)
+        messages = None
+        if req.prompt_token_ids is not None:
+            ids = req.prompt_token_ids
+        else:
+            ids, messages = render_messages(self.served.tokenizer, req.messages, tools)
+        self._check_prompt(
+            ids, params.max_new_tokens, "prompt_token_ids" if messages is None else "messages"
+        )
+        sampled = await self._sample(session, [ids], params)
+        calls = []
+        if session is not None:
+            calls.append(self._record(session, "chat.completions", ids, sampled, 0, messages).index)
+        replies = []
+        for j, choice in enumerate(sampled.choices[0]):
+            text, _ = reply_text(self.served.tokenizer, choice.token_ids, stop)
+            message, called = assistant_message(
+                text, tools is not None and req.tool_choice != "none"
+            )
+            finish = "tool_calls" if called else choice.finish_reason
+            texts = self._texts(choice.token_ids) if req.logprobs else None
+            replies.append(Reply(j, choice, text, message, finish, texts))
+        extra = self._extra(ids, sampled, session, calls)
+        name = self.config.model_name
+        if req.stream:
+            usage = bool((req.stream_options or {}).get("include_usage"))
+            return StreamAnswer(sse(chat_chunks(name, len(ids), replies, extra, usage)))
+        return JSONAnswer(chat_body(name, len(ids), replies, extra))
+
+    async def completions(self, request: Request) -> Answer:
+        session = self._session(request)
+        req: CompletionRequest = parse_request(await self._body(request), CompletionRequest)
+        stop = req.stop_strings()
+        params = self._params(req, req.token_limit(), stop, req.n)
+        if req.logprobs:
+            raise ApiError(
+                400,
+                f"logprobs={req.logprobs}: the rollouts behind this server report the log-prob "
+                f"of the sampled token only; ask logprobs=0.",
+                param="logprobs",
+            )
+        prompts = self._completion_prompts(req.prompt)
+        for ids in prompts:
+            self._check_prompt(ids, params.max_new_tokens, "prompt")
+        sampled = await self._sample(session, prompts, params)
+        calls = [
+            self._record(session, "completions", ids, sampled, i, None).index
+            for i, ids in enumerate(prompts)
+            if session is not None
+        ]
+        replies = []
+        for i, choices in enumerate(sampled.choices):
+            for j, choice in enumerate(choices):
+                text, _ = reply_text(self.served.tokenizer, choice.token_ids, stop)
+                texts = self._texts(choice.token_ids) if req.logprobs is not None else None
+                replies.append(
+                    Reply(i * req.n + j, choice, text, None, choice.finish_reason, texts)
+                )
+        prompt_ids: Any = prompts[0] if len(prompts) == 1 else prompts
+        extra = self._extra(prompt_ids, sampled, session, calls)
+        count = sum(len(p) for p in prompts)
+        name = self.config.model_name
+        if req.stream:
+            usage = bool((req.stream_options or {}).get("include_usage"))
+            return StreamAnswer(sse(completion_chunks(name, count, replies, extra, usage)))
+        return JSONAnswer(completion_body(name, count, replies, extra))
+
+    def _completion_prompts(self, prompt: Any) -> list[list[int]]:
+        tok = self.served.tokenizer
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            prompt = [prompt]
+        if not prompt or len(prompt) > self.config.max_n:
+            raise ApiError(
+                400,
+                f"prompt holds {len(prompt)} prompts; send 1 to {self.config.max_n} (max_n).",
+                param="prompt",
+            )
+        return [
+            list(tok(p, add_special_tokens=False)["input_ids"]) if isinstance(p, str) else list(p)
+            for p in prompt
+        ]
+
+    def _record(
+        self, session: str, endpoint: str, ids: list[int], sampled: Sampled, i: int, messages: Any
+    ) -> Any:
+        return self.sessions.record(
+            session,
+            endpoint=endpoint,
+            prompt_ids=ids,
+            choices=sampled.choices[i],
+            weight_version=sampled.weight_version,
+            messages=messages,
+        )
+
+    async def new_session(self, request: Request) -> Answer:
+        del request
+        return JSONAnswer({"id": self.sessions.new_id()})
+
+    async def get_session(self, request: Request) -> Answer:
+        sid = check_session_id(request.path_params["session_id"])
+        return JSONAnswer(self.sessions.get(sid))
+
+    async def end_session(self, request: Request) -> Answer:
+        sid = check_session_id(request.path_params["session_id"])
+        return JSONAnswer(self.sessions.end(sid))
+
+    async def health(self, request: Request) -> Answer:
+        del request
+        return JSONAnswer({"status": "ok"})
+
+
+def build_app(endpoint: Endpoint) -> Any:
+    """The ASGI application (Starlette) of ``endpoint``."""
+    try:
+        from starlette.applications import Starlette
+        from starlette.exceptions import HTTPException
+        from starlette.responses import JSONResponse, Response, StreamingResponse
+        from starlette.routing import Route
+    except ImportError as e:
+        raise ConfigError(
+            f"the endpoint needs the serve extra ({e}); pip install 'engine-core-roles[serve]'."
+        ) from e
+
+    def route(path: str, handler: Handler, method: str, *, key: bool = True) -> Any:
+        guarded = endpoint.guarded(handler, key=key)
+
+        async def run(request: Request) -> Response:
+            answer = await guarded(request)
+            if isinstance(answer, StreamAnswer):
+                return StreamingResponse(answer.events, media_type="text/event-stream")
+            return JSONResponse(answer.body, status_code=answer.status)
+
+        return Route(path, run, methods=[method])
+
+    async def refused(request: Request, exc: Exception) -> Response:
+        """Starlette's own refusals (no such route, wrong method) as OpenAI error objects."""
+        status = exc.status_code if isinstance(exc, HTTPException) else 500
+        what = {404: "no such route", 405: "method not allowed on this route"}.get(status, str(exc))
+        body = error_body(
+            f"{request.method} {request.url.path}: {what}; the routes are /v1/models, "
+            f"/v1/chat/completions, /v1/completions and /v1/sessions (the first three also "
+            f"under /sessions/ID).",
+            "invalid_request_error",
+        )
+        return JSONResponse(body, status_code=status)
+
+    routes = [route("/health", endpoint.health, "GET", key=False)]
+    for base in ("", "/sessions/{session_id}"):
+        routes += [
+            route(f"{base}/v1/models", endpoint.models, "GET"),
+            route(f"{base}/v1/chat/completions", endpoint.chat, "POST"),
+            route(f"{base}/v1/completions", endpoint.completions, "POST"),
+        ]
+    routes += [
+        route("/v1/sessions", endpoint.new_session, "POST"),
+        route("/v1/sessions/{session_id}", endpoint.get_session, "GET"),
+        route("/v1/sessions/{session_id}/end", endpoint.end_session, "POST"),
+    ]
+    return Starlette(routes=routes, exception_handlers={HTTPException: refused})

@@ -1,0 +1,162 @@
+"""Sessions: every call of an episode recorded token for token, as plain data.
+
+A session is one episode of an agent: the calls it made through the endpoint under one session
+id (a header, or a base URL per session). Each call is recorded as the rollout produced it: the
+prompt's token ids, each choice's sampled ids and their log-probs, and the weight version that
+produced them, never a re-tokenization of text.
+
+Drift: an agent usually sends its whole history again on each call. Where the next call's
+prompt starts with an earlier call's prompt followed by one of its choices' sampled ids, token
+for token, the call *extends* that choice (recorded as ``extends``), and the two belong in one
+training row. Where it extends none (the client re-rendered the history, or edited it), the
+call is counted in ``drift``: its sampled ids are still recorded as they were sampled, so a
+trainer can start a new row there rather than train on tokens the model never produced.
+
+Once ended, a session's id is refused for good: a late call of a finished episode cannot slip
+into the next one that happens to reuse the id.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from engine_core_roles.serving.protocol import ApiError
+
+__all__ = ["Choice", "Call", "Session", "Sessions", "check_session_id"]
+
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
+
+
+def check_session_id(session_id: str) -> str:
+    """``session_id`` if it is 1-128 letters, digits, ``_ . : -`` (starting with a letter or
+    digit), else a 400 naming what is allowed."""
+    if not _ID.fullmatch(session_id):
+        raise ApiError(
+            400,
+            f"session id {session_id[:40]!r} is not allowed; use 1-128 letters, digits, '_', "
+            f"'.', ':' or '-', starting with a letter or digit (a UUID works).",
+            param="session_id",
+            code="invalid_session_id",
+        )
+    return session_id
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One sampled continuation: its ids, their log-probs, and why it ended."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (a stop token or string) or "length"
+
+
+@dataclass(frozen=True)
+class Call:
+    """One request of a session, as the rollout served it."""
+
+    index: int
+    endpoint: str  # "chat.completions" or "completions"
+    prompt_ids: list[int]
+    choices: list[Choice]
+    weight_version: int
+    extends: dict[str, int] | None  # {"call": i, "choice": j}: the choice this prompt extends
+    messages: list[dict[str, Any]] | None  # the chat request's messages (None: token-in)
+    created: float
+
+
+@dataclass
+class Session:
+    """The calls of one session so far, and how many of them drifted."""
+
+    id: str
+    calls: list[Call] = field(default_factory=list)
+    drift: int = 0
+    ended: bool = False
+
+    def extended(self, prompt: list[int]) -> dict[str, int] | None:
+        """The latest earlier choice whose prompt + sampled ids ``prompt`` starts with."""
+        for call in reversed(self.calls):
+            head = len(call.prompt_ids)
+            if prompt[:head] != call.prompt_ids:
+                continue
+            for j, choice in enumerate(call.choices):
+                if prompt[head : head + len(choice.token_ids)] == choice.token_ids:
+                    return {"call": call.index, "choice": j}
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The session as plain data (JSON-ready)."""
+        return {
+            "id": self.id,
+            "ended": self.ended,
+            "drift": self.drift,
+            "calls": [asdict(c) for c in self.calls],
+        }
+
+
+class Sessions:
+    """The open sessions and the ids of the ended ones; safe to call from any thread."""
+
+    def __init__(self, max_open: int) -> None:
+        self.max_open = max_open
+        self._open: dict[str, Session] = {}
+        self._ended: set[str] = set()
+        self._lock = threading.Lock()
+
+    def new_id(self) -> str:
+        return uuid.uuid4().hex
+
+    def _refuse(self, session_id: str, *, opening: bool) -> None:
+        """Refuse an ended id (409), and, when ``opening`` a session, one past the limit."""
+        if session_id in self._ended:
+            raise ApiError(
+                409,
+                f"session {session_id!r} has ended and its id cannot be used again; start a "
+                f"new session with a new id (POST /v1/sessions issues one).",
+                param="session_id",
+                code="session_ended",
+            )
+        if opening and session_id not in self._open and len(self._open) >= self.max_open:
+            raise ApiError(
+                429,
+                f"{len(self._open)} sessions are open, the most this server keeps "
+                f"(max_sessions); end finished sessions (POST /v1/sessions/ID/end).",
+                code="too_many_sessions",
+            )
+
+    def check(self, session_id: str) -> None:
+        """Refuse, before anything is sampled, a call under an ended id or past the limit."""
+        with self._lock:
+            self._refuse(session_id, opening=True)
+
+    def record(self, session_id: str, **call: Any) -> Call:
+        """Append a call (the fields of :class:`Call` but its index and ``extends``)."""
+        with self._lock:
+            self._refuse(session_id, opening=True)
+            session = self._open.setdefault(session_id, Session(session_id))
+            extends = session.extended(call["prompt_ids"]) if session.calls else None
+            if session.calls and extends is None:
+                session.drift += 1
+            recorded = Call(index=len(session.calls), extends=extends, created=time.time(), **call)
+            session.calls.append(recorded)
+            return recorded
+
+    def get(self, session_id: str) -> dict[str, Any]:
+        """A session's record so far (an id never used: an empty one)."""
+        with self._lock:
+            self._refuse(session_id, opening=False)
+            return self._open.get(session_id, Session(session_id)).to_dict()
+
+    def end(self, session_id: str) -> dict[str, Any]:
+        """Close a session for good and return its record (an id never used ends empty)."""
+        with self._lock:
+            self._refuse(session_id, opening=False)
+            session = self._open.pop(session_id, None) or Session(session_id)
+            self._ended.add(session_id)
+            session.ended = True
+            return session.to_dict()
