@@ -1,4 +1,4 @@
-"""The jobs' subcommands of the ``engine-core`` script: ``run`` and ``train``.
+"""The jobs' subcommands of the ``engine-core`` script: ``run``, ``train`` and ``serve``.
 
 The jobs sit above the core and the roles (an RL job is :class:`engine_core_roles.RLTrainer`
 plus recipes, checkpoints and plots). :data:`COMMANDS` reaches the core's script through the
@@ -22,6 +22,8 @@ from engine_core.plugins import load_plugins
 from engine_core.settings import Settings
 from engine_core_roles.jobs.rl.run import run_rl_job
 from engine_core_roles.jobs.sft import run_sft
+from engine_core_roles.serving.config import ServeConfig
+from engine_core_roles.serving.server import serve, served_rollout
 
 __all__ = [
     "COMMANDS",
@@ -30,6 +32,7 @@ __all__ = [
     "recipe_relative",
     "DEFAULT_TRAIN_RECIPE",
     "main",
+    "serve_rollout_config",
 ]
 
 RECIPES = Path(__file__).parents[1] / "recipes"  # package data, beside the layers
@@ -234,6 +237,70 @@ def run_train(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+# -- engine-core serve ---------------------------------------------------------------------------
+
+
+def _serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model",
+        metavar="MODEL_OR_RECIPE",
+        help="a model folder (saved with save_pretrained, "
+        "its tokenizer beside it) or a YAML recipe (its engine.model, rollout and seed)",
+    )
+    # spelled as `vllm serve` spells them
+    parser.add_argument("--host", default="127.0.0.1", help="address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free)")
+    parser.add_argument(
+        "--api-key", default=None, help="key clients must send (required off the loopback)"
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id clients name (default: the "
+        "argument as given for a folder, the recipe's file name for a recipe)",
+    )
+    parser.add_argument(
+        "--rollout", default=None, help="rollout backend (default: the recipe's, else hf)"
+    )
+
+
+def serve_rollout_config(model: str, rollout: str | None) -> tuple[dict[str, Any], str]:
+    """The rollout config ``engine-core serve MODEL_OR_RECIPE`` builds, and the default model
+    name: a model folder served by ``rollout`` (hf unless given), or a recipe's rollout on its
+    ``engine.model`` with its seed."""
+    path = Path(model)
+    if path.is_dir():
+        return {"backend": rollout or "hf", "model": {"path": str(path)}}, model
+    if path.is_file():
+        recipe = load_recipe(path)
+        engine = recipe.get("engine")
+        if not isinstance(engine, dict) or "model" not in engine:
+            raise ConfigError(f"{path}: the recipe has no engine.model to serve; add one.")
+        raw = {"backend": "hf", **(recipe.get("rollout") or {}), "model": engine["model"]}
+        if rollout is not None:
+            raw = {"backend": rollout, "model": engine["model"]}
+        if "seed" in recipe:
+            raw.setdefault("seed", recipe["seed"])
+        return raw, path.stem
+    raise ConfigError(
+        f"{model!r} is neither a model folder nor a recipe file; give a folder saved with "
+        f"save_pretrained (its tokenizer beside it) or a YAML recipe."
+    )
+
+
+def run_serve(args: argparse.Namespace, settings: Settings) -> int:
+    """The OpenAI-compatible endpoint in front of a rollout (docs/serving.md), until stopped."""
+    raw, name = serve_rollout_config(args.model, args.rollout)
+    config = ServeConfig(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        model_name=args.served_model_name or name,
+    )  # refused here, before any model is built, when the bind is unsafe
+    serve(config, served_rollout(raw, load_plugins(settings)))
+    return 0
+
+
 COMMANDS: tuple[Command, ...] = (
     Command(
         "run",
@@ -246,6 +313,12 @@ COMMANDS: tuple[Command, ...] = (
         "supervised training of a model through any engine, from a YAML recipe",
         run_train,
         _train_arguments,
+    ),
+    Command(
+        "serve",
+        "an OpenAI-compatible endpoint in front of a model folder's or a recipe's rollout",
+        run_serve,
+        _serve_arguments,
     ),
 )
 
