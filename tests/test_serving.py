@@ -1,0 +1,516 @@
+"""The OpenAI-compatible endpoint (``engine_core_roles.serving``) with the real ``openai`` client,
+sync and async, against one server in front of the real hf rollout on the shipped tool task's
+tiny model: what each reply carries equals what the rollout itself samples for the same prompt
+and seed, token for token; a session records those ids; a client that re-renders the history is
+counted as drift; each bad request gets its status and OpenAI error object while a request in
+flight completes; a non-loopback bind without a key is refused before anything starts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+openai = pytest.importorskip("openai", reason="make setup installs the test extra (openai)")
+pytest.importorskip("starlette", reason="make setup installs the roles' serve extra")
+
+from engine_core.config import ModelConfig  # noqa: E402
+from engine_core.models import build_model  # noqa: E402
+from engine_core.plugins import load_plugins  # noqa: E402
+from engine_core.rollout import (  # noqa: E402
+    RESPONSE_IDS,
+    RESPONSE_MASK,
+    ROLLOUT_LOG_PROBS,
+    SamplingParams,
+    sent_buckets,
+)
+from engine_core_roles.batch.build import prompt_batch  # noqa: E402
+from engine_core_roles.jobs.cli import RECIPES, load_recipe, main, serve_rollout_config  # noqa: E402
+from engine_core_roles.serving import (  # noqa: E402
+    SESSION_HEADER,
+    BackgroundServer,
+    ServeConfig,
+    ServedRollout,
+    is_loopback,
+    served_rollout,
+)
+
+MODEL = load_recipe(RECIPES / "agent_tiny.yaml")["engine"]["model"]
+NAME = "tiny"
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "description": "the value of a key",
+            "parameters": {"type": "object", "properties": {"key": {"type": "string"}}},
+        },
+    }
+]
+LIMITS = {"max_tokens": 32, "default_max_tokens": 8, "max_n": 4, "max_prompt_tokens": 120}
+USER = [{"role": "user", "content": "ky"}]
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[ServedRollout]:
+    rollout = served_rollout({"backend": "hf", "model": MODEL, "seed": 0}, load_plugins())
+    yield rollout
+    rollout.close()
+
+
+@pytest.fixture(scope="module")
+def server(served: ServedRollout) -> Iterator[BackgroundServer]:
+    config = ServeConfig(port=0, model_name=NAME, max_body_bytes=1 << 16, **LIMITS)
+    with BackgroundServer(config, served) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server: BackgroundServer) -> Any:
+    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+
+
+def rollout_samples(
+    served: ServedRollout, ids: list[int], **params: Any
+) -> list[tuple[list[int], list[float]]]:
+    """What the rollout itself samples for ``ids``: each sample's ids and log-probs."""
+    out = served.rollout.generate(
+        prompt_batch([ids]), SamplingParams(stop_token_ids=served.stop_token_ids, **params)
+    )
+    mask = out[RESPONSE_MASK].bool()
+    return [
+        (out[RESPONSE_IDS][k][mask[k]].tolist(), out[ROLLOUT_LOG_PROBS][k][mask[k]].tolist())
+        for k in range(mask.shape[0])
+    ]
+
+
+def rendered(served: ServedRollout, messages: list[dict[str, Any]], tools: Any = None) -> list[int]:
+    tok = served.tokenizer
+    text = tok.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False
+    )
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def assert_same(choices: list[Any], samples: list[tuple[list[int], list[float]]]) -> None:
+    assert [c.token_ids for c in choices] == [ids for ids, _ in samples]
+    for c, (_, logps) in zip(choices, samples, strict=True):
+        assert c.token_logprobs == pytest.approx(logps, abs=1e-6)
+
+
+# -- replies ------------------------------------------------------------------------------------
+
+
+def test_models_and_a_chat_completion_equal_to_the_rollouts_own_samples(
+    client: Any, served: ServedRollout
+) -> None:
+    assert [m.id for m in client.models.list().data] == [NAME]
+    reply = client.chat.completions.create(
+        model=NAME, messages=USER, n=2, seed=7, max_tokens=6, logprobs=True
+    )
+    ids = rendered(served, USER)
+    assert reply.prompt_token_ids == ids and reply.weight_version == served.weight_version
+    samples = rollout_samples(served, ids, n=2, seed=7, max_new_tokens=6)
+    assert_same(reply.choices, samples)
+    for choice, (sampled, logps) in zip(reply.choices, samples, strict=True):
+        text = served.tokenizer.decode(sampled, skip_special_tokens=True)
+        assert choice.message.content == text
+        assert [t.logprob for t in choice.logprobs.content] == pytest.approx(logps, abs=1e-6)
+        assert choice.finish_reason == ("stop" if sampled[-1] == 61 else "length")
+    assert reply.usage.prompt_tokens == len(ids)
+    assert reply.usage.completion_tokens == sum(len(s) for s, _ in samples)
+
+
+def test_token_in_and_completions_give_the_same_ids(client: Any, served: ServedRollout) -> None:
+    ids = rendered(served, USER)
+    by_ids = client.chat.completions.create(
+        model=NAME, messages=[], seed=3, max_tokens=5, extra_body={"prompt_token_ids": ids}
+    )
+    by_messages = client.chat.completions.create(model=NAME, messages=USER, seed=3, max_tokens=5)
+    completion = client.completions.create(model=NAME, prompt=ids, seed=3, max_tokens=5)
+    samples = rollout_samples(served, ids, seed=3, max_new_tokens=5)
+    assert_same(by_ids.choices, samples)
+    assert_same(by_messages.choices, samples)
+    assert_same(completion.choices, samples)
+    # several prompts, text and ids, each sampled n times, choices in prompt order
+    many = client.completions.create(model=NAME, prompt=["ab", "cd"], n=2, seed=4, max_tokens=3)
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    assert many.prompt_token_ids == [
+        served.tokenizer("ab")["input_ids"],
+        served.tokenizer("cd")["input_ids"],
+    ]
+
+
+def test_streaming_sync_and_async_carries_the_whole_reply(
+    client: Any, server: BackgroundServer, served: ServedRollout
+) -> None:
+    whole = client.chat.completions.create(model=NAME, messages=USER, n=2, seed=5, max_tokens=6)
+    chunks = list(
+        client.chat.completions.create(
+            model=NAME,
+            messages=USER,
+            n=2,
+            seed=5,
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    texts: dict[int, str] = {0: "", 1: ""}
+    finish = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+    assert texts == {c.index: c.message.content for c in whole.choices}
+    assert finish == {c.index: c.finish_reason for c in whole.choices}
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+    async def concurrent() -> list[Any]:
+        aclient = openai.AsyncOpenAI(base_url=server.url, api_key="unused", max_retries=0)
+        async with aclient:
+            streamed = await aclient.completions.create(
+                model=NAME, prompt="ab", seed=1, max_tokens=4, stream=True
+            )
+            text = "".join([c.choices[0].text async for c in streamed if c.choices])
+            replies = await asyncio.gather(
+                *(
+                    aclient.chat.completions.create(model=NAME, messages=USER, seed=s, max_tokens=5)
+                    for s in range(4)
+                )
+            )
+            plain = await aclient.completions.create(model=NAME, prompt="ab", seed=1, max_tokens=4)
+            assert text == plain.choices[0].text
+            return replies
+
+    replies = asyncio.run(asyncio.wait_for(concurrent(), 120))
+    ids = rendered(served, USER)
+    for seed, reply in enumerate(replies):  # served one at a time, each its own seed's samples
+        assert_same(reply.choices, rollout_samples(served, ids, seed=seed, max_new_tokens=5))
+
+
+# -- sessions -----------------------------------------------------------------------------------
+
+
+def test_a_session_records_the_sampled_ids_and_ends_for_good(
+    client: Any, server: BackgroundServer, served: ServedRollout
+) -> None:
+    agent = openai.OpenAI(base_url=server.session_url("episode-1"), api_key="unused", max_retries=0)
+    first = agent.chat.completions.create(model=NAME, messages=USER, n=2, seed=11, max_tokens=6)
+    assert first.session_id == "episode-1" and first.call_index == 0
+    # a token-in agent: the next prompt is the last one, a sampled choice, and the tool's turn
+    tool_turn = served.tokenizer(
+        "<|im_end|>\n<|im_start|>tool\n<tool_response>108</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n",
+        add_special_tokens=False,
+    )["input_ids"]
+    second_prompt = first.prompt_token_ids + first.choices[1].token_ids + tool_turn
+    second = client.chat.completions.create(
+        model=NAME,
+        messages=[],
+        seed=12,
+        max_tokens=4,
+        extra_body={"prompt_token_ids": second_prompt},
+        extra_headers={SESSION_HEADER: "episode-1"},
+    )
+    assert second.call_index == 1
+    record = httpx.post(f"{server.url}/sessions/episode-1/end", timeout=30).json()
+    assert record["ended"] and record["drift"] == 0
+    calls = record["calls"]
+    assert [c["prompt_ids"] for c in calls] == [first.prompt_token_ids, second_prompt]
+    assert calls[1]["extends"] == {"call": 0, "choice": 1}
+    assert calls[0]["messages"] == USER and calls[1]["messages"] is None
+    for call, reply in zip(calls, (first, second), strict=True):
+        assert [c["token_ids"] for c in call["choices"]] == [c.token_ids for c in reply.choices]
+        assert call["weight_version"] == reply.weight_version
+    # the record is the rollout's own samples of those prompts
+    samples = rollout_samples(served, first.prompt_token_ids, n=2, seed=11, max_new_tokens=6)
+    assert [c["token_ids"] for c in calls[0]["choices"]] == [ids for ids, _ in samples]
+    for recorded, (_, logps) in zip(calls[0]["choices"], samples, strict=True):
+        assert recorded["logprobs"] == pytest.approx(logps, abs=1e-6)
+    # ended: the id is refused for good, by URL and by header, before anything is sampled
+    with pytest.raises(openai.ConflictError) as info:
+        agent.chat.completions.create(model=NAME, messages=USER, max_tokens=2)
+    assert info.value.body["code"] == "session_ended"
+    again = httpx.post(f"{server.url}/sessions/episode-1/end", timeout=30)
+    assert again.status_code == 409 and again.json()["error"]["code"] == "session_ended"
+    issued = httpx.post(f"{server.url}/sessions", timeout=30).json()["id"]
+    assert httpx.get(f"{server.url}/sessions/{issued}", timeout=30).json()["calls"] == []
+
+
+def _overfit_to_a_tool_call(served: ServedRollout, prompt: list[int], target: list[int]) -> None:
+    """Train a copy of the model until greedy decoding writes ``target`` after ``prompt``, and
+    load it into the rollout as weight version 1."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = build_model(ModelConfig.model_validate(MODEL))
+    ids = torch.tensor([prompt + target])
+    labels = ids.clone()
+    labels[0, : len(prompt)] = -100
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for step in range(200):
+        loss = model(input_ids=ids, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step % 10 == 9:
+            with torch.no_grad():
+                guess = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].argmax(-1)
+            if guess.tolist() == target:
+                break
+    else:
+        raise AssertionError("the tiny model did not learn the tool call in 200 steps")
+    served.load_weights(sent_buckets(model.state_dict().items()), version=1)
+
+
+def test_tool_calls_and_a_re_rendering_client_counted_as_drift(
+    server: BackgroundServer, served: ServedRollout
+) -> None:
+    # the model writes its call as compact JSON; the template re-renders it with spaces
+    call = '<tool_call>{"name":"lookup","arguments":{"key":"ky"}}</tool_call><|im_end|>'
+    target = served.tokenizer(call, add_special_tokens=False)["input_ids"]
+    _overfit_to_a_tool_call(served, rendered(served, USER, TOOLS), target)
+    agent = openai.OpenAI(base_url=server.session_url("re-render"), api_key="unused", max_retries=0)
+    history: list[Any] = list(USER)
+    reply = agent.chat.completions.create(
+        model=NAME, messages=history, tools=TOOLS, temperature=0, max_tokens=32
+    )
+    choice = reply.choices[0]
+    assert choice.token_ids == target and reply.weight_version == 1
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (tool_call,) = choice.message.tool_calls
+    assert tool_call.function.name == "lookup"
+    assert json.loads(tool_call.function.arguments) == {"key": "ky"}
+    # what every OpenAI agent does: the history as messages, the tool's answer appended
+    history += [
+        choice.message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}),
+        {"role": "tool", "tool_call_id": tool_call.id, "content": "108"},
+    ]
+    agent.chat.completions.create(
+        model=NAME, messages=history, tools=TOOLS, temperature=0, max_tokens=4
+    )
+    record = httpx.get(f"{server.url}/sessions/re-render", timeout=30).json()
+    assert record["drift"] == 1 and record["calls"][1]["extends"] is None
+    assert record["calls"][0]["choices"][0]["token_ids"] == target  # the sampled ids, kept
+    assert [c["weight_version"] for c in record["calls"]] == [1, 1]
+
+
+# -- refusals -----------------------------------------------------------------------------------
+
+BAD = [  # (what is wrong, the body or raw bytes, status, param, code)
+    ("malformed JSON", b'{"model": "tiny", "messages": [', 400, None, None),
+    ("not an object", b"[1, 2]", 400, None, None),
+    ("unknown model", {"model": "gpt-9", "messages": USER}, 404, "model", "model_not_found"),
+    ("n over the bound", {"model": NAME, "messages": USER, "n": 5}, 400, "n", None),
+    (
+        "max_tokens over",
+        {"model": NAME, "messages": USER, "max_tokens": 33},
+        400,
+        "max_tokens",
+        None,
+    ),
+    (
+        "oversize prompt",
+        {"model": NAME, "messages": [{"role": "user", "content": "ab" * 100}]},
+        400,
+        "messages",
+        "context_length_exceeded",
+    ),
+    (
+        "ids outside the vocabulary",
+        {"model": NAME, "messages": [], "prompt_token_ids": [5, 80]},
+        400,
+        "prompt_token_ids",
+        None,
+    ),
+    (
+        "a penalty",
+        {"model": NAME, "messages": USER, "presence_penalty": 1},
+        400,
+        "presence_penalty",
+        "unsupported_parameter",
+    ),
+    (
+        "top_logprobs",
+        {"model": NAME, "messages": USER, "logprobs": True, "top_logprobs": 2},
+        400,
+        "top_logprobs",
+        None,
+    ),
+    (
+        "a wrong type",
+        {"model": NAME, "messages": USER, "temperature": "hot"},
+        400,
+        "temperature",
+        "invalid_value",
+    ),
+    (
+        "an image part",
+        {"model": NAME, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        400,
+        "messages.0.content",
+        None,
+    ),
+    (
+        "oversize body",
+        {"model": NAME, "messages": USER, "pad": "x" * (1 << 16)},
+        413,
+        None,
+        "request_too_large",
+    ),
+]
+
+
+def assert_error(
+    response: httpx.Response, status: int, param: str | None, code: str | None, what: str = ""
+) -> None:
+    assert response.status_code == status, f"{what}: {response.text}"
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["param"] == param and (code is None or error["code"] == code)
+
+
+def test_each_bad_request_is_refused_while_a_request_in_flight_completes(
+    server: BackgroundServer, served: ServedRollout
+) -> None:
+    gate = threading.Event()
+    held = served.between_calls(lambda: gate.wait(60))  # the rollout is busy until the gate opens
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            long = asyncio.ensure_future(
+                http.post(
+                    server.session_url("in-flight") + "/chat/completions",
+                    json={"model": NAME, "messages": USER, "n": 4, "max_tokens": 32, "seed": 2},
+                )
+            )
+            for what, body, status, param, code in BAD:
+                raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+                answer = await http.post("/chat/completions", content=raw)
+                assert_error(answer, status, param, code, what)
+            ended = await http.post("/sessions/gone/end")
+            assert ended.status_code == 200
+            reused = await http.post(
+                "/chat/completions",
+                json={"model": NAME, "messages": USER},
+                headers={SESSION_HEADER: "gone"},
+            )
+            assert_error(reused, 409, "session_id", "session_ended")
+            assert_error(await http.get("/nowhere"), 404, None, None)
+            assert_error(await http.get("/chat/completions"), 405, None, None)
+            assert not long.done()  # every refusal answered while the request waits its turn
+            gate.set()
+            done = await long
+            assert done.status_code == 200 and len(done.json()["choices"]) == 4
+            record = (await http.get("/sessions/in-flight")).json()
+            assert (
+                record["calls"][0]["choices"][0]["token_ids"]
+                == done.json()["choices"][0]["token_ids"]
+            )
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), 120))
+    finally:
+        gate.set()
+    assert held.result() is True
+    # the openai client raises its own error for each
+    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-9", messages=USER)
+    with pytest.raises(openai.BadRequestError, match="at most 4"):
+        client.chat.completions.create(model=NAME, messages=USER, n=5)
+
+
+def test_the_api_key_is_required_when_set(served: ServedRollout) -> None:
+    config = ServeConfig(port=0, model_name=NAME, api_key="sesame", **LIMITS)
+    with BackgroundServer(config, served) as keyed:
+        for key in ("", "Bearer wrong", "sesame", "Basic sesame"):
+            answer = httpx.get(f"{keyed.url}/models", headers={"Authorization": key}, timeout=30)
+            assert_error(answer, 401, None, "invalid_api_key")
+        good = openai.OpenAI(base_url=keyed.url, api_key="sesame", max_retries=0)
+        assert [m.id for m in good.models.list().data] == [NAME]
+        assert httpx.get(f"{keyed.root}/health", timeout=30).status_code == 200
+
+
+def test_a_non_loopback_bind_without_a_key_is_refused_at_start(
+    capsys: pytest.CaptureFixture[str], tmp_path: Any
+) -> None:
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert (
+        not is_loopback("0.0.0.0")
+        and not is_loopback("10.1.2.3")
+        and not is_loopback("example.org")
+    )
+    with pytest.raises(ValidationError, match="without an API key"):
+        ServeConfig(host="0.0.0.0")
+    ServeConfig(host="0.0.0.0", api_key="k")  # with a key it may
+    recipe = str(RECIPES / "agent_tiny.yaml")
+    assert main(["serve", recipe, "--host", "0.0.0.0", "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "without an API key" in err[0] and "--api-key" in err[0]
+    raw, name = serve_rollout_config(recipe, None)
+    assert (
+        raw["model"] == MODEL
+        and raw["backend"] == "hf"
+        and raw["seed"] == 0
+        and name == "agent_tiny"
+    )
+    raw, name = serve_rollout_config(str(tmp_path), "vllm")
+    assert raw == {"backend": "vllm", "model": {"path": str(tmp_path)}} and name == str(tmp_path)
+
+
+# -- fuzz ---------------------------------------------------------------------------------------
+
+_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-5, 2**65)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+_FIELDS = st.fixed_dictionaries(
+    {},
+    optional={
+        "model": st.sampled_from([NAME, "other", ""]) | _JSON,
+        "messages": st.just(USER) | _JSON,
+        "prompt": st.sampled_from(["ab", [5, 6]]) | _JSON,
+        "n": st.integers(-1, 6) | _JSON,
+        "max_tokens": st.integers(-1, 40) | _JSON,
+        "temperature": st.floats(-1, 3) | _JSON,
+        "top_p": st.floats(-1, 2) | _JSON,
+        "seed": _JSON,
+        "stop": _JSON,
+        "stream": st.booleans() | _JSON,
+        "logprobs": _JSON,
+        "tools": _JSON,
+        "prompt_token_ids": st.lists(st.integers(-3, 90), max_size=4) | _JSON,
+    },
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    route=st.sampled_from(["/chat/completions", "/completions"]),
+    body=_FIELDS.map(lambda d: json.dumps(d).encode()) | st.binary(max_size=64),
+)
+def test_fuzzed_bodies_are_answered_or_refused_never_a_server_error(
+    server: BackgroundServer, route: str, body: bytes
+) -> None:
+    answer = httpx.post(server.url + route, content=body, timeout=60)
+    assert answer.status_code in (200, 400, 404, 413), answer.text
+    if answer.status_code != 200:
+        assert_error(answer, answer.status_code, answer.json()["error"]["param"], None)
