@@ -24,7 +24,15 @@ GENERATOR = "python docs/hooks/generate.py"
 # pages whose ```python blocks are run, in order, in one namespace per page
 EXECUTED_PAGES = ("quickstart.md", "write-your-own-engine.md")
 # pages whose Python examples run (their shell lines name files the example writes)
-PYTHON_PAGES = (*EXECUTED_PAGES, "your-data.md", "sft.md", "agents.md", "moe.md", "vision.md")
+PYTHON_PAGES = (
+    *EXECUTED_PAGES,
+    "your-data.md",
+    "sft.md",
+    "agents.md",
+    "serving.md",
+    "moe.md",
+    "vision.md",
+)
 PYTHON_BLOCK = re.compile(r"^(`{3,})python[^\n]*\n(.*?)^\1[ \t]*$", re.M | re.S)
 FENCE = re.compile(r"^[ \t]*(`{3,}|~{3,})")
 
