@@ -78,6 +78,8 @@ _EXPORTS: dict[str, str] = {
     "has_images": "engine_core.vision",
     "patch_counts": "engine_core.vision",
     "images_in_order": "engine_core.vision",
+    "is_vision_config": "engine_core.vision",
+    "patch_width": "engine_core.vision",
     "ROUTED_EXPERTS": "engine_core.batch",
     "MOE_AUX": "engine_core.batch",
     "MoeAuxLoss": "engine_core.batch",
@@ -304,7 +306,9 @@ if TYPE_CHECKING:
         check_vision_batch,
         has_images,
         images_in_order,
+        is_vision_config,
         patch_counts,
+        patch_width,
     )
 
 

@@ -19,6 +19,7 @@ VLLM_CAPABILITIES = frozenset(
         Capability.ROUTING_REPLAY,
         Capability.STOP_STRINGS,
         Capability.LORA,  # the base once, then each adapter version as a LoRARequest
+        Capability.VISION,  # prompts with images as pixel patches (engine_core_vllm.vision)
     }
 )
 

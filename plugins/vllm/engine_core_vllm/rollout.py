@@ -25,6 +25,11 @@
   output: vLLM is started with the model's tokenizer where the model has one
   (:func:`engine_core.stop_strings.tokenizer_folder`), without one otherwise (then a request
   with stop strings is refused); only requests with stop strings are detokenized.
+- Prompts with images (a vision-language model: Qwen2-VL, Qwen2.5-VL, Qwen3-VL) reach vLLM as
+  the pixel patches and grids the prompt batch carries, through a multimodal processor of ours
+  that passes them to vLLM's vision tower unchanged (:mod:`engine_core_vllm.vision` says how and
+  why); each sample keeps its prompt's images, for the trainer. After a weight sync vLLM's cache
+  of encoded images is dropped with its prefix cache, so a synced tower is followed at once.
 """
 
 from __future__ import annotations
@@ -40,9 +45,12 @@ from pydantic import Field, PositiveInt
 from tensordict import TensorDict
 
 from engine_core.backend import (
+    IMAGE_GRID_THW,
+    PIXEL_VALUES,
     ROUTED_EXPERTS,
     AdapterFolders,
     BaseRollout,
+    BatchError,
     Capability,
     CapabilityError,
     RolloutConfig,
@@ -54,6 +62,7 @@ from engine_core.backend import (
     checkpoint_tensors,
     confirm_bucket,
     is_adapter_name,
+    is_vision_config,
     load_stop_tokenizer,
     meta_model,
     model_weight_shapes,
@@ -68,6 +77,7 @@ from engine_core.backend import (
     tokenizer_folder,
 )
 from engine_core_vllm.plugin import VLLM_CAPABILITIES
+from engine_core_vllm.vision import image_request, prompt_images, vision_serving
 
 __all__ = ["VLLMRollout", "VLLMRolloutConfig", "to_vllm_sampling_params", "lora_rank_slot"]
 
@@ -203,6 +213,13 @@ class VLLMRollout(BaseRollout):
         self._lora: Any = None  # the LoRARequest of the adapters served now
         if config.return_routes:  # vLLM records routes in its prefix-cached KV blocks
             serving.update(enable_return_routed_experts=True, enable_prefix_caching=True)
+        # the layout a sync's tensors are converted from into the checkpoint names vLLM's
+        # loader takes (stacked experts written out per expert)
+        self._layout = meta_model(config.model)
+        hf_config = self._layout.config
+        self._vision = hf_config if is_vision_config(hf_config) else None
+        if self._vision is not None:  # vLLM's model of the family, taking our patches
+            serving.update(vision_serving(hf_config))
         self._tokenizer = tokenizer_folder(config.model.model_copy(update={"path": path}))
         if self._tokenizer is not None:
             serving["tokenizer"] = self._tokenizer
@@ -220,9 +237,6 @@ class VLLMRollout(BaseRollout):
                 logprobs_mode="processed_logprobs",
             )
         self._expected = model_weight_shapes(config.model, adapters=lora is not None)
-        # the layout a sync's tensors are converted from into the checkpoint names vLLM's
-        # loader takes (stacked experts written out per expert)
-        self._layout = meta_model(config.model)
         # prompt ids are checked against it: vLLM's CPU engine crashes on an id outside
         self._vocab_size = int(self._layout.get_input_embeddings().weight.shape[0])
         self.stale = False
@@ -234,19 +248,22 @@ class VLLMRollout(BaseRollout):
                 "the last weight sync into the vLLM rollout failed, so its weights are "
                 "inconsistent; load the full weights again (load_weights) before generating."
             )
-        ids, mask = prompt_tensors(prompts, "VLLMRollout.generate", self._vocab_size)
+        ids, mask = prompt_tensors(prompts, "VLLMRollout.generate", self._vocab_size, images=True)
         self.check_params(params)
+        pictured = prompt_images(prompts, ids, mask, self._layout.config)
         if params.stop_strings and self._tokenizer is None:
             load_stop_tokenizer(self.cfg.model, "VLLMRollout")  # refuses: the model has none
-        from vllm.inputs import TokensPrompt
-
-        requests = [
-            TokensPrompt(prompt_token_ids=row[m.bool()].tolist())
-            for row, m in zip(ids, mask, strict=True)
-        ]
+        rows = [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
+        requests = [self._request(i, row, pictured) for i, row in enumerate(rows)]
         seeds = prompt_seeds(prompts, params) or [None] * len(requests)
         sampling = [to_vllm_sampling_params(params, seed) for seed in seeds]
         outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self._lora)
+        ran = [i for i, out in enumerate(outputs) if list(out.prompt_token_ids or ()) != rows[i]]
+        if ran:  # vLLM expanded an image's placeholder to another count than the prompt had
+            raise BatchError(
+                f"VLLMRollout.generate: vLLM ran prompt(s) {ran[:8]} on other ids than given; "
+                f"their image tokens do not match their grids as vLLM's model counts them."
+            )
         samples, routes = [], []
         for out in outputs:  # a prompt's n samples, adjacent
             for c in out.outputs:
@@ -258,7 +275,18 @@ class VLLMRollout(BaseRollout):
         result = response_batch(ids, mask, params.n, samples, self.pad_token_id)
         if params.return_routes:
             result[ROUTED_EXPERTS] = place_routes(result, routes)
+        if pictured is not None:  # each sample keeps its prompt's images, for the trainer
+            for key in (PIXEL_VALUES, IMAGE_GRID_THW):
+                result[key] = pictured[key].repeat_interleave(params.n, dim=0)
         return result
+
+    def _request(self, i: int, row: list[int], pictured: TensorDict | None) -> Any:
+        """vLLM's prompt for prompt ``i`` (``row``: its real ids), with its images if it has
+        some."""
+        if pictured is None or self._vision is None:
+            return {"prompt_token_ids": row}
+        merge = int(self._vision.vision_config.spatial_merge_size)
+        return image_request(row, pictured[i], int(self._vision.image_token_id), merge, i)
 
     # -- weights --------------------------------------------------------------------------
     def expected_weights(self) -> dict[str, tuple[int, ...]]:
@@ -314,6 +342,8 @@ class VLLMRollout(BaseRollout):
         if self._adapters is not None:
             self._serve(adapters)
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        if self._vision is not None:  # and cached image features with the old vision tower
+            self.llm.llm_engine.reset_encoder_cache()
         self.stale = False
         return done
 
