@@ -150,7 +150,7 @@ class ChatData:
         return f"row {index + 1 - first} of {name}"
 
     def _first(self, index: int) -> tuple[int, str]:
-        """The first row (of the files together) of the file row ``index`` is in, and the file."""
+        """The file that row ``index`` (of the files together) is in: its first row, its name."""
         first = 0
         for name, size in self._origins:
             if index < first + size:
@@ -158,13 +158,17 @@ class ChatData:
             first += size
         raise IndexError(index)
 
+    def _origin(self, index: int) -> tuple[str, Path]:
+        """Row ``index`` as errors name it, and the folder its image paths are relative to
+        (its file's)."""
+        return f"{self.what}: {self.where(index)}", Path(self._first(index)[1]).parent
+
     def _render_batch(self, batch: dict[str, list[Any]], indices: list[int]) -> dict[str, Any]:
         ids, masks, images = [], [], []
         for messages, i in zip(batch[self.cfg.messages_key], indices, strict=True):
-            who = f"{self.what}: {self.where(i)}"
+            who, base = self._origin(i)
             check_conversation(messages, who)
             present = [_present(m) for m in messages]
-            base = Path(self._first(i)[1]).parent
             row_ids, mask = self.render(present, who, base=base)
             count = len(image_parts(present))
             if count and len(row_ids) > self.max_length:
@@ -205,10 +209,8 @@ class ChatData:
                 pixels.append(None)
                 grids.append(None)
                 continue
-            row = self._rows[i]
+            who, base = self._origin(self._rows[i])
             messages = [_present(m) for m in self._messages[i][key]]
-            base = Path(self._first(row)[1]).parent
-            who = f"{self.what}: {self.where(row)}"
             values, grid = images.read(image_parts(messages), base, who)
             pixels.append(values)
             grids.append(grid)
