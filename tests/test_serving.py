@@ -141,6 +141,15 @@ def test_token_in_and_completions_give_the_same_ids(client: Any, served: ServedR
     assert_same(by_ids.choices, samples)
     assert_same(by_messages.choices, samples)
     assert_same(completion.choices, samples)
+    # a stop string ends the sample where the rollout ends it; the text is cut before it
+    stopped = client.chat.completions.create(
+        model=NAME, messages=USER, seed=3, max_tokens=12, stop=["g", "o"]
+    )
+    samples = rollout_samples(served, ids, seed=3, max_new_tokens=12, stop_strings=["g", "o"])
+    assert_same(stopped.choices, samples)
+    text = served.tokenizer.decode(samples[0][0], skip_special_tokens=True)
+    cut = min([text.index(s) for s in "go" if s in text], default=len(text))
+    assert stopped.choices[0].message.content == text[:cut]
     # several prompts, text and ids, each sampled n times, choices in prompt order
     many = client.completions.create(model=NAME, prompt=["ab", "cd"], n=2, seed=4, max_tokens=3)
     assert [c.index for c in many.choices] == [0, 1, 2, 3]
@@ -431,6 +440,30 @@ def test_each_bad_request_is_refused_while_a_request_in_flight_completes(
         client.chat.completions.create(model=NAME, messages=USER, n=5)
 
 
+def test_a_client_gone_mid_stream_or_naming_two_sessions_leaves_the_server_unharmed(
+    server: BackgroundServer,
+) -> None:
+    body = {"model": NAME, "messages": USER, "n": 4, "max_tokens": 16, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream(
+            "POST", server.session_url("gone-away") + "/chat/completions", json=body
+        ) as r:
+            assert next(r.iter_lines()).startswith("data: {")
+        # the connection closed after the first event; the server goes on serving
+        two = http.post(
+            server.session_url("one") + "/chat/completions",
+            json={"model": NAME, "messages": USER},
+            headers={SESSION_HEADER: "another"},
+        )
+        assert_error(two, 400, "session_id", None)
+        bad_id = http.post(
+            server.url + "/chat/completions", json=body, headers={SESSION_HEADER: "a b"}
+        )
+        assert_error(bad_id, 400, "session_id", "invalid_session_id")
+        again = http.post(server.url + "/completions", json={"model": NAME, "prompt": "ab"})
+        assert again.status_code == 200
+
+
 def test_the_api_key_is_required_when_set(served: ServedRollout) -> None:
     config = ServeConfig(port=0, model_name=NAME, api_key="sesame", **LIMITS)
     with BackgroundServer(config, served) as keyed:
@@ -482,11 +515,26 @@ _JSON = st.recursive(
     ),
     max_leaves=8,
 )
+_MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "tool", "system", "robot"]) | _JSON},
+    optional={
+        "content": st.text(alphabet="abk12 ", max_size=6)
+        | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": _JSON}), max_size=2)
+        | _JSON,
+        "tool_calls": st.lists(
+            st.fixed_dictionaries(
+                {"function": st.fixed_dictionaries({"name": _JSON, "arguments": _JSON})}
+            ),
+            max_size=2,
+        )
+        | _JSON,
+    },
+)
 _FIELDS = st.fixed_dictionaries(
     {},
     optional={
         "model": st.sampled_from([NAME, "other", ""]) | _JSON,
-        "messages": st.just(USER) | _JSON,
+        "messages": st.just(USER) | st.lists(_MESSAGE, max_size=3) | _JSON,
         "prompt": st.sampled_from(["ab", [5, 6]]) | _JSON,
         "n": st.integers(-1, 6) | _JSON,
         "max_tokens": st.integers(-1, 40) | _JSON,
@@ -502,7 +550,13 @@ _FIELDS = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
 @given(
     route=st.sampled_from(["/chat/completions", "/completions"]),
     body=_FIELDS.map(lambda d: json.dumps(d).encode()) | st.binary(max_size=64),
