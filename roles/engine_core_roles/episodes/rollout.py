@@ -14,6 +14,14 @@ turns: each token's experts are those of the forward that first fed it to the mo
 that sampled it; the next turn's prompt for a turn's last token and for the environment's
 tokens). An episode that ends on environment tokens no turn has fed (its token budget reached
 after a tool's answer) is fed once more, for those routes only (the one token drawn is dropped).
+
+With a vision-language model (``images``: the folder's
+:class:`~engine_core_roles.data.datasets.images.ImagePromptRenderer`), the first messages and
+every tool's answer may hold image parts: each is rendered through the chat template and the
+image processor as a prompt's images are (its placeholder expanded to its image tokens, which
+are the environment's, so never trained on), the episode keeps its images in the order their
+tokens stand, every turn generates with all of them, and the result carries them
+(``pixel_values``, ``image_grid_thw``) so the trainer's log-probs are taken on the same images.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +41,7 @@ from engine_core import BaseRollout, SamplingParams
 from engine_core.batch import ROUTED_EXPERTS
 from engine_core.capabilities import Capability
 from engine_core.errors import ConfigError
+from engine_core.models import build_hf_config
 from engine_core.remote_rollout import RolloutWorker
 from engine_core.rollout import (
     PROMPT_IDS,
@@ -47,8 +57,14 @@ from engine_core.rollout import (
     place_routes,
     sample_seeds,
 )
+from engine_core.vision import vision_fields
 from engine_core_roles.batch.build import prompt_batch
 from engine_core_roles.batch.keys import EPISODE, ROW
+from engine_core_roles.data.datasets.images import (
+    ImagePromptRenderer,
+    image_parts,
+    image_renderer,
+)
 from engine_core_roles.data.datasets.tokenizer import load_tokenizer
 from engine_core_roles.episodes.config import EnvConfig, load_environment
 from engine_core_roles.episodes.protocol import Environment, Episode, Message, StepResult
@@ -74,11 +90,19 @@ class _Running:
     routes: list[torch.Tensor] = field(default_factory=list)
     routed: int = 0
     last_route: torch.Tensor | None = None
+    # the episode's images in the order their tokens stand: pixel patches [p, D], grids [n, 3]
+    pixels: list[torch.Tensor] = field(default_factory=list)
+    grids: list[torch.Tensor] = field(default_factory=list)
 
     def append(self, ids: Sequence[int], lps: Sequence[float] | None) -> None:
         self.tokens += ids
         self.trained += [1 if lps is not None else 0] * len(ids)
         self.log_probs += list(lps) if lps is not None else [0.0] * len(ids)
+
+    def images(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if not self.grids:
+            return None, None
+        return torch.cat(self.pixels), torch.cat(self.grids)
 
     def add_routes(self, rows: torch.Tensor, fed: int) -> None:
         """``rows``: a ``generate`` call's routes of this episode's input and sampled tokens, of
@@ -108,7 +132,8 @@ class EpisodeRollout(BaseRollout):
     rendered first messages (with the environment's tools), its response every token after
     them, :data:`RESPONSE_LOSS_MASK` 1 on the model's tokens, ``rollout_log_probs`` the
     model's log-probs there (0 on the environment's), and :data:`EPISODE` the record of each.
-    Weights, release and resume go to ``inner``.
+    Weights, release and resume go to ``inner``. ``images``: the renderer of a vision-language
+    model's images (None: a text model, whose episodes refuse messages with images).
     """
 
     def __init__(
@@ -120,8 +145,10 @@ class EpisodeRollout(BaseRollout):
         max_turns: int = 4,
         max_episode_tokens: int,
         step_timeout_s: float = 60.0,
+        images: ImagePromptRenderer | None = None,
     ) -> None:
         super().__init__(inner.config)
+        self.images = images
         self.inner, self.environment, self.tokenizer = inner, environment, tokenizer
         # what the inner rollout does in this process (episodes run here: neither generation
         # elsewhere nor weights received by processes of its own)
@@ -187,7 +214,7 @@ class EpisodeRollout(BaseRollout):
                 break
             turn_params = params.validated_copy(n=1)
             ids = [r.prompt + r.tokens for r in active]
-            batch = prompt_batch(ids, pad_token_id=self.pad_token_id)
+            batch = self._prompts(active, ids)
             if seeds is not None:
                 turn_seeds = [derive_seed(r.seed, turn) for r in active]  # type: ignore[arg-type]
                 batch[PROMPT_SEED] = torch.tensor(turn_seeds, dtype=torch.int64)
@@ -230,7 +257,18 @@ class EpisodeRollout(BaseRollout):
                     r.episode.end, r.truncated = "max_turns", True
                     continue
                 assert r.env is not None
-                obs_ids = self._template(r.env.tools).after_turn(text, res.messages)
+                try:
+                    obs_ids = self._tokens(
+                        r,
+                        self._template(r.env.tools).after_turn_text(text, res.messages),
+                        res.messages,
+                        f"{type(r.env).__name__}.step",
+                    )
+                except ConfigError as e:  # images it cannot take, or cannot read
+                    r.episode.end = "env_error"
+                    r.episode.counts["env_errors"] = r.episode.counts.get("env_errors", 0) + 1
+                    r.episode.messages.append({"role": "error", "content": str(e)})
+                    continue
                 if r.length + len(obs_ids) + 1 > self.max_episode_tokens:
                     r.episode.end, r.truncated = "token_budget", True
                     continue
@@ -255,9 +293,7 @@ class EpisodeRollout(BaseRollout):
         of their whole sequence (one token drawn and dropped)."""
         unfed = [r for r in running if r.routed + (r.last_route is not None) < r.length]
         if unfed:
-            batch = prompt_batch(
-                [r.prompt + r.tokens for r in unfed], pad_token_id=self.pad_token_id
-            )
+            batch = self._prompts(unfed, [r.prompt + r.tokens for r in unfed])
             if all(r.seed is not None for r in unfed):
                 seeds = [derive_seed(r.seed, turn) for r in unfed]  # type: ignore[arg-type]
                 batch[PROMPT_SEED] = torch.tensor(seeds, dtype=torch.int64)
@@ -271,14 +307,42 @@ class EpisodeRollout(BaseRollout):
             env = self.environment()
             first = env.reset(row)
             check_messages(first, f"{type(env).__name__}.reset")
-            ids = self._template(env.tools).prompt(first)
+            running = _Running(env, Episode(row, list(first)), [])
+            text = self._template(env.tools).render(first, generation=True)
+            running.prompt = self._tokens(running, text, first, f"{type(env).__name__}.reset")
         except Exception as e:
             episode = Episode(row, [{"role": "error", "content": f"{type(e).__name__}: {e}"}])
             episode.end = "env_error"
             episode.counts["env_errors"] = 1.0
             pad = [int(self.pad_token_id)]
             return _Running(None, episode, pad, truncated=True)
-        return _Running(env, Episode(row, list(first)), ids)
+        return running
+
+    def _tokens(self, r: _Running, text: str, messages: list[Message], where: str) -> list[int]:
+        """The ids of ``text``, rendered from ``messages``; their images, if any, expanded to
+        their image tokens and kept with the episode ``r``."""
+        parts = image_parts(messages)
+        if self.images is None:
+            if parts:
+                raise ConfigError(
+                    f"{where} returned {len(parts)} image(s), but the model has no vision "
+                    f"tower; train a vision-language model, or return text."
+                )
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        # image paths in an environment's messages are its own: relative to the working folder
+        out = self.images.encode([text], parts, base=Path.cwd(), where=where)
+        if out.grids is not None and out.pixel_values is not None:
+            r.pixels.append(out.pixel_values)
+            r.grids.append(out.grids)
+        return out.ids[0]
+
+    def _prompts(self, episodes: list[_Running], ids: list[list[int]]) -> TensorDict:
+        """A generate call's prompts: ``ids``, with the episodes' images where any has one."""
+        batch = prompt_batch(ids, pad_token_id=self.pad_token_id)
+        if any(r.grids for r in episodes):
+            pixels, grids = zip(*(r.images() for r in episodes), strict=True)
+            batch.update(vision_fields(pixels, grids))
+        return batch
 
     def _step_all(self, work: list[tuple[_Running, Message]]) -> list[StepResult | str]:
         futures = []
@@ -316,7 +380,7 @@ class EpisodeRollout(BaseRollout):
         return out
 
     def _result(self, running: list[_Running], env_wait_s: float) -> TensorDict:
-        prompts = prompt_batch([r.prompt for r in running], pad_token_id=self.pad_token_id)
+        prompts = self._prompts(running, [r.prompt for r in running])
         width = max([len(r.tokens) for r in running] + [1])
         total = len(running)
         resp = torch.full((total, width), self.pad_token_id, dtype=torch.long)
@@ -342,6 +406,7 @@ class EpisodeRollout(BaseRollout):
             },
             batch_size=[total],
         )
+        out.update({k: v for k, v in prompts.items() if k not in (PROMPT_IDS, PROMPT_MASK)})
         out[EPISODE] = NonTensorStack.from_list([_record(r.episode, env_wait_s) for r in running])
         return out
 
@@ -370,8 +435,29 @@ def _record(ep: Episode, env_wait_s: float) -> dict[str, Any]:
         "reward": ep.reward,
         "counts": dict(ep.counts),
         "final": ep.final,
-        "messages": ep.messages,
+        "messages": [_plain(m) for m in ep.messages],
     }
+
+
+def _plain(message: Message) -> Message:
+    """``message`` as plain data (the record is logged as JSON and crosses processes as it):
+    an image part's image, unless a path, named by its size instead of held."""
+    content = message.get("content")
+    if not isinstance(content, list) or not image_parts([message]):
+        return message
+    parts = []
+    for part in content:
+        image = part.get("image") if isinstance(part, dict) else None
+        if image is not None and part.get("type") == "image" and not isinstance(image, str):
+            if isinstance(image, bytes | bytearray):
+                image = f"<image of {len(image)} bytes>"
+            elif hasattr(image, "width") and hasattr(image, "height"):  # a PIL image
+                image = f"<image {image.width} x {image.height}>"
+            else:
+                image = f"<image: {type(image).__name__}>"
+            part = {**part, "image": image}
+        parts.append(part)
+    return {**message, "content": parts}
 
 
 def _call_quietly(fn: Callable[[Episode], Any], episode: Episode) -> Any:
@@ -394,7 +480,14 @@ class EpisodeWorker(RolloutWorker):
         super().__init__(config)
 
         env = EnvConfig.model_validate(settings["env"])
-        tokenizer = load_tokenizer(self.rollout.config.model, None)
+        model = self.rollout.config.model
+        tokenizer = load_tokenizer(model, None)
+        images = image_renderer(
+            model,
+            build_hf_config(model),
+            tokenizer,
+            max_image_pixels=settings.get("max_image_pixels"),
+        )
         self.rollout = EpisodeRollout(
             self.rollout,
             load_environment(env, prompt_key=str(settings["prompt_key"])),
@@ -402,4 +495,5 @@ class EpisodeWorker(RolloutWorker):
             max_turns=env.max_turns,
             max_episode_tokens=int(settings["max_episode_tokens"]),
             step_timeout_s=env.step_timeout_s,
+            images=images,
         )

@@ -297,6 +297,7 @@ def _rollout(
             max_turns=job.env.max_turns,
             max_episode_tokens=episodes["max_episode_tokens"],
             step_timeout_s=job.env.step_timeout_s,
+            images=text.images,
         )
     return backend
 

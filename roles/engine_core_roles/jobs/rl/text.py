@@ -18,7 +18,7 @@ from engine_core import (
 from engine_core.errors import ConfigError
 from engine_core.models import build_hf_config
 from engine_core_roles.batch.keys import ROW
-from engine_core_roles.data.datasets.images import image_renderer
+from engine_core_roles.data.datasets.images import ImagePromptRenderer, image_renderer
 from engine_core_roles.data.datasets.prompts import PromptData
 from engine_core_roles.data.datasets.stop_strings import stop_token_ids
 from engine_core_roles.data.datasets.tokenizer import load_tokenizer
@@ -43,6 +43,7 @@ class TextParts:
     tools: list[dict[str, Any]] | None = None
     context: int | None = None  # the model's context length
     val_reward: TextReward | None = None
+    images: ImagePromptRenderer | None = None  # a vision-language model's image renderer
 
 
 def text_parts(job: RLJobConfig, console: Console) -> TextParts | None:
@@ -88,6 +89,7 @@ def text_parts(job: RLJobConfig, console: Console) -> TextParts | None:
     reward = TextReward(reward_cfg, tokenizer, train, show=job.log_samples)
     text = TextParts(tokenizer, train, reward, stops, environment=environment, tools=tools)
     text.context = None if context is None else int(context)
+    text.images = images
     sets = [("data.train_files", train)]
     if job.data.val_files:
         text.val = PromptData(
@@ -148,4 +150,5 @@ def episode_settings(job: RLJobConfig, text: TextParts | None) -> dict[str, Any]
         "env": job.env.model_dump(),
         "prompt_key": job.data.prompt_key,
         "max_episode_tokens": int(budget),
+        "max_image_pixels": job.data.max_image_pixels,
     }
