@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
-from engine_core_roles.serving.app import SESSION_HEADER, Endpoint, build_app
+from engine_core_roles.serving.app import Endpoint, build_app
 from engine_core_roles.serving.config import ServeConfig, is_loopback
+from engine_core_roles.serving.limits import SESSION_HEADER
 from engine_core_roles.serving.protocol import ApiError
 from engine_core_roles.serving.sampler import Sampled, ServedRollout
 from engine_core_roles.serving.server import BackgroundServer, serve, served_rollout

@@ -17,13 +17,10 @@ instead name its session in the ``X-Session-Id`` header):
 
 from __future__ import annotations
 
-import hmac
 import logging
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
-
-from pydantic import ValidationError
 
 from engine_core.errors import BatchError, CapabilityError, ConfigError
 from engine_core.rollout import SamplingParams
@@ -34,6 +31,14 @@ from engine_core_roles.serving.chat import (
     reply_text,
 )
 from engine_core_roles.serving.config import ServeConfig
+from engine_core_roles.serving.limits import (
+    SESSION_HEADER,
+    check_key,
+    check_prompt,
+    read_body,
+    sampling_params,
+    session_of,
+)
 from engine_core_roles.serving.protocol import (
     ApiError,
     ChatRequest,
@@ -53,9 +58,8 @@ from engine_core_roles.serving.responses import (
 from engine_core_roles.serving.sampler import Sampled, ServedRollout
 from engine_core_roles.serving.sessions import Sessions, check_session_id
 
-__all__ = ["Endpoint", "build_app", "SESSION_HEADER", "JSONAnswer", "StreamAnswer"]
+__all__ = ["Endpoint", "build_app", "JSONAnswer", "StreamAnswer"]
 
-SESSION_HEADER = "X-Session-Id"
 _log = logging.getLogger(__name__)
 # a Starlette request: only build_app imports Starlette (the serve extra), so that the rest of
 # the roles, the command line included, imports without it
@@ -97,7 +101,7 @@ class Endpoint:
         async def run(request: Request) -> Answer:
             try:
                 if key:
-                    self._check_key(request)
+                    check_key(request.headers.get("authorization", ""), self._key)
                 return await handler(request)
             except ApiError as e:
                 return JSONAnswer(e.body(), e.status)
@@ -110,113 +114,33 @@ class Endpoint:
 
         return run
 
-    def _check_key(self, request: Request) -> None:
-        if self._key is None:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        # compared in constant time, so the time taken says nothing about the key
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), self._key):
-            raise ApiError(
-                401,
-                "missing or wrong API key; send it as 'Authorization: Bearer KEY' (the "
-                "openai client's api_key).",
-                type="authentication_error",
-                code="invalid_api_key",
-            )
-
     async def _body(self, request: Request) -> bytes:
-        limit = self.config.max_body_bytes
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > limit:
-            raise self._too_large(int(length))
-        body, size = [], 0
-        async for part in request.stream():
-            size += len(part)
-            if size > limit:
-                raise self._too_large(size)
-            body.append(part)
-        return b"".join(body)
-
-    def _too_large(self, size: int) -> ApiError:
-        return ApiError(
-            413,
-            f"the request body has {size} bytes or more; this server takes at most "
-            f"{self.config.max_body_bytes} (max_body_bytes).",
-            code="request_too_large",
-        )
+        return await read_body(request, self.config.max_body_bytes)
 
     def _session(self, request: Request) -> str | None:
-        path = request.path_params.get("session_id")
-        header = request.headers.get(SESSION_HEADER)
-        if path is not None and header is not None and header != path:
-            raise ApiError(
-                400,
-                f"the URL names session {path!r} and the {SESSION_HEADER} header {header!r}; "
-                f"name one session, in one place.",
-                param="session_id",
-            )
-        sid = path if path is not None else header
-        return None if sid is None else check_session_id(sid)
+        return session_of(
+            request.path_params.get("session_id"), request.headers.get(SESSION_HEADER)
+        )
 
-    def _params(self, req: SamplingFields, limit: int | None, stop: list[str], n: int) -> Any:
-        if req.model != self.config.model_name:
-            raise ApiError(
-                404,
-                f"the model {req.model!r} does not exist here; this server serves "
-                f"{self.config.model_name!r} (GET /v1/models).",
-                param="model",
-                code="model_not_found",
-            )
-        cfg = self.config
-        if req.n > cfg.max_n:
-            raise ApiError(400, f"n={req.n}; this server allows at most {cfg.max_n}.", param="n")
-        tokens = limit or cfg.default_max_tokens
-        if tokens > cfg.max_tokens:
-            raise ApiError(
-                400,
-                f"max_tokens={tokens}; this server allows at most {cfg.max_tokens} per choice.",
-                param="max_tokens",
-            )
-        try:
-            return SamplingParams(
-                temperature=req.temperature,
-                top_p=req.top_p,
-                top_k=req.top_k,
-                n=n,
-                seed=req.seed,
-                max_new_tokens=tokens,
-                stop_token_ids=self.served.stop_token_ids,
-                stop_strings=stop,
-            )
-        except ValidationError as e:
-            first = e.errors(include_url=False)[0]
-            param = ".".join(str(x) for x in first["loc"])
-            raise ApiError(400, f"{param}: {first['msg']}.", param=param) from None
+    def _params(self, req: SamplingFields, limit: int | None, stop: list[str]) -> SamplingParams:
+        return sampling_params(
+            req,
+            self.config,
+            max_tokens=limit,
+            stop=stop,
+            stop_token_ids=self.served.stop_token_ids,
+        )
 
     def _check_prompt(self, ids: list[int], max_new: int, param: str) -> None:
-        vocab = self.served.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ApiError(
-                400,
-                f"token id(s) {bad[:8]} are outside the model's vocabulary [0, {vocab}).",
-                param=param,
-            )
-        if not ids:
-            raise ApiError(400, "the prompt is empty; send at least one token.", param=param)
-        most = self.config.max_prompt_tokens
         context = self.served.context
-        if context is not None:
-            most = min(most, int(context) - max_new)
-        if len(ids) > most:
-            raise ApiError(
-                400,
-                f"the prompt has {len(ids)} tokens; at most {most} fit here (max_prompt_tokens "
-                f"{self.config.max_prompt_tokens}, the model's context {context} less "
-                f"max_tokens {max_new}). Shorten the prompt or ask for fewer tokens.",
-                param=param,
-                code="context_length_exceeded",
-            )
+        check_prompt(
+            ids,
+            self.config,
+            vocab_size=self.served.vocab_size,
+            context=None if context is None else int(context),
+            max_new=max_new,
+            param=param,
+        )
 
     async def _sample(self, session: str | None, prompts: list[list[int]], params: Any) -> Sampled:
         if session is not None:
@@ -253,7 +177,7 @@ class Endpoint:
         session = self._session(request)
         req: ChatRequest = parse_request(await self._body(request), ChatRequest)
         stop = req.stop_strings()
-        params = self._params(req, req.token_limit(), stop, req.n)
+        params = self._params(req, req.token_limit(), stop)
         if req.top_logprobs:
             raise ApiError(
                 400,
@@ -301,7 +225,7 @@ class Endpoint:
         session = self._session(request)
         req: CompletionRequest = parse_request(await self._body(request), CompletionRequest)
         stop = req.stop_strings()
-        params = self._params(req, req.token_limit(), stop, req.n)
+        params = self._params(req, req.token_limit(), stop)
         if req.logprobs:
             raise ApiError(
                 400,
