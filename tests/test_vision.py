@@ -505,6 +505,40 @@ def test_an_rl_job_trains_on_prompts_with_images(
     assert all(r["rollout/logprob_diff_max"] < 1e-5 for r in rows)
 
 
+def test_image_rows_train_asynchronously_and_resume_where_they_stopped(
+    vl_chat_folder: tuple[str, Any], tmp_path: Any
+) -> None:
+    """With the rollout in a process of its own and ``max_staleness=1``, the prompts' images
+    cross to it and back as tensors while the trainer trains on the step before; a run stopped
+    after step 2 and resumed gives the same metrics as one that ran through (the rows' order
+    and the state in the checkpoint)."""
+    import json
+
+    from engine_core.plugins import load_plugins
+    from engine_core_roles.jobs.rl.run import run_rl_job
+    from engine_core_roles.trainer.metrics import TIMING_KEYS
+
+    def rows(out: Any) -> list[dict[str, Any]]:
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(x).items() if k not in TIMING_KEYS} for x in lines]
+
+    folder, _ = vl_chat_folder
+    data = _image_rows(tmp_path)
+    extra = ("rollout_placement=process", "trainer.max_staleness=1")
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    run_rl_job(_image_job(folder, tmp_path, whole, data, *extra, "steps=3"), load_plugins())
+    run_rl_job(_image_job(folder, tmp_path, part, data, *extra), load_plugins())
+    run_rl_job(
+        _image_job(folder, tmp_path, part, data, *extra, "steps=3"), load_plugins(), resume=True
+    )
+    assert rows(part) == rows(whole)
+    assert [r["rollout/staleness"] for r in rows(whole)] == [0.0, 1.0, 1.0]
+    # the export loads as the user's folder did: the model, its tokenizer, its image processor
+    from transformers import AutoImageProcessor
+
+    assert AutoImageProcessor.from_pretrained(str(whole / "hf_export")).merge_size == 2
+
+
 def test_a_job_with_a_bad_image_row_is_refused_before_anything_is_written(
     vl_chat_folder: tuple[str, Any], tmp_path: Any
 ) -> None:

@@ -301,6 +301,7 @@ def _finish(
         built.roles.actor_part.export_hf,
         out_dir / "hf_export",
         tokenizer=None if text is None else text.tokenizer,
+        image_processor=None if text is None or text.images is None else text.images.processor,
         last=checkpoint,
         on_failure=job.on_save_failure,
         console=console,
