@@ -491,14 +491,27 @@ def test_an_rl_job_trains_on_prompts_with_images(
 ) -> None:
     """`engine-core run`'s job on chat rows with images (files beside the data): the hf rollout
     samples from them and the trainer's log-probs of the samples, with the images, equal the
-    rollout's at every step."""
+    rollout's at every step; the warm-up before it trains on demonstrations with images."""
     import json
 
     from engine_core.plugins import load_plugins
+    from engine_core_roles.data.datasets.images import ImagePromptRenderer
+    from engine_core_roles.episodes.demos import demo_batch
     from engine_core_roles.jobs.rl.run import run_rl_job
 
-    folder, _ = vl_chat_folder
-    raw = _image_job(folder, tmp_path, tmp_path / "run", _image_rows(tmp_path))
+    folder, tok = vl_chat_folder
+    rows = _image_rows(tmp_path)
+    # warm-up demonstrations with images, in a folder of their own (paths relative to it)
+    demos = tmp_path / "demos"
+    demos.mkdir()
+    png(demos / "d.png", (16, 24), (9, 200, 9))
+    shown = [{"type": "image", "image": "d.png"}, {"type": "text", "text": "which?"}]
+    demo = [{"role": "user", "content": shown}, {"role": "assistant", "content": "2"}]
+    (demos / "demos.jsonl").write_text(json.dumps({"messages": demo}) + "\n")
+    warm = demo_batch(tok, None, [demo], images=ImagePromptRenderer(folder, tok), bases=[demos])
+    assert warm[IMAGE_GRID_THW].tolist() == [[[1, 6, 4]]]
+    extra = [f"data.demos=[{demos / 'demos.jsonl'}]", "warmup_sft_steps=2", "warmup_batch_size=2"]
+    raw = _image_job(folder, tmp_path, tmp_path / "run", rows, *extra)
     run_rl_job(raw, load_plugins())
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2

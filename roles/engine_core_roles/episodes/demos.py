@@ -13,8 +13,13 @@ from typing import Any
 from tensordict import TensorDict
 
 from engine_core.errors import ConfigError
+from engine_core.vision import vision_fields
 from engine_core_roles.batch.build import sequence_batch
-from engine_core_roles.data.datasets.images import ImagePromptRenderer, image_parts
+from engine_core_roles.data.datasets.images import (
+    EncodedTexts,
+    ImagePromptRenderer,
+    image_parts,
+)
 from engine_core_roles.episodes.protocol import Message
 from engine_core_roles.episodes.template import _Template, check_messages
 
@@ -60,6 +65,14 @@ class DemoRenderer:
     ) -> tuple[list[int], list[int]]:
         """``messages``' token ids and loss mask; ``base``: the folder image paths are relative
         to (the data file's)."""
+        ids, trained, _ = self.encode(messages, who, base=base)
+        return ids, trained
+
+    def encode(
+        self, messages: Sequence[Message], who: str = "a demonstration", *, base: Path | None = None
+    ) -> tuple[list[int], list[int], EncodedTexts | None]:
+        """As calling it, and the encoding with the images' pixel patches and grids (None for
+        a text model's renderer)."""
         msgs = [dict(m) for m in messages]
         check_messages(msgs, who)
         pieces = self._pieces(msgs, who)
@@ -71,16 +84,18 @@ class DemoRenderer:
                 f"vision-language model (engine.model.path: a folder with its image "
                 f"processor), or drop the images."
             )
+        out = None
         if self.images is None:
             encoded = [self.template.ids(text) for text in texts]
         else:
-            encoded = self.images.encode(texts, parts, base=base or Path.cwd(), where=who).ids
+            out = self.images.encode(texts, parts, base=base or Path.cwd(), where=who)
+            encoded = out.ids
         ids: list[int] = []
         trained: list[int] = []
         for (_, train), piece in zip(pieces, encoded, strict=True):
             ids += piece
             trained += [int(train)] * len(piece)
-        return ids, trained
+        return ids, trained, out
 
     def _pieces(self, msgs: list[dict[str, Any]], who: str) -> list[tuple[str, bool]]:
         """The conversation as text, in pieces each trained on or not."""
@@ -103,14 +118,30 @@ class DemoRenderer:
 
 
 def demo_batch(
-    tokenizer: Any, tools: list[dict[str, Any]] | None, episodes: Sequence[Sequence[Message]]
+    tokenizer: Any,
+    tools: list[dict[str, Any]] | None,
+    episodes: Sequence[Sequence[Message]],
+    *,
+    images: ImagePromptRenderer | None = None,
+    bases: Sequence[Path] | None = None,
 ) -> TensorDict:
     """A supervised batch of demonstration episodes, each tokenized by :class:`DemoRenderer`:
     ``input_ids``, ``attention_mask``, ``position_ids`` and ``loss_mask`` (1 on the
-    assistant's tokens only)."""
-    render = DemoRenderer(tokenizer, tools)
-    rows = [render(messages, f"demonstration {i}") for i, messages in enumerate(episodes)]
-    return sequence_batch(rows, pad_token_id=int(tokenizer.pad_token_id or 0))
+    assistant's tokens only); with ``images`` (a vision-language model's renderer), the
+    episodes' images too (``pixel_values``, ``image_grid_thw``), their paths relative to each
+    episode's folder in ``bases``."""
+    render = DemoRenderer(tokenizer, tools, images=images)
+    where = [Path.cwd()] * len(episodes) if bases is None else list(bases)
+    rows, pixels, grids = [], [], []
+    for i, (messages, base) in enumerate(zip(episodes, where, strict=True)):
+        ids, trained, encoded = render.encode(messages, f"demonstration {i}", base=base)
+        rows.append((ids, trained))
+        pixels.append(None if encoded is None else encoded.pixel_values)
+        grids.append(None if encoded is None else encoded.grids)
+    batch = sequence_batch(rows, pad_token_id=int(tokenizer.pad_token_id or 0))
+    if any(g is not None for g in grids):
+        batch.update(vision_fields(pixels, grids))
+    return batch
 
 
 def _assistant_text(message: Message, who: str) -> str:

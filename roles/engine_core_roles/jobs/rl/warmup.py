@@ -27,7 +27,7 @@ def warm_up_on_demos(actor_part: Any, text: TextParts, job: RLJobConfig) -> None
     step, drawn in a seeded order."""
     import json
 
-    episodes = []
+    episodes, bases = [], []
     for f in job.demo_files:
         try:
             lines = Path(f).read_text().splitlines()
@@ -36,6 +36,7 @@ def warm_up_on_demos(actor_part: Any, text: TextParts, job: RLJobConfig) -> None
         for i, line in enumerate(x for x in lines if x.strip()):
             try:
                 episodes.append(json.loads(line)["messages"])
+                bases.append(Path(f).parent)  # image paths are relative to their file
             except (ValueError, KeyError, TypeError):
                 raise ConfigError(
                     f"demos: line {i + 1} of {f} is not a JSON object with 'messages'."
@@ -49,7 +50,13 @@ def warm_up_on_demos(actor_part: Any, text: TextParts, job: RLJobConfig) -> None
 
     def batch() -> TensorDict:
         pick = torch.randint(len(episodes), (job.warmup_batch_size,), generator=gen).tolist()
-        return demo_batch(text.tokenizer, text.tools, [episodes[i] for i in pick])
+        return demo_batch(
+            text.tokenizer,
+            text.tools,
+            [episodes[i] for i in pick],
+            images=text.images,
+            bases=[bases[i] for i in pick],
+        )
 
     SFTTrainer(supervised_update(actor_part), batch).fit(job.warmup_sft_steps)
 
