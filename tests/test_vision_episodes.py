@@ -208,3 +208,44 @@ def test_an_agent_job_trains_on_episodes_whose_tools_show_images(
     samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
     shown = [m for s in samples for m in s["episode"] if m["role"] == "tool"]
     assert shown and shown[0]["content"] == [{"type": "image", "image": "<image 24 x 16>"}]
+
+
+def zoom(colour: str) -> Any:
+    """Shows a square of the colour asked for.
+
+    Args:
+        colour: red or blue.
+    """
+    return _image((16, 16), (200, 10, 10) if colour == "red" else (10, 10, 200))
+
+
+def caption(colour: str) -> Any:
+    """Shows a square and names it; or returns what is neither text nor an image.
+
+    Args:
+        colour: red, or anything else.
+    """
+    if colour != "red":
+        return [{"type": "image", "image": None}]
+    return [{"type": "text", "text": "a red square"}, {"type": "image", "image": zoom("red")}]
+
+
+def test_a_built_in_tool_shows_an_image_by_returning_one() -> None:
+    import json
+
+    from engine_core_roles.episodes.tools import ToolEnvironment
+
+    env = ToolEnvironment([zoom, caption])
+
+    def answer(name: str, colour: str) -> Any:
+        call = json.dumps({"name": name, "arguments": {"colour": colour}})
+        res = env.step({"role": "assistant", "content": f"<tool_call>{call}</tool_call>"})
+        return res.messages[0]["content"], res.counts["tool_errors"]
+
+    (shown,), errors = answer("zoom", "blue")
+    assert shown["type"] == "image" and shown["image"].getpixel((0, 0)) == (10, 10, 200)
+    assert errors == 0
+    content, errors = answer("caption", "red")
+    assert [p["type"] for p in content] == ["text", "image"] and errors == 0
+    content, errors = answer("caption", "green")
+    assert content.startswith("error: tool 'caption' returned list, not text") and errors == 1

@@ -4,6 +4,11 @@ the model writes a tool call (``<tool_call>{json}</tool_call>``, Qwen2/Hermes, p
 :func:`hermes_tool_calls`; the parser is pluggable), their results appended as ``tool`` messages.
 A tool that raises, returns something other than text, or runs past ``tool_timeout_s`` becomes an
 error observation, as does a malformed call; the run goes on.
+
+For a vision-language model a tool may also show images: it returns a PIL image, or a list of
+content parts (``{"type": "text", "text": ...}``, ``{"type": "image", "image": ...}``), which
+become the ``tool`` message's content (the episode renders the images where they stand, see
+:mod:`engine_core_roles.episodes.rollout`). Tools in processes of their own return text only.
 """
 
 from __future__ import annotations
@@ -193,16 +198,18 @@ class ToolEnvironment(Environment):
         out, errors = [], 0
         for call, fut in zip(calls, futures, strict=True):
             try:
-                text = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+                content = fut.result(timeout=max(0.0, deadline - time.monotonic()))
             except FutureTimeout:
                 _TOOL_THREADS.abandoned()
-                text = f"error: tool {call.name!r} did not answer within {self.tool_timeout_s:g} s"
-            if text.startswith("error:"):
+                content = (
+                    f"error: tool {call.name!r} did not answer within {self.tool_timeout_s:g} s"
+                )
+            if isinstance(content, str) and content.startswith("error:"):
                 errors += 1
-            out.append({"role": "tool", "name": call.name or "unknown", "content": text})
+            out.append({"role": "tool", "name": call.name or "unknown", "content": content})
         return StepResult(out, counts={"tool_calls": len(calls), "tool_errors": errors})
 
-    def _call(self, call: ToolCall) -> str:
+    def _call(self, call: ToolCall) -> str | list[dict[str, Any]]:
         if call.error:
             return f"error: {call.error}"
         tool = self._tools.get(call.name)
@@ -219,9 +226,29 @@ class ToolEnvironment(Environment):
             result = tool.fn(**call.arguments)
         except Exception as e:
             return f"error: tool {call.name!r} raised {type(e).__name__}: {e}"
-        if not isinstance(result, str):
-            return f"error: tool {call.name!r} returned {type(result).__name__}, not text"
-        return result
+        if isinstance(result, str):
+            return result
+        return _shown(result, call.name)
+
+
+def _shown(result: Any, name: str) -> str | list[dict[str, Any]]:
+    """A tool's result that is not text as a message's content parts: a PIL image, or a list
+    of text and image parts; anything else an error observation."""
+    if hasattr(result, "convert") and hasattr(result, "size"):  # a PIL image
+        return [{"type": "image", "image": result}]
+    if isinstance(result, list) and all(
+        isinstance(p, dict)
+        and (
+            (p.get("type") == "text" and isinstance(p.get("text"), str))
+            or (p.get("type") == "image" and p.get("image") is not None)
+        )
+        for p in result
+    ):
+        return [dict(p) for p in result]
+    return (
+        f"error: tool {name!r} returned {type(result).__name__}, not text (nor a PIL image or a "
+        f"list of text and image parts)"
+    )
 
 
 def _call_budget_s(tool_timeout_s: float, processes: int) -> float:
