@@ -12,7 +12,8 @@ processor takes the patches themselves:
 
 - a prompt's images arrive as ``multi_modal_data={"image": {"pixel_values": [P, D],
   "image_grid_thw": [I, 3]}}``; they pass through to the model unchanged, and vLLM's vision
-  tower encodes them as transformers' does;
+  tower encodes them as transformers' does (vLLM's own normalization on the device, which
+  expects raw pixels, is turned off: the patches are normalized already);
 - each image's run of image tokens is folded back to one placeholder before the ids go in, and
   vLLM expands it again by the image's grid (its usual prompt update, done here from the
   model's config, not from an HF processor); the ids vLLM then runs on are checked to equal the
@@ -78,7 +79,12 @@ def vision_serving(hf_config: Any) -> dict[str, Any]:
             f"{sorted(VISION_FAMILIES)}; the model is {family!r}. Use rollout.backend=hf, which "
             f"generates with transformers' own model for every family the engines train."
         )
-    return {"hf_overrides": {"architectures": [_registered(family)]}}
+    return {
+        "hf_overrides": {"architectures": [_registered(family)]},
+        # the patches come normalized by the image processor that made them; left on, vLLM
+        # (reading the folder's preprocessor_config.json) normalizes them again in the model
+        "mm_device_do_normalize": False,
+    }
 
 
 @functools.cache

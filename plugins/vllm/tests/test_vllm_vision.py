@@ -81,12 +81,21 @@ PARAMS = SamplingParams(n=2, max_new_tokens=6, temperature=0.8, seed=2)
 
 
 def _saved(config: dict[str, Any], folder: Any) -> str:
+    """The model saved with its image processor's config, as a model folder comes (vLLM reads
+    it: with it, vLLM 0.32 would normalize pixels in the model unless told not to)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
     from engine_core.config import ModelConfig
     from engine_core.models import build_model
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         build_model(ModelConfig(config=dict(config))).save_pretrained(str(folder))
+    Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2).save_pretrained(
+        str(folder)
+    )
     return str(folder)
 
 
