@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -205,6 +206,64 @@ def test_streaming_sync_and_async_carries_the_whole_reply(
     ids = rendered(served, USER)
     for seed, reply in enumerate(replies):  # served one at a time, each its own seed's samples
         assert_same(reply.choices, rollout_samples(served, ids, seed=seed, max_new_tokens=5))
+
+
+def test_concurrent_requests_are_merged_without_changing_a_sample(
+    server: BackgroundServer, served: ServedRollout
+) -> None:
+    gate = threading.Event()
+    held = served.between_calls(lambda: gate.wait(60))  # the rollout busy while requests queue
+    _wait_for(lambda: served.waiting() == 0)
+    calls = served.generate_calls
+
+    async def run() -> list[Any]:
+        aclient = openai.AsyncOpenAI(base_url=server.url, api_key="unused", max_retries=0)
+        async with aclient:
+            asked = [
+                aclient.chat.completions.create(
+                    model=NAME, messages=USER, seed=seed, n=2, max_tokens=5
+                )
+                for seed in range(3)
+            ]
+            asked.append(
+                aclient.completions.create(
+                    model=NAME, prompt=["ab", "cd"], seed=9, n=2, max_tokens=5
+                )
+            )
+            asked.append(  # unseeded: a call of its own
+                aclient.chat.completions.create(model=NAME, messages=USER, n=2, max_tokens=5)
+            )
+            tasks = [asyncio.ensure_future(a) for a in asked]
+            while served.waiting() < len(tasks):
+                await asyncio.sleep(0.01)
+            gate.set()
+            return await asyncio.gather(*tasks)
+
+    try:
+        replies = asyncio.run(asyncio.wait_for(run(), 120))
+    finally:
+        gate.set()
+    assert held.result() is True
+    assert served.generate_calls == calls + 2  # the seeded requests merged, the unseeded alone
+    ids = rendered(served, USER)
+    for seed, reply in enumerate(replies[:3]):
+        assert_same(reply.choices, rollout_samples(served, ids, n=2, seed=seed, max_new_tokens=5))
+    alone = served.rollout.generate(
+        prompt_batch(replies[3].prompt_token_ids),
+        SamplingParams(stop_token_ids=served.stop_token_ids, n=2, seed=9, max_new_tokens=5),
+    )
+    mask = alone[RESPONSE_MASK].bool()
+    assert [c.token_ids for c in replies[3].choices] == [
+        alone[RESPONSE_IDS][k][mask[k]].tolist() for k in range(4)
+    ]
+    assert len(replies[4].choices) == 2
+
+
+def _wait_for(condition: Any, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
 
 
 # -- sessions -----------------------------------------------------------------------------------

@@ -1,28 +1,42 @@
 """``ServedRollout``: the one door from the endpoint to a rollout.
 
-Every request's prompts go through :meth:`ServedRollout.sample`, which runs the rollout's
-``generate`` on one worker thread, one call at a time. Requests from concurrent clients are
-serialized rather than merged into one batch: a ``BaseRollout`` promises nothing about being
-called from two threads at once, a weight load must never interleave with a generation (each
-call's tokens carry the one weight version that produced them), and on the backends that batch
-internally (vllm, sglang, process replicas) a call's own prompts already fill the engine.
-Merging concurrent requests that share their settings into one ``generate`` (a seeded prompt's
-samples do not depend on the rest of its batch, so merging would not change them) is left for
-the load benchmark to justify.
+Every request's prompts go through :meth:`ServedRollout.sample`, which queues them for one
+worker thread; the rollout is only ever called from that thread, one ``generate`` at a time (a
+``BaseRollout`` promises nothing about being called from two threads at once).
 
-The event loop stays free while a call runs: requests are parsed, refused, and streamed while
-the rollout works.
+Requests from concurrent clients are merged: when the worker is free it takes every request
+waiting, and those that share their sampling settings (all but the seed) go to the rollout as
+one ``generate`` call. That is what keeps a batching engine (vllm, sglang, replicas) busy when
+many agents each send one prompt. Merging never changes a sample: a seeded request's prompts
+travel with their own seeds (the ``prompt_seed`` column, ``derive_seed(seed, i)`` for its
+prompt ``i``, what ``generate`` would derive for the request alone), and a rollout draws a
+prompt's samples from its seed whatever else is in the batch (``engine_core.rollout``). A merged
+call that fails is retried request by request, so that one request never fails another.
+
+What must not overlap a generation (a weight load) runs through :meth:`between_calls`: after
+every request queued before it, before any queued after it. Each call's tokens carry the one
+weight version that produced them.
+
+The event loop stays free while the rollout works: requests are parsed, refused and streamed
+meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
+import queue
+import threading
+from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeVar
 
+import torch
+
 from engine_core.rollout import (
+    PROMPT_SEED,
     RESPONSE_IDS,
     RESPONSE_MASK,
     ROLLOUT_LOG_PROBS,
@@ -31,6 +45,7 @@ from engine_core.rollout import (
     SamplingParams,
     SentBucket,
     WeightBucket,
+    derive_seed,
 )
 from engine_core_roles.batch.build import prompt_batch
 from engine_core_roles.serving.sessions import Choice
@@ -38,18 +53,36 @@ from engine_core_roles.serving.sessions import Choice
 __all__ = ["Sampled", "ServedRollout"]
 
 T = TypeVar("T")
+MERGED_PROMPTS = 256
+"""The most prompts one merged ``generate`` call takes (a request's own are never split)."""
 
 
 @dataclass(frozen=True)
 class Sampled:
-    """One call's result: ``choices[i]`` are prompt ``i``'s ``n`` samples."""
+    """One request's result: ``choices[i]`` are prompt ``i``'s ``n`` samples."""
 
     choices: list[list[Choice]]
     weight_version: int
 
 
+@dataclass
+class _Job:
+    """A request waiting for the rollout, or (``fn`` set) work between two generations."""
+
+    done: Future[Any] = field(default_factory=Future)
+    prompts: list[list[int]] = field(default_factory=list)
+    params: SamplingParams | None = None
+    fn: Callable[[], Any] | None = None
+
+    def key(self) -> str:
+        """Requests with one key share a ``generate`` call: the same settings but the seed."""
+        assert self.params is not None
+        seeded = self.params.seed is not None
+        return f"{seeded}:{self.params.model_dump_json(exclude={'seed'})}"
+
+
 class ServedRollout:
-    """A rollout and its tokenizer, behind one worker thread, with the weight version its
+    """A rollout and its tokenizer behind one worker thread, with the weight version its
     current weights are (0 as built; :meth:`load_weights` sets it)."""
 
     def __init__(self, rollout: BaseRollout, tokenizer: Any) -> None:
@@ -60,31 +93,28 @@ class ServedRollout:
         self.context = raw.get("max_position_embeddings")
         eos = tokenizer.eos_token_id
         self.stop_token_ids: list[int] = [] if eos is None else [int(eos)]
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="engine-core-serve")
+        #: ``generate`` calls made, and the requests they served (merging: fewer calls)
+        self.generate_calls = 0
+        self.requests = 0
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._worker = threading.Thread(target=self._work, name="engine-core-serve", daemon=True)
+        self._worker.start()
 
+    # -- what callers use ----------------------------------------------------------------------
     async def sample(self, prompts: list[list[int]], params: SamplingParams) -> Sampled:
-        """``params.n`` samples of each prompt, on the worker thread."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._worker, self._generate, prompts, params)
-
-    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> Sampled:
-        out = self.rollout.generate(prompt_batch(prompts), params)
-        ids, mask = out[RESPONSE_IDS].tolist(), out[RESPONSE_MASK].tolist()
-        logps, cut = out[ROLLOUT_LOG_PROBS].tolist(), out[TRUNCATED].tolist()
-        rows = []
-        for k in range(len(ids)):
-            size = int(sum(mask[k]))
-            rows.append(Choice(ids[k][:size], logps[k][:size], "length" if cut[k] else "stop"))
-        n = params.n
-        return Sampled(
-            [rows[i * n : (i + 1) * n] for i in range(len(prompts))], self.weight_version
-        )
+        """``params.n`` samples of each prompt, from the worker thread."""
+        job = _Job(prompts=prompts, params=params)
+        self._queue.put(job)
+        result: Sampled = await asyncio.wrap_future(job.done)
+        return result
 
     def between_calls(self, fn: Callable[[], T]) -> Future[T]:
-        """Run ``fn`` on the worker thread once the calls queued before it are done, and before
-        any queued after it starts: what must never overlap a generation (a weight load, a
-        release of the rollout's memory)."""
-        return self._worker.submit(fn)
+        """Run ``fn`` on the worker thread after every request queued before it and before any
+        queued after it: what must never overlap a generation (a weight load, a release of
+        the rollout's memory)."""
+        job = _Job(fn=fn)
+        self._queue.put(job)
+        return job.done
 
     def load_weights(self, buckets: Iterable[SentBucket], version: int) -> list[WeightBucket]:
         """Load a weight stream between two generations and report ``version`` from then on."""
@@ -96,5 +126,93 @@ class ServedRollout:
 
         return self.between_calls(load).result()
 
+    def waiting(self) -> int:
+        """Jobs queued and not yet taken by the worker."""
+        return self._queue.qsize()
+
     def close(self) -> None:
-        self._worker.shutdown(wait=True)
+        """Stop the worker once the jobs queued are done (the rollout stays the caller's)."""
+        if self._worker.is_alive():
+            self._queue.put(None)
+            self._worker.join()
+
+    # -- the worker thread ---------------------------------------------------------------------
+    def _work(self) -> None:
+        held: deque[_Job | None] = deque()  # taken from the queue, not run yet
+        while True:
+            job = held.popleft() if held else self._queue.get()
+            if job is None:
+                return
+            if not job.done.set_running_or_notify_cancel():  # its caller gave up waiting
+                continue
+            if job.fn is not None:
+                _settle(job, job.fn)
+                continue
+            batch = [job]
+            while sum(len(j.prompts) for j in batch) < MERGED_PROMPTS:
+                if not held and self._queue.empty():
+                    break
+                nxt = held.popleft() if held else self._queue.get()
+                if nxt is None or nxt.fn is not None:  # a barrier: what came later waits
+                    held.appendleft(nxt)
+                    break
+                if nxt.done.set_running_or_notify_cancel():
+                    batch.append(nxt)
+            groups: dict[str, list[_Job]] = {}
+            for j in batch:
+                groups.setdefault(j.key(), []).append(j)
+            for group in groups.values():
+                self._run(group)
+
+    def _run(self, group: list[_Job]) -> None:
+        if len(group) == 1:
+            _settle(group[0], partial(self._alone, group[0]))
+            return
+        try:
+            results = self._generate(group)
+        except Exception:  # retried alone: one request's failure is its own
+            for job in group:
+                _settle(job, partial(self._alone, job))
+            return
+        for job, result in zip(group, results, strict=True):
+            job.done.set_result(result)
+
+    def _alone(self, job: _Job) -> Sampled:
+        return self._generate([job])[0]
+
+    def _generate(self, group: list[_Job]) -> list[Sampled]:
+        params = group[0].params
+        assert params is not None
+        prompts = [p for job in group for p in job.prompts]
+        batch = prompt_batch(prompts)
+        if params.seed is not None:  # each request's prompts keep their own seeds
+            seeds = [
+                derive_seed(job.params.seed, i)
+                for job in group
+                if job.params is not None and job.params.seed is not None
+                for i in range(len(job.prompts))
+            ]
+            batch[PROMPT_SEED] = torch.tensor(seeds, dtype=torch.int64)
+        out = self.rollout.generate(batch, params)
+        self.generate_calls += 1
+        self.requests += len(group)
+        ids, mask = out[RESPONSE_IDS].tolist(), out[RESPONSE_MASK].tolist()
+        logps, cut = out[ROLLOUT_LOG_PROBS].tolist(), out[TRUNCATED].tolist()
+        choices = []
+        for k in range(len(ids)):
+            size = int(sum(mask[k]))
+            choices.append(Choice(ids[k][:size], logps[k][:size], "length" if cut[k] else "stop"))
+        n, start, results = params.n, 0, []
+        for job in group:
+            rows = [choices[(start + i) * n : (start + i + 1) * n] for i in range(len(job.prompts))]
+            results.append(Sampled(rows, self.weight_version))
+            start += len(job.prompts)
+        return results
+
+
+def _settle(job: _Job, fn: Callable[[], Any]) -> None:
+    """Run ``fn`` and hand its result, or what it raised, to the job's waiter."""
+    try:
+        job.done.set_result(fn())
+    except Exception as e:
+        job.done.set_exception(e)
