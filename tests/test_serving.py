@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
+import httpx2 as httpx  # the HTTP client openai itself uses (a dependency of it)
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings

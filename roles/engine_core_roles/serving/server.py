@@ -79,6 +79,7 @@ def serve(config: ServeConfig, served: ServedRollout) -> None:
     finally:
         sock.close()
         served.close()
+        served.rollout.shutdown()  # an engine's own processes (vllm, sglang, replicas)
 
 
 class BackgroundServer:
