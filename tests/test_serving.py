@@ -379,6 +379,7 @@ BAD = [  # (what is wrong, the body or raw bytes, status, param, code)
     ("not an object", b"[1, 2]", 400, None, None),
     ("unknown model", {"model": "gpt-9", "messages": USER}, 404, "model", "model_not_found"),
     ("n over the bound", {"model": NAME, "messages": USER, "n": 5}, 400, "n", None),
+    ("too many choices", {"model": NAME, "prompt": ["a", "b", "c"], "n": 2}, 400, "prompt", None),
     (
         "max_tokens over",
         {"model": NAME, "messages": USER, "max_tokens": 33},
@@ -464,7 +465,12 @@ def test_each_bad_request_is_refused_while_a_request_in_flight_completes(
             )
             for what, body, status, param, code in BAD:
                 raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-                answer = await http.post("/chat/completions", content=raw)
+                route = (
+                    "/completions"
+                    if isinstance(body, dict) and "prompt" in body
+                    else "/chat/completions"
+                )
+                answer = await http.post(route, content=raw)
                 assert_error(answer, status, param, code, what)
             ended = await http.post("/sessions/gone/end")
             assert ended.status_code == 200

@@ -233,7 +233,7 @@ class Endpoint:
                 f"of the sampled token only; ask logprobs=0.",
                 param="logprobs",
             )
-        prompts = self._completion_prompts(req.prompt)
+        prompts = self._completion_prompts(req.prompt, req.n)
         for ids in prompts:
             self._check_prompt(ids, params.max_new_tokens, "prompt")
         sampled = await self._sample(session, prompts, params)
@@ -259,16 +259,21 @@ class Endpoint:
             return StreamAnswer(sse(completion_chunks(name, count, replies, extra, usage)))
         return JSONAnswer(completion_body(name, count, replies, extra))
 
-    def _completion_prompts(self, prompt: Any) -> list[list[int]]:
+    def _completion_prompts(self, prompt: Any, n: int) -> list[list[int]]:
+        """The prompts of a completions request as ids; ``n`` samples of each may not exceed
+        ``max_n`` choices in all."""
         tok = self.served.tokenizer
         if isinstance(prompt, str):
             prompt = [prompt]
         elif prompt and isinstance(prompt[0], int):
             prompt = [prompt]
-        if not prompt or len(prompt) > self.config.max_n:
+        most = self.config.max_n // n
+        if not prompt or len(prompt) > most:
             raise ApiError(
                 400,
-                f"prompt holds {len(prompt)} prompts; send 1 to {self.config.max_n} (max_n).",
+                f"prompt holds {len(prompt)} prompts, each sampled n={n} times; this server "
+                f"gives at most {self.config.max_n} choices a request (max_n), so send 1 to "
+                f"{most} prompts.",
                 param="prompt",
             )
         return [
