@@ -38,9 +38,12 @@ from engine_core_roles.batch.build import prompt_batch  # noqa: E402
 from engine_core_roles.jobs.cli import RECIPES, load_recipe, main, serve_rollout_config  # noqa: E402
 from engine_core_roles.serving import (  # noqa: E402
     SESSION_HEADER,
+    ApiError,
     BackgroundServer,
+    Choice,
     ServeConfig,
     ServedRollout,
+    Sessions,
     is_loopback,
     served_rollout,
 )
@@ -313,6 +316,37 @@ def test_a_session_records_the_sampled_ids_and_ends_for_good(
     assert again.status_code == 409 and again.json()["error"]["code"] == "session_ended"
     issued = httpx.post(f"{server.url}/sessions", timeout=30).json()["id"]
     assert httpx.get(f"{server.url}/sessions/{issued}", timeout=30).json()["calls"] == []
+
+
+def test_session_bounds_and_which_choice_a_call_extends() -> None:
+    sessions = Sessions(max_open=1, max_calls=3)
+
+    def call(prompt: list[int], *choices: list[int]) -> Any:
+        return sessions.record(
+            "s",
+            endpoint="completions",
+            prompt_ids=prompt,
+            choices=[Choice(c, [0.0] * len(c), "stop") for c in choices],
+            weight_version=0,
+            messages=None,
+        )
+
+    call([1, 2], [3], [4, 5])
+    assert call([1, 2, 4, 5, 6], [7]).extends == {"call": 0, "choice": 1}
+    # a branch from the first call, not the last: still an extension, of that call's choice
+    assert call([1, 2, 3, 9], [8]).extends == {"call": 0, "choice": 0}
+    with pytest.raises(ApiError) as info:
+        sessions.check("s")
+    assert (info.value.status, info.value.code) == (400, "session_too_long")
+    with pytest.raises(ApiError) as info:
+        sessions.check("another")
+    assert (info.value.status, info.value.code) == (429, "too_many_sessions")
+    record = sessions.end("s")
+    assert record["drift"] == 0 and len(record["calls"]) == 3
+    sessions.check("another")  # the ended one no longer counts
+    with pytest.raises(ApiError) as info:
+        sessions.get("s")
+    assert (info.value.status, info.value.code) == (409, "session_ended")
 
 
 def _overfit_to_a_tool_call(served: ServedRollout, prompt: list[int], target: list[int]) -> None:

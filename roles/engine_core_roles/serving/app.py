@@ -90,7 +90,7 @@ class Endpoint:
 
     def __init__(self, config: ServeConfig, served: ServedRollout) -> None:
         self.config, self.served = config, served
-        self.sessions = Sessions(config.max_sessions)
+        self.sessions = Sessions(config.max_sessions, config.max_session_calls)
         key = config.api_key
         self._key = None if key is None else key.get_secret_value().encode()
 

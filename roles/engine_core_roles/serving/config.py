@@ -57,6 +57,9 @@ class ServeConfig(FrozenModel):
     max_sessions: PositiveInt = Field(
         4096, description="Sessions open at once (429 for a new one past it)."
     )
+    max_session_calls: PositiveInt = Field(
+        1024, description="Calls one session may record (400 for the next one past it)."
+    )
 
     @model_validator(mode="after")
     def _safe(self) -> ServeConfig:

@@ -102,8 +102,8 @@ class Session:
 class Sessions:
     """The open sessions and the ids of the ended ones; safe to call from any thread."""
 
-    def __init__(self, max_open: int) -> None:
-        self.max_open = max_open
+    def __init__(self, max_open: int, max_calls: int) -> None:
+        self.max_open, self.max_calls = max_open, max_calls
         self._open: dict[str, Session] = {}
         self._ended: set[str] = set()
         self._lock = threading.Lock()
@@ -112,7 +112,8 @@ class Sessions:
         return uuid.uuid4().hex
 
     def _refuse(self, session_id: str, *, opening: bool) -> None:
-        """Refuse an ended id (409), and, when ``opening`` a session, one past the limit."""
+        """Refuse an ended id (409); for a call (``opening``), a new session past the limit of
+        open ones (429) or a call past the limit of one session's (400)."""
         if session_id in self._ended:
             raise ApiError(
                 409,
@@ -121,7 +122,16 @@ class Sessions:
                 param="session_id",
                 code="session_ended",
             )
-        if opening and session_id not in self._open and len(self._open) >= self.max_open:
+        session = self._open.get(session_id)
+        if opening and session is not None and len(session.calls) >= self.max_calls:
+            raise ApiError(
+                400,
+                f"session {session_id!r} has recorded {len(session.calls)} calls, the most one "
+                f"session may (max_session_calls); end it and start another.",
+                param="session_id",
+                code="session_too_long",
+            )
+        if opening and session is None and len(self._open) >= self.max_open:
             raise ApiError(
                 429,
                 f"{len(self._open)} sessions are open, the most this server keeps "
