@@ -21,6 +21,11 @@ recorded during ``generate``: the prompt's forward gives the prompt tokens' expe
 decoding step the experts of the token it feeds back. The last sampled token is never fed back,
 so its row holds experts ``0..top_k-1`` (it is never scored: a log-prob is read at the position
 before its token); so do positions after a stop.
+
+A vision-language model's response is text: a sampled vision token (an image or video
+placeholder, or their start and end) could not be given back to the model, which would look for
+an image it does not have (transformers' "image features and image tokens do not match"), so
+the sample ends before it, unfinished (``truncated``), and the token is not part of it.
 """
 
 from __future__ import annotations
@@ -101,6 +106,7 @@ class HFRollout(BaseRollout):
         self._generation_configs: dict[tuple[Any, ...], GenerationConfig] = {}
         self._vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self._tokenizer: Any = None  # read on the first request with stop_strings
+        self._vision_ids = _vision_token_ids(self.model.config)
 
     # -- generation -----------------------------------------------------------------------
     @torch.no_grad()
@@ -219,6 +225,10 @@ class HFRollout(BaseRollout):
             at = strings.ends[:, None]
             after_stop |= (at > 0) & (torch.arange(resp.shape[1])[None, :] >= at)
             ended |= strings.ends > 0
+        if self._vision_ids is not None:  # a vision token ends the sample before it, unfinished
+            cut = torch.isin(resp, self._vision_ids).long().cumsum(-1) > 0
+            ended &= ~(cut & ~after_stop).any(-1)
+            after_stop |= cut
         resp_mask = (~after_stop).long()
         resp = resp.masked_fill(after_stop, self.pad_token_id)
         logps = logps.masked_fill(after_stop, 0.0)
@@ -452,6 +462,16 @@ def _pad_right(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
         return t
     trailing = (0, 0) * (t.dim() - 2)  # F.pad's pairs run from the last dimension back
     return torch.nn.functional.pad(t, (*trailing, 0, width - t.shape[1]), value=value)
+
+
+def _vision_token_ids(config: Any) -> torch.Tensor | None:
+    """A vision-language model's vision tokens, which no response may hold (None: a text
+    model)."""
+    if getattr(config, "vision_config", None) is None:
+        return None
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    ids = [getattr(config, name, None) for name in names]
+    return torch.tensor([int(i) for i in ids if i is not None], dtype=torch.long)
 
 
 def _images_of(
