@@ -14,7 +14,6 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import httpx2 as httpx  # the HTTP client openai itself uses (a dependency of it)
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -22,6 +21,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 openai = pytest.importorskip("openai", reason="make setup installs the test extra (openai)")
+httpx = pytest.importorskip("httpx2", reason="openai's own HTTP client, installed with it")
 pytest.importorskip("starlette", reason="make setup installs the roles' serve extra")
 
 from engine_core.config import ModelConfig  # noqa: E402
