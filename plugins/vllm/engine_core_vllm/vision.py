@@ -125,7 +125,7 @@ def _importable_without_torchvision() -> None:
 
 
 @functools.cache
-def _processor_classes() -> dict[str, type]:
+def _processor_classes() -> dict[str, Any]:
     """The multimodal processor, its processing info and dummy inputs, defined on first use
     (their bases are vLLM's, imported only when a vision-language model is served)."""
     from transformers import BatchFeature
