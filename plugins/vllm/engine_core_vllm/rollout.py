@@ -30,6 +30,9 @@
   that passes them to vLLM's vision tower unchanged (:mod:`engine_core_vllm.vision` says how and
   why); each sample keeps its prompt's images, for the trainer. After a weight sync vLLM's cache
   of encoded images is dropped with its prefix cache, so a synced tower is followed at once.
+  A response is text: vLLM stops at a sampled vision token (an image or video placeholder, or
+  their start and end), and the sample ends before it, unfinished (``truncated``); fed back,
+  the trainer's model would look for an image the sample does not have.
 """
 
 from __future__ import annotations
@@ -77,7 +80,12 @@ from engine_core.backend import (
     tokenizer_folder,
 )
 from engine_core_vllm.plugin import VLLM_CAPABILITIES
-from engine_core_vllm.vision import image_request, prompt_images, vision_serving
+from engine_core_vllm.vision import (
+    image_request,
+    prompt_images,
+    vision_serving,
+    vision_token_ids,
+)
 
 __all__ = ["VLLMRollout", "VLLMRolloutConfig", "to_vllm_sampling_params", "lora_rank_slot"]
 
@@ -152,11 +160,14 @@ def _routes_refused(return_routes: bool) -> Iterator[None]:
         ) from e
 
 
-def to_vllm_sampling_params(params: SamplingParams, seed: int | None = None) -> Any:
+def to_vllm_sampling_params(
+    params: SamplingParams, seed: int | None = None, cut: Iterable[int] = ()
+) -> Any:
     """Our :class:`SamplingParams` as vLLM's for one prompt whose seed is ``seed`` (its entry
     of :func:`engine_core.rollout.prompt_seeds`), asking for the sampled token's log-prob.
     vLLM samples a seeded request from a generator of its own, so a prompt's samples do not
-    depend on the other requests of the batch."""
+    depend on the other requests of the batch. ``cut``: more ids vLLM stops at (a
+    vision-language model's vision tokens, which the rollout then takes out of the sample)."""
     from vllm import SamplingParams as VLLMSamplingParams
 
     return VLLMSamplingParams(
@@ -165,7 +176,7 @@ def to_vllm_sampling_params(params: SamplingParams, seed: int | None = None) -> 
         top_p=params.top_p,
         top_k=params.top_k if params.top_k > 0 else 0,
         max_tokens=params.max_new_tokens,
-        stop_token_ids=list(params.stop_token_ids),
+        stop_token_ids=[*params.stop_token_ids, *cut],
         stop=list(params.stop_strings) or None,
         include_stop_str_in_output=True,
         seed=seed,
@@ -218,6 +229,7 @@ class VLLMRollout(BaseRollout):
         self._layout = meta_model(config.model)
         hf_config = self._layout.config
         self._vision = hf_config if is_vision_config(hf_config) else None
+        self._cut = vision_token_ids(hf_config)  # a response is text: none of these
         if self._vision is not None:  # vLLM's model of the family, taking our patches
             serving.update(vision_serving(hf_config))
         self._tokenizer = tokenizer_folder(config.model.model_copy(update={"path": path}))
@@ -256,7 +268,7 @@ class VLLMRollout(BaseRollout):
         rows = [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
         requests = [self._request(i, row, pictured) for i, row in enumerate(rows)]
         seeds = prompt_seeds(prompts, params) or [None] * len(requests)
-        sampling = [to_vllm_sampling_params(params, seed) for seed in seeds]
+        sampling = [to_vllm_sampling_params(params, seed, self._cut) for seed in seeds]
         outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self._lora)
         ran = [i for i, out in enumerate(outputs) if list(out.prompt_token_ids or ()) != rows[i]]
         if ran:  # vLLM expanded an image's placeholder to another count than the prompt had
@@ -269,7 +281,11 @@ class VLLMRollout(BaseRollout):
             for c in out.outputs:
                 toks = list(c.token_ids)
                 lps = [lp[t].logprob for lp, t in zip(c.logprobs, toks, strict=True)]
-                samples.append((toks, lps, c.finish_reason != "stop"))
+                end = next((j for j, t in enumerate(toks) if t in self._cut), None)
+                if end is not None:  # a vision token ends the sample before it, unfinished
+                    samples.append((toks[:end], lps[:end], True))
+                else:
+                    samples.append((toks, lps, c.finish_reason != "stop"))
                 if params.return_routes:  # [prompt + response - 1, layers, top_k] (numpy)
                     routes.append(torch.from_numpy(c.routed_experts))
         result = response_batch(ids, mask, params.n, samples, self.pad_token_id)

@@ -59,6 +59,7 @@ __all__ = [
     "prompt_images",
     "fold_image_tokens",
     "image_request",
+    "vision_token_ids",
 ]
 
 #: model_type -> (vLLM module, vLLM class) of the vision-language families served with patches
@@ -85,6 +86,15 @@ def vision_serving(hf_config: Any) -> dict[str, Any]:
         # (reading the folder's preprocessor_config.json) normalizes them again in the model
         "mm_device_do_normalize": False,
     }
+
+
+def vision_token_ids(hf_config: Any) -> frozenset[int]:
+    """A vision-language model's vision tokens (image and video placeholders, vision start and
+    end), which no response may hold; none for a text model."""
+    if getattr(hf_config, "vision_config", None) is None:
+        return frozenset()
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return frozenset(int(i) for i in (getattr(hf_config, n, None) for n in names) if i is not None)
 
 
 @functools.cache
