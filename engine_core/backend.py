@@ -80,6 +80,8 @@ _EXPORTS: dict[str, str] = {
     "images_in_order": "engine_core.vision",
     "is_vision_config": "engine_core.vision",
     "patch_width": "engine_core.vision",
+    "prompt_images": "engine_core.vision",
+    "vision_token_ids": "engine_core.vision",
     "ROUTED_EXPERTS": "engine_core.batch",
     "MOE_AUX": "engine_core.batch",
     "MoeAuxLoss": "engine_core.batch",
@@ -309,6 +311,8 @@ if TYPE_CHECKING:
         is_vision_config,
         patch_counts,
         patch_width,
+        prompt_images,
+        vision_token_ids,
     )
 
 

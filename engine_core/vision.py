@@ -53,6 +53,8 @@ __all__ = [
     "rope_positions",
     "check_vision_batch",
     "refuse_vision",
+    "prompt_images",
+    "vision_token_ids",
 ]
 
 PIXEL_VALUES = "pixel_values"
@@ -180,6 +182,36 @@ def refuse_vision(batch: TensorDict, engine: str) -> None:
             f"its model (it does not declare the vision capability); use an engine that "
             f"declares it (engine-core plugins lists each engine's), or drop the images."
         )
+
+
+def vision_token_ids(hf_config: Any) -> frozenset[int]:
+    """A vision-language model's vision tokens (image and video placeholders, vision start and
+    end), which no response may hold: sampled and fed back, one would ask the model for an
+    image it does not have. None for a text model."""
+    if not is_vision_config(hf_config):
+        return frozenset()
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return frozenset(int(i) for i in (getattr(hf_config, n, None) for n in names) if i is not None)
+
+
+def prompt_images(
+    prompts: TensorDict, ids: torch.Tensor, mask: torch.Tensor, hf_config: Any
+) -> TensorDict | None:
+    """A rollout's prompts' ``pixel_values`` and ``image_grid_thw``, checked against the prompt
+    ``ids`` (``mask``: their real tokens) and the model (:func:`check_vision_batch`); None for
+    prompts without images."""
+    if not has_images(prompts):
+        return None
+    batch = TensorDict(
+        {
+            INPUT_IDS: ids,
+            ATTENTION_MASK: mask,
+            **{k: prompts[k] for k in VISION_KEYS if k in prompts.keys()},
+        },
+        batch_size=[ids.shape[0]],
+    )
+    check_vision_batch(batch, hf_config)
+    return batch.select(*VISION_KEYS)
 
 
 def check_vision_batch(batch: TensorDict, hf_config: Any) -> None:

@@ -64,14 +64,14 @@ from engine_core.backend import (
     RouteRecorder,
     SamplingParams,
     build_model,
-    check_vision_batch,
-    has_images,
     holds_stop_string,
     images_in_order,
     load_stop_tokenizer,
+    prompt_images,
     prompt_seeds,
     prompt_tensors,
     tensor_checksum,
+    vision_token_ids,
 )
 from engine_core_hf.capabilities import HF_CAPABILITIES
 
@@ -106,14 +106,15 @@ class HFRollout(BaseRollout):
         self._generation_configs: dict[tuple[Any, ...], GenerationConfig] = {}
         self._vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self._tokenizer: Any = None  # read on the first request with stop_strings
-        self._vision_ids = _vision_token_ids(self.model.config)
+        vision = sorted(vision_token_ids(self.model.config))
+        self._vision_ids = torch.tensor(vision, dtype=torch.long) if vision else None
 
     # -- generation -----------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts: TensorDict, params: SamplingParams) -> TensorDict:
         ids, mask = prompt_tensors(prompts, "HFRollout.generate", self._vocab_size, images=True)
         self.check_params(params)
-        pictured = _images_of(prompts, ids, mask, self.model)
+        pictured = prompt_images(prompts, ids, mask, self.model.config)
         if params.stop_strings and self._tokenizer is None:
             self._tokenizer = load_stop_tokenizer(self.cfg.model, "HFRollout")
         row_seeds = None if params.greedy else _sample_seeds(prompts, params)
@@ -462,35 +463,6 @@ def _pad_right(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
         return t
     trailing = (0, 0) * (t.dim() - 2)  # F.pad's pairs run from the last dimension back
     return torch.nn.functional.pad(t, (*trailing, 0, width - t.shape[1]), value=value)
-
-
-def _vision_token_ids(config: Any) -> torch.Tensor | None:
-    """A vision-language model's vision tokens, which no response may hold (None: a text
-    model)."""
-    if getattr(config, "vision_config", None) is None:
-        return None
-    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-    ids = [getattr(config, name, None) for name in names]
-    return torch.tensor([int(i) for i in ids if i is not None], dtype=torch.long)
-
-
-def _images_of(
-    prompts: TensorDict, ids: torch.Tensor, mask: torch.Tensor, model: Any
-) -> TensorDict | None:
-    """The prompts' images (``pixel_values``, ``image_grid_thw`` per prompt), checked against
-    the prompts' image tokens and the model; None for prompts without images."""
-    if not has_images(prompts):
-        return None
-    batch = TensorDict(
-        {
-            "input_ids": ids,
-            "attention_mask": mask,
-            **{k: prompts[k] for k in (PIXEL_VALUES, IMAGE_GRID_THW) if k in prompts.keys()},
-        },
-        batch_size=[ids.shape[0]],
-    )
-    check_vision_batch(batch, model.config)
-    return batch.select(PIXEL_VALUES, IMAGE_GRID_THW)
 
 
 def _vision_kwargs(

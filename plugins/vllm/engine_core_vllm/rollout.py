@@ -70,6 +70,7 @@ from engine_core.backend import (
     meta_model,
     model_weight_shapes,
     place_routes,
+    prompt_images,
     prompt_seeds,
     prompt_tensors,
     response_batch,
@@ -78,14 +79,10 @@ from engine_core.backend import (
     set_for_process,
     split_peft_tensors,
     tokenizer_folder,
-)
-from engine_core_vllm.plugin import VLLM_CAPABILITIES
-from engine_core_vllm.vision import (
-    image_request,
-    prompt_images,
-    vision_serving,
     vision_token_ids,
 )
+from engine_core_vllm.plugin import VLLM_CAPABILITIES
+from engine_core_vllm.vision import image_request, vision_serving
 
 __all__ = ["VLLMRollout", "VLLMRolloutConfig", "to_vllm_sampling_params", "lora_rank_slot"]
 

@@ -47,8 +47,6 @@ from engine_core.backend import (
     PIXEL_VALUES,
     BatchError,
     CapabilityError,
-    check_vision_batch,
-    has_images,
     patch_counts,
     patch_width,
 )
@@ -56,10 +54,8 @@ from engine_core.backend import (
 __all__ = [
     "VISION_FAMILIES",
     "vision_serving",
-    "prompt_images",
     "fold_image_tokens",
     "image_request",
-    "vision_token_ids",
 ]
 
 #: model_type -> (vLLM module, vLLM class) of the vision-language families served with patches
@@ -86,15 +82,6 @@ def vision_serving(hf_config: Any) -> dict[str, Any]:
         # (reading the folder's preprocessor_config.json) normalizes them again in the model
         "mm_device_do_normalize": False,
     }
-
-
-def vision_token_ids(hf_config: Any) -> frozenset[int]:
-    """A vision-language model's vision tokens (image and video placeholders, vision start and
-    end), which no response may hold; none for a text model."""
-    if getattr(hf_config, "vision_config", None) is None:
-        return frozenset()
-    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-    return frozenset(int(i) for i in (getattr(hf_config, n, None) for n in names) if i is not None)
 
 
 @functools.cache
@@ -251,25 +238,6 @@ def _processor_classes() -> dict[str, Any]:
     return {"processor": PatchProcessor, "info": PatchInfo, "dummy": PatchDummyInputs}
 
 
-def prompt_images(
-    prompts: TensorDict, ids: torch.Tensor, mask: torch.Tensor, hf_config: Any
-) -> TensorDict | None:
-    """The prompts' ``pixel_values`` and ``image_grid_thw``, checked against their image tokens
-    and the model (:func:`engine_core.vision.check_vision_batch`); None without images."""
-    if not has_images(prompts):
-        return None
-    batch = TensorDict(
-        {
-            "input_ids": ids,
-            "attention_mask": mask,
-            **{k: prompts[k] for k in (PIXEL_VALUES, IMAGE_GRID_THW) if k in prompts.keys()},
-        },
-        batch_size=[ids.shape[0]],
-    )
-    check_vision_batch(batch, hf_config)
-    return batch.select(PIXEL_VALUES, IMAGE_GRID_THW)
-
-
 def fold_image_tokens(
     ids: list[int], counts: Sequence[int], image_token: int, prompt: int = 0
 ) -> list[int]:
@@ -299,7 +267,7 @@ def image_request(
     ids: list[int], images: TensorDict, image_token: int, merge: int, prompt: int = 0
 ) -> dict[str, Any]:
     """The vLLM prompt of one prompt's ``ids`` (placeholders expanded) and its ``images`` (a row
-    of :func:`prompt_images`): the ids with each image folded to one placeholder, and the
+    of :func:`engine_core.vision.prompt_images`): the ids with each image folded to one placeholder, and the
     image's patches and grids as multimodal data. ``prompt`` names the prompt in an error."""
     grids = images[IMAGE_GRID_THW]
     grids = grids[grids[:, 0] > 0].long()
