@@ -14,6 +14,7 @@ from engine_core_roles.algorithms.advantages import (
     rloo_advantages,
     sequence_to_token_rewards,
     signal_groups,
+    stalled_groups,
 )
 
 
@@ -109,6 +110,33 @@ def test_signal_scale_sizes_the_update_as_if_the_uniform_groups_were_not_there()
     assert torch.allclose(scaled, plain * 4.0) and plain.abs().sum() > 0
     alike = AdvantageInputs(scores=torch.ones(4), mask=torch.ones(4, 2), group_ids=groups[:4])
     assert (GRPO(GRPOParams(signal_scale=True))(alike).advantages == 0).all()
+
+
+def test_stalled_unlikelihood_weighs_only_the_groups_that_scored_alike_below_the_best() -> None:
+    """GRPOParams.stalled_unlikelihood: the samples of a group all at one score below the
+    batch's best (group 0, all 0.75) get the weight on every loss token; a group all at the best
+    (group 1, all 1.0, maybe all right) and a group whose scores differ (group 2) get none, and
+    the advantages are plain GRPO's."""
+    from engine_core_roles.algorithms.base import AdvantageInputs
+    from engine_core_roles.algorithms.builtin import GRPO, GRPOParams
+
+    scores = torch.tensor([0.75, 0.75, 0.75, 1.0, 1.0, 1.0, 0.5, 1.0])
+    groups = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2])
+    assert stalled_groups(scores, groups).tolist() == [True] * 3 + [False] * 5
+    assert stalled_groups(torch.zeros(0), torch.zeros(0, dtype=torch.long)).numel() == 0
+    mask = torch.tensor([[1.0, 1.0, 0.0]] * 8)
+    inputs = AdvantageInputs(scores=scores, mask=mask, group_ids=groups)
+    plain = GRPO(GRPOParams())(inputs)
+    assert plain.unlikelihood_weights is None and "stalled_frac" not in plain.metrics
+    got = GRPO(GRPOParams(stalled_unlikelihood=0.3))(inputs)
+    assert torch.equal(got.advantages, plain.advantages)
+    assert got.unlikelihood_weights is not None
+    want = torch.zeros(8, 3)
+    want[:3, :2] = 0.3
+    assert torch.equal(got.unlikelihood_weights, want)
+    assert got.metrics["stalled_frac"] == pytest.approx(3 / 8)
+    with pytest.raises(ValueError, match="stalled_unlikelihood"):
+        GRPOParams(stalled_unlikelihood=-0.1)
 
 
 def test_rloo_against_a_loop() -> None:

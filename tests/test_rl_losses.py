@@ -14,6 +14,7 @@ from engine_core_roles.algorithms.losses import (
     kl_penalty,
     mis_weights,
     tis_weights,
+    unlikelihood_loss,
     value_loss,
 )
 from engine_core_roles.algorithms.losses import (
@@ -216,3 +217,26 @@ def test_policy_loss_weights_are_constants_to_the_gradient() -> None:
     # d/dlp of -adv * exp(lp - old) * w / 2 at lp = old: -w / 2
     assert lp.grad is not None and lp.grad.tolist() == [[-1.5, 0.0]]
     assert w.grad is None
+
+
+def test_unlikelihood_moves_a_sure_token_where_the_policy_gradient_vanishes() -> None:
+    """A token the policy is sure of (p = 1 - 1e-5): a negative advantage's gradient in its
+    logit is -A * (1 - p), about 1e-5; the unlikelihood term's is w * p, about w. Weight 0 and
+    masked tokens add nothing; the value is -w * log(1 - p) over the loss tokens."""
+    logits = torch.tensor([[[12.0, 0.5, 0.5], [0.0, 0.0, 0.0]]], requires_grad=True)
+    log_probs = torch.log_softmax(logits, -1)[..., 0]  # the sampled token: index 0
+    p = float(log_probs[0, 0].exp())
+    assert 1 - p < 1e-4
+    mask = torch.tensor([[1.0, 1.0]])
+    ctx = GlobalBatchContext(global_num_tokens=2, global_num_samples=1)
+    ul = unlikelihood_loss(log_probs, torch.tensor([[0.5, 0.0]]), mask, ctx)
+    assert float(ul) == pytest.approx(0.5 * -math.log1p(-p) / 2, rel=1e-4)
+    (grad,) = torch.autograd.grad(ul, logits, retain_graph=True)
+    assert float(grad[0, 0, 0]) == pytest.approx(0.5 * p / 2, rel=1e-4)  # pushed down
+    assert (grad[0, 1] == 0).all()  # weight 0: untouched
+    adv = torch.tensor([[-1.0, 0.0]])
+    pg = policy_loss(log_probs, log_probs.detach(), adv, mask, ctx)["pg_loss"]
+    (pg_grad,) = torch.autograd.grad(pg, logits)
+    assert 0 < float(pg_grad[0, 0, 0]) < 1e-4 < float(grad[0, 0, 0])
+    off = unlikelihood_loss(log_probs, torch.ones(1, 2), torch.zeros(1, 2), ctx)
+    assert float(off) == 0.0

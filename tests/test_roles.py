@@ -186,3 +186,34 @@ def test_critic_learns_returns_and_refuses_a_policy_engine() -> None:
     assert losses[-1] < 0.5 * losses[0]
     with pytest.raises(BatchError, match="returns"):
         critic.update_critic(ppo_batch())
+
+
+def test_stalled_unlikelihood_goes_from_the_advantages_into_the_actor_loss() -> None:
+    """grpo's stalled_unlikelihood: the trainer's advantage stage writes the weights of the
+    samples whose group scored alike below the batch's best, and the actor's loss adds
+    w * -log(1 - p) over them, the same value whatever the micro-batching."""
+    from engine_core_roles.batch.keys import UNLIKELIHOOD_WEIGHTS
+    from engine_core_roles.trainer.config import TrainerConfig
+    from engine_core_roles.trainer.estimators import Advantages
+
+    config = TrainerConfig(
+        algorithm={"preset": "grpo", "advantage_params": {"stalled_unlikelihood": 0.5}},
+        samples_per_prompt=4,
+    )
+    batch = ppo_batch()
+    scores = torch.tensor([0.5, 0.5, 0.5, 0.5, 0.0, 1.0, 1.0, 0.5])  # group 0 stalled
+    metrics = Advantages(config, critic=None)(batch, scores)
+    mask = batch["loss_mask"].float()
+    weights = batch[UNLIKELIHOOD_WEIGHTS]
+    assert torch.equal(weights[:4], 0.5 * mask[:4]) and (weights[4:] == 0).all()
+    assert metrics["advantage/stalled_frac"] == pytest.approx(0.5)
+    lp = Actor(ActorConfig(), engine()).compute_log_prob(batch)[OLD_LOG_PROBS]
+    batch[OLD_LOG_PROBS] = lp
+    p = lp.exp().clamp(max=1 - 1e-6)  # off the mask lp is 0: p = 1 there
+    want = float((-torch.log1p(-p) * weights).sum() / mask.sum())
+    for batching in ({}, {"micro_batch_size": 3}):
+        got = Actor(ActorConfig(), engine(**batching)).update_actor(batch).metrics
+        assert got["actor/unlikelihood_loss"] == pytest.approx(want, rel=1e-5)
+    del batch[UNLIKELIHOOD_WEIGHTS]
+    plain = Actor(ActorConfig(), engine()).update_actor(batch).metrics
+    assert "actor/unlikelihood_loss" not in plain

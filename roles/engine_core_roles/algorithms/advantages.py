@@ -20,6 +20,7 @@ __all__ = [
     "reinforce_pp_baseline_advantages",
     "group_mean_term",
     "signal_groups",
+    "stalled_groups",
     "sequence_to_token_rewards",
     "FixedKLController",
     "AdaptiveKLController",
@@ -139,6 +140,17 @@ def signal_groups(scores: torch.Tensor, group_index: torch.Tensor) -> torch.Tens
     low = torch.full((n,), math.inf).scatter_reduce(0, gid, scores, "amin")
     high = torch.full((n,), -math.inf).scatter_reduce(0, gid, scores, "amax")
     return (high > low)[gid]
+
+
+def stalled_groups(scores: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """Each sample's flag: did every sample of its group score the same, below the batch's best
+    score? Group normalization gives such a group 0, so nothing moves the policy off an answer
+    it gives every time while other prompts already score better (a group all at the batch's
+    best is not flagged: it may be all right)."""
+    scores = scores.float()
+    if scores.numel() == 0:
+        return torch.zeros(0, dtype=torch.bool)
+    return ~signal_groups(scores, group_index) & (scores < scores.max())
 
 
 def rloo_advantages(scores: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:

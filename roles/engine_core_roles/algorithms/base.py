@@ -89,11 +89,15 @@ class AdvantageInputs:
 @dataclass(frozen=True)
 class AdvantageResult:
     """``advantages`` ``[N, L]`` (0 off the mask); ``returns`` ``[N, L]`` when a critic is
-    trained on them (else ``None``); ``metrics``: figures to log under ``advantage/``."""
+    trained on them (else ``None``); ``metrics``: figures to log under ``advantage/``;
+    ``unlikelihood_weights`` ``[N, L]``: where the estimator asks the actor to make the sampled
+    tokens less likely whatever their advantage, each token's weight of the unlikelihood term
+    (:func:`~engine_core_roles.algorithms.losses.unlikelihood_loss`; else ``None``)."""
 
     advantages: torch.Tensor
     returns: torch.Tensor | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    unlikelihood_weights: torch.Tensor | None = None
 
 
 class AdvantageEstimator(ABC):

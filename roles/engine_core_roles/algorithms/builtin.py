@@ -22,6 +22,7 @@ from engine_core_roles.algorithms.advantages import (
     reinforce_pp_baseline_advantages,
     rloo_advantages,
     signal_groups,
+    stalled_groups,
     whiten,
 )
 from engine_core_roles.algorithms.base import (
@@ -113,6 +114,16 @@ class GRPOParams(FrozenModel):
         "uniform (all right, or all equally wrong), without drawing more prompts as "
         "trainer.filter_groups does.",
     )
+    stalled_unlikelihood: float = Field(
+        0.0,
+        ge=0,
+        description="Weight of an unlikelihood term, -log(1 - p) of each sampled token, on the "
+        "samples of stalled groups: groups whose samples all scored the same, below the batch's "
+        "best. Group normalization gives them 0, and once the policy is sure of its answer a "
+        "policy gradient away from it vanishes with 1 - p; this term's does not, so the policy "
+        "leaves an answer it gives every time and the group differs again. It acts on no other "
+        "group. 0: off.",
+    )
 
 
 class GRPO(AdvantageEstimator):
@@ -136,7 +147,16 @@ class GRPO(AdvantageEstimator):
         if self.params.signal_scale:
             signal = signal_groups(rewards, inputs.group_ids)
             adv = adv * (signal.numel() / max(1, int(signal.sum())))
-        return AdvantageResult(_per_token(adv, inputs.mask))
+        if not self.params.stalled_unlikelihood:
+            return AdvantageResult(_per_token(adv, inputs.mask))
+        stalled = stalled_groups(rewards, inputs.group_ids).float()
+        return AdvantageResult(
+            _per_token(adv, inputs.mask),
+            metrics={"stalled_frac": float(stalled.mean()) if stalled.numel() else 0.0},
+            unlikelihood_weights=_per_token(
+                self.params.stalled_unlikelihood * stalled, inputs.mask
+            ),
+        )
 
 
 class RLOO(AdvantageEstimator):

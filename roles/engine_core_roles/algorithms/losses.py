@@ -32,6 +32,7 @@ __all__ = [
     "cispo_loss",
     "value_loss",
     "entropy_loss",
+    "unlikelihood_loss",
     "PolicyLossTerms",
 ]
 
@@ -333,6 +334,27 @@ def entropy_loss(
 ) -> torch.Tensor:
     """Mean entropy (subtract ``coef * this`` from the loss for an entropy bonus)."""
     return aggregate_loss(entropy, mask, aggregation, ctx, norm_length=norm_length)
+
+
+def unlikelihood_loss(
+    log_probs: torch.Tensor,
+    weights: torch.Tensor,
+    mask: torch.Tensor,
+    ctx: GlobalBatchContext,
+    aggregation: LossAggregation | str = LossAggregation.TOKEN_MEAN,
+    *,
+    norm_length: int | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Weighted unlikelihood of the sampled tokens, ``w * -log(1 - p)`` with ``p`` the token's
+    probability (at most ``1 - eps``), aggregated like the policy loss; add it to the loss.
+
+    Minimizing it makes the weighted tokens less likely. Its gradient in the token's logit is
+    ``w * p``, which stays near ``w`` as the policy grows sure of the token, where a policy
+    gradient's ``-A * (1 - p)`` vanishes: it moves a policy off an answer it is certain of."""
+    p = log_probs.exp().clamp(max=1 - eps)
+    per_token = -torch.log1p(-p) * weights.detach()
+    return aggregate_loss(per_token, mask, aggregation, ctx, norm_length=norm_length)
 
 
 def value_loss(

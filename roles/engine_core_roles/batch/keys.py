@@ -18,6 +18,7 @@ __all__ = [
     "ROW_INDEX",
     "TOKEN_LEVEL_SCORES",
     "TRAINER_ROUTES",
+    "UNLIKELIHOOD_WEIGHTS",
 ]
 
 OLD_LOG_PROBS = "old_log_probs"
@@ -26,6 +27,9 @@ REF_LOG_PROBS = "ref_log_probs"
 """``[B, L]``: the frozen reference policy's log-probs (``Reference.compute_ref_log_prob``)."""
 ADVANTAGES = "advantages"
 """``[B, L]``: each token's advantage (the trainer's estimator)."""
+UNLIKELIHOOD_WEIGHTS = "unlikelihood_weights"
+"""``[B, L]``: each token's weight of the unlikelihood term in the actor's loss, where the
+advantage estimator asks for one (``AdvantageResult.unlikelihood_weights``)."""
 OLD_VALUES = "old_values"
 """``[B, L]``: the critic's values before its update (``Critic.compute_values``)."""
 RETURNS = "returns"

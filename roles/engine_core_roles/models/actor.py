@@ -45,10 +45,16 @@ from engine_core_roles.algorithms.losses import (
     kl_penalty,
     mis_weights,
     tis_weights,
+    unlikelihood_loss,
 )
 from engine_core_roles.algorithms.select import AlgorithmConfig, build_policy_loss
 from engine_core_roles.algorithms.updates import mean_over_steps, run_updates, warn_skipped
-from engine_core_roles.batch.keys import ADVANTAGES, OLD_LOG_PROBS, REF_LOG_PROBS
+from engine_core_roles.batch.keys import (
+    ADVANTAGES,
+    OLD_LOG_PROBS,
+    REF_LOG_PROBS,
+    UNLIKELIHOOD_WEIGHTS,
+)
 
 __all__ = [
     "ActorConfig",
@@ -303,6 +309,13 @@ class Actor:
             kl_loss = entropy_loss(kl, mask, ctx, self.aggregation, norm_length=norm)
             loss = loss + cfg.kl_loss_coef * kl_loss
             metrics["kl_loss"] = token_mean_metric(kl, mask, ctx)
+        if UNLIKELIHOOD_WEIGHTS in mb.keys():  # the advantage estimator asked for it
+            weights = mb[UNLIKELIHOOD_WEIGHTS]
+            ul = unlikelihood_loss(
+                out[LOG_PROBS], weights, mask, ctx, self.aggregation, norm_length=norm
+            )
+            loss = loss + ul
+            metrics["unlikelihood_loss"] = Metric.of(ul.detach(), "sum")
         # moe_aux_loss_coef > 0: the engine adds the routers' balance loss itself, aggregated as
         # this loss is (BatchMeta.moe_aux, see update_actor), and reports moe_aux_loss
         return loss, metrics
@@ -344,6 +357,7 @@ class Actor:
         needed = [LOSS_MASK, ADVANTAGES] + ([] if on_policy else [OLD_LOG_PROBS])
         needed += [REF_LOG_PROBS] if self.config.use_kl_loss else []
         needed += [ROLLOUT_LOG_PROBS] if correct else []
+        needed += [UNLIKELIHOOD_WEIGHTS] if UNLIKELIHOOD_WEIGHTS in batch.keys() else []
         require_keys(batch, needed, method="Actor.update_actor", producers=PRODUCERS)
         require_token_shaped(
             batch, [k for k in needed if k != ROLLOUT_LOG_PROBS], method="Actor.update_actor"

@@ -29,6 +29,7 @@ from engine_core_roles.batch.keys import (
     OLD_LOG_PROBS,
     REF_LOG_PROBS,
     RETURNS,
+    UNLIKELIHOOD_WEIGHTS,
 )
 from engine_core_roles.trainer.config import TrainerConfig
 from engine_core_roles.trainer.protocols import ValueRole
@@ -107,6 +108,14 @@ class Advantages:
                 f"must return one per token ([samples, tokens])."
             )
         batch[ADVANTAGES] = result.advantages.to(torch.float32) * mask
+        if result.unlikelihood_weights is not None:
+            if tuple(result.unlikelihood_weights.shape) != tuple(mask.shape):
+                raise ValueError(
+                    f"advantage estimator {name!r} returned unlikelihood_weights of shape "
+                    f"{tuple(result.unlikelihood_weights.shape)} for a batch of shape "
+                    f"{tuple(mask.shape)}; it must return one per token ([samples, tokens])."
+                )
+            batch[UNLIKELIHOOD_WEIGHTS] = result.unlikelihood_weights.to(torch.float32) * mask
         metrics.update({f"advantage/{k}": float(v) for k, v in result.metrics.items()})
         if self.trains_critic:
             if result.returns is None:
