@@ -16,7 +16,8 @@ __all__ = ["episode_metrics"]
 
 
 def episode_metrics(gen: TensorDict) -> dict[str, float]:
-    """Means over a step's episodes: turns, each count (tool calls, tool errors, ...), the
+    """Means over a step's episodes: turns, each count (tool calls, tool errors, ...; logged
+    as ``episode/<name>``, or as it is where the name holds a ``/``), the
     episode's length in tokens, the share of its response tokens trained on, the share of
     episodes that ended for each reason, and the seconds the turn loop waited on the
     environments. Empty for a result without episodes."""
@@ -26,8 +27,9 @@ def episode_metrics(gen: TensorDict) -> dict[str, float]:
     n = max(len(records), 1)
     out = {"episode/turns": sum(r["turns"] for r in records) / n}
     keys = sorted({k for r in records for k in r["counts"]})
-    for key in keys:
-        out[f"episode/{key}"] = sum(r["counts"].get(key, 0.0) for r in records) / n
+    for key in keys:  # a count already named by its group (agent/calls) keeps its name
+        name = key if "/" in key else f"episode/{key}"
+        out[name] = sum(r["counts"].get(key, 0.0) for r in records) / n
     lengths = (gen[PROMPT_MASK].sum(-1) + gen[RESPONSE_MASK].sum(-1)).float()
     out["episode/length"] = float(lengths.mean())
     trained = float(gen[RESPONSE_LOSS_MASK].sum()) if RESPONSE_LOSS_MASK in gen.keys() else 0.0

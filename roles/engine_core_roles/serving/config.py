@@ -54,6 +54,14 @@ class ServeConfig(FrozenModel):
         256, description="Tokens per choice when a request sets no max_tokens."
     )
     max_n: PositiveInt = Field(16, description="The most choices a request may ask for.")
+    temperature: float | None = Field(
+        None,
+        ge=0,
+        le=2,
+        description="Pinned: requests that name no temperature sample at it, and one that names "
+        "another is refused (a trainer computes its log-probs at this one). None: the "
+        "request's own (1.0 unset).",
+    )
     max_sessions: PositiveInt = Field(
         4096, description="Sessions open at once (429 for a new one past it)."
     )

@@ -88,7 +88,8 @@ def sampling_params(
     stop_token_ids: list[int],
 ) -> SamplingParams:
     """The rollout's sampling parameters of ``req``, the model it names and its ``n`` and
-    ``max_tokens`` (the config's default where it sets none) held to the config's bounds."""
+    ``max_tokens`` (the config's default where it sets none) held to the config's bounds, and
+    its temperature to the config's pinned one, where set."""
     if req.model != config.model_name:
         raise ApiError(
             404,
@@ -106,9 +107,20 @@ def sampling_params(
             f"max_tokens={tokens}; this server allows at most {config.max_tokens} per choice.",
             param="max_tokens",
         )
+    temperature = req.temperature
+    if config.temperature is not None:
+        if "temperature" in req.model_fields_set and req.temperature != config.temperature:
+            raise ApiError(
+                400,
+                f"temperature={req.temperature}; this server samples at temperature "
+                f"{config.temperature} only (what its model is trained at); send that, or leave "
+                f"temperature out.",
+                param="temperature",
+            )
+        temperature = config.temperature
     try:
         return SamplingParams(
-            temperature=req.temperature,
+            temperature=temperature,
             top_p=req.top_p,
             top_k=req.top_k,
             n=req.n,

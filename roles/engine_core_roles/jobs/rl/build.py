@@ -55,6 +55,7 @@ from engine_core_roles.models.actor import Actor
 from engine_core_roles.models.critic import Critic
 from engine_core_roles.models.reference import Reference
 from engine_core_roles.models.reward_model import RewardModel
+from engine_core_roles.serving.agents import AgentRollout
 
 
 @dataclass
@@ -288,6 +289,10 @@ def _rollout(
         return remote
     backend: BaseRollout = spec.load_class()(rollout_cfg)
     stack.callback(backend.shutdown)
+    if text is not None and text.agent is not None:
+        agents = _agent_rollout(job, backend, text)
+        stack.callback(agents.shutdown)  # before the backend's (callbacks run in reverse)
+        return agents
     if episodes and text is not None and text.environment is not None:
         assert job.env is not None
         return EpisodeRollout(
@@ -300,6 +305,24 @@ def _rollout(
             images=text.images,
         )
     return backend
+
+
+def _agent_rollout(job: RLJobConfig, backend: BaseRollout, text: TextParts) -> AgentRollout:
+    """The job's agents over ``backend``, through an endpoint that samples as the trainer
+    computes its log-probs: its temperature, its stop tokens, its per-call token budget."""
+    assert text.agent is not None
+    trainer = job.text_trainer_config(text.stops)
+    return AgentRollout(
+        backend,
+        text.agent,
+        text.tokenizer,
+        temperature=trainer.temperature,
+        max_tokens=trainer.max_new_tokens,
+        stop_token_ids=list(trainer.stop_token_ids),
+        max_concurrency=job.agent_concurrency,
+        timeout_s=job.agent_timeout_s,
+        scored_by_fn=job.reward is not None,
+    )
 
 
 def _say_where(role: str, group: WorkerGroup) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, PositiveInt, model_validator
+from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
 from engine_core import (
     FrozenModel,
@@ -118,6 +118,20 @@ class RLJobConfig(JobConfig):
         "calls, observations) until it ends the episode or a limit does; the reward function "
         "reads the model's last message. Needs data.",
     )
+    agent: str | None = Field(
+        None,
+        description="Agents written with any OpenAI client instead of env: the import path "
+        "('pkg.module:function' or 'path/to/file.py:function') of an async function "
+        "agent(base_url, api_key, sample) -> reward (a number, None: reward.fn scores the "
+        "session's last reply, or a dict with 'reward' and counts to log). Each sample runs it "
+        "once, against a session of the job's own endpoint; needs data.",
+    )
+    agent_concurrency: PositiveInt = Field(
+        32, description="Agents running at once (their calls to the model are batched)."
+    )
+    agent_timeout_s: PositiveFloat = Field(
+        600.0, description="An agent running longer is cancelled: an error, scored 0."
+    )
     eval: EvalConfig = Field(default_factory=EvalConfig)
     log_samples: int = Field(
         4, ge=0, description="Decoded samples written to samples.jsonl every log_every steps."
@@ -210,6 +224,7 @@ class RLJobConfig(JobConfig):
                 "env runs episodes that start from dataset rows, but no data is set; add "
                 "data.train_files."
             )
+        self._check_agent()
         if self.data is not None and self.warmup_sft_steps and not self.demo_files:
             raise ValueError(
                 f"warmup_sft_steps={self.warmup_sft_steps} warms up on demonstrations: with "
@@ -267,6 +282,56 @@ class RLJobConfig(JobConfig):
                 f"rollout_placement=process, or trainer.max_staleness=0."
             )
         return self
+
+    def _check_agent(self) -> None:
+        """``agent`` runs with what it is built for, and its settings only with it."""
+        if self.agent is None:
+            unused = {"agent_concurrency", "agent_timeout_s"} & self.model_fields_set
+            if unused:
+                raise ValueError(
+                    f"{', '.join(sorted(unused))} set, but no agent runs; set agent, or drop them."
+                )
+            return
+        agent = f"agent={self.agent!r}"
+        refused = [
+            (
+                self.env is not None,
+                f"{agent} and env are both set; a run trains agents or environment episodes: "
+                f"drop one of them",
+            ),
+            (
+                self.data is None,
+                f"{agent} starts from dataset rows, but no data is set; add data.train_files",
+            ),
+            (
+                bool(self.trainer.max_staleness),
+                f"{agent} with trainer.max_staleness={self.trainer.max_staleness}: asynchronous "
+                f"training through the endpoint is not built yet; set trainer.max_staleness=0",
+            ),
+            (
+                self.rollout_placement != "colocated",
+                f"{agent} with rollout_placement={self.rollout_placement}: the agents' endpoint "
+                f"serves a rollout in this process; set rollout_placement=colocated",
+            ),
+            (
+                self.trainer.filter_groups,
+                f"{agent} with trainer.filter_groups=true: dynamic sampling is not built for "
+                f"agents yet; set trainer.filter_groups=false",
+            ),
+            (
+                self.trainer.routing_replay != "off",
+                f"{agent} with trainer.routing_replay={self.trainer.routing_replay}: the "
+                f"endpoint does not record a call's routes yet; set trainer.routing_replay=off",
+            ),
+            (
+                bool(self.eval.every),
+                f"{agent} with eval.every={self.eval.every}: evaluation runs no agents yet; set "
+                f"eval.every=0",
+            ),
+        ]
+        for bad, message in refused:
+            if bad:
+                raise ValueError(message + ".")
 
     @property
     def needs_reference(self) -> bool:

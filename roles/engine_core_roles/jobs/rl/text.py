@@ -28,6 +28,7 @@ from engine_core_roles.episodes.config import load_environment
 from engine_core_roles.episodes.protocol import Environment
 from engine_core_roles.episodes.template import check_messages, check_template
 from engine_core_roles.jobs.rl.config import RLJobConfig
+from engine_core_roles.serving.agents import AgentFn, load_agent
 
 
 @dataclass
@@ -44,6 +45,7 @@ class TextParts:
     context: int | None = None  # the model's context length
     val_reward: TextReward | None = None
     images: ImagePromptRenderer | None = None  # a vision-language model's image renderer
+    agent: AgentFn | None = None  # the agent function run once per sample
 
 
 def text_parts(job: RLJobConfig, console: Console) -> TextParts | None:
@@ -69,13 +71,16 @@ def text_parts(job: RLJobConfig, console: Console) -> TextParts | None:
         )
     limits = [v for v in (job.data.max_prompt_length, room) if v is not None]
     limit = min(limits) if limits else 1 << 30
-    reward_cfg = job.reward or (None if job.env is not None else RewardConfig())
+    episodes = job.env is not None or job.agent is not None
+    # episodes are scored by their environment (or agent), plus reward.fn where it is set
+    reward_cfg = job.reward or (None if episodes else RewardConfig())
+    agent = None if job.agent is None else load_agent(job.agent)
     environment, probe, tools = None, None, None
     if job.env is not None:
         environment = load_environment(job.env, prompt_key=job.data.prompt_key)
         probe = environment()  # one instance for the tools and the check below
         tools = probe.tools
-    rows = environment is not None
+    rows = episodes  # each prompt's dataset row, for reset or the agent
     train = PromptData(
         job.data.train_files,
         tokenizer,
@@ -87,7 +92,9 @@ def text_parts(job: RLJobConfig, console: Console) -> TextParts | None:
     )
     stops = stop_token_ids(tokenizer)
     reward = TextReward(reward_cfg, tokenizer, train, show=job.log_samples)
-    text = TextParts(tokenizer, train, reward, stops, environment=environment, tools=tools)
+    text = TextParts(
+        tokenizer, train, reward, stops, environment=environment, tools=tools, agent=agent
+    )
     text.context = None if context is None else int(context)
     text.images = images
     sets = [("data.train_files", train)]

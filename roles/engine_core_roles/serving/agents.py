@@ -1,0 +1,373 @@
+"""Agents written against an OpenAI client, trained through the endpoint: :class:`AgentRollout`.
+
+An *agent function* is ``async def agent(base_url: str, api_key: str, sample: dict)``: given a
+session's own base URL on the endpoint (``http://127.0.0.1:PORT/sessions/ID/v1``), the key the
+endpoint asks for, and one dataset row, it runs the user's agent with any client (the
+``openai`` package, the Agents SDK, ...) and returns the session's reward: a number, ``None``
+(the job's reward function then scores the session's last reply), or a dict of numbers whose
+``"reward"`` entry is that (``None`` or absent: the same) and whose other entries are logged as
+``agent/<name>`` means.
+
+:class:`AgentRollout` is a :class:`~engine_core.rollout.BaseRollout` whose ``generate`` runs
+``n`` agents per prompt (``max_concurrency`` at once, on one event loop of its own), one session
+each, ends each session, and returns every session's :func:`~engine_core_roles.serving.rows.
+session_rows` in the shape of an episode rollout's result: the response holds the sampled and
+the client's tokens exactly as the endpoint recorded them, :data:`RESPONSE_LOSS_MASK` 1 on the
+sampled ones, the rollout's log-probs there, and an :data:`EPISODE` record per row.
+
+Rows and groups. A session is one row unless its client drifted (``rows``). Every session of
+a step is given the same number of rows, ``k`` (the most any session of the step has), the
+missing ones empty (no token to train on), and the result lists them prompt by prompt, row slot
+by row slot, session by session: so the trainer's groups (``n`` adjacent rows) are the ``r``-th
+rows of one prompt's ``n`` sessions, each row scored with its session's reward, and a group's
+mean and spread are those of the prompt's sessions, whatever each session's row count. A
+session that drifted three times is not counted four times in its prompt's baseline, and each
+of its rows gets the advantage its session earned. The cost: a step where a session drifted
+carries ``k`` times the rows, the empty ones one token each.
+
+The endpoint is started on the first ``generate`` (127.0.0.1, a free port, a random key) and
+served until :meth:`AgentRollout.shutdown`; every generation goes through it. It samples at the
+temperature the rollout was built with (a request that names another is refused: the trainer
+computes its log-probs at that one) and at most ``max_tokens`` a call. Weights go to the
+rollout behind it between two generations, and each load bumps the weight version the
+endpoint reports (0 as built, so version ``k`` after the ``k``-th sync that follows the first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import secrets
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tensordict import NonTensorStack, TensorDict
+
+from engine_core.capabilities import Capability
+from engine_core.errors import ConfigError
+from engine_core.rollout import (
+    PROMPT_IDS,
+    PROMPT_MASK,
+    RESPONSE_IDS,
+    RESPONSE_LOSS_MASK,
+    RESPONSE_MASK,
+    ROLLOUT_LOG_PROBS,
+    TRUNCATED,
+    BaseRollout,
+    SamplingParams,
+    SentBucket,
+    WeightBucket,
+)
+from engine_core_roles.batch.build import prompt_batch
+from engine_core_roles.batch.keys import EPISODE, ROW
+from engine_core_roles.data.rewards.functions import load_function
+from engine_core_roles.serving.config import ServeConfig
+from engine_core_roles.serving.rows import SessionRow, session_rows
+from engine_core_roles.serving.sampler import ServedRollout
+from engine_core_roles.serving.server import BackgroundServer
+
+__all__ = ["AgentFn", "AgentRollout", "load_agent"]
+
+AgentFn = Callable[[str, str, dict[str, Any]], Awaitable[Any]]
+"""``async def agent(base_url, api_key, sample) -> float | dict | None``."""
+
+
+def load_agent(spec: str) -> AgentFn:
+    """The agent function ``spec`` names (``pkg.module:function`` or ``path/file.py:function``),
+    refused unless it is an ``async def`` taking ``(base_url, api_key, sample)``."""
+    fn = load_function(spec, what="agent")
+    if not inspect.iscoroutinefunction(fn):
+        raise ConfigError(
+            f"agent={spec!r} is a {type(fn).__name__}, not an async function; write it as "
+            f"'async def {getattr(fn, '__name__', 'agent')}(base_url, api_key, sample)'."
+        )
+    try:
+        inspect.signature(fn).bind("http://x/v1", "key", {})
+    except TypeError as e:
+        raise ConfigError(
+            f"agent={spec!r} cannot be called as agent(base_url, api_key, sample) ({e}); give "
+            f"it those three parameters."
+        ) from None
+    return fn  # type: ignore[no-any-return]
+
+
+@dataclass
+class _Session:
+    """One agent's run: its reward (None: the reward function scores it), counts, its error,
+    the endpoint's record, and the rows built from it."""
+
+    reward: float | None = None
+    counts: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+    record: dict[str, Any] = field(default_factory=dict)
+    rows: list[SessionRow] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+class AgentRollout(BaseRollout):
+    """Agents over ``inner`` (any :class:`BaseRollout` in this process) through the endpoint.
+
+    ``agent``: the agent function; ``tokenizer``: the model's, with its chat template;
+    ``temperature``: what the endpoint samples at (the trainer's); ``max_tokens``: the most a
+    call may sample; ``stop_token_ids``: what ends a reply (the trainer's stop tokens);
+    ``max_concurrency``: agents running at once; ``timeout_s``: an agent running longer is
+    cancelled (an error); ``scored_by_fn``: whether a reward function scores sessions whose
+    agent returned None (without one, such a session is an error)."""
+
+    def __init__(
+        self,
+        inner: BaseRollout,
+        agent: AgentFn,
+        tokenizer: Any,
+        *,
+        temperature: float,
+        max_tokens: int,
+        stop_token_ids: list[int],
+        max_concurrency: int = 32,
+        timeout_s: float = 600.0,
+        scored_by_fn: bool = False,
+        max_prompt_tokens: int = 1 << 20,
+    ) -> None:
+        super().__init__(inner.config)
+        self.inner, self.agent, self.tokenizer = inner, agent, tokenizer
+        self.capabilities = frozenset(inner.capabilities) - {  # type: ignore[misc]
+            Capability.ASYNC_GENERATION,
+            Capability.WEIGHT_SYNC_GROUP,
+            Capability.ROUTING_REPLAY,
+        }
+        self.pad_token_id = inner.pad_token_id
+        self.temperature, self.max_concurrency, self.timeout_s = (
+            temperature,
+            max_concurrency,
+            timeout_s,
+        )
+        self.scored_by_fn = scored_by_fn
+        self.api_key = secrets.token_urlsafe(24)  # only this job's agents may sample
+        self.config_serve = ServeConfig(
+            port=0,
+            api_key=self.api_key,
+            max_tokens=max_tokens,
+            default_max_tokens=max_tokens,
+            max_prompt_tokens=max_prompt_tokens,
+            temperature=temperature,
+        )
+        self.served = ServedRollout(inner, tokenizer)
+        self.served.stop_token_ids = list(stop_token_ids)
+        self._server: BackgroundServer | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
+        self._loads = 0
+
+    # -- weights and memory: the inner rollout's, between two generations ----------------------
+    def expected_weights(self) -> dict[str, tuple[int, ...]]:
+        return self.inner.expected_weights()
+
+    def load_weights(self, buckets: Iterable[SentBucket]) -> list[WeightBucket]:
+        # the first load is the initial policy (version 0); each later one an update
+        version = self._loads
+        done = self.served.load_weights(buckets, version)
+        self._loads += 1
+        return done
+
+    def release(self) -> None:
+        self.served.between_calls(self.inner.release).result()
+
+    def resume(self) -> None:
+        self.served.between_calls(self.inner.resume).result()
+
+    @property
+    def server(self) -> BackgroundServer:
+        """The endpoint (started on first use)."""
+        if self._server is None:
+            self._server = BackgroundServer(self.config_serve, self.served)
+            self._loop = asyncio.new_event_loop()
+            self._loop_thread = threading.Thread(
+                target=self._loop.run_forever, name="engine-core-agents", daemon=True
+            )
+            self._loop_thread.start()
+        return self._server
+
+    def shutdown(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        if self._loop is not None and self._loop_thread is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop_thread.join(10)
+            self._loop.close()
+            self._loop = None
+        self.served.close()
+
+    # -- generation ----------------------------------------------------------------------------
+    def generate(self, prompts: TensorDict, params: SamplingParams) -> TensorDict:
+        if ROW not in prompts.keys():
+            raise ConfigError(
+                f"an agent rollout hands each agent its dataset row, from the {ROW!r} field of "
+                f"the prompt batch (PromptData(..., rows=True) puts it there); got "
+                f"{sorted(prompts.keys())}."
+            )
+        if params.temperature != self.temperature:
+            raise ConfigError(
+                f"this agent rollout's endpoint samples at temperature {self.temperature} (set "
+                f"when it was built, the trainer's); generate asked {params.temperature}. Build "
+                f"the rollout with the temperature the trainer computes its log-probs at."
+            )
+        rows = [dict(r) for r in prompts[ROW].tolist()] if prompts.batch_size[0] else []
+        server = self.server
+        assert self._loop is not None
+        t0 = time.perf_counter()
+        running = asyncio.run_coroutine_threadsafe(
+            self._run_all(server, rows, params.n), self._loop
+        )
+        sessions = running.result()
+        wall = time.perf_counter() - t0
+        return self._result(sessions, params.n, wall)
+
+    async def _run_all(
+        self, server: BackgroundServer, rows: list[dict[str, Any]], n: int
+    ) -> list[_Session]:
+        bound = asyncio.Semaphore(self.max_concurrency)
+
+        async def one(row: dict[str, Any]) -> _Session:
+            async with bound:
+                return await self._run_one(server, row)
+
+        return list(await asyncio.gather(*(one(row) for row in rows for _ in range(n))))
+
+    async def _run_one(self, server: BackgroundServer, row: dict[str, Any]) -> _Session:
+        sessions = server.endpoint.sessions
+        sid = sessions.new_id()
+        out = _Session()
+        t0 = time.perf_counter()
+        try:
+            returned = await asyncio.wait_for(
+                self.agent(server.session_url(sid), self.api_key, dict(row)), self.timeout_s
+            )
+            out.reward, out.counts = _outcome(returned)
+            if out.reward is None and not self.scored_by_fn:
+                out.error = (
+                    "the agent returned no reward and the job has no reward.fn to score the "
+                    "session; return a number, or set reward.fn"
+                )
+        except _BadReturn as e:
+            out.error = f"the agent {e}"
+        except TimeoutError:
+            out.error = f"the agent ran past agent_timeout_s={self.timeout_s:g} s"
+        except Exception as e:  # the run goes on: this session scores 0, counted
+            out.error = f"the agent raised {type(e).__name__}: {e}"
+        out.seconds = time.perf_counter() - t0
+        out.record = sessions.end(sid)  # later calls of this session are refused (409)
+        out.rows = session_rows(out.record)
+        return out
+
+    def _result(self, sessions: list[_Session], n: int, wall: float) -> TensorDict:
+        """Every session's rows, ``k`` slots each, laid out prompt, slot, session."""
+        k = max([len(s.rows) for s in sessions] + [1])
+        empty = SessionRow([int(self.pad_token_id)])
+        order: list[tuple[SessionRow, dict[str, Any]]] = []
+        records = [self._record(s, wall) for s in sessions]
+        for p in range(len(sessions) // n):
+            for r in range(k):
+                for j in range(p * n, (p + 1) * n):
+                    rows = sessions[j].rows
+                    order.append((rows[r] if r < len(rows) else empty, records[j]))
+        total = len(order)
+        prompts = prompt_batch([row.prompt for row, _ in order], pad_token_id=self.pad_token_id)
+        width = max([len(row.tokens) for row, _ in order] + [1])
+        resp = torch.full((total, width), int(self.pad_token_id), dtype=torch.long)
+        mask = torch.zeros((total, width), dtype=torch.long)
+        trained = torch.zeros((total, width), dtype=torch.long)
+        lps = torch.zeros((total, width), dtype=torch.float32)
+        for i, (row, _) in enumerate(order):
+            m = len(row.tokens)
+            if m:
+                resp[i, :m] = torch.tensor(row.tokens, dtype=torch.long)
+                mask[i, :m] = 1
+                trained[i, :m] = torch.tensor(row.trained, dtype=torch.long)
+                lps[i, :m] = torch.tensor(row.log_probs, dtype=torch.float32)
+        out = TensorDict(
+            {
+                PROMPT_IDS: prompts[PROMPT_IDS],
+                PROMPT_MASK: prompts[PROMPT_MASK],
+                RESPONSE_IDS: resp,
+                RESPONSE_MASK: mask,
+                RESPONSE_LOSS_MASK: trained,
+                ROLLOUT_LOG_PROBS: lps,
+                TRUNCATED: torch.tensor([row.truncated for row, _ in order], dtype=torch.bool),
+            },
+            batch_size=[total],
+        )
+        out[EPISODE] = NonTensorStack.from_list([record for _, record in order])
+        return out
+
+    def _record(self, s: _Session, wall: float) -> dict[str, Any]:
+        """A session as an episode record (what the episode metrics and the reward read)."""
+        calls = s.record.get("calls", [])
+        final = ""
+        if calls and calls[-1]["choices"]:
+            ids = calls[-1]["choices"][0]["token_ids"]
+            final = str(self.tokenizer.decode(ids, skip_special_tokens=True))
+        messages = [dict(m) for m in (_last_messages(calls) or [])]
+        messages.append({"role": "assistant", "content": final})
+        if s.error is not None:
+            messages.append({"role": "error", "content": s.error})
+        versions = [int(c["weight_version"]) for c in calls]
+        counts = {
+            "agent/calls": float(len(calls)),
+            "agent/drift_calls": float(s.record.get("drift", 0)),
+            "agent/rows": float(len(s.rows)),
+            "agent/errors": float(s.error is not None),
+            "agent/seconds": s.seconds,
+            **({"agent/weight_version": sum(versions) / len(versions)} if versions else {}),
+            **{f"agent/{k}": v for k, v in s.counts.items()},
+        }
+        return {
+            "turns": len(calls),
+            "end": "env_error" if s.error is not None else "done",
+            # scored by the reward function where None; an error scores 0
+            "reward": 0.0 if s.error is not None or s.reward is None else s.reward,
+            "counts": counts,
+            "final": final,
+            "messages": messages,
+            "env_wait_s": wall,
+            "session": s.record,
+        }
+
+
+class _BadReturn(TypeError):
+    """An agent returned something other than a reward."""
+
+
+def _outcome(returned: Any) -> tuple[float | None, dict[str, float]]:
+    """The reward and counts an agent returned (a number, None, or a dict of numbers)."""
+    counts: dict[str, float] = {}
+    reward = returned
+    if isinstance(returned, Mapping):
+        reward = returned.get("reward")
+        for key, value in returned.items():
+            if key == "reward":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise _BadReturn(f"returned a dict whose {key!r} is {type(value).__name__}")
+            counts[str(key)] = float(value)
+    if reward is None:
+        return None, counts
+    if isinstance(reward, bool) or not isinstance(reward, int | float):
+        raise _BadReturn(
+            f"returned a reward of {reward!r}; return a number, None, or a dict with 'reward'"
+        )
+    if reward != reward or reward in (float("inf"), float("-inf")):
+        raise _BadReturn(f"returned a reward of {reward}; return a finite number")
+    return float(reward), counts
+
+
+def _last_messages(calls: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The messages of the session's last chat call that sent messages (None: none did)."""
+    for call in reversed(calls):
+        if call.get("messages"):
+            return list(call["messages"])
+    return None

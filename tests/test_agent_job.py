@@ -1,0 +1,297 @@
+"""Agents written against the real ``openai`` client, trained by the RL job (``agent:``).
+
+Each agent gets a session's own base URL on the job's endpoint, in front of the real hf rollout
+of the shipped tool task's tiny model, and makes two chat calls per session. What is trained is
+checked against the endpoint's own record, token for token; the job's runs check the rollout's
+log-probs against the trainer's, the weight version each step reports, drift, and an agent that
+raises."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+openai = pytest.importorskip("openai", reason="make setup installs the test extra (openai)")
+pytest.importorskip("httpx2", reason="openai's own HTTP client, installed with it")
+pytest.importorskip("starlette", reason="make setup installs the roles' serve extra")
+
+from engine_core import ConfigError, load_plugins  # noqa: E402
+from engine_core.config import ModelConfig  # noqa: E402
+from engine_core.configio import apply_overrides  # noqa: E402
+from engine_core.rollout import (  # noqa: E402
+    PROMPT_IDS,
+    PROMPT_MASK,
+    RESPONSE_IDS,
+    RESPONSE_LOSS_MASK,
+    RESPONSE_MASK,
+    ROLLOUT_LOG_PROBS,
+    SamplingParams,
+)
+from engine_core_roles.batch.keys import EPISODE  # noqa: E402
+from engine_core_roles.data.datasets.prompts import DataConfig, PromptData  # noqa: E402
+from engine_core_roles.data.datasets.tokenizer import load_tokenizer  # noqa: E402
+from engine_core_roles.jobs.cli import RECIPES, load_recipe  # noqa: E402
+from engine_core_roles.jobs.rl.run import run_rl_job  # noqa: E402
+from engine_core_roles.serving.agents import AgentRollout, load_agent  # noqa: E402
+from engine_core_roles.serving.rows import session_rows  # noqa: E402
+from engine_core_roles.serving.server import served_rollout  # noqa: E402
+
+RECIPE = RECIPES / "agent_tiny.yaml"
+MODEL = load_recipe(RECIPE)["engine"]["model"]
+TOKENIZER = load_tokenizer(ModelConfig.model_validate(MODEL), 80)
+NAME = "engine-core"  # the model name the job's endpoint serves
+# what the client adds between the two calls: the end of the assistant's turn and a user turn
+AGAIN = "<|im_end|>\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
+SEEN: dict[str, list[dict[str, Any]]] = {}  # what each session's client was answered
+STARTED = itertools.count()  # sessions the re-rendering agent started
+
+
+def answered() -> dict[str, list[dict[str, Any]]]:
+    """SEEN of this module as the job imports it (by its import path, which pytest may not)."""
+    return importlib.import_module("tests.test_agent_job").SEEN  # type: ignore[no-any-return]
+
+
+def _client(base_url: str, api_key: str) -> Any:
+    return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=60)
+
+
+def _seen(base_url: str, reply: Any) -> None:
+    SEEN.setdefault(base_url, []).append(
+        {
+            "prompt": reply.prompt_token_ids,
+            "ids": reply.choices[0].token_ids,
+            "logprobs": reply.choices[0].token_logprobs,
+            "version": reply.weight_version,
+        }
+    )
+
+
+async def token_agent(base_url: str, api_key: str, sample: dict[str, Any]) -> None:
+    """Two calls, the second sent as token ids: the first prompt, the reply's sampled ids, then
+    the ids of what the client adds; never drifts. Returns None: reward.fn scores the reply."""
+    client = _client(base_url, api_key)
+    first = await client.chat.completions.create(
+        model=NAME, messages=sample["prompt"], max_tokens=6, seed=1
+    )
+    _seen(base_url, first)
+    added = TOKENIZER(AGAIN, add_special_tokens=False)["input_ids"]
+    ids = [*first.prompt_token_ids, *first.choices[0].token_ids, *added]
+    second = await client.chat.completions.create(
+        model=NAME, messages=[], max_tokens=6, seed=2, extra_body={"prompt_token_ids": ids}
+    )
+    _seen(base_url, second)
+    return None
+
+
+async def rerendering_agent(base_url: str, api_key: str, sample: dict[str, Any]) -> dict:
+    """Two calls with plain messages, the history re-rendered from the reply's text (which
+    drops the special tokens the model sampled); every third session started raises after its
+    first call. Seeded by the key: the same sessions whatever order the calls are served in."""
+    fails = next(STARTED) % 3 == 0  # before any await: sessions start in the order given
+    seed = sum(map(ord, sample["key"]))
+    client = _client(base_url, api_key)
+    first = await client.chat.completions.create(
+        model=NAME, messages=sample["prompt"], max_tokens=6, seed=seed
+    )
+    if fails:
+        raise RuntimeError("the agent's own tool is down")
+    history = [
+        *sample["prompt"],
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "again"},
+    ]
+    second = await client.chat.completions.create(
+        model=NAME, messages=history, max_tokens=6, seed=seed + 1
+    )
+    return {"reward": float(len(second.choices[0].token_ids) % 2), "answered": 1.0}
+
+
+def test_session_rows_follow_the_extends_links() -> None:
+    """Hand-made record: one call extended twice (one row), a drifted call (a row of its own),
+    a second choice (a row of its own) and a branch from an extended choice (a row of its own)."""
+
+    def call(i: int, prompt: list[int], choices: list[list[int]], extends: Any) -> dict:
+        return {
+            "index": i,
+            "prompt_ids": prompt,
+            "extends": extends,
+            "choices": [
+                {"token_ids": c, "logprobs": [-0.5] * len(c), "finish_reason": "stop"}
+                for c in choices
+            ],
+        }
+
+    record = {
+        "calls": [
+            call(0, [1, 2], [[3, 4], [5]], None),
+            call(1, [1, 2, 3, 4, 9], [[6]], {"call": 0, "choice": 0}),
+            call(2, [7, 7], [[8]], None),  # drift
+            call(3, [1, 2, 3, 4, 9, 6, 9], [[10, 11]], {"call": 1, "choice": 0}),
+            call(4, [1, 2, 3, 4, 9, 6], [[12]], {"call": 1, "choice": 0}),  # a branch
+        ]
+    }
+    rows = session_rows(record)
+    assert [(r.prompt, r.tokens, r.trained, r.calls) for r in rows] == [
+        ([1, 2], [3, 4, 9, 6, 9, 10, 11], [1, 1, 0, 1, 0, 1, 1], [0, 1, 3]),
+        ([1, 2], [5], [1], [0]),
+        ([7, 7], [8], [1], [2]),
+        ([1, 2, 3, 4, 9, 6], [12], [1], [4]),
+    ]
+    assert rows[0].log_probs == [-0.5, -0.5, 0.0, -0.5, 0.0, -0.5, -0.5]
+
+
+@pytest.fixture(scope="module")
+def agents() -> Iterator[AgentRollout]:
+    inner = served_rollout({"backend": "hf", "model": MODEL, "seed": 0}, load_plugins()).rollout
+    rollout = AgentRollout(
+        inner,
+        load_agent("tests.test_agent_job:token_agent"),
+        TOKENIZER,
+        temperature=1.0,
+        max_tokens=8,
+        stop_token_ids=[TOKENIZER.eos_token_id],
+        max_concurrency=3,
+        scored_by_fn=True,
+    )
+    yield rollout
+    rollout.shutdown()
+
+
+def test_rows_equal_the_endpoints_record_token_for_token(agents: AgentRollout) -> None:
+    train = str(RECIPES / "tiny_agent" / "train.jsonl")
+    data = PromptData([train], TOKENIZER, DataConfig(train_files=[train]), max_length=64, rows=True)
+    answers = answered()
+    answers.clear()
+    out = agents.generate(data.batch([0, 1, 2]), SamplingParams(n=2, seed=5, temperature=1.0))
+    records = out[EPISODE].tolist()
+    assert len(records) == 6 and len(answers) == 6  # one row per session: no drift
+    for i, record in enumerate(records):
+        session = record["session"]
+        assert session["drift"] == 0 and [c["extends"] for c in session["calls"]] == [
+            None,
+            {"call": 0, "choice": 0},
+        ]
+        first, second = session["calls"]
+        prompt = out[PROMPT_IDS][i][out[PROMPT_MASK][i].bool()].tolist()
+        keep = out[RESPONSE_MASK][i].bool()
+        response = out[RESPONSE_IDS][i][keep].tolist()
+        trained = out[RESPONSE_LOSS_MASK][i][keep].tolist()
+        logps = out[ROLLOUT_LOG_PROBS][i][keep].tolist()
+        a, b = first["choices"][0]["token_ids"], second["choices"][0]["token_ids"]
+        added = second["prompt_ids"][len(first["prompt_ids"]) + len(a) :]
+        assert prompt == first["prompt_ids"]
+        assert response == a + added + b  # the record's ids, in the order the model read them
+        assert prompt + response[: len(a) + len(added)] == second["prompt_ids"]
+        assert trained == [1] * len(a) + [0] * len(added) + [1] * len(b)
+        want = (
+            first["choices"][0]["logprobs"] + [0.0] * len(added) + second["choices"][0]["logprobs"]
+        )
+        assert logps == pytest.approx(want, abs=0)
+        # what the client was answered is what was recorded
+        seen = [
+            s
+            for s in answers.values()
+            if s[0]["prompt"] == first["prompt_ids"] and s[0]["ids"] == a
+        ]
+        assert seen and seen[0][1]["ids"] == b and seen[0][1]["prompt"] == second["prompt_ids"]
+        assert record["counts"]["agent/calls"] == 2.0 and record["end"] == "done"
+    # a late call of an ended session is refused: its tokens cannot slip into another step
+    url = next(iter(answers))
+    late = openai.OpenAI(base_url=url, api_key=agents.api_key, max_retries=0)
+    with pytest.raises(openai.ConflictError):
+        late.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="samples at temperature 1.0 only"):
+        openai.OpenAI(base_url=agents.server.url, api_key=agents.api_key).chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": "x"}], temperature=0.5
+        )
+
+
+def _job(out: Path, *overrides: str) -> dict[str, Any]:
+    base = [
+        f"output_dir={out}",
+        "steps=2",
+        "prompts_per_step=2",
+        "trainer.samples_per_prompt=2",
+        "trainer.max_new_tokens=8",
+        "warmup_sft_steps=0",
+        "eval.every=0",
+        "log_every=1",
+        "save_every=0",
+        "env=null",
+        "agent=tests.test_agent_job:token_agent",
+        "agent_concurrency=3",
+    ]
+    return apply_overrides(load_recipe(RECIPE), [*base, *overrides])
+
+
+def _rows(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_job_trains_token_in_agents_with_exact_log_probs_and_bumps_the_version(
+    tmp_path: Path,
+) -> None:
+    answers = answered()
+    answers.clear()
+    run_rl_job(_job(tmp_path / "run"), load_plugins())
+    rows = _rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["rollout/logprob_diff_max"] < 1e-5  # every trained token, every step
+        assert r["agent/calls"] == 2.0 and r["agent/drift_calls"] == 0.0
+        assert r["agent/rows"] == 1.0 and r["agent/errors"] == 0.0
+        assert 0.0 < r["episode/trained_token_share"] < 1.0
+    assert [r["agent/weight_version"] for r in rows] == [0.0, 1.0]
+    versions = sorted({c["version"] for calls in answers.values() for c in calls})
+    assert versions == [0, 1]  # what the clients were told, step by step
+    assert len(answers) == 8
+
+
+def test_a_rerendering_client_drifts_and_a_raising_agent_is_counted(tmp_path: Path) -> None:
+    importlib.import_module("tests.test_agent_job").STARTED = itertools.count()
+    out = tmp_path / "run"
+    run_rl_job(
+        _job(out, "agent=tests.test_agent_job:rerendering_agent", "reward=null"), load_plugins()
+    )
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert sum(r["agent/drift_calls"] for r in rows) > 0
+    assert sum(r["agent/errors"] for r in rows) > 0
+    for r in rows:
+        assert r["rollout/logprob_diff_max"] < 1e-5
+        # a session is one row, plus one for each call that drifted (every session calls)
+        assert r["agent/rows"] == pytest.approx(1.0 + r["agent/drift_calls"])
+        assert r["actor/num_optimizer_steps"] >= 1.0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["env={cls: tools}"], "agent='tests.test_agent_job:token_agent' and env are both set"),
+        (["rollout_placement=process"], "rollout_placement=process"),
+        (["trainer.filter_groups=true"], "dynamic sampling is not built for agents"),
+        (["eval.every=2"], "evaluation runs no agents yet"),
+        (["agent=tests.test_agent_job:_not_async"], "not an async function"),
+        (["agent=tests.test_agent_job:no_such"], "has no 'no_such'"),
+        (["agent=null"], "agent_concurrency set, but no agent runs"),
+    ],
+)
+def test_bad_agent_settings_are_refused_before_anything_runs(
+    tmp_path: Path, overrides: list[str], message: str
+) -> None:
+    out = tmp_path / "run"
+    with pytest.raises((ConfigError, ValidationError, ValueError)) as e:
+        run_rl_job(_job(out, *overrides), load_plugins())
+    assert message in str(e.value), str(e.value)
+    assert not (out / "metrics.jsonl").exists()
+
+
+def _not_async(base_url: str, api_key: str, sample: dict[str, Any]) -> float:
+    return 0.0
