@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from pydantic import ValidationError
+from tensordict import NonTensorStack, TensorDict
 
 openai = pytest.importorskip("openai", reason="make setup installs the test extra (openai)")
 pytest.importorskip("httpx2", reason="openai's own HTTP client, installed with it")
@@ -37,9 +39,10 @@ from engine_core.rollout import (  # noqa: E402
 from engine_core_roles.batch.keys import EPISODE  # noqa: E402
 from engine_core_roles.data.datasets.prompts import DataConfig, PromptData  # noqa: E402
 from engine_core_roles.data.datasets.tokenizer import load_tokenizer  # noqa: E402
+from engine_core_roles.data.rewards.functions import Rewards, SampleReward  # noqa: E402
 from engine_core_roles.jobs.cli import RECIPES, load_recipe  # noqa: E402
 from engine_core_roles.jobs.rl.run import run_rl_job  # noqa: E402
-from engine_core_roles.serving.agents import AgentRollout, load_agent  # noqa: E402
+from engine_core_roles.serving.agents import AgentReward, AgentRollout, load_agent  # noqa: E402
 from engine_core_roles.serving.rows import session_rows  # noqa: E402
 from engine_core_roles.serving.server import served_rollout  # noqa: E402
 
@@ -147,6 +150,26 @@ def test_session_rows_follow_the_extends_links() -> None:
     assert rows[0].log_probs == [-0.5, -0.5, 0.0, -0.5, 0.0, -0.5, -0.5]
 
 
+class _Constant(SampleReward):
+    """The job's reward function's place: 0.7 for every row."""
+
+    def __call__(self, prompts: TensorDict, samples: TensorDict) -> Rewards:
+        n = int(samples.batch_size[0])
+        return Rewards(torch.full((n,), 0.7), {"reward/env": 0.0}, [], [{"reward": 0.7}])
+
+
+def test_a_rows_reward_is_its_agents_number_else_the_functions_and_0_on_failure() -> None:
+    records = [
+        {"end": "done", "agent_reward": 2.5},
+        {"end": "done", "agent_reward": None},
+        {"end": "env_error", "agent_reward": None},
+    ]
+    samples = TensorDict({EPISODE: NonTensorStack.from_list(records)}, batch_size=[3])
+    out = AgentReward(_Constant())(TensorDict({}, batch_size=[3]), samples)
+    assert out.scores.tolist() == pytest.approx([2.5, 0.7, 0.0])
+    assert out.metrics == {"reward/agent": 2.5} and out.samples == [{"reward": 2.5}]
+
+
 @pytest.fixture(scope="module")
 def agents() -> Iterator[AgentRollout]:
     inner = served_rollout({"backend": "hf", "model": MODEL, "seed": 0}, load_plugins()).rollout
@@ -248,6 +271,7 @@ def test_the_job_trains_token_in_agents_with_exact_log_probs_and_bumps_the_versi
         assert r["agent/calls"] == 2.0 and r["agent/drift_calls"] == 0.0
         assert r["agent/rows"] == 1.0 and r["agent/errors"] == 0.0
         assert 0.0 < r["episode/trained_token_share"] < 1.0
+        assert "reward/agent" not in r  # the agent returned None: reward.fn scored
     assert [r["agent/weight_version"] for r in rows] == [0.0, 1.0]
     versions = sorted({c["version"] for calls in answers.values() for c in calls})
     assert versions == [0, 1]  # what the clients were told, step by step
@@ -269,6 +293,7 @@ def test_a_rerendering_client_drifts_and_a_raising_agent_is_counted(tmp_path: Pa
         # a session is one row, plus one for each call that drifted (every session calls)
         assert r["agent/rows"] == pytest.approx(1.0 + r["agent/drift_calls"])
         assert r["actor/num_optimizer_steps"] >= 1.0
+        assert "reward/agent" in r
 
 
 @pytest.mark.parametrize(

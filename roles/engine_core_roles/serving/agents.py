@@ -4,9 +4,10 @@ An *agent function* is ``async def agent(base_url: str, api_key: str, sample: di
 session's own base URL on the endpoint (``http://127.0.0.1:PORT/sessions/ID/v1``), the key the
 endpoint asks for, and one dataset row, it runs the user's agent with any client (the
 ``openai`` package, the Agents SDK, ...) and returns the session's reward: a number, ``None``
-(the job's reward function then scores the session's last reply), or a dict of numbers whose
-``"reward"`` entry is that (``None`` or absent: the same) and whose other entries are logged as
-``agent/<name>`` means.
+(the job's reward function then scores the session's last reply: :class:`AgentReward`), or a
+dict of numbers whose ``"reward"`` entry is that (``None`` or absent: the same) and whose other
+entries are logged as ``agent/<name>`` means. An agent that raises, runs past its timeout, or
+returns anything else scores 0, is counted (``agent/errors``), and the run goes on.
 
 :class:`AgentRollout` is a :class:`~engine_core.rollout.BaseRollout` whose ``generate`` runs
 ``n`` agents per prompt (``max_concurrency`` at once, on one event loop of its own), one session
@@ -64,13 +65,13 @@ from engine_core.rollout import (
 )
 from engine_core_roles.batch.build import prompt_batch
 from engine_core_roles.batch.keys import EPISODE, ROW
-from engine_core_roles.data.rewards.functions import load_function
+from engine_core_roles.data.rewards.functions import Rewards, SampleReward, load_function
 from engine_core_roles.serving.config import ServeConfig
 from engine_core_roles.serving.rows import SessionRow, session_rows
 from engine_core_roles.serving.sampler import ServedRollout
 from engine_core_roles.serving.server import BackgroundServer
 
-__all__ = ["AgentFn", "AgentRollout", "load_agent"]
+__all__ = ["AgentFn", "AgentReward", "AgentRollout", "load_agent"]
 
 AgentFn = Callable[[str, str, dict[str, Any]], Awaitable[Any]]
 """``async def agent(base_url, api_key, sample) -> float | dict | None``."""
@@ -328,14 +329,43 @@ class AgentRollout(BaseRollout):
         return {
             "turns": len(calls),
             "end": "env_error" if s.error is not None else "done",
-            # scored by the reward function where None; an error scores 0
-            "reward": 0.0 if s.error is not None or s.reward is None else s.reward,
+            "reward": 0.0,  # an environment's share of the reward: none (AgentReward scores)
+            "agent_reward": None if s.error is not None else s.reward,
             "counts": counts,
             "final": final,
             "messages": messages,
             "env_wait_s": wall,
             "session": s.record,
         }
+
+
+class AgentReward(SampleReward):
+    """Each row's reward, its session's: the number its agent returned; where the agent
+    returned None, ``inner``'s score (the job's reward function over the session's last reply,
+    its record's ``final``); 0 where the agent failed. ``inner`` also gives the decoded
+    samples to log."""
+
+    def __init__(self, inner: SampleReward) -> None:
+        self.inner = inner
+
+    def __call__(self, prompts: TensorDict, samples: TensorDict) -> Rewards:
+        scored = self.inner(prompts, samples)
+        records = samples[EPISODE].tolist()
+        scores, agents = [], []
+        for record, by_fn in zip(records, scored.scores.tolist(), strict=True):
+            if record["end"] == "env_error":
+                scores.append(0.0)
+            elif record["agent_reward"] is None:
+                scores.append(float(by_fn))
+            else:
+                scores.append(float(record["agent_reward"]))
+                agents.append(float(record["agent_reward"]))
+        metrics = {k: v for k, v in scored.metrics.items() if k != "reward/env"}
+        if agents:
+            metrics["reward/agent"] = sum(agents) / len(agents)
+        for shown, score in zip(scored.samples, scores, strict=False):
+            shown["reward"] = score
+        return Rewards(torch.tensor(scores), metrics, scored.failures, scored.samples)
 
 
 class _BadReturn(TypeError):

@@ -17,6 +17,7 @@ from engine_core_roles.distributed.placement import RoleGroup
 from engine_core_roles.jobs.rl.config import RLJobConfig
 from engine_core_roles.jobs.rl.text import TextParts
 from engine_core_roles.jobs.rl.warmup import warm_up_on_demos, warm_up_on_task
+from engine_core_roles.serving.agents import AgentReward
 from engine_core_roles.trainer.config import TrainerConfig
 from engine_core_roles.trainer.protocols import PromptBatch
 
@@ -94,7 +95,8 @@ class TextSource(Source):
     def __init__(self, job: RLJobConfig, text: TextParts) -> None:
         self.job, self.text = job, text
         self.trainer_config = job.text_trainer_config(text.stops)
-        self.reward = text.reward
+        # agents: each session's own reward, the reward function's where the agent gave none
+        self.reward = text.reward if text.agent is None else AgentReward(text.reward)
 
     def prompts(self, step: int) -> TensorDict:
         return self.text.train.next_batch(self.job.prompts_per_step)
