@@ -110,7 +110,7 @@ class RLJobConfig(JobConfig):
     reward: RewardConfig | None = Field(
         None,
         description="The text job's reward function (default: math_answer; with env: none, "
-        "the environment's rewards alone).",
+        "the environment's rewards alone; with agent: none, the agents' returns alone).",
     )
     env: EnvConfig | None = Field(
         None,
