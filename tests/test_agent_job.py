@@ -8,9 +8,11 @@ raises."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import itertools
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -96,12 +98,11 @@ async def token_agent(base_url: str, api_key: str, sample: dict[str, Any]) -> No
 async def rerendering_agent(base_url: str, api_key: str, sample: dict[str, Any]) -> dict:
     """Two calls with plain messages, the history re-rendered from the reply's text (which
     drops the special tokens the model sampled); every third session started raises after its
-    first call. Seeded by the key: the same sessions whatever order the calls are served in."""
+    first call. Names no seed: each session's calls draw from the session's own seed."""
     fails = next(STARTED) % 3 == 0  # before any await: sessions start in the order given
-    seed = sum(map(ord, sample["key"]))
     client = _client(base_url, api_key)
     first = await client.chat.completions.create(
-        model=NAME, messages=sample["prompt"], max_tokens=6, seed=seed
+        model=NAME, messages=sample["prompt"], max_tokens=6
     )
     if fails:
         raise RuntimeError("the agent's own tool is down")
@@ -110,9 +111,7 @@ async def rerendering_agent(base_url: str, api_key: str, sample: dict[str, Any])
         {"role": "assistant", "content": first.choices[0].message.content},
         {"role": "user", "content": "again"},
     ]
-    second = await client.chat.completions.create(
-        model=NAME, messages=history, max_tokens=6, seed=seed + 1
-    )
+    second = await client.chat.completions.create(model=NAME, messages=history, max_tokens=6)
     return {"reward": float(len(second.choices[0].token_ids) % 2), "answered": 1.0}
 
 
@@ -234,6 +233,76 @@ def test_rows_equal_the_endpoints_record_token_for_token(agents: AgentRollout) -
         openai.OpenAI(base_url=agents.server.url, api_key=agents.api_key).chat.completions.create(
             model=NAME, messages=[{"role": "user", "content": "x"}], temperature=0.5
         )
+
+
+async def slow_agent(base_url: str, api_key: str, sample: dict[str, Any]) -> float:
+    """One call, then a wait far past the test's agent timeout."""
+    client = _client(base_url, api_key)
+    await client.chat.completions.create(model=NAME, messages=sample["prompt"], max_tokens=4)
+    await asyncio.sleep(60)
+    return 1.0
+
+
+def _sessions(rollout: AgentRollout, seed: int) -> list[dict[str, Any]]:
+    module = importlib.import_module("tests.test_agent_job")
+    module.STARTED = itertools.count()
+    out = rollout.generate(_data().batch([0, 1]), SamplingParams(n=2, seed=seed, temperature=1.0))
+    return [r["session"] for r in out[EPISODE].tolist()]
+
+
+def _data() -> PromptData:
+    train = str(RECIPES / "tiny_agent" / "train.jsonl")
+    return PromptData([train], TOKENIZER, DataConfig(train_files=[train]), max_length=64, rows=True)
+
+
+def test_unseeded_agents_draw_from_their_sessions_seeds_and_slow_ones_time_out(
+    agents: AgentRollout,
+) -> None:
+    def other(name: str, **settings: Any) -> AgentRollout:
+        return AgentRollout(
+            agents.inner,
+            load_agent(f"tests.test_agent_job:{name}"),
+            TOKENIZER,
+            temperature=1.0,
+            max_tokens=8,
+            stop_token_ids=[TOKENIZER.eos_token_id],
+            **settings,
+        )
+
+    rerendering = other("rerendering_agent")
+    try:
+        first, again, other_seed = (_sessions(rerendering, s) for s in (3, 3, 4))
+    finally:
+        rerendering.shutdown()
+
+    def ids(sessions: list[dict[str, Any]]) -> list[Any]:
+        return [
+            [(c["prompt_ids"], [x["token_ids"] for x in c["choices"]]) for c in s["calls"]]
+            for s in sessions
+        ]
+
+    def logprobs(sessions: list[dict[str, Any]]) -> list[float]:
+        return [
+            v for s in sessions for c in s["calls"] for x in c["choices"] for v in x["logprobs"]
+        ]
+
+    # the same step, the same sessions, token for token (the log-probs up to float rounding:
+    # the calls shared their batches with others)
+    assert ids(first) == ids(again)
+    assert logprobs(first) == pytest.approx(logprobs(again), abs=1e-5)
+    assert ids(first) != ids(other_seed)
+    slow = other("slow_agent", timeout_s=1.0)
+    try:
+        t0 = time.perf_counter()
+        out = slow.generate(_data().batch([0]), SamplingParams(n=2, seed=0, temperature=1.0))
+        assert time.perf_counter() - t0 < 20
+    finally:
+        slow.shutdown()
+    for record in out[EPISODE].tolist():
+        assert record["end"] == "env_error" and record["counts"]["agent/errors"] == 1.0
+        assert "past agent_timeout_s=1 s" in record["messages"][-1]["content"]
+        assert len(record["session"]["calls"]) == 1  # its call is still trained on
+    assert out[RESPONSE_LOSS_MASK].sum(-1).min() > 0
 
 
 def _job(out: Path, *overrides: str) -> dict[str, Any]:

@@ -29,7 +29,9 @@ carries ``k`` times the rows, the empty ones one token each.
 The endpoint is started on the first ``generate`` (127.0.0.1, a free port, a random key) and
 served until :meth:`AgentRollout.shutdown`; every generation goes through it. It samples at the
 temperature the rollout was built with (a request that names another is refused: the trainer
-computes its log-probs at that one) and at most ``max_tokens`` a call. Weights go to the
+computes its log-probs at that one) and at most ``max_tokens`` a call; a call that names no
+seed draws from its session's own (sample ``j`` of prompt ``i``'s, as ``generate`` derives
+them), so a step's sessions do not depend on what else the endpoint serves. Weights go to the
 rollout behind it between two generations, and each load bumps the weight version the
 endpoint reports (0 as built, so version ``k`` after the ``k``-th sync that follows the first).
 """
@@ -62,6 +64,7 @@ from engine_core.rollout import (
     SamplingParams,
     SentBucket,
     WeightBucket,
+    sample_seeds,
 )
 from engine_core_roles.batch.build import prompt_batch
 from engine_core_roles.batch.keys import EPISODE, ROW
@@ -218,30 +221,42 @@ class AgentRollout(BaseRollout):
                 f"the rollout with the temperature the trainer computes its log-probs at."
             )
         rows = [dict(r) for r in prompts[ROW].tolist()] if prompts.batch_size[0] else []
+        # session j of prompt i draws the calls that name no seed from its own seed
+        seeds = sample_seeds(prompts, params) if rows else None
         server = self.server
         assert self._loop is not None
         t0 = time.perf_counter()
         running = asyncio.run_coroutine_threadsafe(
-            self._run_all(server, rows, params.n), self._loop
+            self._run_all(server, rows, params.n, seeds), self._loop
         )
         sessions = running.result()
         wall = time.perf_counter() - t0
         return self._result(sessions, params.n, wall)
 
     async def _run_all(
-        self, server: BackgroundServer, rows: list[dict[str, Any]], n: int
+        self,
+        server: BackgroundServer,
+        rows: list[dict[str, Any]],
+        n: int,
+        seeds: list[int] | None,
     ) -> list[_Session]:
         bound = asyncio.Semaphore(self.max_concurrency)
 
-        async def one(row: dict[str, Any]) -> _Session:
+        async def one(row: dict[str, Any], seed: int | None) -> _Session:
             async with bound:
-                return await self._run_one(server, row)
+                return await self._run_one(server, row, seed)
 
-        return list(await asyncio.gather(*(one(row) for row in rows for _ in range(n))))
+        work = [row for row in rows for _ in range(n)]
+        each = seeds if seeds is not None else [None] * len(work)
+        return list(await asyncio.gather(*(one(r, s) for r, s in zip(work, each, strict=True))))
 
-    async def _run_one(self, server: BackgroundServer, row: dict[str, Any]) -> _Session:
+    async def _run_one(
+        self, server: BackgroundServer, row: dict[str, Any], seed: int | None
+    ) -> _Session:
         sessions = server.endpoint.sessions
         sid = sessions.new_id()
+        if seed is not None:
+            sessions.seed(sid, seed)
         out = _Session()
         t0 = time.perf_counter()
         try:

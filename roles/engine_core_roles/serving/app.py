@@ -145,6 +145,9 @@ class Endpoint:
     async def _sample(self, session: str | None, prompts: list[list[int]], params: Any) -> Sampled:
         if session is not None:
             self.sessions.check(session)
+            seed = None if params.seed is not None else self.sessions.next_seed(session)
+            if seed is not None:  # the session's own: reproducible whatever else is served
+                params = params.validated_copy(seed=seed)
         try:
             return await self.served.sample(prompts, params)
         except (BatchError, CapabilityError) as e:  # what the rollout refuses in a request

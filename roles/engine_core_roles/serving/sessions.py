@@ -25,6 +25,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from engine_core.rollout import derive_seed
 from engine_core_roles.serving.protocol import ApiError
 
 __all__ = ["Choice", "Call", "Session", "Sessions", "check_session_id"]
@@ -106,6 +107,8 @@ class Sessions:
         self.max_open, self.max_calls = max_open, max_calls
         self._open: dict[str, Session] = {}
         self._ended: set[str] = set()
+        # a session's own seed (given by whoever opened it) and the seeds drawn from it so far
+        self._seeds: dict[str, tuple[int, int]] = {}
         self._lock = threading.Lock()
 
     def new_id(self) -> str:
@@ -139,6 +142,23 @@ class Sessions:
                 code="too_many_sessions",
             )
 
+    def seed(self, session_id: str, seed: int) -> None:
+        """Give a session a seed of its own: its calls that name no seed draw the ``i``-th of
+        them from ``derive_seed(seed, i)``, so a session is reproducible whatever else the
+        server serves meanwhile (an agent that calls one at a time)."""
+        with self._lock:
+            self._refuse(session_id, opening=False)
+            self._seeds[session_id] = (seed, 0)
+
+    def next_seed(self, session_id: str) -> int | None:
+        """The seed of a session's next call that names none (None: the session has no seed)."""
+        with self._lock:
+            if session_id not in self._seeds:
+                return None
+            seed, drawn = self._seeds[session_id]
+            self._seeds[session_id] = (seed, drawn + 1)
+            return derive_seed(seed, drawn)
+
     def check(self, session_id: str) -> None:
         """Refuse, before anything is sampled, a call under an ended id or past the limit."""
         with self._lock:
@@ -167,6 +187,7 @@ class Sessions:
         with self._lock:
             self._refuse(session_id, opening=False)
             session = self._open.pop(session_id, None) or Session(session_id)
+            self._seeds.pop(session_id, None)
             self._ended.add(session_id)
             session.ended = True
             return session.to_dict()
