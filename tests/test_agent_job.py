@@ -345,6 +345,14 @@ def test_the_job_trains_token_in_agents_with_exact_log_probs_and_bumps_the_versi
     versions = sorted({c["version"] for calls in answers.values() for c in calls})
     assert versions == [0, 1]  # what the clients were told, step by step
     assert len(answers) == 8
+    # stopped after step 1 and resumed: the same sessions (each draws from its own seed), the
+    # same metrics, the weight version counted on from the step resumed
+    resumed = tmp_path / "resumed"
+    run_rl_job(_job(resumed, "steps=1", "save_every=1"), load_plugins())
+    run_rl_job(_job(resumed), load_plugins(), resume=True)
+    volatile = ("time", "tokens_per_s", "agent/seconds", "episode/env_wait_s", "weight_sync/")
+    again = [{k: v for k, v in r.items() if not k.startswith(volatile)} for r in _rows(resumed)]
+    assert again == [{k: v for k, v in r.items() if not k.startswith(volatile)} for r in rows]
 
 
 def test_a_rerendering_client_drifts_and_a_raising_agent_is_counted(tmp_path: Path) -> None:

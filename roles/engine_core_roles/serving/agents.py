@@ -33,7 +33,8 @@ computes its log-probs at that one) and at most ``max_tokens`` a call; a call th
 seed draws from its session's own (sample ``j`` of prompt ``i``'s, as ``generate`` derives
 them), so a step's sessions do not depend on what else the endpoint serves. Weights go to the
 rollout behind it between two generations, and each load bumps the weight version the
-endpoint reports (0 as built, so version ``k`` after the ``k``-th sync that follows the first).
+endpoint reports: the first load is version 0 (the initial policy), the next 1, and so on
+(:attr:`AgentRollout.next_version`; a resumed job sets it to its step).
 """
 
 from __future__ import annotations
@@ -164,17 +165,18 @@ class AgentRollout(BaseRollout):
         self._server: BackgroundServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
-        self._loads = 0
+        #: the weight version the next load is reported as (0: the initial policy's); a job
+        #: resumed after step ``k`` sets ``k``
+        self.next_version = 0
 
     # -- weights and memory: the inner rollout's, between two generations ----------------------
     def expected_weights(self) -> dict[str, tuple[int, ...]]:
         return self.inner.expected_weights()
 
     def load_weights(self, buckets: Iterable[SentBucket]) -> list[WeightBucket]:
-        # the first load is the initial policy (version 0); each later one an update
-        version = self._loads
-        done = self.served.load_weights(buckets, version)
-        self._loads += 1
+        # the first load is the initial policy's (version 0), each later one an update's
+        done = self.served.load_weights(buckets, self.next_version)
+        self.next_version += 1
         return done
 
     def release(self) -> None:

@@ -151,11 +151,13 @@ class Roles:
 
 @dataclass
 class Built:
-    """A job's roles, its rollout and the one weight path between them."""
+    """A job's roles, its rollout and the one weight path between them (and, where the rollout
+    runs agents, it as the :class:`AgentRollout` it is)."""
 
     roles: Roles
     rollout: BaseRollout
     weights: WeightLink
+    agents: AgentRollout | None = None  # the rollout, where it runs agents
 
 
 def build(
@@ -171,9 +173,14 @@ def build(
     else:
         roles = _local_roles(job, resolved)
     rollout = _rollout(job, resolved, threads, text, stack)
+    agents = None
+    if text is not None and text.agent is not None:  # agents, through an endpoint over it
+        agents = _agent_rollout(job, rollout, text)
+        stack.callback(agents.shutdown)  # before the rollout's (callbacks run in reverse)
+        rollout = agents
     weights = WeightLink(roles.actor, rollout)
     stack.callback(weights.close)
-    return Built(roles, rollout, weights)
+    return Built(roles, rollout, weights, agents)
 
 
 def _local_roles(job: RLJobConfig, resolved: Resolved) -> Roles:
@@ -289,10 +296,6 @@ def _rollout(
         return remote
     backend: BaseRollout = spec.load_class()(rollout_cfg)
     stack.callback(backend.shutdown)
-    if text is not None and text.agent is not None:
-        agents = _agent_rollout(job, backend, text)
-        stack.callback(agents.shutdown)  # before the backend's (callbacks run in reverse)
-        return agents
     if episodes and text is not None and text.environment is not None:
         assert job.env is not None
         return EpisodeRollout(

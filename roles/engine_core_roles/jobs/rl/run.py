@@ -125,6 +125,8 @@ def _run(
     if resume_from is not None:
         job_state = checkpoints.load(resume_from, roles.parts, verified=True)  # resume_point did
         trainer.load_state_dict(source.resume(job_state, resume_from))
+        if built.agents is not None:  # the endpoint reports the weights as the step they are
+            built.agents.next_version = trainer.global_step
         console.print(f"resumed from {resume_from} (next step {trainer.global_step + 1})")
     elif job.warmup_sft_steps:
         source.warm_up(roles.actor_part)
