@@ -243,11 +243,31 @@ async def slow_agent(base_url: str, api_key: str, sample: dict[str, Any]) -> flo
     return 1.0
 
 
-def _sessions(rollout: AgentRollout, seed: int) -> list[dict[str, Any]]:
+def _sessions(rollout: AgentRollout, seed: int) -> tuple[list[dict[str, Any]], int]:
+    """The step's sessions, one per sample, and the rows each has in the result (``k``), the
+    layout checked: prompt by prompt, ``k`` blocks of its ``n`` sessions in one order, block
+    ``r`` holding each session's ``r``-th row (or an empty one)."""
     module = importlib.import_module("tests.test_agent_job")
     module.STARTED = itertools.count()
-    out = rollout.generate(_data().batch([0, 1]), SamplingParams(n=2, seed=seed, temperature=1.0))
-    return [r["session"] for r in out[EPISODE].tolist()]
+    n, prompts = 2, 2
+    out = rollout.generate(_data().batch([0, 1]), SamplingParams(n=n, seed=seed, temperature=1.0))
+    records = out[EPISODE].tolist()
+    k = len(records) // (n * prompts)
+    assert k == max(len(session_rows(r["session"])) for r in records)
+    sessions = []
+    for p in range(prompts):
+        first = records[p * k * n : p * k * n + n]
+        sessions += [r["session"] for r in first]
+        for r in range(k):
+            at = (p * k + r) * n
+            assert [x["session"]["id"] for x in records[at : at + n]] == [
+                x["session"]["id"] for x in first
+            ]
+            for i in range(at, at + n):
+                rows = session_rows(records[i]["session"])
+                length = int(out[RESPONSE_MASK][i].sum())
+                assert length == (len(rows[r].tokens) if r < len(rows) else 0)
+    return sessions, k
 
 
 def _data() -> PromptData:
@@ -271,9 +291,12 @@ def test_unseeded_agents_draw_from_their_sessions_seeds_and_slow_ones_time_out(
 
     rerendering = other("rerendering_agent")
     try:
-        first, again, other_seed = (_sessions(rerendering, s) for s in (3, 3, 4))
+        (first, k), (again, _), (other_seed, k_other) = (
+            _sessions(rerendering, s) for s in (3, 3, 4)
+        )
     finally:
         rerendering.shutdown()
+    assert max(k, k_other) > 1  # a session drifted: more rows, laid out as checked
 
     def ids(sessions: list[dict[str, Any]]) -> list[Any]:
         return [
