@@ -83,16 +83,21 @@ async def token_agent(base_url: str, api_key: str, sample: dict[str, Any]) -> No
     the ids of what the client adds; never drifts. Returns None: reward.fn scores the reply."""
     client = _client(base_url, api_key)
     first = await client.chat.completions.create(
-        model=NAME, messages=sample["prompt"], max_tokens=6, seed=1
+        model=NAME, messages=sample["prompt"], max_tokens=6
     )
     _seen(base_url, first)
     added = TOKENIZER(AGAIN, add_special_tokens=False)["input_ids"]
     ids = [*first.prompt_token_ids, *first.choices[0].token_ids, *added]
     second = await client.chat.completions.create(
-        model=NAME, messages=[], max_tokens=6, seed=2, extra_body={"prompt_token_ids": ids}
+        model=NAME, messages=[], max_tokens=6, extra_body={"prompt_token_ids": ids}
     )
     _seen(base_url, second)
     return None
+
+
+def parity(prompt: str, response: str, **_: Any) -> float:
+    """A reward function for the untrained model's replies: 1 for a reply of even length."""
+    return float(len(response) % 2 == 0)
 
 
 async def rerendering_agent(base_url: str, api_key: str, sample: dict[str, Any]) -> dict:
@@ -342,6 +347,7 @@ def _job(out: Path, *overrides: str) -> dict[str, Any]:
         "env=null",
         "agent=tests.test_agent_job:token_agent",
         "agent_concurrency=3",
+        "reward.fn=tests.test_agent_job:parity",
     ]
     return apply_overrides(load_recipe(RECIPE), [*base, *overrides])
 
@@ -364,6 +370,9 @@ def test_the_job_trains_token_in_agents_with_exact_log_probs_and_bumps_the_versi
         assert r["agent/rows"] == 1.0 and r["agent/errors"] == 0.0
         assert 0.0 < r["episode/trained_token_share"] < 1.0
         assert "reward/agent" not in r  # the agent returned None: reward.fn scored
+    # step 1 updated the weights, and step 2's log-probs still match: the sync reached the
+    # rollout behind the endpoint
+    assert rows[0]["actor/grad_norm"] > 0 and rows[0]["reward/zero_variance_groups"] < 1
     assert [r["agent/weight_version"] for r in rows] == [0.0, 1.0]
     versions = sorted({c["version"] for calls in answers.values() for c in calls})
     assert versions == [0, 1]  # what the clients were told, step by step
