@@ -44,7 +44,8 @@ from engine_core_roles.data.datasets.tokenizer import load_tokenizer  # noqa: E4
 from engine_core_roles.data.rewards.functions import Rewards, SampleReward  # noqa: E402
 from engine_core_roles.jobs.cli import RECIPES, load_recipe  # noqa: E402
 from engine_core_roles.jobs.rl.run import run_rl_job  # noqa: E402
-from engine_core_roles.serving.agents import AgentReward, AgentRollout, load_agent  # noqa: E402
+from engine_core_roles.serving.agent_function import AgentReward, load_agent  # noqa: E402
+from engine_core_roles.serving.agents import AgentRollout  # noqa: E402
 from engine_core_roles.serving.rows import session_rows  # noqa: E402
 from engine_core_roles.serving.server import served_rollout  # noqa: E402
 

@@ -4,7 +4,8 @@ and trained on as rows (agents written with any OpenAI client: :class:`AgentRoll
 
 from __future__ import annotations
 
-from engine_core_roles.serving.agents import AgentFn, AgentReward, AgentRollout, load_agent
+from engine_core_roles.serving.agent_function import AgentFn, AgentReward, load_agent
+from engine_core_roles.serving.agents import AgentRollout
 from engine_core_roles.serving.app import Endpoint, build_app
 from engine_core_roles.serving.config import ServeConfig, is_loopback
 from engine_core_roles.serving.limits import SESSION_HEADER

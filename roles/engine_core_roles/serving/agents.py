@@ -4,7 +4,8 @@ An *agent function* is ``async def agent(base_url: str, api_key: str, sample: di
 session's own base URL on the endpoint (``http://127.0.0.1:PORT/sessions/ID/v1``), the key the
 endpoint asks for, and one dataset row, it runs the user's agent with any client (the
 ``openai`` package, the Agents SDK, ...) and returns the session's reward: a number, ``None``
-(the job's reward function then scores the session's last reply: :class:`AgentReward`), or a
+(the job's reward function then scores the session's last reply:
+:class:`~engine_core_roles.serving.agent_function.AgentReward`), or a
 dict of numbers whose ``"reward"`` entry is that (``None`` or absent: the same) and whose other
 entries are logged as ``agent/<name>`` means. An agent that raises, runs past its timeout, or
 returns anything else scores 0, is counted (``agent/errors``), and the run goes on.
@@ -40,11 +41,10 @@ endpoint reports: the first load is version 0 (the initial policy), the next 1, 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import secrets
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,35 +69,13 @@ from engine_core.rollout import (
 )
 from engine_core_roles.batch.build import prompt_batch
 from engine_core_roles.batch.keys import EPISODE, ROW
-from engine_core_roles.data.rewards.functions import Rewards, SampleReward, load_function
+from engine_core_roles.serving.agent_function import AgentFn, BadReturn, outcome
 from engine_core_roles.serving.config import ServeConfig
 from engine_core_roles.serving.rows import SessionRow, session_rows
 from engine_core_roles.serving.sampler import ServedRollout
 from engine_core_roles.serving.server import BackgroundServer
 
-__all__ = ["AgentFn", "AgentReward", "AgentRollout", "load_agent"]
-
-AgentFn = Callable[[str, str, dict[str, Any]], Awaitable[Any]]
-"""``async def agent(base_url, api_key, sample) -> float | dict | None``."""
-
-
-def load_agent(spec: str) -> AgentFn:
-    """The agent function ``spec`` names (``pkg.module:function`` or ``path/file.py:function``),
-    refused unless it is an ``async def`` taking ``(base_url, api_key, sample)``."""
-    fn = load_function(spec, what="agent")
-    if not inspect.iscoroutinefunction(fn):
-        raise ConfigError(
-            f"agent={spec!r} is a {type(fn).__name__}, not an async function; write it as "
-            f"'async def {getattr(fn, '__name__', 'agent')}(base_url, api_key, sample)'."
-        )
-    try:
-        inspect.signature(fn).bind("http://x/v1", "key", {})
-    except TypeError as e:
-        raise ConfigError(
-            f"agent={spec!r} cannot be called as agent(base_url, api_key, sample) ({e}); give "
-            f"it those three parameters."
-        ) from None
-    return fn  # type: ignore[no-any-return]
+__all__ = ["AgentRollout"]
 
 
 @dataclass
@@ -265,13 +243,13 @@ class AgentRollout(BaseRollout):
             returned = await asyncio.wait_for(
                 self.agent(server.session_url(sid), self.api_key, dict(row)), self.timeout_s
             )
-            out.reward, out.counts = _outcome(returned)
+            out.reward, out.counts = outcome(returned)
             if out.reward is None and not self.scored_by_fn:
                 out.error = (
                     "the agent returned no reward and the job has no reward.fn to score the "
                     "session; return a number, or set reward.fn"
                 )
-        except _BadReturn as e:
+        except BadReturn as e:
             out.error = f"the agent {e}"
         except TimeoutError:
             out.error = f"the agent ran past agent_timeout_s={self.timeout_s:g} s"
@@ -354,62 +332,6 @@ class AgentRollout(BaseRollout):
             "env_wait_s": wall,
             "session": s.record,
         }
-
-
-class AgentReward(SampleReward):
-    """Each row's reward, its session's: the number its agent returned; where the agent
-    returned None, ``inner``'s score (the job's reward function over the session's last reply,
-    its record's ``final``); 0 where the agent failed. ``inner`` also gives the decoded
-    samples to log."""
-
-    def __init__(self, inner: SampleReward) -> None:
-        self.inner = inner
-
-    def __call__(self, prompts: TensorDict, samples: TensorDict) -> Rewards:
-        scored = self.inner(prompts, samples)
-        records = samples[EPISODE].tolist()
-        scores, agents = [], []
-        for record, by_fn in zip(records, scored.scores.tolist(), strict=True):
-            if record["end"] == "env_error":
-                scores.append(0.0)
-            elif record["agent_reward"] is None:
-                scores.append(float(by_fn))
-            else:
-                scores.append(float(record["agent_reward"]))
-                agents.append(float(record["agent_reward"]))
-        metrics = {k: v for k, v in scored.metrics.items() if k != "reward/env"}
-        if agents:
-            metrics["reward/agent"] = sum(agents) / len(agents)
-        for shown, score in zip(scored.samples, scores, strict=False):
-            shown["reward"] = score
-        return Rewards(torch.tensor(scores), metrics, scored.failures, scored.samples)
-
-
-class _BadReturn(TypeError):
-    """An agent returned something other than a reward."""
-
-
-def _outcome(returned: Any) -> tuple[float | None, dict[str, float]]:
-    """The reward and counts an agent returned (a number, None, or a dict of numbers)."""
-    counts: dict[str, float] = {}
-    reward = returned
-    if isinstance(returned, Mapping):
-        reward = returned.get("reward")
-        for key, value in returned.items():
-            if key == "reward":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise _BadReturn(f"returned a dict whose {key!r} is {type(value).__name__}")
-            counts[str(key)] = float(value)
-    if reward is None:
-        return None, counts
-    if isinstance(reward, bool) or not isinstance(reward, int | float):
-        raise _BadReturn(
-            f"returned a reward of {reward!r}; return a number, None, or a dict with 'reward'"
-        )
-    if reward != reward or reward in (float("inf"), float("-inf")):
-        raise _BadReturn(f"returned a reward of {reward}; return a finite number")
-    return float(reward), counts
 
 
 def _last_messages(calls: list[dict[str, Any]]) -> list[dict[str, Any]] | None:

@@ -17,7 +17,7 @@ from engine_core_roles.distributed.placement import RoleGroup
 from engine_core_roles.jobs.rl.config import RLJobConfig
 from engine_core_roles.jobs.rl.text import TextParts
 from engine_core_roles.jobs.rl.warmup import warm_up_on_demos, warm_up_on_task
-from engine_core_roles.serving.agents import AgentReward
+from engine_core_roles.serving.agent_function import AgentReward
 from engine_core_roles.trainer.config import TrainerConfig
 from engine_core_roles.trainer.protocols import PromptBatch
 

@@ -28,7 +28,7 @@ from engine_core_roles.episodes.config import load_environment
 from engine_core_roles.episodes.protocol import Environment
 from engine_core_roles.episodes.template import check_messages, check_template
 from engine_core_roles.jobs.rl.config import RLJobConfig
-from engine_core_roles.serving.agents import AgentFn, load_agent
+from engine_core_roles.serving.agent_function import AgentFn, load_agent
 
 
 @dataclass
