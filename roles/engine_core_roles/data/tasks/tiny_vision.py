@@ -129,13 +129,13 @@ def _balanced(rows: Sequence[dict[str, Any]], total: int) -> list[dict[str, Any]
 def write_files(
     folder: str | Path,
     *,
-    train_images: int = 192,
-    val_images: int = 48,
+    train_images: int = 640,
+    val_images: int = 64,
     demos: int = 60,
     seed: int = 0,
 ) -> None:
     """The processor folder (``folder/processor``), ``train_images + val_images`` images
-    (``folder/images/NNN.png``; colours and counts drawn evenly, in a seeded order), both
+    (``folder/images/NNN.png``; colours and sizes drawn evenly, in a seeded order), both
     questions about each of the first ``train_images`` in ``train.jsonl`` and about the rest in
     the held-out ``val.jsonl`` (rows shuffled; paths relative to the files), and
     ``demos.jsonl``: about ``demos`` training questions answered, without their images, each
