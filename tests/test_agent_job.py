@@ -57,6 +57,7 @@ NAME = "engine-core"  # the model name the job's endpoint serves
 AGAIN = "<|im_end|>\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
 SEEN: dict[str, list[dict[str, Any]]] = {}  # what each session's client was answered
 STARTED = itertools.count()  # sessions the re-rendering agent started
+RUNNING = [0, 0]  # token agents running now, and the most at once
 
 
 def answered() -> dict[str, list[dict[str, Any]]]:
@@ -82,6 +83,15 @@ def _seen(base_url: str, reply: Any) -> None:
 async def token_agent(base_url: str, api_key: str, sample: dict[str, Any]) -> None:
     """Two calls, the second sent as token ids: the first prompt, the reply's sampled ids, then
     the ids of what the client adds; never drifts. Returns None: reward.fn scores the reply."""
+    RUNNING[0] += 1
+    RUNNING[1] = max(RUNNING)
+    try:
+        return await _two_calls(base_url, api_key, sample)
+    finally:
+        RUNNING[0] -= 1
+
+
+async def _two_calls(base_url: str, api_key: str, sample: dict[str, Any]) -> None:
     client = _client(base_url, api_key)
     first = await client.chat.completions.create(
         model=NAME, messages=sample["prompt"], max_tokens=6
@@ -197,9 +207,12 @@ def test_rows_equal_the_endpoints_record_token_for_token(agents: AgentRollout) -
     data = PromptData([train], TOKENIZER, DataConfig(train_files=[train]), max_length=64, rows=True)
     answers = answered()
     answers.clear()
+    running = importlib.import_module("tests.test_agent_job").RUNNING
+    running[:] = [0, 0]
     out = agents.generate(data.batch([0, 1, 2]), SamplingParams(n=2, seed=5, temperature=1.0))
     records = out[EPISODE].tolist()
     assert len(records) == 6 and len(answers) == 6  # one row per session: no drift
+    assert running == [0, 3]  # six sessions, three at once (max_concurrency)
     for i, record in enumerate(records):
         session = record["session"]
         assert session["drift"] == 0 and [c["extends"] for c in session["calls"]] == [
