@@ -129,8 +129,8 @@ def _balanced(rows: Sequence[dict[str, Any]], total: int) -> list[dict[str, Any]
 def write_files(
     folder: str | Path,
     *,
-    train_images: int = 640,
-    val_images: int = 64,
+    train_images: int = 192,
+    val_images: int = 48,
     demos: int = 60,
     seed: int = 0,
 ) -> None:
