@@ -398,7 +398,12 @@ def test_the_job_trains_token_in_agents_with_exact_log_probs_and_bumps_the_versi
     run_rl_job(_job(resumed), load_plugins(), resume=True)
     volatile = ("time", "tokens_per_s", "agent/seconds", "episode/env_wait_s", "weight_sync/")
     again = [{k: v for k, v in r.items() if not k.startswith(volatile)} for r in _rows(resumed)]
-    assert again == [{k: v for k, v in r.items() if not k.startswith(volatile)} for r in rows]
+    want = [{k: v for k, v in r.items() if not k.startswith(volatile)} for r in rows]
+    # the endpoint merges the calls that wait together into one generate call, and which
+    # calls do depends on timing: the same tokens, their log-probs to float rounding
+    assert len(again) == len(want)
+    for got, expected in zip(again, want, strict=True):
+        assert got == pytest.approx(expected, rel=1e-4, abs=1e-6)
 
 
 def test_a_rerendering_client_drifts_and_a_raising_agent_is_counted(tmp_path: Path) -> None:

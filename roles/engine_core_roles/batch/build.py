@@ -3,7 +3,9 @@ and the batches of supervised steps.
 
 :func:`prompt_batch` builds the ``generate`` input of :class:`engine_core.BaseRollout` from
 token ids; :func:`training_batch` turns a ``generate`` result (prompt + response) into the batch
-the roles take, with ``loss_mask`` on the response tokens; :func:`sequence_batch` makes whole
+the roles take, with ``loss_mask`` on the response tokens; :func:`turns_batch` is the ``generate``
+result of whole episodes or sessions (what was sampled trained, what was added between turns
+not); :func:`sequence_batch` makes whole
 token sequences with their loss masks (tokenized conversations) one batch. The roles then add their fields to it
 under the names exported from :mod:`engine_core_roles` (``OLD_LOG_PROBS``, ``ADVANTAGES``, ...).
 """
@@ -24,10 +26,37 @@ from engine_core.rollout import (
     RESPONSE_LOSS_MASK,
     RESPONSE_MASK,
     ROLLOUT_LOG_PROBS,
+    response_batch,
 )
 from engine_core.vision import PIXEL_VALUES
 
-__all__ = ["prompt_batch", "training_batch", "sequence_batch"]
+__all__ = ["prompt_batch", "training_batch", "sequence_batch", "turns_batch"]
+
+
+def turns_batch(
+    prompts: TensorDict,
+    samples: Sequence[tuple[Sequence[int], Sequence[int], Sequence[float], bool]],
+    *,
+    pad_token_id: int,
+) -> TensorDict:
+    """The ``generate`` result of whole episodes or sessions, one per prompt of ``prompts``
+    (a :func:`prompt_batch`, whose other fields, images among them, are kept): each sample's
+    response tokens (the model's and what was added between its turns), which of them the
+    model sampled (:data:`RESPONSE_LOSS_MASK` 1), their rollout log-probs (0 on added ones),
+    and whether a limit cut it."""
+    out = response_batch(
+        prompts[PROMPT_IDS],
+        prompts[PROMPT_MASK],
+        1,
+        [(tokens, log_probs, cut) for tokens, _, log_probs, cut in samples],
+        int(pad_token_id),
+    )
+    trained = torch.zeros_like(out[RESPONSE_MASK])
+    for k, (_, sampled, _, _) in enumerate(samples):
+        trained[k, : len(sampled)] = torch.tensor(list(sampled), dtype=torch.long)
+    out[RESPONSE_LOSS_MASK] = trained
+    out.update({k: v for k, v in prompts.items() if k not in (PROMPT_IDS, PROMPT_MASK)})
+    return out
 
 
 def prompt_batch(

@@ -45,10 +45,8 @@ from engine_core.models import build_hf_config
 from engine_core.remote_rollout import RolloutWorker
 from engine_core.rollout import (
     PROMPT_IDS,
-    PROMPT_MASK,
     PROMPT_SEED,
     RESPONSE_IDS,
-    RESPONSE_LOSS_MASK,
     RESPONSE_MASK,
     ROLLOUT_LOG_PROBS,
     TRUNCATED,
@@ -58,7 +56,7 @@ from engine_core.rollout import (
     sample_seeds,
 )
 from engine_core.vision import vision_fields
-from engine_core_roles.batch.build import prompt_batch
+from engine_core_roles.batch.build import prompt_batch, turns_batch
 from engine_core_roles.batch.keys import EPISODE, ROW
 from engine_core_roles.data.datasets.images import (
     ImagePromptRenderer,
@@ -381,32 +379,11 @@ class EpisodeRollout(BaseRollout):
 
     def _result(self, running: list[_Running], env_wait_s: float) -> TensorDict:
         prompts = self._prompts(running, [r.prompt for r in running])
-        width = max([len(r.tokens) for r in running] + [1])
-        total = len(running)
-        resp = torch.full((total, width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((total, width), dtype=torch.long)
-        trained = torch.zeros((total, width), dtype=torch.long)
-        lps = torch.zeros((total, width), dtype=torch.float32)
-        for k, r in enumerate(running):
-            m = len(r.tokens)
-            if m:
-                resp[k, :m] = torch.tensor(r.tokens, dtype=torch.long)
-                mask[k, :m] = 1
-                trained[k, :m] = torch.tensor(r.trained, dtype=torch.long)
-                lps[k, :m] = torch.tensor(r.log_probs, dtype=torch.float32)
-        out = TensorDict(
-            {
-                PROMPT_IDS: prompts[PROMPT_IDS],
-                PROMPT_MASK: prompts[PROMPT_MASK],
-                RESPONSE_IDS: resp,
-                RESPONSE_MASK: mask,
-                RESPONSE_LOSS_MASK: trained,
-                ROLLOUT_LOG_PROBS: lps,
-                TRUNCATED: torch.tensor([r.truncated for r in running], dtype=torch.bool),
-            },
-            batch_size=[total],
+        out = turns_batch(
+            prompts,
+            [(r.tokens, r.trained, r.log_probs, r.truncated) for r in running],
+            pad_token_id=int(self.pad_token_id),
         )
-        out.update({k: v for k, v in prompts.items() if k not in (PROMPT_IDS, PROMPT_MASK)})
         out[EPISODE] = NonTensorStack.from_list([_record(r.episode, env_wait_s) for r in running])
         return out
 

@@ -48,26 +48,18 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from tensordict import NonTensorStack, TensorDict
 
 from engine_core.capabilities import Capability
 from engine_core.errors import ConfigError
 from engine_core.rollout import (
-    PROMPT_IDS,
-    PROMPT_MASK,
-    RESPONSE_IDS,
-    RESPONSE_LOSS_MASK,
-    RESPONSE_MASK,
-    ROLLOUT_LOG_PROBS,
-    TRUNCATED,
     BaseRollout,
     SamplingParams,
     SentBucket,
     WeightBucket,
     sample_seeds,
 )
-from engine_core_roles.batch.build import prompt_batch
+from engine_core_roles.batch.build import prompt_batch, turns_batch
 from engine_core_roles.batch.keys import EPISODE, ROW
 from engine_core_roles.serving.agent_function import AgentFn, BadReturn, outcome
 from engine_core_roles.serving.config import ServeConfig
@@ -271,31 +263,11 @@ class AgentRollout(BaseRollout):
                 for j in range(p * n, (p + 1) * n):
                     rows = sessions[j].rows
                     order.append((rows[r] if r < len(rows) else empty, records[j]))
-        total = len(order)
         prompts = prompt_batch([row.prompt for row, _ in order], pad_token_id=self.pad_token_id)
-        width = max([len(row.tokens) for row, _ in order] + [1])
-        resp = torch.full((total, width), int(self.pad_token_id), dtype=torch.long)
-        mask = torch.zeros((total, width), dtype=torch.long)
-        trained = torch.zeros((total, width), dtype=torch.long)
-        lps = torch.zeros((total, width), dtype=torch.float32)
-        for i, (row, _) in enumerate(order):
-            m = len(row.tokens)
-            if m:
-                resp[i, :m] = torch.tensor(row.tokens, dtype=torch.long)
-                mask[i, :m] = 1
-                trained[i, :m] = torch.tensor(row.trained, dtype=torch.long)
-                lps[i, :m] = torch.tensor(row.log_probs, dtype=torch.float32)
-        out = TensorDict(
-            {
-                PROMPT_IDS: prompts[PROMPT_IDS],
-                PROMPT_MASK: prompts[PROMPT_MASK],
-                RESPONSE_IDS: resp,
-                RESPONSE_MASK: mask,
-                RESPONSE_LOSS_MASK: trained,
-                ROLLOUT_LOG_PROBS: lps,
-                TRUNCATED: torch.tensor([row.truncated for row, _ in order], dtype=torch.bool),
-            },
-            batch_size=[total],
+        out = turns_batch(
+            prompts,
+            [(row.tokens, row.trained, row.log_probs, row.truncated) for row, _ in order],
+            pad_token_id=self.pad_token_id,
         )
         out[EPISODE] = NonTensorStack.from_list([record for _, record in order])
         return out
