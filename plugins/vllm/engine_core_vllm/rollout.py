@@ -227,6 +227,14 @@ class VLLMRollout(BaseRollout):
         hf_config = self._layout.config
         self._vision = hf_config if is_vision_config(hf_config) else None
         self._cut = vision_token_ids(hf_config)  # a response is text: none of these
+        if not torch.cuda.is_available():
+            # on a CPU host a prompt prefilled in two chunks has its first chunk's draw
+            # discarded, and vLLM 0.32 then rewinds that request's seeded generator, which a
+            # CPU generator cannot do: the step fails ('CPU Generator does not use offset').
+            # Whole prompts only (a prompt that does not fit a step's token budget waits), and
+            # a budget that holds the longest one.
+            longest = config.max_model_len or hf_config.get_text_config().max_position_embeddings
+            serving.update(enable_chunked_prefill=False, max_num_batched_tokens=max(4096, longest))
         if self._vision is not None:  # vLLM's model of the family, taking our patches
             serving.update(vision_serving(hf_config))
         self._tokenizer = tokenizer_folder(config.model.model_copy(update={"path": path}))

@@ -17,6 +17,7 @@ from engine_core.errors import WeightSyncError  # noqa: E402
 from engine_core.rollout import (  # noqa: E402
     PROMPT_IDS,
     PROMPT_MASK,
+    PROMPT_SEED,
     RESPONSE_IDS,
     RESPONSE_MASK,
     ROLLOUT_LOG_PROBS,
@@ -113,6 +114,25 @@ def test_sampled_log_probs_match_the_fsdp2_engine(rollout: Any, folder: str) -> 
     want = trainer_log_probs(engine(folder), out, TEMPERATURE)
     assert (got[out[RESPONSE_MASK].bool()] < 0).all()
     assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+
+
+def test_a_seeded_batch_larger_than_one_steps_token_budget(rollout: Any) -> None:
+    """More prompt tokens than vLLM schedules in one step (its default budget, 4096 on a CPU
+    host): split into chunks, a prompt's first chunk would draw a token that vLLM then rewinds
+    on the request's seeded generator, which a CPU generator cannot do. Whole prompts wait
+    instead; each sample still depends on its own seed alone."""
+    from tensordict import TensorDict
+
+    ids = torch.randint(1, 60, (80, 60), generator=torch.Generator().manual_seed(0))
+    seeds = torch.arange(80, dtype=torch.long) + 100  # each prompt's own, wherever it stands
+    big = TensorDict(
+        {PROMPT_IDS: ids, PROMPT_MASK: torch.ones_like(ids), PROMPT_SEED: seeds}, batch_size=[80]
+    )
+    params = SamplingParams(temperature=1.0, max_new_tokens=2, n=2, seed=4)
+    out = rollout.generate(big, params)
+    assert out.batch_size[0] == 160 and bool(out[RESPONSE_MASK][:, 0].all())
+    alone = rollout.generate(big[77:], params)
+    assert torch.equal(alone[RESPONSE_IDS], out[RESPONSE_IDS][154:])
 
 
 def test_greedy_equals_transformers_generate(rollout: Any, folder: str) -> None:
