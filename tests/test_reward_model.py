@@ -107,7 +107,9 @@ def test_job_reward_is_the_task_score_plus_the_weighted_model_score(
         return batches[-1]
 
     monkeypatch.setattr(engine_core_roles.trainer.scoring, "training_batch", recording)
-    _job(tmp_path, recipe_reward_model, "steps=2", "trainer.reward_model_weight=0.5")
+    # one generation a step, scored once (the recipe's dynamic sampling would draw again)
+    once = "trainer.filter_groups=false"
+    _job(tmp_path, recipe_reward_model, "steps=2", "trainer.reward_model_weight=0.5", once)
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     model = AutoModelForSequenceClassification.from_pretrained(recipe_reward_model).eval()
     assert len(rows) == len(batches) == 2

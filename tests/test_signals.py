@@ -58,6 +58,7 @@ STARTED = {
         "rollout_placement=process",
         "rollout_replicas=2",
         "trainer.max_staleness=1",
+        "trainer.filter_groups=false",  # the recipe's dynamic sampling is synchronous only
     ],
     "interpreter_replica": [
         "rollout_placement=process",

@@ -11,6 +11,7 @@ from tensordict import TensorDict
 
 from engine_core.batch import ROUTED_EXPERTS
 from engine_core.rollout import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS
+from engine_core.vision import VISION_KEYS
 from engine_core_roles.batch.build import training_batch
 from engine_core_roles.data.rewards.functions import Rewards
 from engine_core_roles.trainer.generation import Drawn, Params, Synchronous
@@ -107,13 +108,14 @@ _LEFT_PADDED = (PROMPT_IDS, PROMPT_MASK)
 
 def _cat_left_padded(parts: list[TensorDict]) -> TensorDict:
     """Prompt or sample batches of different widths as one: prompts padded on the left,
-    responses (and every other ``[B, L]`` field) on the right."""
+    responses (and every other ``[B, L]`` field) on the right, and images (``[B, P, D]`` pixel
+    patches, ``[B, I, 3]`` grids: zeros after a sample's last) to the most any part has."""
     if len(parts) == 1:
         return parts[0]
     widths: dict[str, int] = {}
     for td in parts:
         for key, value in td.items():
-            if isinstance(value, torch.Tensor) and value.dim() == 2:
+            if isinstance(value, torch.Tensor) and (value.dim() == 2 or key in VISION_KEYS):
                 widths[key] = max(widths.get(key, 0), value.shape[1])
     padded = []
     for td in parts:
@@ -128,8 +130,7 @@ def _cat_left_padded(parts: list[TensorDict]) -> TensorDict:
             value = td[key]
             extra = width - value.shape[1]
             if extra:
-                pad = (extra, 0) if key in _LEFT_PADDED else (0, extra)
-                td[key] = torch.nn.functional.pad(value, pad)
+                td[key] = _pad_dim1(value, extra, left=key in _LEFT_PADDED)
         padded.append(td)
     return torch.cat(padded)  # type: ignore[return-value,arg-type]
 
