@@ -16,7 +16,7 @@ STAMP := $(VENV)/.installed
 # notices for the editable installs) goes to $(VENV)/install.log, shown when a step fails.
 LOG := $(VENV)/install.log
 CORE := -e '.[test,ray]'
-REST := -e "roles[wandb,mlflow,serve]" -e plugins/hf -e "plugins/fsdp[lora]" -e "plugins/vllm[cpu]" -e plugins/sglang -e plugins/megatron
+REST := -e "roles[wandb,mlflow,serve,agents]" -e plugins/hf -e "plugins/fsdp[lora]" -e "plugins/vllm[cpu]" -e plugins/sglang -e plugins/megatron
 step = echo "  $(1)"; $(2) >> $(LOG) 2>&1 || { tail -n 40 $(LOG); echo "make: '$(1)' failed; the whole log is $(LOG)"; exit 1; }
 
 $(STAMP): pyproject.toml roles/pyproject.toml $(wildcard plugins/*/pyproject.toml) engine_core/constraints.txt
