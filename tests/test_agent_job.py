@@ -3,8 +3,9 @@
 Each agent gets a session's own base URL on the job's endpoint, in front of the real hf rollout
 of the shipped tool task's tiny model, and makes two chat calls per session. What is trained is
 checked against the endpoint's own record, token for token; the job's runs check the rollout's
-log-probs against the trainer's, the weight version each step reports, drift, and an agent that
-raises."""
+log-probs against the trainer's, the weight version each step reports, drift, an agent that
+raises, and asynchronous training (step t+1's agents running while step t trains, in front of
+the rollout in a process of its own: staleness from the recorded versions)."""
 
 from __future__ import annotations
 
@@ -26,9 +27,11 @@ openai = pytest.importorskip("openai", reason="make setup installs the test extr
 pytest.importorskip("httpx2", reason="openai's own HTTP client, installed with it")
 pytest.importorskip("starlette", reason="make setup installs the roles' serve extra")
 
-from engine_core import ConfigError, load_plugins  # noqa: E402
+from engine_core import ConfigError, EngineCoreError, load_plugins  # noqa: E402
+from engine_core.checkpoint import JOB_STATE_FILE  # noqa: E402
 from engine_core.config import ModelConfig  # noqa: E402
 from engine_core.configio import apply_overrides  # noqa: E402
+from engine_core.errors import CapabilityError  # noqa: E402
 from engine_core.rollout import (  # noqa: E402
     PROMPT_IDS,
     PROMPT_MASK,
@@ -38,7 +41,7 @@ from engine_core.rollout import (  # noqa: E402
     ROLLOUT_LOG_PROBS,
     SamplingParams,
 )
-from engine_core_roles.batch.keys import EPISODE  # noqa: E402
+from engine_core_roles.batch.keys import EPISODE, WEIGHT_VERSION  # noqa: E402
 from engine_core_roles.data.datasets.prompts import DataConfig, PromptData  # noqa: E402
 from engine_core_roles.data.datasets.tokenizer import load_tokenizer  # noqa: E402
 from engine_core_roles.data.rewards.functions import Rewards, SampleReward  # noqa: E402
@@ -48,6 +51,8 @@ from engine_core_roles.serving.agent_function import AgentReward, load_agent  # 
 from engine_core_roles.serving.agents import AgentRollout  # noqa: E402
 from engine_core_roles.serving.rows import session_rows  # noqa: E402
 from engine_core_roles.serving.server import served_rollout  # noqa: E402
+from engine_core_roles.trainer.generation import sampled_version  # noqa: E402
+from engine_core_roles.trainer.state import batch_of  # noqa: E402
 
 RECIPE = RECIPES / "agent_tiny.yaml"
 MODEL = load_recipe(RECIPE)["engine"]["model"]
@@ -165,6 +170,17 @@ def test_session_rows_follow_the_extends_links() -> None:
     assert rows[0].log_probs == [-0.5, -0.5, 0.0, -0.5, 0.0, -0.5, -0.5]
 
 
+def test_a_steps_samples_count_as_their_oldest_recorded_weight_version() -> None:
+    def samples(versions: list[int]) -> TensorDict:
+        return TensorDict({WEIGHT_VERSION: torch.tensor(versions)}, batch_size=[len(versions)])
+
+    assert sampled_version(samples([3, 2, 3]), synced=3) == 2  # one row of older tokens
+    assert sampled_version(TensorDict({}, batch_size=[2]), synced=3) == 3  # none recorded
+    # a version the trainer never synced: the staleness counted from it would be wrong
+    with pytest.raises(EngineCoreError, match="AgentRollout.next_version"):
+        sampled_version(samples([4, 3]), synced=3)
+
+
 class _Constant(SampleReward):
     """The job's reward function's place: 0.7 for every row."""
 
@@ -210,9 +226,27 @@ def test_rows_equal_the_endpoints_record_token_for_token(agents: AgentRollout) -
     running = importlib.import_module("tests.test_agent_job").RUNNING
     running[:] = [0, 0]
     out = agents.generate(data.batch([0, 1, 2]), SamplingParams(n=2, seed=5, temperature=1.0))
-    records = out[EPISODE].tolist()
-    assert len(records) == 6 and len(answers) == 6  # one row per session: no drift
+    assert len(out[EPISODE].tolist()) == 6 and len(answers) == 6  # one row per session: no drift
     assert running == [0, 3]  # six sessions, three at once (max_concurrency)
+    _check_trained_as_recorded(out, answers)
+    # asynchronous training needs the rollout in processes of its own (rollout_placement=process)
+    with pytest.raises(CapabilityError, match="async_generation"):
+        agents.generate_async(data.batch([0]), SamplingParams(n=2, seed=5, temperature=1.0))
+    # a late call of an ended session is refused: its tokens cannot slip into another step
+    url = next(iter(answers))
+    late = openai.OpenAI(base_url=url, api_key=agents.api_key, max_retries=0)
+    with pytest.raises(openai.ConflictError):
+        late.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="samples at temperature 1.0 only"):
+        openai.OpenAI(base_url=agents.server.url, api_key=agents.api_key).chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": "x"}], temperature=0.5
+        )
+
+
+def _check_trained_as_recorded(out: TensorDict, answers: dict[str, list[dict[str, Any]]]) -> None:
+    """Each row of ``out`` (token agents' sessions, one row each) is its session's record token
+    for token, what its client was answered, with the weight version of its calls."""
+    records = out[EPISODE].tolist()
     for i, record in enumerate(records):
         session = record["session"]
         assert session["drift"] == 0 and [c["extends"] for c in session["calls"]] == [
@@ -243,15 +277,9 @@ def test_rows_equal_the_endpoints_record_token_for_token(agents: AgentRollout) -
         ]
         assert seen and seen[0][1]["ids"] == b and seen[0][1]["prompt"] == second["prompt_ids"]
         assert record["counts"]["agent/calls"] == 2.0 and record["end"] == "done"
-    # a late call of an ended session is refused: its tokens cannot slip into another step
-    url = next(iter(answers))
-    late = openai.OpenAI(base_url=url, api_key=agents.api_key, max_retries=0)
-    with pytest.raises(openai.ConflictError):
-        late.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}])
-    with pytest.raises(openai.BadRequestError, match="samples at temperature 1.0 only"):
-        openai.OpenAI(base_url=agents.server.url, api_key=agents.api_key).chat.completions.create(
-            model=NAME, messages=[{"role": "user", "content": "x"}], temperature=0.5
-        )
+        versions = [c["weight_version"] for c in session["calls"]]
+        assert [c["version"] for c in seen[0]] == versions
+        assert int(out[WEIGHT_VERSION][i]) == min(versions)
 
 
 async def slow_agent(base_url: str, api_key: str, sample: dict[str, Any]) -> float:
@@ -370,6 +398,10 @@ def _rows(out: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+# what differs between two runs of the same steps: timings
+VOLATILE = ("time", "tokens_per_s", "agent/seconds", "episode/env_wait_s", "weight_sync/")
+
+
 def test_the_job_trains_token_in_agents_with_exact_log_probs_and_bumps_the_version(
     tmp_path: Path,
 ) -> None:
@@ -396,11 +428,56 @@ def test_the_job_trains_token_in_agents_with_exact_log_probs_and_bumps_the_versi
     resumed = tmp_path / "resumed"
     run_rl_job(_job(resumed, "steps=1", "save_every=1"), load_plugins())
     run_rl_job(_job(resumed), load_plugins(), resume=True)
-    volatile = ("time", "tokens_per_s", "agent/seconds", "episode/env_wait_s", "weight_sync/")
-    again = [{k: v for k, v in r.items() if not k.startswith(volatile)} for r in _rows(resumed)]
-    want = [{k: v for k, v in r.items() if not k.startswith(volatile)} for r in rows]
+    again = [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in _rows(resumed)]
+    want = [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
     # the endpoint merges the calls that wait together into one generate call, and which
     # calls do depends on timing: the same tokens, their log-probs to float rounding
+    assert len(again) == len(want)
+    for got, expected in zip(again, want, strict=True):
+        assert got == pytest.approx(expected, rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_asynchronous_agents_run_while_the_actor_trains_staleness_from_recorded_versions(
+    tmp_path: Path,
+) -> None:
+    """``trainer.max_staleness=1``, the rollout in a process of its own: step t+1's agents run
+    through the endpoint while step t trains. A step's staleness is its rows' oldest recorded
+    weight version's, TIS corrects the stale tokens, the gap is logged, and a run stopped and
+    resumed equals a straight one."""
+    answers = answered()
+    answers.clear()
+    asynchronous = ("rollout_placement=process", "trainer.max_staleness=1")
+    run_rl_job(_job(tmp_path / "run", *asynchronous, "steps=3"), load_plugins())
+    rows = _rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    # step 1 generated with the initial weights, step 2 while step 1 trained (still those),
+    # step 3 while step 2 trained (step 1's update): from step 2 on, one version behind
+    assert [r["rollout/weight_version"] for r in rows] == [0.0, 0.0, 1.0]
+    assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0]
+    assert [r["agent/weight_version"] for r in rows] == [0.0, 0.0, 1.0]
+    # every session called twice under one version: steps 1-3's, and step 4's, generated while
+    # step 3 trained (never trained on)
+    told = sorted(calls[0]["version"] for calls in answers.values() if len(calls) == 2)
+    assert len(answers) == 16 and told == [0] * 8 + [1] * 4 + [2] * 4
+    assert rows[0]["rollout/logprob_diff_max"] < 1e-5  # on-policy: the trainer's log-probs
+    for r in rows:
+        assert r["actor/num_optimizer_steps"] >= 1.0 and "actor/tis_truncated_frac" in r
+        assert r["agent/calls"] == 2.0 and r["agent/errors"] == 0.0
+    for r in rows[1:]:  # one update between the rollout's weights and the trainer's: measured
+        assert 1e-6 < r["rollout/logprob_diff_mean"] <= r["rollout/logprob_diff_max"]
+    # stopped after step 1, with step 2's sessions in flight: checkpointed as generated while
+    # step 1 trained, each row its session's record token for token, with its version
+    resumed = tmp_path / "resumed"
+    run_rl_job(_job(resumed, *asynchronous, "steps=1", "save_every=1"), load_plugins())
+    [saved] = (resumed / "checkpoints").glob(f"*/{JOB_STATE_FILE}")
+    pending = torch.load(saved, weights_only=True)["trainer"]["pending"]
+    in_flight = batch_of(pending["samples"])
+    _check_trained_as_recorded(in_flight, answers)
+    assert pending["version"] == 0 and in_flight[WEIGHT_VERSION].tolist() == [0] * 4
+    run_rl_job(_job(resumed, *asynchronous, "steps=3"), load_plugins(), resume=True)
+    again = [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in _rows(resumed)]
+    want = [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
     assert len(again) == len(want)
     for got, expected in zip(again, want, strict=True):
         assert got == pytest.approx(expected, rel=1e-4, abs=1e-6)
@@ -428,7 +505,7 @@ def test_a_rerendering_client_drifts_and_a_raising_agent_is_counted(tmp_path: Pa
     ("overrides", "message"),
     [
         (["env={cls: tools}"], "agent='tests.test_agent_job:token_agent' and env are both set"),
-        (["rollout_placement=process"], "rollout_placement=process"),
+        (["trainer.max_staleness=1"], "needs the rollout in a process of its own"),
         (["trainer.filter_groups=true"], "dynamic sampling is not built for agents"),
         (["eval.every=2"], "evaluation runs no agents yet"),
         (["agent=tests.test_agent_job:_not_async"], "not an async function"),

@@ -19,6 +19,7 @@ __all__ = [
     "TOKEN_LEVEL_SCORES",
     "TRAINER_ROUTES",
     "UNLIKELIHOOD_WEIGHTS",
+    "WEIGHT_VERSION",
 ]
 
 OLD_LOG_PROBS = "old_log_probs"
@@ -48,3 +49,7 @@ ROW = "row"
 """The field of a prompt batch holding each prompt's dataset row (a dict), for ``reset``."""
 ROW_INDEX = "row_index"
 """The field of a prompt batch holding each prompt's row in its dataset ``[B]``."""
+WEIGHT_VERSION = "weight_version"
+"""``[B]`` int64, in a rollout's result where the rollout records the weight version of every
+token it samples (the agents' endpoint): the oldest version among the row's sampled tokens. The
+trainer counts a step's samples as its rows' oldest version (their staleness)."""

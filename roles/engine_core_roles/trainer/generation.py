@@ -6,9 +6,14 @@ With ``max_staleness >= 1`` the rollout generates step ``t + 1``'s samples while
 on step ``t``'s, with the weights of before that update (one version old): a non-blocking call
 to a rollout that declares ``async_generation``
 (:meth:`engine_core.rollout.BaseRollout.generate_async`: a
-:class:`engine_core.remote_rollout.ProcessRollout`'s replicas), no thread here. Every
+:class:`engine_core.remote_rollout.ProcessRollout`'s replicas, or agents whose endpoint forwards
+to them), no thread here. Every
 sample's weight version is known, and the generation in flight is part of the trainer's state,
 so a resumed run trains on exactly the samples a straight one would.
+
+A step's samples count as one weight version: the one synced when their generation started,
+or, where the rollout records the version of every sampled token (the agents' endpoint: each
+row's oldest, :data:`~engine_core_roles.batch.keys.WEIGHT_VERSION`), the oldest of the rows'.
 """
 
 from __future__ import annotations
@@ -20,9 +25,10 @@ from typing import Protocol
 
 from tensordict import TensorDict
 
-from engine_core import BaseRollout, SamplingParams
+from engine_core import BaseRollout, EngineCoreError, SamplingParams
 from engine_core.rollout import PROMPT_IDS, PROMPT_MASK, Pending
 from engine_core_roles.batch.build import prompt_batch
+from engine_core_roles.batch.keys import WEIGHT_VERSION
 from engine_core_roles.trainer.protocols import PromptBatch, PromptSource
 
 __all__ = [
@@ -33,6 +39,7 @@ __all__ = [
     "PromptsExhausted",
     "Synchronous",
     "as_prompts",
+    "sampled_version",
 ]
 
 
@@ -44,6 +51,27 @@ class Drawn:
     prompts: TensorDict
     samples: TensorDict
     version: int
+
+
+def sampled_version(samples: TensorDict, synced: int) -> int:
+    """The weight version ``samples`` count as: their rows' oldest where the rollout recorded
+    each row's (:data:`WEIGHT_VERSION`), else ``synced``, the version the rollout held when the
+    generation started. A recorded version newer than that was never synced by this trainer:
+    refused, since the staleness counted from it would be wrong."""
+    if WEIGHT_VERSION not in samples.keys() or not samples.batch_size[0]:
+        return synced
+    versions = samples[WEIGHT_VERSION]
+    newest = int(versions.max())
+    if newest > synced:
+        raise EngineCoreError(
+            f"the rollout recorded samples of weight version {newest}, but the trainer had "
+            f"synced version {synced} when their generation started: the rollout numbers its "
+            f"weight loads otherwise than the trainer counts its steps. A rollout that counts "
+            f"its loads (AgentRollout.next_version) must count from the trainer's global_step: "
+            f"0 for a new run, the step resumed from for a resumed one; set it to global_step "
+            f"again before a sync of your own (RLTrainer.sync_weights after loading weights)."
+        )
+    return int(versions.min())
 
 
 class PromptsExhausted(RuntimeError):
@@ -153,8 +181,9 @@ class Synchronous(Generation):
 
     def redraw(self, step: int, draw: int) -> Drawn:
         """More prompts for step ``step``, generated with extra draw ``draw``'s seeds."""
-        prompts = self.prompts(step)
-        return Drawn(prompts, self.generate(prompts, self.params(step, draw)), self._version())
+        prompts, synced = self.prompts(step), self._version()
+        samples = self.generate(prompts, self.params(step, draw))
+        return Drawn(prompts, samples, sampled_version(samples, synced))
 
 
 class _Pending(Protocol):
@@ -171,7 +200,7 @@ class _Generating:
     def result(self) -> Drawn:
         if self._drawn is None:
             gen = self._pending.result()  # raises what the generation raised, every time asked
-            self._drawn = Drawn(self._prompts, gen, self._version)
+            self._drawn = Drawn(self._prompts, gen, sampled_version(gen, self._version))
         return self._drawn
 
 

@@ -159,8 +159,9 @@ class RLTrainer:
             raise ValueError(
                 f"max_staleness={config.max_staleness} overlaps generation with training, which "
                 f"needs a rollout that declares async_generation (one that generates in other "
-                f"processes); {type(rollout).__name__} does not. Use a ProcessRollout "
-                f"(engine-core run: rollout_placement=process), or max_staleness=0."
+                f"processes); {type(rollout).__name__} does not. Use a ProcessRollout (an "
+                f"AgentRollout over one; engine-core run: rollout_placement=process), or "
+                f"max_staleness=0."
             )
         self.config = config
         self.actor = actor

@@ -124,7 +124,9 @@ class RLJobConfig(JobConfig):
         "('pkg.module:function' or 'path/to/file.py:function') of an async function "
         "agent(base_url, api_key, sample) -> reward (a number, None: reward.fn scores the "
         "session's last reply, or a dict with 'reward' and counts to log). Each sample runs it "
-        "once, against a session of the job's own endpoint; needs data.",
+        "once, against a session of the job's own endpoint (in this process, in front of the "
+        "rollout wherever rollout_placement puts it; with rollout_placement=process, "
+        "trainer.max_staleness >= 1 runs step t+1's agents while step t trains); needs data.",
     )
     agent_concurrency: PositiveInt = Field(
         32, description="Agents running at once (their calls to the model are batched)."
@@ -302,16 +304,6 @@ class RLJobConfig(JobConfig):
             (
                 self.data is None,
                 f"{agent} starts from dataset rows, but no data is set; add data.train_files",
-            ),
-            (
-                bool(self.trainer.max_staleness),
-                f"{agent} with trainer.max_staleness={self.trainer.max_staleness}: asynchronous "
-                f"training through the endpoint is not built yet; set trainer.max_staleness=0",
-            ),
-            (
-                self.rollout_placement != "colocated",
-                f"{agent} with rollout_placement={self.rollout_placement}: the agents' endpoint "
-                f"serves a rollout in this process; set rollout_placement=colocated",
             ),
             (
                 self.trainer.filter_groups,
