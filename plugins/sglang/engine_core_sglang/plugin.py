@@ -24,6 +24,7 @@ SGLANG_CAPABILITIES = frozenset(
         Capability.ROUTING_REPLAY,
         Capability.LORA,
         Capability.STOP_STRINGS,
+        Capability.VISION,  # prompts with images as pixel patches (engine_core_sglang.vision)
     }
 )
 

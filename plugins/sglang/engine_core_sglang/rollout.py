@@ -62,6 +62,8 @@ from pydantic import Field, PositiveInt
 from tensordict import TensorDict
 
 from engine_core.backend import (
+    IMAGE_GRID_THW,
+    PIXEL_VALUES,
     PROMPT_IDS,
     PROMPT_MASK,
     RESPONSE_MASK,
@@ -81,10 +83,12 @@ from engine_core.backend import (
     checked_buckets,
     checkpoint_tensors,
     confirm_bucket,
+    is_vision_config,
     load_stop_tokenizer,
     meta_model,
     model_weight_shapes,
     place_routes,
+    prompt_images,
     prompt_tensors,
     response_batch,
     sample_seeds,
@@ -92,8 +96,16 @@ from engine_core.backend import (
     set_for_process,
     split_peft_tensors,
     stop_string_end,
+    tokenizer_folder,
+    vision_token_ids,
 )
 from engine_core_sglang.plugin import SGLANG_CAPABILITIES
+from engine_core_sglang.vision import (
+    NO_IMAGE_CACHE,
+    check_vision_model,
+    image_data,
+    sglang_weight_names,
+)
 
 __all__ = [
     "SGLangRollout",
@@ -158,12 +170,14 @@ class SGLangRolloutConfig(RolloutConfig):
 
 # -- requests -------------------------------------------------------------------------------
 def to_sglang_sampling_params(
-    params: SamplingParams, *, deterministic: bool = False
+    params: SamplingParams, *, deterministic: bool = False, cut: Iterable[int] = ()
 ) -> dict[str, Any]:
     """One sample's SGLang sampling parameters (``n`` is expanded by :func:`build_requests`).
 
     Refuses what SGLang would silently do differently: a seed without deterministic inference
     (ignored by SGLang) and a temperature in (0, 1e-6) (greedy in SGLang, with log-probs at T=1).
+    ``cut``: more ids SGLang stops at (a vision-language model's vision tokens, which
+    :func:`parse_outputs` then takes out of the sample).
     """
     if 0 < params.temperature < GREEDY_BELOW:
         raise ConfigError(
@@ -182,17 +196,24 @@ def to_sglang_sampling_params(
         "top_p": params.top_p,
         "top_k": params.top_k,  # -1 disables top-k in both
         "n": 1,
-        "stop_token_ids": list(params.stop_token_ids),
+        "stop_token_ids": [*params.stop_token_ids, *sorted(set(cut) - set(params.stop_token_ids))],
         "no_stop_trim": True,  # keep the matched stop token
     }
 
 
 @dataclass(frozen=True)
 class SGLangRequests:
-    """Arguments of one ``Engine.generate`` call: ``B * n`` one-sample requests, prompt-major."""
+    """Arguments of one ``Engine.generate`` call: ``B * n`` one-sample requests, prompt-major.
+
+    ``image_data``: each request's images (one HF-processor-output entry, or none), None when no
+    prompt has images; ``images``: the prompts' checked ``pixel_values`` and
+    ``image_grid_thw`` (one row per prompt), which the samples carry on to the trainer.
+    """
 
     input_ids: list[list[int]]
     sampling_params: list[dict[str, Any]]
+    image_data: list[list[dict[str, Any]]] | None = None
+    images: TensorDict | None = None
 
 
 def build_requests(
@@ -201,6 +222,7 @@ def build_requests(
     *,
     deterministic: bool = False,
     vocab_size: int | None = None,
+    vision: Any = None,
 ) -> SGLangRequests:
     """Strip the left padding of each prompt and repeat it ``n`` times (its samples adjacent).
 
@@ -210,13 +232,19 @@ def build_requests(
     gives two requests with one seed the same noise at each position. Prompt ids are checked
     against ``vocab_size`` where given: an id outside it kills SGLang's scheduler (an
     ``IndexError`` in its embedding, every process of the engine gone).
+
+    ``vision``: the config of a vision-language model, whose prompts may carry images
+    (checked against their image tokens); each request then has its prompt's images as
+    :func:`engine_core_sglang.vision.image_data` gives them. Without it, images are refused.
     """
-    ids, mask = prompt_tensors(prompts, "SGLangRollout.generate", vocab_size)
+    who = "SGLangRollout.generate"
+    ids, mask = prompt_tensors(prompts, who, vocab_size, images=vision is not None)
     if ids.shape != mask.shape:
         raise BatchError(
             f"{PROMPT_IDS} {tuple(ids.shape)} and {PROMPT_MASK} {tuple(mask.shape)} differ."
         )
-    base = to_sglang_sampling_params(params, deterministic=deterministic)
+    cut = vision_token_ids(vision) if vision is not None else frozenset()
+    base = to_sglang_sampling_params(params, deterministic=deterministic, cut=cut)
     rows: list[list[int]] = []
     for i, (row, m) in enumerate(zip(ids, mask, strict=True)):
         real = [int(t) for t in row[m.bool()].tolist()]
@@ -232,7 +260,14 @@ def build_requests(
         sampling = [{**base, "sampling_seed": rng.getrandbits(63)} for _ in input_ids]
     else:
         sampling = [dict(base) for _ in input_ids]
-    return SGLangRequests(input_ids, sampling)
+    images = prompt_images(prompts, ids, mask, vision) if vision is not None else None
+    if images is None:
+        return SGLangRequests(input_ids, sampling)
+    entries = [image_data(images[i], i) for i in range(len(rows))]
+    # a list per request (SGLang reads a flat list as one image per request)
+    per_request = [[e] if e is not None else [] for e in entries for _ in range(params.n)]
+    pictured = any(e is not None for e in entries)
+    return SGLangRequests(input_ids, sampling, per_request if pictured else None, images)
 
 
 # -- responses ------------------------------------------------------------------------------
@@ -287,6 +322,7 @@ def parse_outputs(
     *,
     pad_token_id: int = 0,
     stop_at: Callable[[list[int]], int | None] | None = None,
+    cut: frozenset[int] = frozenset(),
 ) -> TensorDict:
     """SGLang's answers to :func:`build_requests` as the rollout contract's batch.
 
@@ -296,7 +332,9 @@ def parse_outputs(
     Responses are right-padded with ``pad_token_id``; an aborted or unknown finish, or log-probs
     that do not line up with the tokens, raise :class:`BatchError`. ``stop_at(ids)``: how many
     of a response's ids a stop string lets it keep (None: all); a response cut there is not
-    truncated.
+    truncated. ``cut``: ids no response may hold (a vision-language model's vision tokens:
+    fed back, one would ask the model for an image the sample does not have); a sample that
+    drew one ends just before it, truncated.
     """
     ids, mask = prompts[PROMPT_IDS], prompts[PROMPT_MASK]
     total = ids.shape[0] * n
@@ -307,6 +345,8 @@ def parse_outputs(
         )
     prompt_lens = [int(x) for x in mask.sum(-1).tolist()]
     parsed = [_parse_one(k, out, prompt_lens[k // n]) for k, out in enumerate(outputs)]
+    if cut:
+        parsed = [_before(sample, cut) for sample in parsed]
     if stop_at is not None:
         parsed = [_cut(sample, stop_at(sample[0])) for sample in parsed]
     return response_batch(ids, mask, n, parsed, pad_token_id)
@@ -317,6 +357,15 @@ def _cut(
 ) -> tuple[list[int], list[float], bool]:
     toks, lps, truncated = sample
     return sample if keep is None else (toks[:keep], lps[:keep], False)
+
+
+def _before(
+    sample: tuple[list[int], list[float], bool], cut: frozenset[int]
+) -> tuple[list[int], list[float], bool]:
+    """``sample`` ended just before its first id in ``cut`` (truncated), if it holds one."""
+    toks, lps, _ = sample
+    end = next((j for j, t in enumerate(toks) if t in cut), None)
+    return sample if end is None else (toks[:end], lps[:end], True)
 
 
 def _parse_one(
@@ -387,6 +436,22 @@ def check_result(op: str, result: Any) -> None:
 
 
 # -- the rollout ----------------------------------------------------------------------------
+def _processor_folder(config: SGLangRolloutConfig) -> dict[str, Any]:
+    """The ``Engine`` argument naming where SGLang reads a vision-language model's HF processor
+    (tokenizer and image processor), if not the model folder: SGLang builds it even with token
+    ids in. Refused where the model has none."""
+    if tokenizer_folder(config.model) is None:  # model.tokenizer, else model.path
+        raise ConfigError(
+            "rollout.backend=sglang with a vision-language model needs the model's HF processor "
+            "(tokenizer and image processor, saved with save_pretrained): SGLang builds its "
+            "image input from it. Set model.path to a folder holding them, or model.tokenizer "
+            f"to one (model.path={config.model.path!r}, model.tokenizer="
+            f"{config.model.tokenizer!r})."
+        )
+    tokenizer = config.model.tokenizer
+    return {} if tokenizer is None else {"tokenizer_path": tokenizer}
+
+
 class SGLangRollout(BaseRollout):
     """An in-process ``sglang.Engine`` (it starts its own scheduler subprocesses).
 
@@ -407,6 +472,13 @@ class SGLangRollout(BaseRollout):
         self._memory_saver = (
             config.memory_saver if config.memory_saver is not None else config.device == "cuda"
         )
+        hf_config = build_hf_config(config.model)
+        self._vision = hf_config if is_vision_config(hf_config) else None
+        processor: dict[str, Any] = {}
+        if self._vision is not None:  # prompts' patches to SGLang's tower (vision.py)
+            check_vision_model(hf_config)
+            processor = _processor_folder(config)
+            set_for_process(NO_IMAGE_CACHE)  # read by SGLang's processes when they start
         if config.device == "cpu":  # read when SGLang is imported, here and in its processes
             set_for_process({"SGLANG_USE_CPU_ENGINE": "1"})
             if config.deterministic_inference:
@@ -455,6 +527,7 @@ class SGLangRollout(BaseRollout):
             "enable_deterministic_inference": config.deterministic_inference,
             "trust_remote_code": config.model.trust_remote_code,
         }
+        kwargs.update(processor)
         if config.context_length is not None:
             kwargs["context_length"] = config.context_length
         if config.attention_backend is not None:
@@ -484,8 +557,7 @@ class SGLangRollout(BaseRollout):
         # SGLang captures every decoder layer's routes; ours are the MoE layers'
         self._routes_layout: tuple[int, int, list[int]] | None = None
         if config.return_routes:
-            hf = build_hf_config(config.model)
-            layers, top_k = int(hf.num_hidden_layers), int(hf.num_experts_per_tok)
+            layers, top_k = int(hf_config.num_hidden_layers), int(hf_config.num_experts_per_tok)
             self._routes_layout = (layers, top_k, moe_layers(self._expected))
             kwargs["enable_return_routed_experts"] = True
         self.engine: Any = sglang.Engine(**kwargs)
@@ -514,10 +586,12 @@ class SGLangRollout(BaseRollout):
             params,
             deterministic=self.cfg.deterministic_inference,
             vocab_size=self._vocab_size,
+            vision=self._vision,
         )
         outputs = self.engine.generate(
             input_ids=requests.input_ids,
             sampling_params=requests.sampling_params,
+            image_data=requests.image_data,
             return_logprob=True,
             lora_path=None if self._lora is None else [self._lora] * len(requests.input_ids),
             **({"return_routed_experts": True} if params.return_routes else {}),
@@ -526,8 +600,9 @@ class SGLangRollout(BaseRollout):
         if params.stop_strings:
             decode = partial(self._tokenizer.decode, skip_special_tokens=True)
             stop_at = partial(stop_string_end, decode, strings=list(params.stop_strings))
+        cut = vision_token_ids(self._vision) if self._vision is not None else frozenset()
         result = parse_outputs(
-            outputs, prompts, params.n, pad_token_id=self.pad_token_id, stop_at=stop_at
+            outputs, prompts, params.n, pad_token_id=self.pad_token_id, stop_at=stop_at, cut=cut
         )
         if params.return_routes:
             assert self._routes_layout is not None
@@ -537,6 +612,9 @@ class SGLangRollout(BaseRollout):
                 for k, out in enumerate(outputs)
             ]
             result[ROUTED_EXPERTS] = place_routes(result, routes)
+        if requests.images is not None:  # each sample keeps its prompt's images, for the trainer
+            for key in (PIXEL_VALUES, IMAGE_GRID_THW):
+                result[key] = requests.images[key].repeat_interleave(params.n, dim=0)
         return result
 
     # -- weights ----------------------------------------------------------------------------
@@ -562,6 +640,8 @@ class SGLangRollout(BaseRollout):
                 # SGLang's loader takes checkpoint names (a mixture of experts' stacked experts
                 # written out per expert)
                 base = checkpoint_tensors(self._layout, base)
+                if self._vision is not None:  # every name as SGLang's loader knows it
+                    base = sglang_weight_names(base)
                 if base:
                     result = self.engine.update_weights_from_tensor(
                         named_tensors=base, load_format=None, flush_cache=False

@@ -385,6 +385,7 @@ def test_registered_with_its_capabilities() -> None:
             Capability.ROUTING_REPLAY,
             Capability.LORA,
             Capability.STOP_STRINGS,
+            Capability.VISION,
         }
     )
     assert Capability.CPU not in spec.capabilities

@@ -6,7 +6,8 @@ With ``SGLANG_USE_CPU_ENGINE=1`` SGLang 0.5.23 imports a few ``*_cpu`` helpers w
 every layer (norms, activations, rotary, attention with ``attention_backend=torch_native``)
 checks for AMX first and, without it, runs its plain PyTorch form. This package provides those
 helpers and nothing else: it has no ``convert_weight_packed``, so SGLang's AMX check stays
-false. Any other name raises ``NotImplementedError`` naming it when called.
+false. Any other name raises ``NotImplementedError`` naming it when called, as do the few
+operators SGLang looks up in ``torch.ops.sgl_kernel`` when a module is imported.
 
 ``ENGINE_CORE_SGLANG_CPU_SEEDS=1``: SGLang applies a request's ``sampling_seed`` only with
 deterministic inference, whose start swaps aten kernels for batch-invariant Triton ones and
@@ -99,6 +100,19 @@ def __getattr__(name: str) -> Callable[..., Any]:
 
     missing.__name__ = name
     return missing
+
+
+# Operators SGLang's modules look up on import (``torch.ops.sgl_kernel.<name>``) on a CPU host,
+# for models not served from here: SGLang's Qwen-VL multimodal processor imports its Qwen3.5
+# model module, which looks these up. Each raises as a missing name does when called.
+_LOOKED_UP_ON_IMPORT = (
+    "fused_sigmoid_mul_cpu",
+    "fused_qk_gemma_rmsnorm_cpu",
+    "fused_qk_gemma_rmsnorm_with_gate_cpu",
+    "fused_qkvzba_split_reshape_cat_contiguous_cpu",
+)
+for _name in _LOOKED_UP_ON_IMPORT:
+    setattr(torch.ops.sgl_kernel, _name, __getattr__(_name))
 
 
 _BATCH_INVARIANT = "sglang.srt.batch_invariant_ops.batch_invariant_ops"
