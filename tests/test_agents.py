@@ -34,7 +34,13 @@ from engine_core.testing.moe import AS_QWEN3_MOE
 from engine_core_roles import Actor, ActorConfig, training_batch
 from engine_core_roles.batch.keys import EPISODE, ROW
 from engine_core_roles.data.datasets.tokenizer import load_tokenizer
-from engine_core_roles.data.tasks.tiny_agent import demonstration, lookup, value_of, write_files
+from engine_core_roles.data.tasks.tiny_agent import (
+    LOOKUP_SCHEMA,
+    demonstration,
+    lookup,
+    value_of,
+    write_files,
+)
 from engine_core_roles.episodes.config import EnvConfig, load_environment
 from engine_core_roles.episodes.demos import demo_batch
 from engine_core_roles.episodes.metrics import episode_metrics
@@ -455,6 +461,34 @@ def test_demonstrations_tokenize_as_the_template_renders_them(tokenizer: Any) ->
     trained = tokenizer.decode(batch["input_ids"][0][batch["loss_mask"][0].bool()])
     call = _call("lookup", key="qe")
     assert trained == f"{call}<|im_end|>{value_of('qe')}<|im_end|>"
+
+
+def test_a_demonstrations_own_tools_render_in_place_of_the_environments(tokenizer: Any) -> None:
+    """A demonstration file's line may name the tools its episode was played with (an agent
+    job has no environment to give them): they render as the environment's would, and a
+    line's bad ``tools`` are refused naming the line."""
+    from engine_core_roles.jobs.rl.warmup import _line_tools
+
+    env = ToolEnvironment([lookup])
+    # the shipped demonstrations name the schema the environment derives (its return type aside)
+    derived = {k: v for k, v in env.tools[0]["function"].items() if k != "return"}
+    assert derived == LOOKUP_SCHEMA["function"]
+    demos = [demonstration("qe"), demonstration("ab")]
+    with_env = demo_batch(tokenizer, env.tools, demos)
+    own = demo_batch(tokenizer, None, demos, episode_tools=[[LOOKUP_SCHEMA], [LOOKUP_SCHEMA]])
+    bare = demo_batch(tokenizer, None, demos)
+    assert torch.equal(own["input_ids"], with_env["input_ids"])
+    assert torch.equal(own["loss_mask"], with_env["loss_mask"])
+    assert own["input_ids"].shape[1] > bare["input_ids"].shape[1]  # the tools' system turn
+    mixed = demo_batch(tokenizer, None, demos, episode_tools=[[LOOKUP_SCHEMA], None])
+    assert torch.equal(mixed["input_ids"][0], with_env["input_ids"][0])
+    n = int(bare["attention_mask"][1].sum())
+    assert torch.equal(mixed["input_ids"][1][:n], bare["input_ids"][1][:n])
+    assert _line_tools(None, "line 1") is None
+    with pytest.raises(ConfigError, match="line 3: 'tools' must be a list"):
+        _line_tools({"type": "function"}, "line 3")
+    with pytest.raises(ConfigError, match="line 4: tool 0: its schema needs function.name"):
+        _line_tools([{"type": "function", "function": {}}], "line 4")
 
 
 def test_environment_config_errors() -> None:

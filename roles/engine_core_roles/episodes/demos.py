@@ -124,16 +124,29 @@ def demo_batch(
     *,
     images: ImagePromptRenderer | None = None,
     bases: Sequence[Path] | None = None,
+    episode_tools: Sequence[list[dict[str, Any]] | None] | None = None,
 ) -> TensorDict:
     """A supervised batch of demonstration episodes, each tokenized by :class:`DemoRenderer`:
     ``input_ids``, ``attention_mask``, ``position_ids`` and ``loss_mask`` (1 on the
     assistant's tokens only); with ``images`` (a vision-language model's renderer), the
     episodes' images too (``pixel_values``, ``image_grid_thw``), their paths relative to each
-    episode's folder in ``bases``."""
-    render = DemoRenderer(tokenizer, tools, images=images)
+    episode's folder in ``bases``. ``episode_tools[i]``, where given and not None, are the tools
+    episode ``i`` was played with (its demonstration file's ``tools``), rendered in place of
+    ``tools``."""
+    renderers: dict[str, DemoRenderer] = {}
+
+    def renderer(i: int) -> DemoRenderer:
+        own = None if episode_tools is None else episode_tools[i]
+        chosen = tools if own is None else own
+        key = json.dumps(chosen, sort_keys=True)
+        if key not in renderers:
+            renderers[key] = DemoRenderer(tokenizer, chosen, images=images)
+        return renderers[key]
+
     where = [Path.cwd()] * len(episodes) if bases is None else list(bases)
     rows, pixels, grids = [], [], []
     for i, (messages, base) in enumerate(zip(episodes, where, strict=True)):
+        render = renderer(i)
         ids, trained, encoded = render.encode(messages, f"demonstration {i}", base=base)
         rows.append((ids, trained))
         pixels.append(None if encoded is None else encoded.pixel_values)

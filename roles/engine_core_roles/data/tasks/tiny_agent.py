@@ -10,7 +10,7 @@ The tokenizer is the text task's (:func:`engine_core_roles.data.tasks.tiny_text.
 tool markers and the words of a call as whole tokens, and a ChatML template that renders
 ``tools`` (their names, in a system message), assistant ``tool_calls`` and ``tool`` messages
 the way Qwen2's does. ``demos.jsonl`` holds a few demonstration episodes for the supervised
-warm-up (``warmup_sft_steps``).
+warm-up (``warmup_sft_steps``), each with the tools it was played with (``tools``).
 
 ``python -m engine_core_roles.data.tasks.tiny_agent FOLDER`` writes the tokenizer and the data files
 again; ``tests/test_agents.py`` checks that the shipped ones are exactly what it writes.
@@ -28,7 +28,7 @@ from typing import Any
 
 from engine_core_roles.data.tasks.tiny_text import ROLE_WORDS, build_tokenizer
 
-__all__ = ["CHAT_TEMPLATE", "answer_reward", "lookup", "value_of", "write_files"]
+__all__ = ["CHAT_TEMPLATE", "LOOKUP_SCHEMA", "answer_reward", "lookup", "value_of", "write_files"]
 
 CHAT_TEMPLATE = (
     "{% if tools %}<|im_start|>system\ntools:{% for t in tools %} {{ t['function']['name'] }}"
@@ -70,6 +70,23 @@ def lookup(key: str) -> str:
     return value_of(key)
 
 
+#: :func:`lookup`'s OpenAI function schema, as the tool environment derives it from the
+#: docstring; each demonstration names it (``tools``), so an agent job warms up on prompts that
+#: show the tool its agent sends
+LOOKUP_SCHEMA: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "Look up the value stored under a key.",
+        "parameters": {
+            "type": "object",
+            "properties": {"key": {"type": "string", "description": "two lowercase letters"}},
+            "required": ["key"],
+        },
+    },
+}
+
+
 def answer_reward(prompt: str, response: str, answer: str, **_: Any) -> float:
     """The share of the answer's three digits the final message gets right, in place."""
     del prompt
@@ -109,7 +126,7 @@ def write_files(
     val, train = rows[:val_size], rows[val_size:]
     for name, part in (("val.jsonl", val), ("train.jsonl", train)):
         (folder / name).write_text("".join(json.dumps(r) + "\n" for r in part))
-    shown = [{"messages": demonstration(r["key"])} for r in train[:demos]]
+    shown = [{"messages": demonstration(r["key"]), "tools": [LOOKUP_SCHEMA]} for r in train[:demos]]
     (folder / "demos.jsonl").write_text("".join(json.dumps(d) + "\n" for d in shown))
 
 
