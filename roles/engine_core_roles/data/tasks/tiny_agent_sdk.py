@@ -25,6 +25,8 @@ Agents SDK: ``pip install 'engine-core-roles[agents]'``.
 
 from __future__ import annotations
 
+import asyncio
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +51,7 @@ except ImportError as e:  # pragma: no cover - the message is the point
 
 from engine_core_roles.data.tasks.tiny_agent import answer_reward, lookup
 
-__all__ = ["MAX_TURNS", "MODEL", "RUN_CONFIG", "build_agent", "solve"]
+__all__ = ["MAX_TURNS", "MODEL", "RUN_CONFIG", "build_agent", "client_for", "solve"]
 
 MODEL = "engine-core"  # the name the job's endpoint serves
 MAX_TURNS = 3  # model calls a run may make: the tool environment's max_turns in agent_tiny
@@ -87,11 +89,28 @@ def lookup_tool(key: str) -> str:
     return lookup(key)
 
 
+# one client per event loop, its connection pool shared by the loop's sessions: building a
+# client builds a TLS context (0.1-0.2 s of CPU here), more than a session's model calls cost
+_CLIENTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncOpenAI] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def client_for(base_url: str, api_key: str) -> AsyncOpenAI:
+    """An ``AsyncOpenAI`` client for the session at ``base_url``: a copy, with the session's
+    base URL and key, of the running event loop's one client (the copies share its
+    connections)."""
+    loop = asyncio.get_running_loop()
+    shared = _CLIENTS.get(loop)
+    if shared is None:
+        shared = _CLIENTS[loop] = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    return shared.with_options(base_url=base_url, api_key=api_key)
+
+
 def build_agent(base_url: str, api_key: str) -> Agent[Any]:
     """The agent, its model served at ``base_url``: no instructions (the task's prompts have
     no system message but the tools'), one tool."""
-    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-    model = OpenAIChatCompletionsModel(model=MODEL, openai_client=client)
+    model = OpenAIChatCompletionsModel(model=MODEL, openai_client=client_for(base_url, api_key))
     return Agent(name="lookup", tools=[lookup_tool], model=model)
 
 
