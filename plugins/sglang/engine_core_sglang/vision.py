@@ -32,7 +32,9 @@ Served: Qwen2-VL, Qwen2.5-VL and Qwen3-VL, images of one frame (as image process
 SGLang 0.5.23's Qwen2.5-VL encodes patches only 1,176 wide (3 channels x 2 frames x 14 x 14, as
 every released Qwen2/2.5-VL has); a patch of another width it takes for an image's finished
 embedding and skips its tower, so such a model is refused (:func:`check_vision_model`).
-Qwen3-VL-MoE and other families are refused when the rollout starts.
+SGLang's Qwen2-VL reads the tower's channel count under the name released configs use
+(``in_chans``), which a config written by transformers 5 lacks: such a model is refused, saying
+what to add. Qwen3-VL-MoE and other families are refused when the rollout starts.
 """
 
 from __future__ import annotations
@@ -81,7 +83,15 @@ def check_vision_model(hf_config: Any) -> None:
             f"{sorted(VISION_FAMILIES)}; the model is {family!r}. Use rollout.backend=hf, which "
             f"generates with transformers' own model for every family the engines train."
         )
-    width = patch_width(hf_config.vision_config)
+    vision = hf_config.vision_config
+    if family == "qwen2_vl" and getattr(vision, "in_chans", None) is None:
+        raise CapabilityError(
+            f"SGLang's Qwen2-VL reads its vision tower's channel count as vision_config.in_chans "
+            f"(the name released Qwen2-VL configs use); this model's config has only "
+            f'in_channels, as transformers 5 writes it. Add "in_chans": {vision.in_channels} '
+            f"to vision_config in the model folder's config.json."
+        )
+    width = patch_width(vision)
     if family == "qwen2_5_vl" and width != _QWEN2_5_VL_PATCH:
         raise CapabilityError(
             f"SGLang's Qwen2.5-VL runs its vision tower only on pixel patches "

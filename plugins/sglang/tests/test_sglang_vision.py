@@ -55,7 +55,8 @@ SGLANG_QWEN2_5_VL: dict[str, Any] = {
     **TINY_QWEN2_5_VL,
     "vision_config": {**TINY_QWEN2_5_VL["vision_config"], "patch_size": 14, "window_size": 56},
 }
-# Qwen2-VL: the same decoder, its own tower (no windows)
+# Qwen2-VL: the same decoder, its own tower (no windows); its channel count also under the name
+# released Qwen2-VL configs give it, which SGLang reads
 SGLANG_QWEN2_VL: dict[str, Any] = {
     **{k: v for k, v in TINY_QWEN2_5_VL.items() if k != "vision_config"},
     "model_type": "qwen2_vl",
@@ -66,6 +67,7 @@ SGLANG_QWEN2_VL: dict[str, Any] = {
         "mlp_ratio": 2,
         "num_heads": 2,
         "in_channels": 3,
+        "in_chans": 3,
         "patch_size": 14,
         "spatial_merge_size": 2,
         "temporal_patch_size": 2,
@@ -144,6 +146,9 @@ def test_families_sglang_would_not_serve_from_patches_are_refused() -> None:
         check_vision_model(_hf_config(TINY_QWEN3_VL_MOE))
     with pytest.raises(CapabilityError, match="1176 wide .* this model's are 96 wide"):
         check_vision_model(_hf_config(TINY_QWEN2_5_VL))
+    vision = {k: v for k, v in SGLANG_QWEN2_VL["vision_config"].items() if k != "in_chans"}
+    with pytest.raises(CapabilityError, match='Add "in_chans": 3 to vision_config'):
+        check_vision_model(_hf_config({**SGLANG_QWEN2_VL, "vision_config": vision}))
 
 
 def test_a_sampled_vision_token_ends_its_sample_unfinished() -> None:
