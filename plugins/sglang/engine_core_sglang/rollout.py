@@ -39,6 +39,11 @@ Semantics of SGLang 0.5.23 that the code relies on:
 - Weights: ``update_weights_from_tensor`` must run inside a weight-update session
   (``begin_weight_update`` / ``end_weight_update``); buckets are loaded one call each and the
   prefix cache is flushed once at the end.
+- Images: a vision-language model's prompts with images (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) go
+  to SGLang's own vision tower as the image processor's patches, with SGLang's cache of
+  encoded images off and the sync's names checked (:mod:`engine_core_sglang.vision` says how
+  and why); each sample keeps its prompt's images, for the trainer. A sampled vision token
+  ends its sample before it, unfinished. Run on CPU; never on a GPU.
 - LoRA: with ``model.lora`` SGLang is started on the base model with LoRA on (its
   ``torch_native`` LoRA backend on CPU); the rollout's expected weights are the peft model's, so
   the weight link sends the peft tensors once (the base through the weight update under the base
