@@ -60,6 +60,10 @@ class Capability(StrEnum):
     # SamplingParams.stop_strings end a sample after the token that completes one of them in
     # its decoded text (the rollout decodes with the model folder's tokenizer as it generates)
     STOP_STRINGS = "stop_strings"
+    # submit() queues a generate call and returns at once; each advance() runs one engine step
+    # of every call not finished, so a call joins a batch already running (a server's clients
+    # each sending one prompt keep the batch full, as a batching engine's own server does)
+    CONTINUOUS_BATCHING = "continuous_batching"
 
 
 def check_capabilities(

@@ -611,7 +611,9 @@ class BaseRollout(abc.ABC):
     a trainer reads them, never the rollout's class: ``async_generation`` (``generate_async``),
     ``weight_sync_group`` (its own processes receive the weights: ``join_weight_sync``,
     ``receive_weights``, ``leave_weight_sync``), ``sleep`` (``release`` / ``resume``),
-    ``routing_replay`` (``SamplingParams.return_routes``), ``lora`` (adapters-only syncs).
+    ``routing_replay`` (``SamplingParams.return_routes``), ``lora`` (adapters-only syncs),
+    ``continuous_batching`` (``submit`` / ``advance`` / ``collect``: calls that join a running
+    batch).
     The calls of an undeclared capability refuse with :class:`CapabilityError`.
     """
 
@@ -718,6 +720,25 @@ class BaseRollout(abc.ABC):
         """:meth:`generate` without waiting: a pending result, while the generation runs
         elsewhere. Only a rollout that declares ``async_generation`` has it."""
         raise self._undeclared(Capability.ASYNC_GENERATION, "generate_async()")
+
+    # -- calls that join a running batch (continuous_batching)
+    def submit(self, prompts: TensorDict, params: SamplingParams) -> int:
+        """Queue the call ``generate(prompts, params)`` and return its ticket at once; it runs
+        beside every call submitted and not finished, one engine step per :meth:`advance`.
+        What ``generate`` refuses, ``submit`` refuses. Only a rollout that declares
+        ``continuous_batching`` has it."""
+        raise self._undeclared(Capability.CONTINUOUS_BATCHING, "submit()")
+
+    def advance(self) -> list[int]:
+        """One engine step of every call submitted and not finished (none: nothing); the
+        tickets of the calls it finished (``continuous_batching``)."""
+        raise self._undeclared(Capability.CONTINUOUS_BATCHING, "advance()")
+
+    def collect(self, ticket: int) -> TensorDict:
+        """A finished call's result, once: what ``generate`` returns for the same call (the
+        same samples for a seeded one), or what assembling it raised
+        (``continuous_batching``)."""
+        raise self._undeclared(Capability.CONTINUOUS_BATCHING, "collect()")
 
     # -- the weight path of a rollout whose own processes receive its weights
     @property

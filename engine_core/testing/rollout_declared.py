@@ -1,9 +1,10 @@
 """The rollout kit's checks of what a rollout declares beyond the base contract: stop strings
-(``stop_strings``), ``generate_async`` (``async_generation``), adapters-only LoRA syncs
+(``stop_strings``), ``generate_async`` (``async_generation``), calls that join a running
+batch (``continuous_batching``), adapters-only LoRA syncs
 (``lora``), returned routes (``routing_replay``) and weights streamed to the rollout's own
 processes over a group (``weight_sync_group``). A check of a capability the rollout does not
 declare raises :class:`NotDeclared` (the test is skipped, saying so), except
-``generate_async`` and ``join_weight_sync``, which must refuse when undeclared. Each raises :class:`PromiseBroken` as
+``generate_async``, ``submit`` and ``join_weight_sync``, which must refuse when undeclared. Each raises :class:`PromiseBroken` as
 the base checks in :mod:`engine_core.testing.rollout_kit` do, which lists them all in
 ``CHECKS``.
 """
@@ -42,6 +43,7 @@ from engine_core.testing.rollout_subject import (
 __all__ = [
     "CannotRunHere",
     "check_async",
+    "check_continuous",
     "check_lora",
     "check_routes",
     "check_stop_strings",
@@ -139,6 +141,46 @@ def check_async(s: Subject) -> None:
         "generate_async(...).result() differs from generate(...) for the same seeded call.",
         "return a pending result of exactly what generate returns.",
     )
+
+
+def check_continuous(s: Subject) -> None:
+    """Where ``continuous_batching`` is declared, two seeded calls, the second submitted after
+    the first has taken an engine step, are each collected as ``generate`` returns it."""
+    p = prompt_batch()
+    first_params = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=SEED)
+    second_params = SamplingParams(temperature=1.0, max_new_tokens=3, n=1, seed=SEED + 1)
+    if Capability.CONTINUOUS_BATCHING not in s.capabilities:
+        try:
+            s.rollout.submit(p, first_params)
+        except EngineCoreError:
+            return
+        raise PromiseBroken(
+            "continuous batching",
+            "submit() ran without continuous_batching declared.",
+            "declare continuous_batching, or leave BaseRollout.submit as it is.",
+        )
+    first = s.rollout.submit(p, first_params)
+    finished = s.rollout.advance()
+    second = s.rollout.submit(p, second_params)
+    for _ in range(1000):  # far more steps than the two calls' tokens
+        if len(finished) >= 2:
+            break
+        finished += s.rollout.advance()
+    expect(
+        sorted(finished) == sorted([first, second]),
+        "continuous batching",
+        f"advance() reported tickets {finished}, submitted {[first, second]}.",
+        "report each submitted call's ticket once, in the step that finishes its last sample.",
+    )
+    collected = {ticket: responses(s.rollout.collect(ticket)) for ticket in (first, second)}
+    for ticket, params in ((first, first_params), (second, second_params)):
+        got = collected[ticket]
+        expect(
+            got == responses(generate(s, p, params)),
+            "continuous batching",
+            f"call {ticket} collected {got}, generate returns other samples for it.",
+            "draw a submitted call's samples from its own seeds, as generate does.",
+        )
 
 
 def check_lora(s: Subject) -> None:

@@ -54,6 +54,7 @@ from engine_core.rollout import (
 from engine_core.testing.rollout_declared import (
     CannotRunHere,
     check_async,
+    check_continuous,
     check_lora,
     check_routes,
     check_stop_strings,
@@ -582,6 +583,7 @@ CHECKS: dict[str, Callable[[Subject], None]] = {
     "release_resume": check_release_resume,
     "refusals": check_refusals,
     "async": check_async,
+    "continuous": check_continuous,
     "lora": check_lora,
     "routes": check_routes,
     "weight_sync_group": check_weight_sync_group,
