@@ -20,6 +20,7 @@ VLLM_CAPABILITIES = frozenset(
         Capability.STOP_STRINGS,
         Capability.LORA,  # the base once, then each adapter version as a LoRARequest
         Capability.VISION,  # prompts with images as pixel patches (engine_core_vllm.vision)
+        Capability.CONTINUOUS_BATCHING,  # submitted calls join the engine's running batch
     }
 )
 

@@ -21,6 +21,10 @@
   back from the model's parameters; the checksum covers the tensors the loader received, and the
   rollout-vs-trainer log-prob difference (reported each step by the training loop) covers the
   rest.
+- Calls may also join a running batch (``continuous_batching``): :meth:`VLLMRollout.submit`
+  adds a call's requests to vLLM's engine beside those running, each :meth:`~VLLMRollout.advance`
+  is one engine step, and a finished call is collected as ``generate`` would have returned it
+  (what a server in front of the rollout uses: a request never waits for a batch it missed).
 - Stop strings (``SamplingParams.stop_strings``) are vLLM's own ``stop``, the string kept in the
   output: vLLM is started with the model's tokenizer where the model has one
   (:func:`engine_core.stop_strings.tokenizer_folder`), without one otherwise (then a request
@@ -41,6 +45,7 @@ import contextlib
 import itertools
 import tempfile
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -182,6 +187,21 @@ def to_vllm_sampling_params(
     )
 
 
+@dataclass
+class _Call:
+    """One generate call on its way through vLLM: its prompts, settings and requests, and the
+    outputs of those finished (submitted calls)."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    rows: list[list[int]]
+    params: SamplingParams
+    pictured: TensorDict | None
+    requests: list[Any]
+    sampling: list[Any]
+    outputs: list[Any] = field(default_factory=list)
+
+
 class VLLMRollout(BaseRollout):
     capabilities: ClassVar[frozenset[Capability]] = VLLM_CAPABILITIES
     routes_from_start: ClassVar[bool] = True
@@ -257,9 +277,71 @@ class VLLMRollout(BaseRollout):
         # prompt ids are checked against it: vLLM's CPU engine crashes on an id outside
         self._vocab_size = int(self._layout.get_input_embeddings().weight.shape[0])
         self.stale = False
+        # submitted calls (continuous batching): each by ticket, and each vLLM request's call
+        self._calls: dict[int, _Call] = {}
+        self._owners: dict[str, tuple[int, int]] = {}
+        self._tickets = itertools.count()
 
     # -- generation -----------------------------------------------------------------------
     def generate(self, prompts: TensorDict, params: SamplingParams) -> TensorDict:
+        if self._calls:
+            raise BatchError(
+                f"VLLMRollout.generate while {len(self._calls)} submitted call(s) run; advance "
+                f"them to the end (advance, collect) first: vLLM's engine steps every request."
+            )
+        call = self._prepared(prompts, params)
+        outputs = self.llm.generate(
+            call.requests, call.sampling, use_tqdm=False, lora_request=self._lora
+        )
+        return self._result(call, outputs)
+
+    def submit(self, prompts: TensorDict, params: SamplingParams) -> int:
+        """Add a call's requests to vLLM's engine, beside those running; its ticket."""
+        call = self._prepared(prompts, params)
+        added = self.llm.enqueue(
+            call.requests, call.sampling, use_tqdm=False, lora_request=self._lora
+        )
+        ticket = next(self._tickets)
+        for i, request_id in enumerate(added):
+            # vLLM hands back its internal id, the LLM's counter value with a random suffix
+            # ("17-1a2b3c4d"); outputs carry the counter value alone
+            self._owners[request_id.split("-", 1)[0]] = (ticket, i)
+        call.outputs = [None] * len(added)
+        self._calls[ticket] = call
+        return ticket
+
+    def advance(self) -> list[int]:
+        finished = []
+        if not self.llm.llm_engine.has_unfinished_requests():
+            return finished
+        try:
+            outputs = self.llm.llm_engine.step()
+        except Exception:  # the engine failed: its calls are gone with the step
+            self._calls.clear()
+            self._owners.clear()
+            raise
+        for out in outputs:
+            if not out.finished:
+                continue
+            ticket, i = self._owners.pop(out.request_id)
+            call = self._calls[ticket]
+            call.outputs[i] = out
+            if all(o is not None for o in call.outputs):
+                finished.append(ticket)
+        return finished
+
+    def collect(self, ticket: int) -> TensorDict:
+        call = self._calls.get(ticket)
+        if call is None or any(o is None for o in call.outputs):
+            raise BatchError(
+                f"VLLMRollout.collect({ticket}): no finished call has this ticket; collect "
+                f"each ticket advance() returned, once."
+            )
+        del self._calls[ticket]
+        return self._result(call, call.outputs)
+
+    def _prepared(self, prompts: TensorDict, params: SamplingParams) -> _Call:
+        """A call's requests for vLLM, refused before anything runs where it cannot."""
         if self.stale:
             raise WeightSyncError(
                 "the last weight sync into the vLLM rollout failed, so its weights are "
@@ -274,8 +356,12 @@ class VLLMRollout(BaseRollout):
         requests = [self._request(i, row, pictured) for i, row in enumerate(rows)]
         seeds = prompt_seeds(prompts, params) or [None] * len(requests)
         sampling = [to_vllm_sampling_params(params, seed, self._cut) for seed in seeds]
-        outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self._lora)
-        ran = [i for i, out in enumerate(outputs) if list(out.prompt_token_ids or ()) != rows[i]]
+        return _Call(ids, mask, rows, params, pictured, requests, sampling)
+
+    def _result(self, call: _Call, outputs: list[Any]) -> TensorDict:
+        """vLLM's outputs of a call (in its prompts' order) as a response batch."""
+        params, pictured = call.params, call.pictured
+        ran = [i for i, o in enumerate(outputs) if list(o.prompt_token_ids or ()) != call.rows[i]]
         if ran:  # vLLM expanded an image's placeholder to another count than the prompt had
             raise BatchError(
                 f"VLLMRollout.generate: vLLM ran prompt(s) {ran[:8]} on other ids than given; "
@@ -293,7 +379,7 @@ class VLLMRollout(BaseRollout):
                     samples.append((toks, lps, c.finish_reason != "stop"))
                 if params.return_routes:  # [prompt + response - 1, layers, top_k] (numpy)
                     routes.append(torch.from_numpy(c.routed_experts))
-        result = response_batch(ids, mask, params.n, samples, self.pad_token_id)
+        result = response_batch(call.ids, call.mask, params.n, samples, self.pad_token_id)
         if params.return_routes:
             result[ROUTED_EXPERTS] = place_routes(result, routes)
         if pictured is not None:  # each sample keeps its prompt's images, for the trainer
@@ -320,6 +406,11 @@ class VLLMRollout(BaseRollout):
         base model's names and the adapters into the next adapter folder; a stream of adapters
         alone reloads nothing and only swaps the adapter served.
         """
+        if self._calls:
+            raise WeightSyncError(
+                f"a weight load while {len(self._calls)} submitted call(s) run would give them "
+                f"tokens of two weight versions; advance them to the end first."
+            )
         done: list[WeightBucket] = []
         adapters: dict[str, torch.Tensor] = {}
         checked = checked_buckets(buckets, self._expected)

@@ -3,6 +3,7 @@ weight sync after a training step, and the errors a broken sync raises."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -159,6 +160,55 @@ def test_stop_tokens_end_a_sample(rollout: Any) -> None:
     end = first.tolist().index(stop)
     assert out[RESPONSE_MASK][0].sum() == end + 1  # the stop token is kept, nothing after it
     assert not out[TRUNCATED][0]
+
+
+def test_calls_submitted_while_others_run_sample_as_generate_alone(rollout: Any) -> None:
+    """Continuous batching: calls joining the engine's running batch step by step, and behind
+    the serving worker, each give what ``generate`` gives that call alone; meanwhile
+    ``generate`` and a weight load refuse."""
+    from engine_core.errors import BatchError
+    from engine_core_roles.batch.build import prompt_batch
+    from engine_core_roles.data.tasks.tiny_text import build_tokenizer
+    from engine_core_roles.serving import ServedRollout
+
+    calls = [
+        (prompts(), SamplingParams(temperature=1.0, max_new_tokens=12, n=2, seed=3)),
+        (prompts()[1:], SamplingParams(temperature=TEMPERATURE, max_new_tokens=4, seed=4)),
+        (prompts()[:1], SamplingParams(temperature=0, max_new_tokens=7)),
+    ]
+    alone = [rollout.generate(p, params) for p, params in calls]
+    first = rollout.submit(*calls[0])
+    finished = rollout.advance() + rollout.advance()
+    later = [rollout.submit(*call) for call in calls[1:]]
+    with pytest.raises(BatchError, match="submitted call"):
+        rollout.generate(*calls[2])
+    with pytest.raises(WeightSyncError, match="submitted call"):
+        rollout.load_weights(iter(()))
+    while len(finished) < 3:
+        finished += rollout.advance()
+    assert sorted(finished) == [first, *later]
+    for ticket, want in zip([first, *later], alone, strict=True):
+        got = rollout.collect(ticket)
+        for key in (RESPONSE_IDS, RESPONSE_MASK, TRUNCATED):
+            assert torch.equal(got[key], want[key]), key
+        assert torch.allclose(got[ROLLOUT_LOG_PROBS], want[ROLLOUT_LOG_PROBS], atol=1e-5)
+
+    served = ServedRollout(rollout, build_tokenizer(alphabet=None, words=()))
+    firsts = [(p[PROMPT_IDS][0][p[PROMPT_MASK][0].bool()].tolist(), params) for p, params in calls]
+
+    async def concurrently() -> list[Any]:
+        return await asyncio.gather(*(served.sample([ids], params) for ids, params in firsts))
+
+    try:
+        sampled = asyncio.run(concurrently())
+    finally:
+        served.close()
+    assert served.generate_calls == 3
+    for got, (ids, params) in zip(sampled, firsts, strict=True):
+        want = rollout.generate(prompt_batch([ids]), params)
+        mask = want[RESPONSE_MASK].bool()
+        samples = [want[RESPONSE_IDS][k][mask[k]].tolist() for k in range(params.n)]
+        assert [c.token_ids for c in got.choices[0]] == samples
 
 
 def test_sync_after_a_training_step_is_verified_and_followed(rollout: Any, folder: str) -> None:
