@@ -8,6 +8,7 @@ flight completes; a non-loopback bind without a key is refused before anything s
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import threading
 import time
@@ -24,13 +25,16 @@ openai = pytest.importorskip("openai", reason="make setup installs the test extr
 httpx = pytest.importorskip("httpx2", reason="openai's own HTTP client, installed with it")
 pytest.importorskip("starlette", reason="make setup installs the roles' serve extra")
 
+from engine_core.capabilities import Capability  # noqa: E402
 from engine_core.config import ModelConfig  # noqa: E402
+from engine_core.errors import BatchError  # noqa: E402
 from engine_core.models import build_model  # noqa: E402
 from engine_core.plugins import load_plugins  # noqa: E402
 from engine_core.rollout import (  # noqa: E402
     RESPONSE_IDS,
     RESPONSE_MASK,
     ROLLOUT_LOG_PROBS,
+    BaseRollout,
     SamplingParams,
     sent_buckets,
 )
@@ -260,6 +264,91 @@ def test_concurrent_requests_are_merged_without_changing_a_sample(
         alone[RESPONSE_IDS][k][mask[k]].tolist() for k in range(4)
     ]
     assert len(replies[4].choices) == 2
+
+
+class OneCallAStep(BaseRollout):
+    """A rollout that batches continuously, as vLLM's engine does, made of the hf rollout:
+    each ``advance()`` finishes the oldest call submitted (generated alone); a call asking
+    for 7 tokens is refused when submitted."""
+
+    capabilities = frozenset({Capability.CPU, Capability.CONTINUOUS_BATCHING})
+
+    def __init__(self, inner: BaseRollout) -> None:
+        super().__init__(inner.config)
+        self.inner = inner
+        self.running: dict[int, tuple[Any, SamplingParams]] = {}
+        self.finished: dict[int, Any] = {}
+        self.tickets = itertools.count()
+
+    def generate(self, prompts: Any, params: SamplingParams) -> Any:
+        return self.inner.generate(prompts, params)
+
+    def expected_weights(self) -> dict[str, tuple[int, ...]]:
+        return self.inner.expected_weights()
+
+    def load_weights(self, buckets: Any) -> Any:
+        return self.inner.load_weights(buckets)
+
+    def submit(self, prompts: Any, params: SamplingParams) -> int:
+        if params.max_new_tokens == 7:
+            raise BatchError("OneCallAStep refuses 7 tokens.")
+        ticket = next(self.tickets)
+        self.running[ticket] = (prompts, params)
+        return ticket
+
+    def advance(self) -> list[int]:
+        if not self.running:
+            return []
+        ticket = min(self.running)
+        self.finished[ticket] = self.inner.generate(*self.running.pop(ticket))
+        return [ticket]
+
+    def collect(self, ticket: int) -> Any:
+        return self.finished.pop(ticket)
+
+
+def test_a_continuously_batching_rollout_takes_each_request_as_it_comes(
+    served: ServedRollout,
+) -> None:
+    """Requests are submitted as they arrive, each sampled as the request alone would be; one
+    the rollout refuses fails alone; work between calls waits for the requests running."""
+    stepping = OneCallAStep(served.rollout)
+    continuous = ServedRollout(stepping, served.tokenizer)
+    config = ServeConfig(port=0, model_name=NAME, **LIMITS)
+    gate = threading.Event()
+    try:
+        with BackgroundServer(config, continuous) as server:
+            held = continuous.between_calls(lambda: gate.wait(60))
+            _wait_for(lambda: continuous.waiting() == 0)
+
+            async def run() -> list[Any]:
+                aclient = openai.AsyncOpenAI(base_url=server.url, api_key="unused", max_retries=0)
+                async with aclient:
+                    asked = [
+                        aclient.chat.completions.create(
+                            model=NAME, messages=USER, seed=seed, n=2, max_tokens=5 + 2 * seed
+                        )
+                        for seed in range(3)
+                    ]
+                    tasks = [asyncio.ensure_future(a) for a in asked]
+                    while continuous.waiting() < len(tasks):
+                        await asyncio.sleep(0.01)
+                    after = continuous.between_calls(lambda: dict(stepping.running))
+                    gate.set()
+                    replies = await asyncio.gather(*tasks, return_exceptions=True)
+                    return [*replies, after.result(60)]
+
+            *replies, running_then = asyncio.run(asyncio.wait_for(run(), 120))
+    finally:
+        gate.set()
+        continuous.close()
+    assert held.result() is True
+    ids = rendered(served, USER)
+    assert_same(replies[0].choices, rollout_samples(served, ids, n=2, seed=0, max_new_tokens=5))
+    assert isinstance(replies[1], openai.BadRequestError) and "7 tokens" in str(replies[1])
+    assert_same(replies[2].choices, rollout_samples(served, ids, n=2, seed=2, max_new_tokens=9))
+    assert running_then == {}  # the barrier ran once the requests before it had finished
+    assert continuous.generate_calls == continuous.requests == 2
 
 
 def _wait_for(condition: Any, timeout_s: float = 60) -> None:

@@ -7,7 +7,10 @@ worker thread; the rollout is only ever called from that thread, one ``generate`
 Requests from concurrent clients are merged: when the worker is free it takes every request
 waiting, and those that share their sampling settings (all but the seed) go to the rollout as
 one ``generate`` call. That is what keeps a batching engine (vllm, sglang, replicas) busy when
-many agents each send one prompt. Merging never changes a sample: a seeded request's prompts
+many agents each send one prompt. A rollout that declares ``continuous_batching`` (vllm) is fed
+instead: each request joins the engine's running batch as it arrives and the worker steps the
+batch while any request runs, so agents whose calls end at different times never fall into
+cohorts that wait for each other's batch. Merging never changes a sample: a seeded request's prompts
 travel with their own seeds (the ``prompt_seed`` column, ``derive_seed(seed, i)`` for its
 prompt ``i``, what ``generate`` would derive for the request alone), and a rollout draws a
 prompt's samples from its seed whatever else is in the batch (``engine_core.rollout``). A merged
@@ -35,6 +38,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from engine_core.capabilities import Capability
 from engine_core.rollout import (
     PROMPT_SEED,
     RESPONSE_IDS,
@@ -138,6 +142,66 @@ class ServedRollout:
 
     # -- the worker thread ---------------------------------------------------------------------
     def _work(self) -> None:
+        if Capability.CONTINUOUS_BATCHING in self.rollout.capabilities:
+            self._work_continuously()
+        else:
+            self._work_merged()
+
+    def _work_continuously(self) -> None:
+        """Each request joins the rollout's running batch as it arrives (``submit``), and the
+        worker steps the batch (``advance``) while any request runs: no request waits for a
+        batch it missed to finish, as a batching engine's own server works. A barrier
+        (``between_calls``, closing) waits for the running requests to finish and holds back
+        what came after it."""
+        running: dict[int, _Job] = {}
+        held: deque[_Job | None] = deque()  # a barrier taken while requests ran
+        while True:
+            while True:  # take what has arrived, waiting for it only when nothing runs
+                if held:
+                    job = held.popleft()
+                elif running:
+                    try:
+                        job = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                else:
+                    job = self._queue.get()
+                if job is None or job.fn is not None:
+                    if running:
+                        held.appendleft(job)
+                        break
+                    if job is None:
+                        return
+                    if job.fn is not None and job.done.set_running_or_notify_cancel():
+                        _settle(job, job.fn)
+                    continue
+                if not job.done.set_running_or_notify_cancel():  # its caller gave up waiting
+                    continue
+                assert job.params is not None
+                try:
+                    running[self.rollout.submit(prompt_batch(job.prompts), job.params)] = job
+                except Exception as e:  # refused: this request's own failure
+                    job.done.set_exception(e)
+            if not running:
+                continue
+            try:
+                finished = self.rollout.advance()
+            except Exception as e:  # the engine failed: every request in its batch with it
+                for job in running.values():
+                    job.done.set_exception(e)
+                running.clear()
+                continue
+            for ticket in finished:
+                job = running.pop(ticket)
+                _settle(job, partial(self._collected, ticket, job))
+
+    def _collected(self, ticket: int, job: _Job) -> Sampled:
+        out = self.rollout.collect(ticket)
+        self.generate_calls += 1
+        self.requests += 1
+        return self._sampled(out, [job])[0]
+
+    def _work_merged(self) -> None:
         held: deque[_Job | None] = deque()  # taken from the queue, not run yet
         while True:
             job = held.popleft() if held else self._queue.get()
@@ -196,6 +260,12 @@ class ServedRollout:
         out = self.rollout.generate(batch, params)
         self.generate_calls += 1
         self.requests += len(group)
+        return self._sampled(out, group)
+
+    def _sampled(self, out: Any, group: list[_Job]) -> list[Sampled]:
+        """Each job's samples of ``out``, the rollout's result of the group's prompts."""
+        params = group[0].params
+        assert params is not None
         ids, mask = out[RESPONSE_IDS].tolist(), out[RESPONSE_MASK].tolist()
         logps, cut = out[ROLLOUT_LOG_PROBS].tolist(), out[TRUNCATED].tolist()
         choices = []
