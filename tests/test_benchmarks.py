@@ -82,3 +82,58 @@ def test_the_learning_figures_count_a_seed_that_never_arrives_as_the_worst() -> 
     assert learning._median([200, None, 300]) == 300
     assert learning._median([200, None, None]) is None
     assert learning._median([100, 200, 300, 400]) == 250
+
+
+def test_the_serving_load_checks_pass_on_a_served_rollout_and_catch_mixed_records(
+    tmp_path: Path,
+) -> None:
+    """The load benchmark's sessions and checks, small, against the endpoint in front of the hf
+    rollout in this process (its full run starts two vLLM servers, minutes on a CPU host): every
+    record matches, and a record swapped, cut short or changed is caught."""
+    pytest.importorskip("openai", reason="make setup installs the test extra (openai)")
+    pytest.importorskip("starlette", reason="make setup installs the roles' serve extra")
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from engine_core.plugins import load_plugins
+    from engine_core_roles.serving import BackgroundServer, ServeConfig, served_rollout
+
+    load_bench = importlib.import_module("serving_load")
+    tiny = {**load_bench.MODEL, "hidden_size": 64, "intermediate_size": 128}
+    tiny.update(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    folder = load_bench.build_model_folder(tmp_path, tiny)
+    served = served_rollout({"backend": "hf", "model": {"path": str(folder)}}, load_plugins())
+    config = ServeConfig(port=0, model_name=load_bench.NAME)
+    try:
+        with BackgroundServer(config, served) as server:
+            load = asyncio.run(
+                load_bench.run_load(
+                    server.url, sessions=3, seconds=0.5, turns=2, max_tokens=4, prefix="t"
+                )
+            )
+            records = load_bench.session_records(server.root, list(load.sessions))
+    finally:
+        served.close()
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    assert load.calls and len(load.sessions) >= 3
+    assert load_bench.check_complete(load, 4) == []
+    assert load_bench.check_records(load, records, tok) == []
+    figures = load_bench.figures(load, [], "checked")
+    assert figures["calls"] == len(load.calls) and figures["check"]["ok"]
+
+    one, two = sorted(s for s, n in load.sessions.items() if n)[:2]
+    swapped = {**records, one: records[two], two: records[one]}
+    assert {
+        p.split(":")[0].split(" ")[0] for p in load_bench.check_records(load, swapped, tok)
+    } >= {
+        one,
+        two,
+    }
+    cut = {**records, one: {**records[one], "calls": records[one]["calls"][:-1]}}
+    assert any("recorded" in p for p in load_bench.check_records(load, cut, tok))
+    first = records[one]["calls"][0]
+    other = [{**first["choices"][0], "token_ids": first["choices"][0]["token_ids"][:-1]}]
+    changed = {**records, one: {**records[one], "calls": [{**first, "choices": other}]}}
+    changed[one]["calls"] += records[one]["calls"][1:]
+    assert any("other ids" in p for p in load_bench.check_records(load, changed, tok))
