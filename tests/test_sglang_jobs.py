@@ -1,7 +1,7 @@
 """`engine-core run rollout.backend=sglang` end to end, on SGLang's CPU engine in its own
 environment (``make sglang-env``, or ``ENGINE_CORE_SGLANG_PYTHON``): the text task, the tool
-task (the episode loop runs in the replica, on SGLang) and asynchronous training with two
-replicas. Skipped where that environment does not exist (it is not built by ``make test``).
+task (the episode loop runs in the replica, on SGLang), asynchronous training with two
+replicas, and chat rows with images. Skipped where that environment does not exist (it is not built by ``make test``).
 """
 
 from __future__ import annotations
@@ -54,3 +54,23 @@ def test_a_job_on_sglang(job: str, tmp_path: Path) -> None:
         assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-4
     if job == "moe":  # fp32 on both sides: the trainer's routers agree with SGLang's
         assert [r["rollout/route_mismatch"] for r in rows] == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.skipif(PYTHON is None, reason="needs SGLang's CPU environment: make sglang-env")
+def test_an_image_job_on_sglang(tmp_path: Path) -> None:
+    """The job on chat rows with image files, a tiny Qwen2.5-VL (patches of 14 x 14, the only
+    size SGLang's Qwen2.5-VL encodes) sampled by SGLang from the images: the trainer's
+    log-probs of the samples, with the images, equal SGLang's at every step."""
+    from tests.fixtures.vl_chat import build_vl_chat_folder
+    from tests.test_vision import _image_job, _image_rows
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    build_vl_chat_folder(folder, patch=14)
+    raw = _image_job(str(folder), tmp_path, tmp_path / "run", _image_rows(tmp_path), *SGLANG)
+    run_rl_job(raw, load_plugins())
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(r["weight_sync/bytes"] > 0 for r in rows)
+    gaps = [r["rollout/logprob_diff_max"] for r in rows]
+    print(f"sglang cpu image job, rollout-vs-trainer log-prob gap per step: {gaps}")
+    assert max(gaps) < 1e-5
