@@ -447,7 +447,7 @@ def test_episode_limits_and_environment_failures(tokenizer: Any, actor: Actor) -
         "Broken.step raised RuntimeError: cannot" in e or "returned str" in e for e in errors
     )
     # a prompt batch without rows is refused, naming the field
-    with pytest.raises(ConfigError, match="dataset row in the 'row' field"):
+    with pytest.raises(ConfigError, match="dataset row, from the 'row' field"):
         broken.generate(_prompts(["ab"]).exclude(ROW), params)
 
 

@@ -13,11 +13,12 @@ under the names exported from :mod:`engine_core_roles` (``OLD_LOG_PROBS``, ``ADV
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from tensordict import TensorDict
 
-from engine_core import BatchError, BatchMeta, SamplingParams, make_batch
+from engine_core import BatchError, BatchMeta, ConfigError, SamplingParams, make_batch
 from engine_core.batch import IMAGE_GRID_THW, INPUT_IDS, ROUTED_EXPERTS
 from engine_core.rollout import (
     PROMPT_IDS,
@@ -29,8 +30,22 @@ from engine_core.rollout import (
     response_batch,
 )
 from engine_core.vision import PIXEL_VALUES
+from engine_core_roles.batch.keys import ROW
 
-__all__ = ["prompt_batch", "training_batch", "sequence_batch", "turns_batch"]
+__all__ = ["dataset_rows", "prompt_batch", "training_batch", "sequence_batch", "turns_batch"]
+
+
+def dataset_rows(prompts: TensorDict, needs: str) -> list[dict[str, Any]]:
+    """Each prompt's dataset row, from the :data:`ROW` field of a prompt batch, for a rollout
+    that starts from rows (``needs`` says which and what for, e.g. "an agent rollout hands each
+    agent its dataset row"); refused, before anything runs, where the batch has none."""
+    if ROW not in prompts.keys():
+        raise ConfigError(
+            f"{needs}, from the {ROW!r} field of the prompt batch, which has none (its fields: "
+            f"{sorted(prompts.keys())}); build the prompts with "
+            f"engine_core_roles.data.datasets.prompts.PromptData(..., rows=True)."
+        )
+    return [dict(r) for r in prompts[ROW].tolist()] if prompts.batch_size[0] else []
 
 
 def turns_batch(

@@ -56,8 +56,8 @@ from engine_core.rollout import (
     sample_seeds,
 )
 from engine_core.vision import vision_fields
-from engine_core_roles.batch.build import prompt_batch, turns_batch
-from engine_core_roles.batch.keys import EPISODE, ROW
+from engine_core_roles.batch.build import dataset_rows, prompt_batch, turns_batch
+from engine_core_roles.batch.keys import EPISODE
 from engine_core_roles.data.datasets.images import (
     ImagePromptRenderer,
     image_parts,
@@ -179,13 +179,7 @@ class EpisodeRollout(BaseRollout):
         return self._templates[key]
 
     def generate(self, prompts: TensorDict, params: SamplingParams) -> TensorDict:
-        if ROW not in prompts.keys():
-            raise ConfigError(
-                f"an episode rollout needs each prompt's dataset row in the {ROW!r} field of the "
-                f"prompt batch (engine_core_roles.data.datasets.prompts.PromptData(..., rows=True) puts them "
-                f"there); got {sorted(prompts.keys())}."
-            )
-        rows = list(prompts[ROW].tolist()) if prompts.batch_size[0] else []
+        rows = dataset_rows(prompts, "an episode rollout starts each episode from its dataset row")
         n = params.n
         t_env = 0.0
         # a prompt's n episodes adjacent, as a rollout's n samples are

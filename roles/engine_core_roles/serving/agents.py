@@ -74,8 +74,8 @@ from engine_core.rollout import (
     WeightBucket,
     sample_seeds,
 )
-from engine_core_roles.batch.build import prompt_batch, turns_batch
-from engine_core_roles.batch.keys import EPISODE, ROW, WEIGHT_VERSION
+from engine_core_roles.batch.build import dataset_rows, prompt_batch, turns_batch
+from engine_core_roles.batch.keys import EPISODE, WEIGHT_VERSION
 from engine_core_roles.serving.agent_function import AgentFn, BadReturn, outcome
 from engine_core_roles.serving.config import ServeConfig
 from engine_core_roles.serving.rows import SessionRow, session_rows
@@ -264,19 +264,13 @@ class AgentRollout(BaseRollout):
         return self._start(prompts, params)
 
     def _start(self, prompts: TensorDict, params: SamplingParams) -> _Running:
-        if ROW not in prompts.keys():
-            raise ConfigError(
-                f"an agent rollout hands each agent its dataset row, from the {ROW!r} field of "
-                f"the prompt batch (PromptData(..., rows=True) puts it there); got "
-                f"{sorted(prompts.keys())}."
-            )
+        rows = dataset_rows(prompts, "an agent rollout hands each agent its dataset row")
         if params.temperature != self.temperature:
             raise ConfigError(
                 f"this agent rollout's endpoint samples at temperature {self.temperature} (set "
                 f"when it was built, the trainer's); generate asked {params.temperature}. Build "
                 f"the rollout with the temperature the trainer computes its log-probs at."
             )
-        rows = [dict(r) for r in prompts[ROW].tolist()] if prompts.batch_size[0] else []
         # session j of prompt i draws the calls that name no seed from its own seed
         seeds = sample_seeds(prompts, params) if rows else None
         server, n = self.server, params.n
