@@ -227,7 +227,7 @@ def build_requests(
     *,
     deterministic: bool = False,
     vocab_size: int | None = None,
-    vision: Any = None,
+    model_config: Any = None,
 ) -> SGLangRequests:
     """Strip the left padding of each prompt and repeat it ``n`` times (its samples adjacent).
 
@@ -238,17 +238,18 @@ def build_requests(
     against ``vocab_size`` where given: an id outside it kills SGLang's scheduler (an
     ``IndexError`` in its embedding, every process of the engine gone).
 
-    ``vision``: the config of a vision-language model, whose prompts may carry images
-    (checked against their image tokens); each request then has its prompt's images as
+    ``model_config``: the model's transformers config, which prompts with images are checked
+    against (their image tokens against their grids; refused for a text model); each request
+    of a vision-language model then has its prompt's images as
     :func:`engine_core_sglang.vision.image_data` gives them. Without it, images are refused.
     """
     who = "SGLangRollout.generate"
-    ids, mask = prompt_tensors(prompts, who, vocab_size, images=vision is not None)
+    ids, mask = prompt_tensors(prompts, who, vocab_size, images=model_config is not None)
     if ids.shape != mask.shape:
         raise BatchError(
             f"{PROMPT_IDS} {tuple(ids.shape)} and {PROMPT_MASK} {tuple(mask.shape)} differ."
         )
-    cut = vision_token_ids(vision) if vision is not None else frozenset()
+    cut = vision_token_ids(model_config) if model_config is not None else frozenset()
     base = to_sglang_sampling_params(params, deterministic=deterministic, cut=cut)
     rows: list[list[int]] = []
     for i, (row, m) in enumerate(zip(ids, mask, strict=True)):
@@ -265,7 +266,7 @@ def build_requests(
         sampling = [{**base, "sampling_seed": rng.getrandbits(63)} for _ in input_ids]
     else:
         sampling = [dict(base) for _ in input_ids]
-    images = prompt_images(prompts, ids, mask, vision) if vision is not None else None
+    images = None if model_config is None else prompt_images(prompts, ids, mask, model_config)
     if images is None:
         return SGLangRequests(input_ids, sampling)
     entries = [image_data(images[i], i) for i in range(len(rows))]
@@ -478,6 +479,7 @@ class SGLangRollout(BaseRollout):
             config.memory_saver if config.memory_saver is not None else config.device == "cuda"
         )
         hf_config = build_hf_config(config.model)
+        self._hf_config = hf_config
         self._vision = hf_config if is_vision_config(hf_config) else None
         processor: dict[str, Any] = {}
         if self._vision is not None:  # prompts' patches to SGLang's tower (vision.py)
@@ -591,7 +593,7 @@ class SGLangRollout(BaseRollout):
             params,
             deterministic=self.cfg.deterministic_inference,
             vocab_size=self._vocab_size,
-            vision=self._vision,
+            model_config=self._hf_config,
         )
         outputs = self.engine.generate(
             input_ids=requests.input_ids,

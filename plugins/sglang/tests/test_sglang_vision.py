@@ -37,6 +37,7 @@ from engine_core.rollout import (
     SamplingParams,
     sent_buckets,
 )
+from engine_core.testing.models import TINY_QWEN2
 from engine_core.testing.vision import (
     TINY_QWEN2_5_VL,
     TINY_QWEN3_VL,
@@ -103,7 +104,9 @@ def test_a_prompts_images_go_as_an_hf_processors_output_with_its_ids_unchanged()
     real patches, its grids without padding rows); a prompt without images has none; the ids
     go as the prompt holds them (placeholders expanded), and the vision tokens stop a sample."""
     prompts = _prompts(SGLANG_QWEN2_5_VL, GRIDS)
-    req = build_requests(prompts, PARAMS, deterministic=True, vision=_hf_config(SGLANG_QWEN2_5_VL))
+    req = build_requests(
+        prompts, PARAMS, deterministic=True, model_config=_hf_config(SGLANG_QWEN2_5_VL)
+    )
     mask = prompts["prompt_mask"].bool()
     assert req.input_ids[::2] == [
         row[m].tolist() for row, m in zip(prompts["prompt_ids"], mask, strict=True)
@@ -117,7 +120,7 @@ def test_a_prompts_images_go_as_an_hf_processors_output_with_its_ids_unchanged()
     assert req.images is not None and torch.equal(req.images[PIXEL_VALUES], prompts[PIXEL_VALUES])
     assert set(req.sampling_params[0]["stop_token_ids"]) == VISION_IDS
     vision = _hf_config(SGLANG_QWEN2_5_VL)
-    text = build_requests(prompts[1:2], PARAMS, deterministic=True, vision=vision)
+    text = build_requests(prompts[1:2], PARAMS, deterministic=True, model_config=vision)
     assert text.image_data is None  # the samples still carry the (empty) image fields
 
 
@@ -125,16 +128,18 @@ def test_images_are_refused_without_a_vision_model_and_as_several_frames() -> No
     prompts = _prompts(SGLANG_QWEN2_5_VL, GRIDS)
     with pytest.raises(CapabilityError, match="does not declare vision"):
         build_requests(prompts, SamplingParams())
+    with pytest.raises(BatchError, match="has no vision tower"):
+        build_requests(prompts, SamplingParams(), model_config=_hf_config(TINY_QWEN2))
     with pytest.raises(BatchError, match="prompt 1: image grids \\[\\[2, 2, 2\\]\\] have 2 frames"):
         build_requests(
             _prompts(SGLANG_QWEN2_5_VL, [[(1, 2, 2)], [(2, 2, 2)]]),
             SamplingParams(),
-            vision=_hf_config(SGLANG_QWEN2_5_VL),
+            model_config=_hf_config(SGLANG_QWEN2_5_VL),
         )
     broken = _prompts(SGLANG_QWEN2_5_VL, [[(1, 2, 2)], []])
     broken["prompt_ids"][1, -1] = VL_IMAGE_TOKEN  # an image token without its image
     with pytest.raises(BatchError, match="sample 1 holds 1 image tokens"):
-        build_requests(broken, SamplingParams(), vision=_hf_config(SGLANG_QWEN2_5_VL))
+        build_requests(broken, SamplingParams(), model_config=_hf_config(SGLANG_QWEN2_5_VL))
 
 
 def test_families_sglang_would_not_serve_from_patches_are_refused() -> None:
