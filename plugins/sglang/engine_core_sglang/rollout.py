@@ -101,7 +101,6 @@ from engine_core.backend import (
     set_for_process,
     split_peft_tensors,
     stop_string_end,
-    tokenizer_folder,
     vision_token_ids,
 )
 from engine_core_sglang.plugin import SGLANG_CAPABILITIES
@@ -109,6 +108,7 @@ from engine_core_sglang.vision import (
     NO_IMAGE_CACHE,
     check_vision_model,
     image_data,
+    processor_folder,
     sglang_weight_names,
 )
 
@@ -442,22 +442,6 @@ def check_result(op: str, result: Any) -> None:
 
 
 # -- the rollout ----------------------------------------------------------------------------
-def _processor_folder(config: SGLangRolloutConfig) -> dict[str, Any]:
-    """The ``Engine`` argument naming where SGLang reads a vision-language model's HF processor
-    (tokenizer and image processor), if not the model folder: SGLang builds it even with token
-    ids in. Refused where the model has none."""
-    if tokenizer_folder(config.model) is None:  # model.tokenizer, else model.path
-        raise ConfigError(
-            "rollout.backend=sglang with a vision-language model needs the model's HF processor "
-            "(tokenizer and image processor, saved with save_pretrained): SGLang builds its "
-            "image input from it. Set model.path to a folder holding them, or model.tokenizer "
-            f"to one (model.path={config.model.path!r}, model.tokenizer="
-            f"{config.model.tokenizer!r})."
-        )
-    tokenizer = config.model.tokenizer
-    return {} if tokenizer is None else {"tokenizer_path": tokenizer}
-
-
 class SGLangRollout(BaseRollout):
     """An in-process ``sglang.Engine`` (it starts its own scheduler subprocesses).
 
@@ -484,7 +468,7 @@ class SGLangRollout(BaseRollout):
         processor: dict[str, Any] = {}
         if self._vision is not None:  # prompts' patches to SGLang's tower (vision.py)
             check_vision_model(hf_config)
-            processor = _processor_folder(config)
+            processor = processor_folder(config.model)
             set_for_process(NO_IMAGE_CACHE)  # read by SGLang's processes when they start
         if config.device == "cpu":  # read when SGLang is imported, here and in its processes
             set_for_process({"SGLANG_USE_CPU_ENGINE": "1"})

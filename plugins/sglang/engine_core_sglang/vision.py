@@ -50,9 +50,12 @@ from engine_core.backend import (
     PIXEL_VALUES,
     BatchError,
     CapabilityError,
+    ConfigError,
+    ModelConfig,
     WeightSyncError,
     patch_counts,
     patch_width,
+    tokenizer_folder,
 )
 
 __all__ = [
@@ -60,6 +63,7 @@ __all__ = [
     "NO_IMAGE_CACHE",
     "check_vision_model",
     "image_data",
+    "processor_folder",
     "sglang_weight_names",
 ]
 
@@ -146,3 +150,19 @@ def sglang_weight_names(
             )
         out.append((name, tensor))
     return out
+
+
+def processor_folder(model: ModelConfig) -> dict[str, Any]:
+    """The ``Engine`` argument naming where SGLang reads a vision-language model's HF processor
+    (tokenizer and image processor), if not the model folder: SGLang builds it even with token
+    ids in. Refused where the model has none."""
+    if tokenizer_folder(model) is None:  # model.tokenizer, else model.path
+        raise ConfigError(
+            "rollout.backend=sglang with a vision-language model needs the model's HF processor "
+            "(tokenizer and image processor, saved with save_pretrained): SGLang builds its "
+            "image input from it. Set model.path to a folder holding them, or model.tokenizer "
+            f"to one (model.path={model.path!r}, model.tokenizer="
+            f"{model.tokenizer!r})."
+        )
+    tokenizer = model.tokenizer
+    return {} if tokenizer is None else {"tokenizer_path": tokenizer}
