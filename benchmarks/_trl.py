@@ -17,7 +17,8 @@ What is the same as the job, and how:
 - sampling: ``samples_per_prompt`` completions per prompt (``num_generations``), at most the
   task's response length of new tokens, the recipe's temperature, no top-k or top-p;
 - the update: one optimizer step per generation batch (``per_device_train_batch_size`` = the
-  step's completions, no accumulation, one iteration), AdamW with the recipe's lr, betas, eps
+  step's completions, no accumulation, one iteration), or with ``actor.ppo_mini_batch_size``
+  one per mini-batch of it (``steps_per_generation``), AdamW with the recipe's lr, betas, eps
   and weight decay, gradient clipping at ``clip_grad``, a constant schedule without warm-up,
   no KL (``beta=0``), group-normalized advantages (``scale_rewards="group"``), the token mean
   over the batch (``loss_type="dapo"``, the job's ``token-mean``), the recipe's entropy bonus
@@ -167,20 +168,31 @@ def trl_grpo(raw: dict[str, Any], steps: int, workdir: str) -> tuple[list[float]
         def on_step_begin(self, *_: Any, **__: Any) -> None:
             self.t0 = time.perf_counter()
 
-        def on_step_end(self, *_: Any, **__: Any) -> None:
-            seconds.append(time.perf_counter() - self.t0)
+        def on_step_end(self, args: Any, state: Any, *_: Any, **__: Any) -> None:
+            # a step of the job is one generation: its optimizer steps' times summed
+            if (state.global_step - 1) % updates == 0:
+                seconds.append(0.0)
+            seconds[-1] += time.perf_counter() - self.t0
 
         def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **_: Any) -> None:
-            if logs and "reward" in logs:
+            # logged at the first optimizer step after each generation (its batch's rewards)
+            if logs and "reward" in logs and (state.global_step - 1) % updates == 0:
                 rewards.append(float(logs["reward"]))
 
+    # the job's actor.ppo_mini_batch_size: several optimizer steps per generation batch, each on
+    # a slice of it (TRL's steps_per_generation), the old log-probs those of the generation
+    total = n_prompts * n
+    mini = int(raw.get("actor", {}).get("ppo_mini_batch_size") or total)
+    if total % mini:
+        raise ValueError(f"actor.ppo_mini_batch_size={mini} does not divide the step's {total}")
+    updates = total // mini
     betas = optim.get("betas", (0.9, 0.999))
     config = GRPOConfig(
         output_dir=workdir,
-        max_steps=steps,
-        per_device_train_batch_size=n_prompts * n,
+        max_steps=steps * updates,
+        per_device_train_batch_size=mini,
         gradient_accumulation_steps=1,
-        steps_per_generation=1,
+        steps_per_generation=updates,
         num_iterations=1,
         num_generations=n,
         max_completion_length=max_new,

@@ -75,6 +75,14 @@ def _figures(
     }
     if step_s:
         out["median_step_s"] = round(statistics.median(step_s), 4)
+        # a step of dynamic sampling draws again when its groups all scored alike, so late steps
+        # of a learned policy cost several generations: the mean and the time to the target
+        # say what the median does not
+        out["mean_step_s"] = round(statistics.fmean(step_s), 4)
+        reached = out["first_step_at_target"]
+        out["step_seconds_to_target"] = (
+            round(sum(step_s[:reached]), 1) if reached is not None else None
+        )
     return out
 
 
@@ -176,6 +184,10 @@ def main() -> None:
                 for t in THRESHOLDS
             },
             "median_step_s": _median([f.get("median_step_s") for f in per_seed.values()]),
+            "median_mean_step_s": _median([f.get("mean_step_s") for f in per_seed.values()]),
+            "median_step_seconds_to_target": _median(
+                [f.get("step_seconds_to_target") for f in per_seed.values()]
+            ),
         }
     print(
         json.dumps(
