@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine_core.launch import caller_environment
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # vLLM's CPU attention needs a head size of at least 32: 512 hidden / 8 heads = 64
@@ -113,7 +115,7 @@ def server_commands(folder: Path, port: int) -> dict[str, list[str]]:
 
 def server_env(threads: int) -> dict[str, str]:
     return {
-        **os.environ,
+        **caller_environment(),
         "OMP_NUM_THREADS": str(threads),
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # the cores are shared: no pinning, either side
         "VLLM_CPU_KVCACHE_SPACE": "1",
