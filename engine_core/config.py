@@ -155,11 +155,28 @@ class OptimConfig(FrozenModel):
     schedule: Literal["constant", "cosine"] = "constant"
     total_steps: PositiveInt | None = Field(None, description="Needed by the cosine schedule.")
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    prelude_steps: int = Field(
+        0,
+        ge=0,
+        description=(
+            "The first prelude_steps optimizer steps run at prelude_lr, constant; the schedule "
+            "(warmup_steps, then constant or cosine over total_steps) counts the steps after "
+            "them. The RL job sets both from warmup_sft_steps and warmup_lr: a supervised "
+            "warm-up at its own rate, RL at lr."
+        ),
+    )
+    prelude_lr: float | None = Field(None, gt=0, description="The prelude steps' lr.")
 
     @model_validator(mode="after")
-    def _cosine_needs_total(self) -> OptimConfig:
+    def _check_schedule(self) -> OptimConfig:
         if self.schedule == "cosine" and self.total_steps is None:
             raise ValueError("optim.schedule='cosine' needs optim.total_steps (a positive int).")
+        if (self.prelude_steps > 0) != (self.prelude_lr is not None):
+            raise ValueError(
+                f"optim.prelude_steps={self.prelude_steps} and optim.prelude_lr="
+                f"{self.prelude_lr} go together: set both (steps at their own rate before the "
+                f"schedule), or neither."
+            )
         return self
 
 

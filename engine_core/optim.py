@@ -47,7 +47,12 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> t
 
 
 def lr_lambda(cfg: OptimConfig, step: int) -> float:
-    """Multiplier of the base lr at ``step``: linear warmup, then constant or cosine decay."""
+    """Multiplier of the base lr at ``step``: the prelude's rate for its steps, then linear
+    warmup, then constant or cosine decay (counted from the prelude's end)."""
+    if step < cfg.prelude_steps:
+        assert cfg.prelude_lr is not None  # enforced by OptimConfig
+        return cfg.prelude_lr / cfg.lr
+    step -= cfg.prelude_steps
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     if cfg.schedule == "constant":

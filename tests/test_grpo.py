@@ -275,4 +275,26 @@ def test_bad_job_configs_are_refused_before_anything_is_built(tmp_path: Path) ->
         run_rl_job(apply_overrides(base, ["actor.temperature=0.7"]), load_plugins())
     with pytest.raises((ConfigError, ValueError), match="no reward_model scores the samples"):
         run_rl_job(apply_overrides(base, ["trainer.reward_model_weight=0.5"]), load_plugins())
+    # the warm-up's own rate is the actor optimizer's prelude: set in one place
+    with pytest.raises((ConfigError, ValueError), match="sets engine.optim.prelude_lr too"):
+        run_rl_job(
+            apply_overrides(base, ["warmup_lr=1e-3", "engine.optim.prelude_lr=1e-3"]),
+            load_plugins(),
+        )
     assert not (tmp_path / "outputs").exists()
+
+
+def test_the_warm_up_rate_is_the_actor_optimizers_prelude() -> None:
+    """warmup_lr: the warm-up's steps at that rate, RL's schedule after them at optim.lr; the
+    critic's optimizer has no prelude (it takes no warm-up step); no warm-up, no prelude."""
+    from engine_core_roles.jobs.rl.config import RLJobConfig
+
+    base = load_yaml(RECIPE)
+    job = RLJobConfig.model_validate(
+        apply_overrides(base, ["warmup_sft_steps=40", "warmup_lr=1e-3", "engine.optim.lr=2e-4"])
+    )
+    optim = job.actor_engine_config()["optim"]
+    assert (optim["prelude_steps"], optim["prelude_lr"], optim["lr"]) == (40, 1e-3, 2e-4)
+    assert "prelude_steps" not in job.critic_engine_config().get("optim", {})
+    off = RLJobConfig.model_validate(apply_overrides(base, ["warmup_sft_steps=0", "warmup_lr=1"]))
+    assert off.actor_engine_config() == off.engine

@@ -31,6 +31,12 @@ def train_step(engine: ReferenceEngine, seed: int) -> tuple[float, float]:
     return out.loss, norm
 
 
+def _lr(engine: ReferenceEngine) -> float:
+    """The rate of the engine's next step."""
+    assert engine.optimizer is not None
+    return float(engine.optimizer.param_groups[0]["lr"])
+
+
 @pytest.fixture(params=["local", "memory"])
 def ckpt_root(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """A checkpoint root as a local path and as an fsspec URL (in-memory filesystem)."""
@@ -47,9 +53,21 @@ def ckpt_root(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 
 
 def test_checkpoint_resume_is_exact(ckpt_root: str) -> None:
-    cfg = {"optim": {"lr": 1e-2, "warmup_steps": 2, "schedule": "cosine", "total_steps": 5}}
+    """Saved after the prelude's last step and the schedule's first: the resumed engine steps
+    on exactly as the straight one, its rates included."""
+    cfg = {
+        "optim": {
+            "lr": 1e-2,
+            "prelude_steps": 2,
+            "prelude_lr": 3e-2,
+            "warmup_steps": 2,
+            "schedule": "cosine",
+            "total_steps": 4,
+        }
+    }
     straight = make_engine(**cfg)
-    want = [train_step(straight, s) for s in range(5)]
+    want = [(train_step(straight, s), _lr(straight)) for s in range(7)]
+    assert [lr for _, lr in want][:3] == pytest.approx([3e-2, 1e-2 / 2, 1e-2])
 
     first = make_engine(**cfg)
     for s in range(3):
@@ -58,8 +76,31 @@ def test_checkpoint_resume_is_exact(ckpt_root: str) -> None:
     assert folder == f"{ckpt_root}/global_step_3"
     resumed = make_engine(**cfg)
     assert resumed.load_checkpoint(folder) == 3
-    got = [train_step(resumed, s) for s in range(3, 5)]
+    got = [(train_step(resumed, s), _lr(resumed)) for s in range(3, 7)]
     assert got == want[3:]  # bit-identical on one process
+
+
+def test_the_prelude_runs_at_its_own_rate_then_the_schedule_starts() -> None:
+    """prelude_steps at prelude_lr, then the schedule as if it began there: its warm-up ramp,
+    its cosine over total_steps; the two fields go together."""
+    from engine_core.config import OptimConfig
+    from engine_core.optim import lr_lambda
+
+    cfg = OptimConfig(
+        lr=1e-4,
+        prelude_steps=3,
+        prelude_lr=5e-4,
+        warmup_steps=2,
+        schedule="cosine",
+        total_steps=4,
+    )
+    rates = [cfg.lr * lr_lambda(cfg, s) for s in range(8)]
+    assert rates == pytest.approx([5e-4, 5e-4, 5e-4, 5e-5, 1e-4, 1e-4, 5e-5, 0.0])
+    plain = OptimConfig(lr=1e-4, warmup_steps=2, schedule="cosine", total_steps=4)
+    assert rates[3:] == pytest.approx([plain.lr * lr_lambda(plain, s) for s in range(5)])
+    for alone in ({"prelude_steps": 3}, {"prelude_lr": 5e-4}):
+        with pytest.raises(ValueError, match="go together: set both"):
+            OptimConfig(**alone)
 
 
 def test_rotation_keeps_max_ckpt_to_keep(ckpt_root: str) -> None:

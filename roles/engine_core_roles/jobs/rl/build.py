@@ -70,7 +70,7 @@ class Resolved:
 
 
 def resolve(job: RLJobConfig, manager: PluginManager) -> Resolved:
-    engine = resolve_engine_config(job.engine, manager, path=("engine",))
+    engine = resolve_engine_config(job.actor_engine_config(), manager, path=("engine",))
     rollout_raw = {"model": job.engine["model"], **job.rollout}
     if job.trainer.routing_replay in ("rollout", "measure"):  # the rollout returns its routes
         rollout_raw["return_routes"] = True

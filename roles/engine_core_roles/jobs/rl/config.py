@@ -100,6 +100,12 @@ class RLJobConfig(JobConfig):
     )
     warmup_sft_steps: int = Field(0, ge=0, description="Supervised steps before RL (0: none).")
     warmup_batch_size: PositiveInt = 32
+    warmup_lr: PositiveFloat | None = Field(
+        None,
+        description="The warm-up's learning rate, RL then running at engine.optim.lr (whose "
+        "schedule counts RL's updates only); None: one schedule over both, the warm-up's "
+        "steps first.",
+    )
     output_dir: str = "outputs/rl"
     data: DataConfig | None = Field(
         None,
@@ -232,6 +238,8 @@ class RLJobConfig(JobConfig):
                 f"warmup_sft_steps={self.warmup_sft_steps} warms up on demonstrations: with "
                 f"data set, give data.demos (or env.demos with env), or set warmup_sft_steps=0."
             )
+        if self.warmup_lr is not None:
+            self._check_warmup_lr()
         if self.env is not None and trainer.filter_groups:
             raise ValueError(
                 "trainer.filter_groups draws extra prompts for single responses; it is not "
@@ -388,6 +396,27 @@ class RLJobConfig(JobConfig):
     def demo_files(self) -> list[str]:
         """The warm-up's demonstration files: data.demos, then env.demos."""
         return [*(self.data.demos if self.data else []), *(self.env.demos if self.env else [])]
+
+    def _check_warmup_lr(self) -> None:
+        optim = self.engine.get("optim") or {}
+        set_there = [k for k in ("prelude_steps", "prelude_lr") if k in optim]
+        if set_there:
+            raise ValueError(
+                f"warmup_lr={self.warmup_lr} sets engine.optim's prelude (the warm-up's steps "
+                f"at its rate), and the recipe sets engine.optim.{set_there[0]} too; drop one."
+            )
+
+    def actor_engine_config(self) -> dict[str, Any]:
+        """``engine``, its optimizer's prelude the warm-up's steps at ``warmup_lr`` where that
+        is set (RL then at ``engine.optim.lr``); without warm-up steps there is no prelude."""
+        if self.warmup_lr is None or not self.warmup_sft_steps:
+            return self.engine
+        optim = {
+            **(self.engine.get("optim") or {}),
+            "prelude_steps": self.warmup_sft_steps,
+            "prelude_lr": self.warmup_lr,
+        }
+        return {**self.engine, "optim": optim}
 
     def critic_engine_config(self) -> dict[str, Any]:
         if self.critic_engine is not None:

@@ -1,7 +1,9 @@
 """The supervised warm-up before RL: demonstrations on the text job, the digit task's answers on
 the built-in one; :class:`~engine_core_roles.trainer.sft.SFTTrainer`'s steps on whatever holds
 the actor (its engine, or its worker group), the same step as the SFT job's, LR schedule
-included: the warm-up's steps count in the actor's schedule like its RL updates.
+included: the warm-up's steps count in the actor's schedule like its RL updates. With
+``warmup_lr`` they are the schedule's prelude, at that rate (``OptimConfig.prelude_steps``),
+and RL's schedule starts after them at ``engine.optim.lr``.
 """
 
 from __future__ import annotations
