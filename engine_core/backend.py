@@ -81,6 +81,7 @@ _EXPORTS: dict[str, str] = {
     "is_vision_config": "engine_core.vision",
     "patch_width": "engine_core.vision",
     "prompt_images": "engine_core.vision",
+    "single_frame_images": "engine_core.vision",
     "vision_token_ids": "engine_core.vision",
     "ROUTED_EXPERTS": "engine_core.batch",
     "MOE_AUX": "engine_core.batch",

@@ -54,6 +54,7 @@ __all__ = [
     "check_vision_batch",
     "refuse_vision",
     "prompt_images",
+    "single_frame_images",
     "vision_token_ids",
 ]
 
@@ -212,6 +213,28 @@ def prompt_images(
     )
     check_vision_batch(batch, hf_config)
     return batch.select(*VISION_KEYS)
+
+
+def single_frame_images(
+    images: TensorDict, rollout: str, prompt: int = 0
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One prompt's images (its row of :func:`prompt_images`) for a rollout that serves images
+    of one frame: the patches and grids of its real images, None for a prompt without. A grid
+    of several frames (a video's) is refused, naming ``rollout`` and ``prompt``."""
+    grids = images[IMAGE_GRID_THW]
+    grids = grids[grids[:, 0] > 0].long()
+    if not len(grids):
+        return None
+    frames = grids[:, 0].tolist()
+    if any(t != 1 for t in frames):
+        raise BatchError(
+            f"prompt {prompt}: image grids {grids.tolist()} have {max(frames)} frames; the "
+            f"{rollout} rollout takes an image as one frame (t=1, as image processors make them: "
+            f"several frames are a video's, which it does not serve). Use rollout.backend=hf "
+            f"for such inputs."
+        )
+    count = int(patch_counts(grids[None])[0])
+    return images[PIXEL_VALUES][:count], grids
 
 
 def check_vision_batch(batch: TensorDict, hf_config: Any) -> None:

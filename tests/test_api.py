@@ -96,7 +96,7 @@ BACKEND_SURFACE = {
     # images (vision-language models)
     "PIXEL_VALUES", "IMAGE_GRID_THW", "ROPE_POSITIONS", "VisionInputs", "check_vision_batch",
     "has_images", "patch_counts", "images_in_order", "is_vision_config", "patch_width",
-    "prompt_images", "vision_token_ids",
+    "prompt_images", "single_frame_images", "vision_token_ids",
     # stop strings
     "stop_string_end", "holds_stop_string", "tokenizer_folder", "load_stop_tokenizer",
     # the environment a backend's library reads

@@ -48,13 +48,12 @@ from tensordict import TensorDict
 from engine_core.backend import (
     IMAGE_GRID_THW,
     PIXEL_VALUES,
-    BatchError,
     CapabilityError,
     ConfigError,
     ModelConfig,
     WeightSyncError,
-    patch_counts,
     patch_width,
+    single_frame_images,
     tokenizer_folder,
 )
 
@@ -110,22 +109,13 @@ def image_data(images: TensorDict, prompt: int = 0) -> dict[str, Any] | None:
     """SGLang's ``image_data`` entry for one prompt (``images``: its row of
     :func:`engine_core.vision.prompt_images`): its real patches and grids as an HF processor's
     output; None for a prompt without images. ``prompt`` names the prompt in an error."""
-    grids = images[IMAGE_GRID_THW]
-    grids = grids[grids[:, 0] > 0].long()
-    if not len(grids):
+    found = single_frame_images(images, "sglang", prompt)
+    if found is None:
         return None
-    frames = grids[:, 0].tolist()
-    if any(t != 1 for t in frames):
-        raise BatchError(
-            f"prompt {prompt}: image grids {grids.tolist()} have {max(frames)} frames; the "
-            f"sglang rollout takes an image as one frame (t=1, as image processors make them: "
-            f"several frames are a video's, which it does not serve). Use rollout.backend=hf "
-            f"for such inputs."
-        )
-    count = int(patch_counts(grids[None])[0])
+    pixels, grids = found
     return {
         "format": "processor_output",
-        PIXEL_VALUES: images[PIXEL_VALUES][:count].contiguous(),
+        PIXEL_VALUES: pixels.contiguous(),
         IMAGE_GRID_THW: grids,
     }
 

@@ -47,8 +47,8 @@ from engine_core.backend import (
     PIXEL_VALUES,
     BatchError,
     CapabilityError,
-    patch_counts,
     patch_width,
+    single_frame_images,
 )
 
 __all__ = [
@@ -269,23 +269,12 @@ def image_request(
     """The vLLM prompt of one prompt's ``ids`` (placeholders expanded) and its ``images`` (a row
     of :func:`engine_core.vision.prompt_images`): the ids with each image folded to one placeholder, and the
     image's patches and grids as multimodal data. ``prompt`` names the prompt in an error."""
-    grids = images[IMAGE_GRID_THW]
-    grids = grids[grids[:, 0] > 0].long()
-    if not len(grids):
+    found = single_frame_images(images, "vllm", prompt)
+    if found is None:
         return {"prompt_token_ids": ids}
-    frames = grids[:, 0].tolist()
-    if any(t != 1 for t in frames):
-        raise BatchError(
-            f"prompt {prompt}: image grids {grids.tolist()} have {max(frames)} frames; vLLM "
-            f"takes an image as one frame (t=1, as image processors make them: several frames "
-            f"are a video's, which the vllm rollout does not serve). Use rollout.backend=hf "
-            f"for such inputs."
-        )
-    count = int(patch_counts(grids[None])[0])
+    pixels, grids = found
     counts = [int(g.prod()) // merge**2 for g in grids]
     return {
         "prompt_token_ids": fold_image_tokens(ids, counts, image_token, prompt),
-        "multi_modal_data": {
-            "image": {PIXEL_VALUES: images[PIXEL_VALUES][:count], IMAGE_GRID_THW: grids}
-        },
+        "multi_modal_data": {"image": {PIXEL_VALUES: pixels, IMAGE_GRID_THW: grids}},
     }
