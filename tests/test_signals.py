@@ -10,9 +10,12 @@ logged, and sends the signal twice (the second while the run finishes the step a
 - ``ctrl_c``: SIGINT to its whole process group, as a terminal's Ctrl-C sends it.
 
 Each must end with the one-line stop message, one checkpoint of a finished step and exit status
-3, and ``--resume auto`` must continue to the metrics of an uninterrupted run, step by step
-(under the same executor; a Ray run's resume runs in process), and equal to the uninterrupted
-run in process where only the executor or where one replica runs differ.
+3, and ``--resume auto`` must continue to the metrics of an uninterrupted run, step by step.
+The resume and the uninterrupted run keep only the settings that change the numbers: they run
+in process, where the executor or where one synchronous replica runs are all that differ (the
+checkpoint is the same whatever the executor; resuming under each executor is
+``test_placement``'s and ``test_ray_nodes``'s, and restarting workers, replicas or a Ray
+cluster here would double each case's cost).
 Besides the three executors, the processes a job starts besides its workers are signalled with
 the group: rollout replicas in processes of their own (asynchronous training), and a replica in
 an interpreter started by path.
@@ -156,9 +159,8 @@ def test_a_signal_as_delivered_stops_the_run_at_a_step_that_resumes_exactly(
     assert "Traceback" not in err, (seed, err[-3000:])
     print(f"{delivery}: exit {code} {took:.1f} s after the signal, at step {step}")
 
-    # a Ray run resumes in process: its checkpoint is the same whatever the executor, and a
-    # second Ray start would double the case (test_ray_nodes resumes on a Ray cluster)
-    again = list(_computing(extra)) if "placement.executor=ray" in extra else extra
+    # the resume runs in process (the module docstring says why)
+    again = list(_computing(extra))
     resumed = Running(job_server, tmp_path, "resumed", [*_args(out, again), "--resume", "auto"])
     code, err = resumed.finish(600)
     assert code == 0, err[-3000:]
