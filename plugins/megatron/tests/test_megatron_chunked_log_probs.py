@@ -23,7 +23,11 @@ from engine_core.testing.distributed import run_distributed
 from engine_core.testing.kit import Baseline, build, eval_batch, forward, make_baseline
 from engine_core.testing.models import random_batch, train_steps
 
-PRELOAD = ("engine_core_megatron.engine", "transformers.models.qwen2.modeling_qwen2")
+PRELOAD = (
+    "engine_core_megatron.engine",
+    "megatron.core",  # imported by the engine only as it builds: seconds of each process
+    "transformers.models.qwen2.modeling_qwen2",
+)
 OPTIM = {"lr": 1e-2, "clip_grad": 1.0, "warmup_steps": 1}
 LAYOUTS: dict[str, dict[str, Any]] = {
     "tp2": {"tensor_parallel_size": 2},

@@ -24,6 +24,7 @@ from engine_core.testing.models import train_steps
 # what every run below imports: its processes start from a fork server that imported it once
 PRELOAD = (
     "engine_core_megatron.engine",
+    "megatron.core",  # imported by the engine only as it builds: seconds of each process
     "engine_core_fsdp.fsdp2",
     "transformers.models.qwen2.modeling_qwen2",
 )

@@ -30,6 +30,7 @@ from engine_core.testing.moe import TINY_MIXTRAL, TINY_QWEN2_MOE, TINY_QWEN3_MOE
 
 PRELOAD = (
     "engine_core_megatron.engine",
+    "megatron.core",  # imported by the engine only as it builds: seconds of each process
     "engine_core_fsdp.fsdp2",
     "transformers.models.qwen3_moe.modeling_qwen3_moe",
     "transformers.models.mixtral.modeling_mixtral",

@@ -24,6 +24,7 @@ from engine_core.testing.models import TINY_QWEN3, save_with_own_norms, train_st
 
 PRELOAD = (
     "engine_core_megatron.engine",
+    "megatron.core",  # imported by the engine only as it builds: seconds of each process
     "engine_core_fsdp.fsdp2",
     "transformers.models.qwen3.modeling_qwen3",
 )

@@ -38,7 +38,11 @@ MODEL = {
     "tie_word_embeddings": False,
 }
 # the trainers' processes start from a fork server that imported the engine once
-PRELOAD = ("engine_core_megatron.engine", "transformers.models.qwen2.modeling_qwen2")
+PRELOAD = (
+    "engine_core_megatron.engine",
+    "megatron.core",  # imported by the engine only as it builds: seconds of each process
+    "transformers.models.qwen2.modeling_qwen2",
+)
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=3)
 
 
