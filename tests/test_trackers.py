@@ -23,6 +23,7 @@ from engine_core.errors import ConfigError, RunStopped, TrackerError
 from engine_core_roles.jobs.cli import RECIPES, load_recipe
 from engine_core_roles.jobs.trackers import TRACKERS_RECORD, check_trackers, mlflow_key
 from tests import _wandb_records as wandb_records
+from tests._forkserver import ForkServer
 
 pytest.importorskip("wandb")
 pytest.importorskip("mlflow")
@@ -173,27 +174,26 @@ def test_a_run_logs_the_same_metrics_to_wandb_and_mlflow_across_a_resume(
     assert json.loads((artifacts / "config.json").read_text())["output_dir"] == str(out)
 
 
-def test_a_tracker_that_cannot_start_is_one_sentence_before_training(tmp_path: Path) -> None:
+def test_a_tracker_that_cannot_start_is_one_sentence_before_training(
+    tmp_path: Path, job_server: ForkServer
+) -> None:
     out = tmp_path / "run"
     args = ["run", *TEXT, f"output_dir={out}", "trackers=[wandb,mlflow]"]
     bad = "mlflow.tracking_uri=nosuchscheme://host/store"
     with pytest.raises(TrackerError, match="the mlflow tracker could not start: .*nosuchscheme"):
         _run([*args[1:], bad])
     assert not (out / "metrics.jsonl").exists()  # nothing was trained or logged
-    # the command: one line, the usage status
-    import subprocess
-
-    done = subprocess.run(
-        [sys.executable, "-m", "engine_core.cli", *args, bad, "steps=1"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "WANDB_SILENT": "true"},
+    # the command: one line, the usage status (forked from the suite's job server, which has
+    # imported the job's modules: tests/_forkserver.py)
+    log = tmp_path / "command.log"
+    code = job_server.run(
+        args=[*args, bad, "steps=1"], env={"WANDB_SILENT": "true"}, log=str(log), timeout=300
     )
-    assert done.returncode == 2, done.stderr
-    said = [line for line in done.stderr.splitlines() if "engine-core run: error" in line]
-    assert len(said) == 1 and "remove mlflow from trackers" in said[0], done.stderr
-    assert "Traceback" not in done.stderr
+    stderr = log.read_text()
+    assert code == 2, stderr
+    said = [line for line in stderr.splitlines() if "engine-core run: error" in line]
+    assert len(said) == 1 and "remove mlflow from trackers" in said[0], stderr
+    assert "Traceback" not in stderr
 
 
 def test_the_trackers_setting_is_checked_when_the_config_is_read(
