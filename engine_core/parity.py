@@ -191,8 +191,10 @@ def run_parity(
     if steps < 1 or world_size < 1:
         raise ConfigError(f"--steps and --world-size must be >= 1; got {steps}, {world_size}.")
     manager = load_plugins()
-    for name in backends:
-        manager.get_engine(name)  # an unknown name fails here, listing the known ones
+    # an unknown name fails here, listing the known ones; the ranks start from a fork server
+    # that imported each engine's module and the model's class once, not once per rank
+    preload = [manager.get_engine(name).target.partition(":")[0] for name in backends]
+    preload.append("transformers.models.qwen2.modeling_qwen2")
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = dict(TINY_QWEN2)
@@ -203,7 +205,9 @@ def run_parity(
     with tempfile.TemporaryDirectory(prefix="engine-core-parity-") as folder:
         model.save_pretrained(folder)
         for name in backends:
-            results = run_distributed(_worker, world_size, name, folder, steps, micro_batch_size)
+            results = run_distributed(
+                _worker, world_size, name, folder, steps, micro_batch_size, preload=preload
+            )
             runs[name] = results[0]
     base = runs[backends[0]]
     for name, run in runs.items():
