@@ -199,7 +199,9 @@ NOT_RERUN = ("make test", "pip install ", "pytest ")
 
 
 def shell_commands() -> list[str]:
-    commands = []
+    """The executed pages' commands, each once: a command the pages give twice, through
+    ``.venv/bin/engine-core`` and through ``engine-core`` on the PATH, runs the same ``main``."""
+    commands: dict[str, str] = {}
     for page in EXECUTED_PAGES:
         for block in BASH_BLOCK.findall((DOCS / page).read_text(encoding="utf-8")):
             for line in block.splitlines():
@@ -207,8 +209,9 @@ def shell_commands() -> list[str]:
                 if command == "make run":
                     command = "engine-core run"
                 if command and not command.startswith(NOT_RERUN):
-                    commands.append(command)
-    return commands
+                    same = re.sub(r"^\S*/engine-core\b", "engine-core", command)
+                    commands.setdefault(" ".join(same.split()), command)
+    return list(commands.values())
 
 
 # Each command runs in a child forked from the suite's job server (tests/_forkserver.py), which
