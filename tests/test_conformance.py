@@ -3,9 +3,10 @@ the contract tests of the clause it breaks, with a message naming the fix. (The 
 runs over every engine in the repository are part of ``make test``:
 ``--engine-core-backend=reference,fsdp,fsdp2,megatron,example``.)
 
-The broken engines run in a few pytest subprocesses, grouped by the clauses they break, on the
-contract tests around those clauses (``-k``) and only the kit checks they need
-(``--engine-core-kit-only``); the JUnit report gives each test's outcome and failure message.
+The broken engines run in a few pytest subprocesses, grouped by the clauses they break, each
+group on the contract tests around its clauses (``-k``), with only the kit checks its run's
+groups need (``--engine-core-kit-only``); the JUnit report gives each test's outcome and failure
+message.
 """
 
 from __future__ import annotations
@@ -49,11 +50,9 @@ UPDATE = {
     "test_update_matches_a_plain_adamw_loop_two_dp_ranks",
 }
 
-# The broken engines run in a few pytest subprocesses, each on the contract tests around some
-# clauses (-k) and only the kit checks those tests need (--engine-core-kit-only):
+# The broken engines in groups, each on the contract tests around some clauses (-k) and only the
+# kit checks those tests need (--engine-core-kit-only):
 # group -> (contract tests, kit checks)
-# (four subprocesses: each costs an interpreter and the kit's worker start-up, ~10 s of a
-# two-core machine, more than the checks a group's engines share)
 GROUPS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
     "numerics": (
         frozenset({*OUTPUTS, *GRADIENTS, METRICS, COLLECT, *UPDATE, OPTIMIZER, TO}),
@@ -73,6 +72,16 @@ GROUPS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
         ),
     ),
     "process": (frozenset({NO_GROUP, MODES}), ("lifecycle", "modes")),
+}
+# The groups in three pytest subprocesses: each costs an interpreter and the kit's worker
+# start-up, ~10 s of a two-core machine. A run selects each group's tests on that group's
+# engines only, and the kit checks of all its groups: the process group's one engine runs the
+# lifecycle checks too (a second or two) and no lifecycle engine runs the plain layout; numerics
+# and checkpoints stay apart, as each would run the other's heaviest checks on every engine.
+RUNS = {
+    "numerics": ("numerics",),
+    "checkpoints": ("checkpoints",),
+    "lifecycle": ("lifecycle", "process"),
 }
 
 
@@ -158,12 +167,22 @@ BROKEN = {
 _REPORTS: dict[str, dict[tuple[str, str], str | None]] = {}
 
 
+def _engines(group: str) -> list[str]:
+    return sorted(b for b, broken in BROKEN.items() if broken.group == group)
+
+
 def run_group(group: str, report: Path) -> dict[tuple[str, str], str | None]:
-    """Run the group's contract tests on its broken engines: {(backend, test): failure or None}."""
-    if group in _REPORTS:
-        return _REPORTS[group]
-    tests, checks = GROUPS[group]
-    backends = sorted(b for b, broken in BROKEN.items() if broken.group == group)
+    """Run the subprocess of the group's run (``RUNS``): each of its groups' contract tests on
+    that group's broken engines. {(backend, test): failure or None}."""
+    (run,) = [name for name, groups in RUNS.items() if group in groups]
+    if run in _REPORTS:
+        return _REPORTS[run]
+    groups = RUNS[run]
+    checks = tuple(dict.fromkeys(c for g in groups for c in GROUPS[g][1]))
+    backends = [b for g in groups for b in _engines(g)]
+    selected = " or ".join(
+        f"(({' or '.join(sorted(GROUPS[g][0]))}) and ({' or '.join(_engines(g))}))" for g in groups
+    )
     proc = subprocess.run(
         [
             sys.executable,
@@ -173,7 +192,7 @@ def run_group(group: str, report: Path) -> dict[tuple[str, str], str | None]:
             *(f"--engine-core-backend={b}" for b in backends),
             *(f"--engine-core-kit-only={c}" for c in checks),
             "-k",
-            " or ".join(sorted(tests)),
+            selected,
             "-q",
             "-p",
             "no:cacheprovider",
@@ -197,7 +216,7 @@ def run_group(group: str, report: Path) -> dict[tuple[str, str], str | None]:
         outcomes[(backend.rstrip("]"), name)] = (
             None if failure is None else failure.attrib.get("message", "") + (failure.text or "")
         )
-    _REPORTS[group] = outcomes
+    _REPORTS[run] = outcomes
     return outcomes
 
 
