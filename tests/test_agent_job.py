@@ -63,6 +63,8 @@ AGAIN = "<|im_end|>\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
 SEEN: dict[str, list[dict[str, Any]]] = {}  # what each session's client was answered
 STARTED = itertools.count()  # sessions the re-rendering agent started
 RUNNING = [0, 0]  # token agents running now, and the most at once
+GRADED = itertools.count()  # sessions the grading agent started
+KEYS: list[str] = []  # the keys the grading agent was given
 
 
 def answered() -> dict[str, list[dict[str, Any]]]:
@@ -134,6 +136,26 @@ async def rerendering_agent(base_url: str, api_key: str, sample: dict[str, Any])
     ]
     second = await client.chat.completions.create(model=NAME, messages=history, max_tokens=6)
     return {"reward": float(len(second.choices[0].token_ids) % 2), "answered": 1.0}
+
+
+async def grading_agent(base_url: str, api_key: str, sample: dict[str, Any]) -> float | None:
+    """One call; the session's reward posted to its ``/reward`` with the agent's key, as a
+    grader would. Sessions started second, fourth, ... also return a number (one too many)."""
+    import httpx
+
+    twice = next(GRADED) % 2 == 1  # before any await: sessions start in the order given
+    importlib.import_module("tests.test_agent_job").KEYS.append(api_key)
+    await _client(base_url, api_key).chat.completions.create(
+        model=NAME, messages=sample["prompt"], max_tokens=4
+    )
+    async with httpx.AsyncClient(timeout=30) as http:
+        answer = await http.post(
+            f"{base_url}/reward",
+            json={"reward": 0.25},
+            headers={"Authorization": f"Bearer {api_key}"},
+        )
+    answer.raise_for_status()
+    return 1.0 if twice else None
 
 
 def test_session_rows_follow_the_extends_links() -> None:
@@ -373,6 +395,35 @@ def test_unseeded_agents_draw_from_their_sessions_seeds_and_slow_ones_time_out(
         assert "past agent_timeout_s=1 s" in record["messages"][-1]["content"]
         assert len(record["session"]["calls"]) == 1  # its call is still trained on
     assert out[RESPONSE_LOSS_MASK].sum(-1).min() > 0
+
+
+def test_a_session_is_rewarded_by_its_reward_call_under_its_own_key(
+    agents: AgentRollout,
+) -> None:
+    """Each agent is given the key of its session alone (not the endpoint's); a reward posted
+    to the session scores it where the agent returns None; an agent that returns a number for
+    a session given one too is an error, counted (no reward.fn here to fall back on)."""
+    module = importlib.import_module("tests.test_agent_job")
+    module.GRADED = itertools.count()
+    module.KEYS.clear()
+    graded = AgentRollout(
+        agents.inner,
+        load_agent("tests.test_agent_job:grading_agent"),
+        TOKENIZER,
+        temperature=1.0,
+        max_tokens=8,
+        stop_token_ids=[TOKENIZER.eos_token_id],
+    )
+    try:
+        out = graded.generate(_data().batch([0, 1]), SamplingParams(n=2, seed=0, temperature=1.0))
+    finally:
+        graded.shutdown()
+    records = out[EPISODE].tolist()
+    assert [r["agent_reward"] for r in records] == [0.25, None, 0.25, None]
+    assert [r["session"]["reward"] for r in records] == [0.25] * 4
+    assert [r["counts"]["agent/errors"] for r in records] == [0.0, 1.0, 0.0, 1.0]
+    assert "give the reward one way" in records[1]["messages"][-1]["content"]
+    assert len(set(module.KEYS)) == 4 and graded.api_key not in module.KEYS
 
 
 def _job(out: Path, *overrides: str) -> dict[str, Any]:

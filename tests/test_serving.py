@@ -663,6 +663,57 @@ def test_the_api_key_is_required_when_set(served: ServedRollout) -> None:
         assert httpx.get(f"{keyed.root}/health", timeout=30).status_code == 200
 
 
+def test_a_sessions_own_key_opens_that_session_alone_and_takes_its_reward_once(
+    served: ServedRollout,
+) -> None:
+    """A session issued by a keyed server comes with a key of its own: it opens that session's
+    routes (sampling, its reward, its record, its end) and no other route, nor another session's.
+    The reward call takes one finite number, once; the record carries it; after the end the key
+    still names its session, which is refused as ended."""
+    config = ServeConfig(port=0, model_name=NAME, api_key="sesame", **LIMITS)
+
+    def bearer(key: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {key}"}
+
+    with BackgroundServer(config, served) as keyed:
+        issued = [
+            httpx.post(f"{keyed.url}/sessions", headers=bearer("sesame"), timeout=30).json()
+            for _ in range(2)
+        ]
+        (sid, key), (other, _) = ((i["id"], i["api_key"]) for i in issued)
+        agent = openai.OpenAI(base_url=keyed.session_url(sid), api_key=key, max_retries=0)
+        reply = agent.chat.completions.create(model=NAME, messages=USER, max_tokens=2)
+        assert reply.session_id == sid
+        elsewhere = [
+            ("GET", f"{keyed.session_url(other)}/models", {}),
+            ("GET", f"{keyed.url}/models", {}),
+            ("GET", f"{keyed.url}/models", {SESSION_HEADER: other}),
+            ("POST", f"{keyed.url}/sessions", {}),
+            ("GET", f"{keyed.url}/sessions/{other}", {}),
+            ("POST", f"{keyed.url}/sessions/{other}/reward", {}),
+        ]
+        for method, url, headers in elsewhere:
+            answer = httpx.request(
+                method, url, headers={**bearer(key), **headers}, json={"reward": 1}, timeout=30
+            )
+            assert_error(answer, 401, None, "invalid_api_key", f"{method} {url}")
+        reward = f"{keyed.session_url(sid)}/reward"
+        for body in ({"reward": "high"}, {"reward": True}, {"score": 1}, {"reward": 1, "x": 2}):
+            answer = httpx.post(reward, headers=bearer(key), json=body, timeout=30)
+            assert_error(answer, 400, "reward", None, str(body))
+        nan = httpx.post(reward, headers=bearer(key), content=b'{"reward": NaN}', timeout=30)
+        assert_error(nan, 400, "reward", None, "NaN")
+        given = httpx.post(reward, headers=bearer(key), json={"reward": 0.75}, timeout=30)
+        assert given.json() == {"id": sid, "reward": 0.75}
+        again = httpx.post(reward, headers=bearer(key), json={"reward": 0.5}, timeout=30)
+        assert_error(again, 409, "reward", "reward_given")
+        end = f"{keyed.url}/sessions/{sid}/end"
+        record = httpx.post(end, headers=bearer(key), timeout=30).json()
+        assert record["reward"] == 0.75 and len(record["calls"]) == 1
+        late = httpx.post(reward, headers=bearer(key), json={"reward": 1}, timeout=30)
+        assert_error(late, 409, "session_id", "session_ended")
+
+
 def test_a_non_loopback_bind_without_a_key_is_refused_at_start(
     capsys: pytest.CaptureFixture[str], tmp_path: Any
 ) -> None:

@@ -1,14 +1,16 @@
 """Agents written against an OpenAI client, trained through the endpoint: :class:`AgentRollout`.
 
 An *agent function* is ``async def agent(base_url: str, api_key: str, sample: dict)``: given a
-session's own base URL on the endpoint (``http://127.0.0.1:PORT/sessions/ID/v1``), the key the
-endpoint asks for, and one dataset row, it runs the user's agent with any client (the
+session's own base URL on the endpoint (``http://127.0.0.1:PORT/sessions/ID/v1``), the key of
+that session alone, and one dataset row, it runs the user's agent with any client (the
 ``openai`` package, the Agents SDK, ...) and returns the session's reward: a number, ``None``
-(the job's reward function then scores the session's last reply:
+(the reward posted to ``{base_url}/reward`` during the session, else the job's reward function
+on the session's last reply:
 :class:`~engine_core_roles.serving.agent_function.AgentReward`), or a
 dict of numbers whose ``"reward"`` entry is that (``None`` or absent: the same) and whose other
-entries are logged as ``agent/<name>`` means. An agent that raises, runs past its timeout, or
-returns anything else scores 0, is counted (``agent/errors``), and the run goes on.
+entries are logged as ``agent/<name>`` means. An agent that raises, runs past its timeout,
+returns anything else, or returns a number for a session given one by its reward call scores 0,
+is counted (``agent/errors``), and the run goes on.
 
 :class:`AgentRollout` is a :class:`~engine_core.rollout.BaseRollout` whose ``generate`` runs
 ``n`` agents per prompt (``max_concurrency`` at once, on one event loop of its own), one session
@@ -161,7 +163,8 @@ class AgentRollout(BaseRollout):
             timeout_s,
         )
         self.scored_by_fn = scored_by_fn
-        self.api_key = secrets.token_urlsafe(24)  # only this job's agents may sample
+        # the endpoint's key, which no agent is given: each gets its own session's
+        self.api_key = secrets.token_urlsafe(24)
         self.config_serve = ServeConfig(
             port=0,
             api_key=self.api_key,
@@ -303,21 +306,16 @@ class AgentRollout(BaseRollout):
         self, server: BackgroundServer, row: dict[str, Any], seed: int | None
     ) -> _Session:
         sessions = server.endpoint.sessions
-        sid = sessions.new_id()
+        sid, key = sessions.issue()  # the agent's key opens its own session only
         if seed is not None:
             sessions.seed(sid, seed)
         out = _Session()
         t0 = time.perf_counter()
         try:
             returned = await asyncio.wait_for(
-                self.agent(server.session_url(sid), self.api_key, dict(row)), self.timeout_s
+                self.agent(server.session_url(sid), key, dict(row)), self.timeout_s
             )
             out.reward, out.counts = outcome(returned)
-            if out.reward is None and not self.scored_by_fn:
-                out.error = (
-                    "the agent returned no reward and the job has no reward.fn to score the "
-                    "session; return a number, or set reward.fn"
-                )
         except BadReturn as e:
             out.error = f"the agent {e}"
         except TimeoutError:
@@ -327,7 +325,28 @@ class AgentRollout(BaseRollout):
         out.seconds = time.perf_counter() - t0
         out.record = sessions.end(sid)  # later calls of this session are refused (409)
         out.rows = session_rows(out.record)
+        if out.error is None:
+            out.error = self._settle_reward(out)
         return out
+
+    def _settle_reward(self, out: _Session) -> str | None:
+        """The session's reward from the agent's return, else its reward call, else the
+        reward function's (``None`` here); an error where both gave one, or none can."""
+        given = out.record.get("reward")
+        if given is not None and out.reward is not None:
+            return (
+                f"the agent returned a reward of {out.reward:g} and the session was given "
+                f"{given:g} by its reward call; give the reward one way"
+            )
+        if given is not None:
+            out.reward = float(given)
+        if out.reward is None and not self.scored_by_fn:
+            return (
+                "the agent returned no reward, none was given by the session's reward call, "
+                "and the job has no reward.fn to score the session; return a number, post "
+                "one to the session's /reward, or set reward.fn"
+            )
+        return None
 
     def _result(self, step: _Step, n: int) -> TensorDict:
         """Every session's rows, ``k`` slots each, laid out prompt, slot, session; each row's

@@ -10,9 +10,14 @@ Routes, each also under ``/sessions/{session_id}`` (a base URL per session; a re
 instead name its session in the ``X-Session-Id`` header):
 
 - ``GET /v1/models``; ``POST /v1/chat/completions``; ``POST /v1/completions``
-- ``POST /v1/sessions`` (a new id), ``GET /v1/sessions/{id}`` (the record so far),
-  ``POST /v1/sessions/{id}/end`` (the record; the id is never taken again)
+- ``POST /v1/sessions`` (a new id and the key of that session alone), ``GET
+  /v1/sessions/{id}`` (the record so far), ``POST /v1/sessions/{id}/reward`` (``{"reward":
+  0.5}``: the session's reward, once; also ``/sessions/{id}/v1/reward``, under the session's
+  base URL), ``POST /v1/sessions/{id}/end`` (the record; the id is never taken again)
 - ``GET /health`` (no key needed)
+
+With an API key set, a request carries it, or the key of the session it names (issued with
+the session): a session's key opens that session's routes and no other.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from engine_core_roles.serving.protocol import (
     CompletionRequest,
     SamplingFields,
     error_body,
+    parse_json_object,
     parse_request,
 )
 from engine_core_roles.serving.responses import (
@@ -101,7 +107,11 @@ class Endpoint:
         async def run(request: Request) -> Answer:
             try:
                 if key:
-                    check_key(request.headers.get("authorization", ""), self._key)
+                    check_key(
+                        request.headers.get("authorization", ""),
+                        self._key,
+                        lambda given: self._session_key(request, given),
+                    )
                 return await handler(request)
             except ApiError as e:
                 return JSONAnswer(e.body(), e.status)
@@ -113,6 +123,11 @@ class Endpoint:
                 )
 
         return run
+
+    def _session_key(self, request: Request, given: bytes) -> bool:
+        """Whether ``given`` is the key of the session ``request`` names (none named: no)."""
+        sid = request.path_params.get("session_id") or request.headers.get(SESSION_HEADER)
+        return sid is not None and self.sessions.key_matches(sid, given)
 
     async def _body(self, request: Request) -> bytes:
         return await read_body(request, self.config.max_body_bytes)
@@ -298,7 +313,20 @@ class Endpoint:
 
     async def new_session(self, request: Request) -> Answer:
         del request
-        return JSONAnswer({"id": self.sessions.new_id()})
+        sid, key = self.sessions.issue()
+        return JSONAnswer({"id": sid, "api_key": key})
+
+    async def reward(self, request: Request) -> Answer:
+        sid = check_session_id(request.path_params["session_id"])
+        body = parse_json_object(await self._body(request))
+        if set(body) != {"reward"}:
+            raise ApiError(
+                400,
+                f'a reward call\'s body is {{"reward": NUMBER}}; it held the fields '
+                f"{sorted(body)}.",
+                param="reward",
+            )
+        return JSONAnswer(self.sessions.reward(sid, body["reward"]))
 
     async def get_session(self, request: Request) -> Answer:
         sid = check_session_id(request.path_params["session_id"])
@@ -356,7 +384,9 @@ def build_app(endpoint: Endpoint) -> Any:
             route(f"{base}/v1/completions", endpoint.completions, "POST"),
         ]
     routes += [
+        route("/sessions/{session_id}/v1/reward", endpoint.reward, "POST"),
         route("/v1/sessions", endpoint.new_session, "POST"),
+        route("/v1/sessions/{session_id}/reward", endpoint.reward, "POST"),
         route("/v1/sessions/{session_id}", endpoint.get_session, "GET"),
         route("/v1/sessions/{session_id}/end", endpoint.end_session, "POST"),
     ]

@@ -6,6 +6,7 @@ what is allowed, and what to change."""
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import ValidationError
@@ -27,13 +28,20 @@ __all__ = [
 SESSION_HEADER = "X-Session-Id"
 
 
-def check_key(authorization: str, key: bytes | None) -> None:
-    """Refuse a request whose ``Authorization`` header does not carry ``key`` (none: any)."""
+def check_key(
+    authorization: str, key: bytes | None, session_key: Callable[[bytes], bool] | None = None
+) -> None:
+    """Refuse a request whose ``Authorization`` header carries neither ``key`` (none: any) nor,
+    where ``session_key`` says so, the key of the session the request names."""
     if key is None:
         return
     scheme, _, given = authorization.partition(" ")
     # compared in constant time, so the time taken says nothing about the key
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), key):
+    good = scheme.lower() == "bearer" and (
+        hmac.compare_digest(given.encode(), key)
+        or (session_key is not None and session_key(given.encode()))
+    )
+    if not good:
         raise ApiError(
             401,
             "missing or wrong API key; send it as 'Authorization: Bearer KEY' (the openai "

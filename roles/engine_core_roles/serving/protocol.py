@@ -20,6 +20,7 @@ __all__ = [
     "CompletionRequest",
     "SamplingFields",
     "error_body",
+    "parse_json_object",
     "parse_request",
 ]
 
@@ -125,9 +126,9 @@ class CompletionRequest(SamplingFields):
         return self.max_tokens
 
 
-def parse_request(raw: bytes, kind: type[SamplingFields]) -> Any:
-    """``raw`` (a request body) as a ``kind``; malformed JSON, a body that is not an object,
-    a field of the wrong type or a field no rollout here honours refused with a 400 naming it."""
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """``raw`` (a request body) as a JSON object; malformed JSON or another JSON value refused
+    with a 400."""
     try:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -140,6 +141,13 @@ def parse_request(raw: bytes, kind: type[SamplingFields]) -> Any:
         raise ApiError(
             400, f"the request body must be a JSON object; got a JSON {type(data).__name__}."
         )
+    return data
+
+
+def parse_request(raw: bytes, kind: type[SamplingFields]) -> Any:
+    """``raw`` (a request body) as a ``kind``; malformed JSON, a body that is not an object,
+    a field of the wrong type or a field no rollout here honours refused with a 400 naming it."""
+    data = parse_json_object(raw)
     for name, neutral in _UNSUPPORTED.items():
         if name in data and not any(data[name] == v for v in neutral):
             raise ApiError(

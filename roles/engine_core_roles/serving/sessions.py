@@ -14,11 +14,19 @@ trainer can start a new row there rather than train on tokens the model never pr
 
 Once ended, a session's id is refused for good: a late call of a finished episode cannot slip
 into the next one that happens to reuse the id.
+
+A session issued by the server (:meth:`Sessions.issue`) has a key of its own, good for that
+session only: an agent handed it can call, read, reward and end its session, and nothing else.
+A session may be given its reward once (:meth:`Sessions.reward`), by whoever holds its key or
+the server's: a grader that scores the episode apart from the agent.
 """
 
 from __future__ import annotations
 
+import hmac
+import math
 import re
+import secrets
 import threading
 import time
 import uuid
@@ -78,6 +86,7 @@ class Session:
     calls: list[Call] = field(default_factory=list)
     drift: int = 0
     ended: bool = False
+    reward: float | None = None  # given by the session's reward call (None: none given)
 
     def extended(self, prompt: list[int]) -> dict[str, int] | None:
         """The latest earlier choice whose prompt + sampled ids ``prompt`` starts with."""
@@ -96,6 +105,7 @@ class Session:
             "id": self.id,
             "ended": self.ended,
             "drift": self.drift,
+            "reward": self.reward,
             "calls": [asdict(c) for c in self.calls],
         }
 
@@ -109,10 +119,26 @@ class Sessions:
         self._ended: set[str] = set()
         # a session's own seed (given by whoever opened it) and the seeds drawn from it so far
         self._seeds: dict[str, tuple[int, int]] = {}
+        # the keys of the sessions the server issued, kept after they end (a late call with
+        # one is told its session ended, not that its key is wrong)
+        self._keys: dict[str, bytes] = {}
         self._lock = threading.Lock()
 
     def new_id(self) -> str:
         return uuid.uuid4().hex
+
+    def issue(self) -> tuple[str, str]:
+        """A new session id and the key of that session alone."""
+        sid, key = self.new_id(), secrets.token_urlsafe(24)
+        with self._lock:
+            self._keys[sid] = key.encode()
+        return sid, key
+
+    def key_matches(self, session_id: str, given: bytes) -> bool:
+        """Whether ``given`` is the key issued for ``session_id`` (compared in constant time)."""
+        with self._lock:
+            key = self._keys.get(session_id)
+        return key is not None and hmac.compare_digest(given, key)
 
     def _refuse(self, session_id: str, *, opening: bool) -> None:
         """Refuse an ended id (409); for a call (``opening``), a new session past the limit of
@@ -175,6 +201,33 @@ class Sessions:
             recorded = Call(index=len(session.calls), extends=extends, created=time.time(), **call)
             session.calls.append(recorded)
             return recorded
+
+    def reward(self, session_id: str, reward: Any) -> dict[str, Any]:
+        """Give a session its reward, once: a finite number (400 otherwise; 409 for a second
+        one or an ended session). Returns the session's id and reward."""
+        if (
+            isinstance(reward, bool)
+            or not isinstance(reward, int | float)
+            or not math.isfinite(reward)
+        ):
+            raise ApiError(
+                400,
+                f'reward {str(reward)[:40]!r} is not a finite number; send {{"reward": 0.5}}.',
+                param="reward",
+            )
+        with self._lock:
+            self._refuse(session_id, opening=True)
+            session = self._open.setdefault(session_id, Session(session_id))
+            if session.reward is not None:
+                raise ApiError(
+                    409,
+                    f"session {session_id!r} was given its reward ({session.reward:g}) already; "
+                    f"a session takes one.",
+                    param="reward",
+                    code="reward_given",
+                )
+            session.reward = float(reward)
+            return {"id": session_id, "reward": session.reward}
 
     def get(self, session_id: str) -> dict[str, Any]:
         """A session's record so far (an id never used: an empty one)."""
