@@ -691,6 +691,9 @@ def test_a_sessions_own_key_opens_that_session_alone_and_takes_its_reward_once(
             ("POST", f"{keyed.url}/sessions", {}),
             ("GET", f"{keyed.url}/sessions/{other}", {}),
             ("POST", f"{keyed.url}/sessions/{other}/reward", {}),
+            # two names for the session, or a malformed one: a key proves nothing about them
+            ("GET", f"{keyed.session_url(sid)}/models", {SESSION_HEADER: other}),
+            ("GET", f"{keyed.url}/models", {SESSION_HEADER: "no/such id"}),
         ]
         for method, url, headers in elsewhere:
             answer = httpx.request(

@@ -125,8 +125,12 @@ class Endpoint:
         return run
 
     def _session_key(self, request: Request, given: bytes) -> bool:
-        """Whether ``given`` is the key of the session ``request`` names (none named: no)."""
-        sid = request.path_params.get("session_id") or request.headers.get(SESSION_HEADER)
+        """Whether ``given`` is the key of the session ``request`` names (none, or a malformed
+        name: no, so a caller without a key learns nothing about the name it sent)."""
+        try:
+            sid = self._session(request)
+        except ApiError:
+            return False
         return sid is not None and self.sessions.key_matches(sid, given)
 
     async def _body(self, request: Request) -> bytes:
