@@ -408,7 +408,13 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60.0, help="load time per server")
     parser.add_argument("--turns", type=int, default=3, help="calls per session")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per reply, at most")
-    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per server")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="intra-op threads per server (default: the cores this process may run on, what "
+        "each server takes when not told)",
+    )
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
