@@ -41,6 +41,7 @@ from engine_core.rollout import (  # noqa: E402
     ROLLOUT_LOG_PROBS,
     SamplingParams,
 )
+from engine_core.testing.moe import AS_QWEN3_MOE  # noqa: E402
 from engine_core_roles.batch.keys import EPISODE, WEIGHT_VERSION  # noqa: E402
 from engine_core_roles.data.datasets.prompts import DataConfig, PromptData  # noqa: E402
 from engine_core_roles.data.datasets.tokenizer import load_tokenizer  # noqa: E402
@@ -190,6 +191,25 @@ def test_session_rows_follow_the_extends_links() -> None:
         ([1, 2, 3, 4, 9, 6], [12], [1], [4]),
     ]
     assert rows[0].log_probs == [-0.5, -0.5, 0.0, -0.5, 0.0, -0.5, -0.5]
+    # routes: choice j of call i routed position p to expert 1000 i + 100 j + p; each row
+    # token's are the forward's that first fed it, the row's last token's none
+    routes = {
+        (c["index"], j): torch.tensor(
+            [1000 * c["index"] + 100 * j + p for p in range(len(c["prompt_ids"]) + len(x) - 1)]
+        ).view(-1, 1, 1)
+        for c in record["calls"]
+        for j, x in enumerate(ch["token_ids"] for ch in c["choices"])
+    }
+    routed = session_rows(record, routes)
+    assert [r.routes.flatten().tolist() for r in routed] == [  # type: ignore[union-attr]
+        [0, 1, 2, 1003, 1004, 3005, 3006, 3007],
+        [100, 101],
+        [2000, 2001],
+        [4000 + p for p in range(6)],
+    ]
+    routes[(3, 0)] = routes[(3, 0)][:-1]  # a forward's routes one token short
+    with pytest.raises(ValueError, match="call 3, choice 0: routes for 7 tokens, want 8"):
+        session_rows(record, routes)
 
 
 def test_a_steps_samples_count_as_their_oldest_recorded_weight_version() -> None:
@@ -550,6 +570,24 @@ def test_a_rerendering_client_drifts_and_a_raising_agent_is_counted(tmp_path: Pa
         assert r["agent/rows"] == pytest.approx(1.0 + r["agent/drift_calls"])
         assert r["actor/num_optimizer_steps"] >= 1.0
         assert "reward/agent" in r
+
+
+def test_a_mixture_of_experts_replays_the_routes_its_agents_calls_were_sampled_with(
+    tmp_path: Path,
+) -> None:
+    """The tool task's model as a Qwen3-MoE (fp32), trained with ``routing_replay=rollout``
+    through the endpoint, with a re-rendering client (rows split where it drifts, sessions that
+    fail after one call, empty row slots): each row's routes, stitched from its calls, are the
+    trainer's own on every counted token, and the log-probs agree."""
+    importlib.import_module("tests.test_agent_job").STARTED = itertools.count()
+    moe = [f"engine.model.config.{k}={str(v).lower()}" for k, v in AS_QWEN3_MOE.items()]
+    out = tmp_path / "run"
+    agent = ["agent=tests.test_agent_job:rerendering_agent", "reward=null"]
+    run_rl_job(_job(out, *agent, "trainer.routing_replay=rollout", *moe), load_plugins())
+    rows = _rows(out)
+    assert [r["rollout/route_mismatch"] for r in rows] == [0.0, 0.0]
+    assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-5
+    assert sum(r["agent/drift_calls"] for r in rows) > 0 and sum(r["agent/errors"] for r in rows)
 
 
 @pytest.mark.parametrize(

@@ -41,6 +41,13 @@ endpoint reports: the first load is version 0 (the initial policy), the next 1, 
 oldest version among its sampled tokens (:data:`~engine_core_roles.batch.keys.WEIGHT_VERSION`,
 from the calls it holds): the trainer counts a step's staleness from it.
 
+Routes. Asked for routes (``SamplingParams.return_routes``: routing replay of a mixture of
+experts, over an inner rollout that declares ``routing_replay``), the endpoint asks the rollout
+for every call's routes, keeps them beside each session's record, and each row's
+:data:`~engine_core.batch.ROUTED_EXPERTS` are stitched from its calls (each token's experts those
+of the forward that first fed it: :mod:`~engine_core_roles.serving.rows`); an empty row slot's
+are expert 0 (it holds no token that is scored).
+
 Asynchronous training. Over a rollout that generates in processes of its own (a
 :class:`~engine_core.remote_rollout.ProcessRollout`: ``async_generation``), this rollout
 declares ``async_generation`` too: :meth:`AgentRollout.generate_async` starts a step's agents on
@@ -66,6 +73,7 @@ from typing import Any
 import torch
 from tensordict import NonTensorStack, TensorDict
 
+from engine_core.batch import ROUTED_EXPERTS
 from engine_core.capabilities import Capability
 from engine_core.errors import ConfigError
 from engine_core.rollout import (
@@ -74,6 +82,7 @@ from engine_core.rollout import (
     SamplingParams,
     SentBucket,
     WeightBucket,
+    place_routes,
     sample_seeds,
 )
 from engine_core_roles.batch.build import dataset_rows, prompt_batch, turns_batch
@@ -150,12 +159,12 @@ class AgentRollout(BaseRollout):
     ) -> None:
         super().__init__(inner.config)
         self.inner, self.agent, self.tokenizer = inner, agent, tokenizer
-        # the inner rollout's, less routes (the endpoint records none): in processes of its own,
-        # it keeps async_generation (the agents run while the trainer trains) and its
-        # weight-sync group (its processes receive the weights, between two generations)
-        self.capabilities = frozenset(inner.capabilities) - {  # type: ignore[misc]
-            Capability.ROUTING_REPLAY,
-        }
+        # the inner rollout's: in processes of its own, it keeps async_generation (the agents
+        # run while the trainer trains) and its weight-sync group (its processes receive the
+        # weights, between two generations); routes where it returns them (the endpoint
+        # records each call's)
+        self.capabilities = frozenset(inner.capabilities)  # type: ignore[misc]
+        self.routes_from_start = inner.routes_from_start  # type: ignore[misc]
         self.pad_token_id = inner.pad_token_id
         self.temperature, self.max_concurrency, self.timeout_s = (
             temperature,
@@ -182,6 +191,8 @@ class AgentRollout(BaseRollout):
         #: resumed after step ``k`` sets ``k``
         self.next_version = 0
         self._closed = False
+        #: a row's routes past its tokens: [layers, top_k], once any call returned routes
+        self._route_shape: tuple[int, ...] | None = None
 
     # -- weights and memory: the inner rollout's, between two generations ----------------------
     def expected_weights(self) -> dict[str, tuple[int, ...]]:
@@ -274,6 +285,9 @@ class AgentRollout(BaseRollout):
                 f"when it was built, the trainer's); generate asked {params.temperature}. Build "
                 f"the rollout with the temperature the trainer computes its log-probs at."
             )
+        if params.return_routes:  # refused where the inner rollout returns none
+            self.check_params(params)
+            self.served.return_routes = True
         # session j of prompt i draws the calls that name no seed from its own seed
         seeds = sample_seeds(prompts, params) if rows else None
         server, n = self.server, params.n
@@ -281,7 +295,7 @@ class AgentRollout(BaseRollout):
         running = asyncio.run_coroutine_threadsafe(
             self._run_all(server, rows, n, seeds), self._loop
         )
-        return _Running(running, lambda step: self._result(step, n))
+        return _Running(running, lambda step: self._result(step, n, params.return_routes))
 
     async def _run_all(
         self,
@@ -323,8 +337,9 @@ class AgentRollout(BaseRollout):
         except Exception as e:  # the run goes on: this session scores 0, counted
             out.error = f"the agent raised {type(e).__name__}: {e}"
         out.seconds = time.perf_counter() - t0
-        out.record = sessions.end(sid)  # later calls of this session are refused (409)
-        out.rows = session_rows(out.record)
+        # later calls of this session are refused (409)
+        out.record, routes = sessions.end_with_routes(sid)
+        out.rows = session_rows(out.record, routes if self.served.return_routes else None)
         if out.error is None:
             out.error = self._settle_reward(out)
         return out
@@ -348,9 +363,9 @@ class AgentRollout(BaseRollout):
             )
         return None
 
-    def _result(self, step: _Step, n: int) -> TensorDict:
+    def _result(self, step: _Step, n: int, routed: bool) -> TensorDict:
         """Every session's rows, ``k`` slots each, laid out prompt, slot, session; each row's
-        weight version the oldest of the calls it holds."""
+        weight version the oldest of the calls it holds; with ``routed``, their routes."""
         sessions = step.sessions
         k = max([len(s.rows) for s in sessions] + [1])
         empty = SessionRow([int(self.pad_token_id)])
@@ -370,7 +385,36 @@ class AgentRollout(BaseRollout):
         )
         out[EPISODE] = NonTensorStack.from_list([record for _, record, _ in order])
         out[WEIGHT_VERSION] = torch.tensor([v for _, _, v in order], dtype=torch.int64)
+        if routed:
+            out[ROUTED_EXPERTS] = place_routes(out, self._routes([row for row, _, _ in order]))
         return out
+
+    def _routes(self, rows: list[SessionRow]) -> list[torch.Tensor]:
+        """Each row's routes; a row with none (an empty slot, a session that made no call) gets
+        expert 0 under its tokens (none of them is scored)."""
+        for row in rows:
+            if row.routes is not None:
+                self._route_shape = tuple(row.routes.shape[1:])
+                break
+        if self._route_shape is None:  # no call of this run returned routes yet: ask for one
+            self._route_shape = self._probe_route_shape()
+        placed = []
+        for row in rows:
+            # a row's tokens but the last, at least its prompt's (what place_routes takes)
+            routes = torch.zeros(0, *self._route_shape, dtype=torch.int64)
+            routes = routes if row.routes is None else row.routes
+            short = max(row.length - 1, len(row.prompt)) - routes.shape[0]
+            placed.append(torch.cat([routes, routes.new_zeros(short, *routes.shape[1:])]))
+        return placed
+
+    def _probe_route_shape(self) -> tuple[int, ...]:
+        """[layers, top_k] of the inner rollout's routes, from one token sampled through the
+        endpoint's worker (between two generations)."""
+        params = SamplingParams(max_new_tokens=1, temperature=self.temperature, return_routes=True)
+        out = self.served.between_calls(
+            lambda: self.inner.generate(prompt_batch([[int(self.pad_token_id)]]), params)
+        ).result()
+        return tuple(out[ROUTED_EXPERTS].shape[2:])
 
     def _record(self, s: _Session, wall: float) -> dict[str, Any]:
         """A session as an episode record (what the episode metrics and the reward read)."""

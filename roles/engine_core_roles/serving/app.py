@@ -313,6 +313,7 @@ class Endpoint:
             choices=sampled.choices[i],
             weight_version=sampled.weight_version,
             messages=messages,
+            routes=None if sampled.routes is None else sampled.routes[i],
         )
 
     async def new_session(self, request: Request) -> Answer:

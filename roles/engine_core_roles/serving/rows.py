@@ -19,6 +19,13 @@ How a session is split into rows, and why:
   call. The sampled ids are kept as sampled in every case; nothing is re-tokenized, so every
   trained token's context in its row is exactly the context the rollout sampled it in, and the
   trainer's log-probs equal the rollout's.
+
+Routes (a mixture of experts with routing replay): given the routes of each choice's forward
+(``[P + R - 1, layers, top_k]``, by (call, choice)), a row's are stitched as an episode's turns
+are: each token's experts are those of the forward that first fed it to the model. A choice's
+call fed the row's tokens from the previous choice's last sampled one (or, for a row's first
+choice, from the start) up to its own last sampled one but the very last, which the next call
+of the row feeds, or none (a row's last token is never scored).
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 __all__ = ["SessionRow", "session_rows"]
 
@@ -42,6 +51,9 @@ class SessionRow:
     log_probs: list[float] = field(default_factory=list)
     truncated: bool = False
     calls: list[int] = field(default_factory=list)
+    #: the experts of this row's tokens but the last, by the forward that first fed each
+    #: (``[length - 1, layers, top_k]``; None: no routes given)
+    routes: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def length(self) -> int:
@@ -52,10 +64,27 @@ class SessionRow:
         self.trained += [0 if log_probs is None else 1] * len(ids)
         self.log_probs += [0.0] * len(ids) if log_probs is None else [float(x) for x in log_probs]
 
+    def add_routes(self, call_routes: torch.Tensor, where: str) -> None:
+        """The rows of ``call_routes`` (a choice's, over its prompt, which is this row so far,
+        and its sampled ids, now added) for the tokens no earlier call of the row fed."""
+        fed = 0 if self.routes is None else self.routes.shape[0]
+        if call_routes.shape[0] != self.length - 1:
+            raise ValueError(
+                f"{where}: routes for {call_routes.shape[0]} tokens, want {self.length - 1} "
+                f"(its prompt and sampled ids but the last)."
+            )
+        part = call_routes[fed:]
+        self.routes = part if self.routes is None else torch.cat([self.routes, part])
 
-def session_rows(record: Mapping[str, Any]) -> list[SessionRow]:
+
+def session_rows(
+    record: Mapping[str, Any],
+    routes: Mapping[tuple[int, int], torch.Tensor] | None = None,
+) -> list[SessionRow]:
     """The rows of one session's record (``Session.to_dict()``, what ending a session returns),
-    in the order their first calls were made."""
+    in the order their first calls were made; with ``routes`` (each choice's, by (call,
+    choice): :meth:`~engine_core_roles.serving.sessions.Sessions.end_with_routes`), each row's
+    stitched from them."""
     rows: list[SessionRow] = []
     tails: dict[tuple[int, int], SessionRow] = {}  # the rows whose last piece is this choice
     for call in record["calls"]:
@@ -73,6 +102,11 @@ def session_rows(record: Mapping[str, Any]) -> list[SessionRow]:
                 assert prompt[: row.length] == row.prompt + row.tokens
                 row.add(prompt[row.length :], None)
             row.add(list(choice["token_ids"]), list(choice["logprobs"]))
+            if routes is not None:
+                where = f"session {record.get('id')!r}, call {call['index']}, choice {j}"
+                if (int(call["index"]), j) not in routes:
+                    raise ValueError(f"{where}: no routes recorded; serve with return_routes.")
+                row.add_routes(routes[(int(call["index"]), j)], where)
             row.truncated = choice["finish_reason"] == "length"
             row.calls.append(int(call["index"]))
             tails[(int(call["index"]), j)] = row

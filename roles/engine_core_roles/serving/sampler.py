@@ -20,6 +20,12 @@ What must not overlap a generation (a weight load) runs through :meth:`between_c
 every request queued before it, before any queued after it. Each call's tokens carry the one
 weight version that produced them.
 
+Routes. With :attr:`ServedRollout.return_routes` set (a mixture of experts trained with routing
+replay through agents), every request asks the rollout for its routes (``return_routes``), and
+each choice comes back with the experts each token of its prompt and its sampled ids went to,
+``[P + R - 1, layers, top_k]`` (the last sampled token was never fed to the model): what the
+session's training rows are stitched from (:mod:`~engine_core_roles.serving.rows`).
+
 The event loop stays free while the rollout works: requests are parsed, refused and streamed
 meanwhile.
 """
@@ -38,8 +44,10 @@ from typing import Any, TypeVar
 
 import torch
 
+from engine_core.batch import ROUTED_EXPERTS
 from engine_core.capabilities import Capability
 from engine_core.rollout import (
+    PROMPT_MASK,
     PROMPT_SEED,
     RESPONSE_IDS,
     RESPONSE_MASK,
@@ -63,10 +71,13 @@ MERGED_PROMPTS = 256
 
 @dataclass(frozen=True)
 class Sampled:
-    """One request's result: ``choices[i]`` are prompt ``i``'s ``n`` samples."""
+    """One request's result: ``choices[i]`` are prompt ``i``'s ``n`` samples; with routes asked
+    for, ``routes[i][j]`` those of ``choices[i][j]``'s forward over its prompt and sampled ids
+    (``[P + R - 1, layers, top_k]``)."""
 
     choices: list[list[Choice]]
     weight_version: int
+    routes: list[list[torch.Tensor]] | None = None
 
 
 @dataclass
@@ -92,6 +103,8 @@ class ServedRollout:
     def __init__(self, rollout: BaseRollout, tokenizer: Any) -> None:
         self.rollout, self.tokenizer = rollout, tokenizer
         self.weight_version = 0
+        #: ask the rollout for every call's routes (``SamplingParams.return_routes``)
+        self.return_routes = False
         raw = rollout.config.model.raw_config()
         self.vocab_size = int(raw.get("vocab_size") or len(tokenizer))
         self.context = raw.get("max_position_embeddings")
@@ -107,6 +120,8 @@ class ServedRollout:
     # -- what callers use ----------------------------------------------------------------------
     async def sample(self, prompts: list[list[int]], params: SamplingParams) -> Sampled:
         """``params.n`` samples of each prompt, from the worker thread."""
+        if self.return_routes and not params.return_routes:
+            params = params.validated_copy(return_routes=True)
         job = _Job(prompts=prompts, params=params)
         self._queue.put(job)
         result: Sampled = await asyncio.wrap_future(job.done)
@@ -268,14 +283,23 @@ class ServedRollout:
         assert params is not None
         ids, mask = out[RESPONSE_IDS].tolist(), out[RESPONSE_MASK].tolist()
         logps, cut = out[ROLLOUT_LOG_PROBS].tolist(), out[TRUNCATED].tolist()
-        choices = []
+        choices, routes = [], []
         for k in range(len(ids)):
             size = int(sum(mask[k]))
             choices.append(Choice(ids[k][:size], logps[k][:size], "length" if cut[k] else "stop"))
+        if params.return_routes:  # each sample's rows, under its prompt and sampled tokens
+            placed, width = out[ROUTED_EXPERTS], out[PROMPT_MASK].shape[1]
+            heads = out[PROMPT_MASK].sum(1).tolist()
+            for k, choice in enumerate(choices):
+                first = width - int(heads[k])  # the prompt's first token
+                fed = int(heads[k]) + len(choice.token_ids) - 1
+                routes.append(placed[k, first : first + fed].clone())
         n, start, results = params.n, 0, []
         for job in group:
-            rows = [choices[(start + i) * n : (start + i + 1) * n] for i in range(len(job.prompts))]
-            results.append(Sampled(rows, self.weight_version))
+            spans = [range((start + i) * n, (start + i + 1) * n) for i in range(len(job.prompts))]
+            rows = [[choices[k] for k in span] for span in spans]
+            taken = [[routes[k] for k in span] for span in spans] if routes else None
+            results.append(Sampled(rows, self.weight_version, taken))
             start += len(job.prompts)
         return results
 

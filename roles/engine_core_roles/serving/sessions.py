@@ -19,6 +19,10 @@ A session issued by the server (:meth:`Sessions.issue`) has a key of its own, go
 session only: an agent handed it can call, read, reward and end its session, and nothing else.
 A session may be given its reward once (:meth:`Sessions.reward`), by whoever holds its key or
 the server's: a grader that scores the episode apart from the agent.
+
+Routes (a mixture of experts served with ``return_routes``) are kept beside the record, one
+tensor per choice, never in it: the record stays plain data, and :meth:`Sessions.end_with_routes`
+hands both to the trainer in this process.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import torch
 
 from engine_core.rollout import derive_seed
 from engine_core_roles.serving.protocol import ApiError
@@ -87,6 +93,8 @@ class Session:
     drift: int = 0
     ended: bool = False
     reward: float | None = None  # given by the session's reward call (None: none given)
+    # (call, choice) -> the routes of that choice's forward, where the rollout returned them
+    routes: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
 
     def extended(self, prompt: list[int]) -> dict[str, int] | None:
         """The latest earlier choice whose prompt + sampled ids ``prompt`` starts with."""
@@ -190,8 +198,11 @@ class Sessions:
         with self._lock:
             self._refuse(session_id, opening=True)
 
-    def record(self, session_id: str, **call: Any) -> Call:
-        """Append a call (the fields of :class:`Call` but its index and ``extends``)."""
+    def record(
+        self, session_id: str, *, routes: list[torch.Tensor] | None = None, **call: Any
+    ) -> Call:
+        """Append a call (the fields of :class:`Call` but its index and ``extends``), with its
+        choices' routes where the rollout returned them."""
         with self._lock:
             self._refuse(session_id, opening=True)
             session = self._open.setdefault(session_id, Session(session_id))
@@ -200,6 +211,8 @@ class Sessions:
                 session.drift += 1
             recorded = Call(index=len(session.calls), extends=extends, created=time.time(), **call)
             session.calls.append(recorded)
+            for j, taken in enumerate(routes or []):
+                session.routes[(recorded.index, j)] = taken
             return recorded
 
     def reward(self, session_id: str, reward: Any) -> dict[str, Any]:
@@ -237,10 +250,16 @@ class Sessions:
 
     def end(self, session_id: str) -> dict[str, Any]:
         """Close a session for good and return its record (an id never used ends empty)."""
+        return self.end_with_routes(session_id)[0]
+
+    def end_with_routes(
+        self, session_id: str
+    ) -> tuple[dict[str, Any], dict[tuple[int, int], torch.Tensor]]:
+        """:meth:`end`, with the routes of the session's choices, by (call, choice)."""
         with self._lock:
             self._refuse(session_id, opening=False)
             session = self._open.pop(session_id, None) or Session(session_id)
             self._seeds.pop(session_id, None)
             self._ended.add(session_id)
             session.ended = True
-            return session.to_dict()
+            return session.to_dict(), session.routes

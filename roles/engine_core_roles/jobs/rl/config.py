@@ -319,11 +319,6 @@ class RLJobConfig(JobConfig):
                 f"agents yet; set trainer.filter_groups=false",
             ),
             (
-                self.trainer.routing_replay != "off",
-                f"{agent} with trainer.routing_replay={self.trainer.routing_replay}: the "
-                f"endpoint does not record a call's routes yet; set trainer.routing_replay=off",
-            ),
-            (
                 bool(self.eval.every),
                 f"{agent} with eval.every={self.eval.every}: evaluation runs no agents yet; set "
                 f"eval.every=0",
