@@ -285,6 +285,30 @@ def test_rows_equal_the_endpoints_record_token_for_token(agents: AgentRollout) -
         )
 
 
+def test_sessions_sample_at_the_temperature_generate_asks(agents: AgentRollout) -> None:
+    """Evaluation's greedy sessions: every call at temperature 0 (a prompt's sessions sample the
+    same ids, whatever their seeds), and a call naming another temperature is refused."""
+    train = str(RECIPES / "tiny_agent" / "train.jsonl")
+    data = PromptData([train], TOKENIZER, DataConfig(train_files=[train]), max_length=64, rows=True)
+    answers = answered()
+    answers.clear()
+    out = agents.generate(data.batch([0, 1]), SamplingParams(n=3, seed=5, temperature=0.0))
+    records = [r["session"] for r in out[EPISODE].tolist()]
+    sampled = [[c["choices"][0]["token_ids"] for c in r["calls"]] for r in records]
+    assert sampled[0] == sampled[1] == sampled[2] and sampled[3] == sampled[4] == sampled[5]
+    assert sampled[0] != sampled[3]
+    sid = agents.server.endpoint.sessions.issue()[0]
+    agents.server.endpoint.sessions.pin_temperature(sid, 0.0)
+    client = openai.OpenAI(base_url=agents.server.session_url(sid), api_key=agents.api_key)
+    with pytest.raises(openai.BadRequestError, match=f"session '{sid}' samples at temperature 0"):
+        client.chat.completions.create(model=NAME, messages=USER_X, temperature=1.0)
+    reply = client.chat.completions.create(model=NAME, messages=USER_X, max_tokens=3)
+    assert reply.choices[0].token_logprobs is not None
+
+
+USER_X = [{"role": "user", "content": "x"}]
+
+
 def _check_trained_as_recorded(out: TensorDict, answers: dict[str, list[dict[str, Any]]]) -> None:
     """Each row of ``out`` (token agents' sessions, one row each) is its session's record token
     for token, what its client was answered, with the weight version of its calls."""
@@ -557,11 +581,13 @@ def test_asynchronous_agents_run_while_the_actor_trains_staleness_from_recorded_
 def test_a_rerendering_client_drifts_and_a_raising_agent_is_counted(tmp_path: Path) -> None:
     importlib.import_module("tests.test_agent_job").STARTED = itertools.count()
     out = tmp_path / "run"
-    run_rl_job(
-        _job(out, "agent=tests.test_agent_job:rerendering_agent", "reward=null"), load_plugins()
-    )
+    agent = ["agent=tests.test_agent_job:rerendering_agent", "reward=null"]
+    run_rl_job(_job(out, *agent, "eval.every=2", "eval.max_prompts=3"), load_plugins())
     rows = _rows(out)
     assert [r["step"] for r in rows] == [1, 2]
+    # evaluated through the agents too (greedy), scored by their sessions' rewards
+    assert "val/reward" not in rows[0] and 0.0 <= rows[1]["val/reward"] <= 1.0
+    assert rows[1]["val/pass@1"] == rows[1]["val/reward"]  # rewards of 0 or 1
     assert sum(r["agent/drift_calls"] for r in rows) > 0
     assert sum(r["agent/errors"] for r in rows) > 0
     for r in rows:
@@ -596,7 +622,6 @@ def test_a_mixture_of_experts_replays_the_routes_its_agents_calls_were_sampled_w
         (["env={cls: tools}"], "agent='tests.test_agent_job:token_agent' and env are both set"),
         (["trainer.max_staleness=1"], "needs the rollout in a process of its own"),
         (["trainer.filter_groups=true"], "dynamic sampling is not built for agents"),
-        (["eval.every=2"], "evaluation runs no agents yet"),
         (["agent=tests.test_agent_job:_not_async"], "not an async function"),
         (["agent=tests.test_agent_job:no_such"], "has no 'no_such'"),
         (["agent=null"], "agent_concurrency set, but no agent runs"),

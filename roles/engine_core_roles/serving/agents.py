@@ -30,9 +30,11 @@ of its rows gets the advantage its session earned. The cost: a step where a sess
 carries ``k`` times the rows, the empty ones one token each.
 
 The endpoint is started on the first ``generate`` (127.0.0.1, a free port, a random key) and
-served until :meth:`AgentRollout.shutdown`; every generation goes through it. It samples at the
-temperature the rollout was built with (a request that names another is refused: the trainer
-computes its log-probs at that one) and at most ``max_tokens`` a call; a call that names no
+served until :meth:`AgentRollout.shutdown`; every generation goes through it. Each session is
+pinned to the temperature ``generate`` was asked (a call that names another is refused): the
+trainer's, which it computes its log-probs at, or evaluation's (greedy, 0); a request outside a
+session samples at the temperature the rollout was built with. At most ``max_tokens`` a call;
+a call that names no
 seed draws from its session's own (sample ``j`` of prompt ``i``'s, as ``generate`` derives
 them), so a step's sessions do not depend on what else the endpoint serves. Weights go to the
 rollout behind it between two generations, and each load bumps the weight version the
@@ -75,7 +77,6 @@ from tensordict import NonTensorStack, TensorDict
 
 from engine_core.batch import ROUTED_EXPERTS
 from engine_core.capabilities import Capability
-from engine_core.errors import ConfigError
 from engine_core.rollout import (
     BaseRollout,
     Pending,
@@ -279,12 +280,6 @@ class AgentRollout(BaseRollout):
 
     def _start(self, prompts: TensorDict, params: SamplingParams) -> _Running:
         rows = dataset_rows(prompts, "an agent rollout hands each agent its dataset row")
-        if params.temperature != self.temperature:
-            raise ConfigError(
-                f"this agent rollout's endpoint samples at temperature {self.temperature} (set "
-                f"when it was built, the trainer's); generate asked {params.temperature}. Build "
-                f"the rollout with the temperature the trainer computes its log-probs at."
-            )
         if params.return_routes:  # refused where the inner rollout returns none
             self.check_params(params)
             self.served.return_routes = True
@@ -293,7 +288,7 @@ class AgentRollout(BaseRollout):
         server, n = self.server, params.n
         assert self._loop is not None
         running = asyncio.run_coroutine_threadsafe(
-            self._run_all(server, rows, n, seeds), self._loop
+            self._run_all(server, rows, n, seeds, params.temperature), self._loop
         )
         return _Running(running, lambda step: self._result(step, n, params.return_routes))
 
@@ -303,13 +298,14 @@ class AgentRollout(BaseRollout):
         rows: list[dict[str, Any]],
         n: int,
         seeds: list[int] | None,
+        temperature: float,
     ) -> _Step:
         t0 = time.perf_counter()
         bound = asyncio.Semaphore(self.max_concurrency)
 
         async def one(row: dict[str, Any], seed: int | None) -> _Session:
             async with bound:
-                return await self._run_one(server, row, seed)
+                return await self._run_one(server, row, seed, temperature)
 
         work = [row for row in rows for _ in range(n)]
         each = seeds if seeds is not None else [None] * len(work)
@@ -317,10 +313,11 @@ class AgentRollout(BaseRollout):
         return _Step(list(sessions), time.perf_counter() - t0, self.served.weight_version)
 
     async def _run_one(
-        self, server: BackgroundServer, row: dict[str, Any], seed: int | None
+        self, server: BackgroundServer, row: dict[str, Any], seed: int | None, temperature: float
     ) -> _Session:
         sessions = server.endpoint.sessions
         sid, key = sessions.issue()  # the agent's key opens its own session only
+        sessions.pin_temperature(sid, temperature)
         if seed is not None:
             sessions.seed(sid, seed)
         out = _Session()

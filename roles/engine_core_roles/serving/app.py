@@ -141,13 +141,18 @@ class Endpoint:
             request.path_params.get("session_id"), request.headers.get(SESSION_HEADER)
         )
 
-    def _params(self, req: SamplingFields, limit: int | None, stop: list[str]) -> SamplingParams:
+    def _params(
+        self, req: SamplingFields, limit: int | None, stop: list[str], session: str | None
+    ) -> SamplingParams:
+        pinned = None if session is None else self.sessions.temperature(session)
         return sampling_params(
             req,
             self.config,
             max_tokens=limit,
             stop=stop,
             stop_token_ids=self.served.stop_token_ids,
+            pinned=pinned,
+            pinned_by="this server" if pinned is None else f"session {session!r}",
         )
 
     def _check_prompt(self, ids: list[int], max_new: int, param: str) -> None:
@@ -199,7 +204,7 @@ class Endpoint:
         session = self._session(request)
         req: ChatRequest = parse_request(await self._body(request), ChatRequest)
         stop = req.stop_strings()
-        params = self._params(req, req.token_limit(), stop)
+        params = self._params(req, req.token_limit(), stop, session)
         if req.top_logprobs:
             raise ApiError(
                 400,
@@ -247,7 +252,7 @@ class Endpoint:
         session = self._session(request)
         req: CompletionRequest = parse_request(await self._body(request), CompletionRequest)
         stop = req.stop_strings()
-        params = self._params(req, req.token_limit(), stop)
+        params = self._params(req, req.token_limit(), stop, session)
         if req.logprobs:
             raise ApiError(
                 400,

@@ -94,10 +94,13 @@ def sampling_params(
     max_tokens: int | None,
     stop: list[str],
     stop_token_ids: list[int],
+    pinned: float | None = None,
+    pinned_by: str = "this server",
 ) -> SamplingParams:
     """The rollout's sampling parameters of ``req``, the model it names and its ``n`` and
     ``max_tokens`` (the config's default where it sets none) held to the config's bounds, and
-    its temperature to the config's pinned one, where set."""
+    its temperature to ``pinned`` (``pinned_by``'s: a session's, else the config's), where
+    set."""
     if req.model != config.model_name:
         raise ApiError(
             404,
@@ -116,16 +119,18 @@ def sampling_params(
             param="max_tokens",
         )
     temperature = req.temperature
-    if config.temperature is not None:
-        if "temperature" in req.model_fields_set and req.temperature != config.temperature:
+    if pinned is None:
+        pinned = config.temperature
+    if pinned is not None:
+        if "temperature" in req.model_fields_set and req.temperature != pinned:
             raise ApiError(
                 400,
-                f"temperature={req.temperature}; this server samples at temperature "
-                f"{config.temperature} only (what its model is trained at); send that, or leave "
+                f"temperature={req.temperature}; {pinned_by} samples at temperature {pinned} "
+                f"only (what its model is trained or evaluated at); send that, or leave "
                 f"temperature out.",
                 param="temperature",
             )
-        temperature = config.temperature
+        temperature = pinned
     try:
         return SamplingParams(
             temperature=temperature,

@@ -127,6 +127,8 @@ class Sessions:
         self._ended: set[str] = set()
         # a session's own seed (given by whoever opened it) and the seeds drawn from it so far
         self._seeds: dict[str, tuple[int, int]] = {}
+        # a session's own temperature, where its opener pinned one (over the server's)
+        self._temperatures: dict[str, float] = {}
         # the keys of the sessions the server issued, kept after they end (a late call with
         # one is told its session ended, not that its key is wrong)
         self._keys: dict[str, bytes] = {}
@@ -183,6 +185,18 @@ class Sessions:
         with self._lock:
             self._refuse(session_id, opening=False)
             self._seeds[session_id] = (seed, 0)
+
+    def pin_temperature(self, session_id: str, temperature: float) -> None:
+        """Sample every call of a session at ``temperature`` (one naming another is refused):
+        what its opener trains, or evaluates, the session's tokens at."""
+        with self._lock:
+            self._refuse(session_id, opening=False)
+            self._temperatures[session_id] = float(temperature)
+
+    def temperature(self, session_id: str) -> float | None:
+        """The temperature a session is pinned to (None: not pinned)."""
+        with self._lock:
+            return self._temperatures.get(session_id)
 
     def next_seed(self, session_id: str) -> int | None:
         """The seed of a session's next call that names none (None: the session has no seed)."""
@@ -260,6 +274,7 @@ class Sessions:
             self._refuse(session_id, opening=False)
             session = self._open.pop(session_id, None) or Session(session_id)
             self._seeds.pop(session_id, None)
+            self._temperatures.pop(session_id, None)
             self._ended.add(session_id)
             session.ended = True
             return session.to_dict(), session.routes

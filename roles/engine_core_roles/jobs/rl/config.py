@@ -318,11 +318,6 @@ class RLJobConfig(JobConfig):
                 f"{agent} with trainer.filter_groups=true: dynamic sampling is not built for "
                 f"agents yet; set trainer.filter_groups=false",
             ),
-            (
-                bool(self.eval.every),
-                f"{agent} with eval.every={self.eval.every}: evaluation runs no agents yet; set "
-                f"eval.every=0",
-            ),
         ]
         for bad, message in refused:
             if bad:

@@ -22,13 +22,13 @@ from engine_core_roles.data.datasets.images import ImagePromptRenderer, image_re
 from engine_core_roles.data.datasets.prompts import PromptData
 from engine_core_roles.data.datasets.stop_strings import stop_token_ids
 from engine_core_roles.data.datasets.tokenizer import load_tokenizer
-from engine_core_roles.data.rewards.functions import RewardConfig
+from engine_core_roles.data.rewards.functions import RewardConfig, SampleReward
 from engine_core_roles.data.rewards.text import TextReward
 from engine_core_roles.episodes.config import load_environment
 from engine_core_roles.episodes.protocol import Environment
 from engine_core_roles.episodes.template import check_messages, check_template
 from engine_core_roles.jobs.rl.config import RLJobConfig
-from engine_core_roles.serving.agent_function import AgentFn, load_agent
+from engine_core_roles.serving.agent_function import AgentFn, AgentReward, load_agent
 
 
 @dataclass
@@ -43,7 +43,7 @@ class TextParts:
     environment: Callable[[], Environment] | None = None
     tools: list[dict[str, Any]] | None = None
     context: int | None = None  # the model's context length
-    val_reward: TextReward | None = None
+    val_reward: SampleReward | None = None  # agents: their sessions' rewards
     images: ImagePromptRenderer | None = None  # a vision-language model's image renderer
     agent: AgentFn | None = None  # the agent function run once per sample
 
@@ -109,7 +109,8 @@ def text_parts(job: RLJobConfig, console: Console) -> TextParts | None:
             rows=rows,
             images=images,
         )
-        text.val_reward = TextReward(reward_cfg, tokenizer, text.val, show=0)
+        val_reward = TextReward(reward_cfg, tokenizer, text.val, show=0)
+        text.val_reward = val_reward if agent is None else AgentReward(val_reward)
         sets.append(("data.val_files", text.val))
     for what, data in sets:
         dropped = f"; {data.dropped} longer than {limit} tokens dropped" if data.dropped else ""
