@@ -637,5 +637,23 @@ def test_bad_agent_settings_are_refused_before_anything_runs(
     assert not (out / "metrics.jsonl").exists()
 
 
+async def down_agent(base_url: str, api_key: str, sample: dict[str, Any]) -> float:
+    raise ConnectionError("the agent's sandbox is down")
+
+
+def test_a_step_whose_agents_all_fail_first_trains_nothing_and_the_run_goes_on(
+    tmp_path: Path,
+) -> None:
+    """Every agent fails before its first call: no token sampled, every row empty; the step is
+    logged (errors 1, no log-prob gap to measure) and the run goes on."""
+    out = tmp_path / "run"
+    run_rl_job(_job(out, "agent=tests.test_agent_job:down_agent", "steps=2"), load_plugins())
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["agent/errors"] == 1.0 and r["agent/calls"] == 0.0 and r["reward"] == 0.0
+        assert r["rollout/logprob_diff_max"] == 0.0
+
+
 def _not_async(base_url: str, api_key: str, sample: dict[str, Any]) -> float:
     return 0.0

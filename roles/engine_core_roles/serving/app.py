@@ -174,7 +174,8 @@ class Endpoint:
                 params = params.validated_copy(seed=seed)
         try:
             return await self.served.sample(prompts, params)
-        except (BatchError, CapabilityError) as e:  # what the rollout refuses in a request
+        # what the rollout refuses in a request (its settings, in a rollout's own words)
+        except (BatchError, CapabilityError, ConfigError) as e:
             raise ApiError(400, str(e)) from None
 
     def _extra(self, prompt: Any, sampled: Sampled, session: str | None, calls: list[int]) -> Any:

@@ -285,6 +285,8 @@ class RLTrainer:
         update: dict[str, float],
     ) -> dict[str, Any]:
         gen, (per_column, mismatch) = drawn.samples, gap
+        if not mismatch.numel():  # no sampled token this step (every agent failed first): none
+            mismatch = torch.zeros(1)
         return {
             "step": step,
             "reward": float(rewards.scores.mean()),
