@@ -87,7 +87,13 @@ from engine_core.backend import (
     vision_token_ids,
 )
 from engine_core_vllm.plugin import VLLM_CAPABILITIES
-from engine_core_vllm.vision import image_request, vision_serving
+from engine_core_vllm.vision import (
+    EXPERTS_TRANSPOSED,
+    folder_tensors,
+    image_request,
+    to_vllm_layout,
+    vision_serving,
+)
 
 __all__ = ["VLLMRollout", "VLLMRolloutConfig", "to_vllm_sampling_params", "lora_rank_slot"]
 
@@ -257,6 +263,12 @@ class VLLMRollout(BaseRollout):
             serving.update(enable_chunked_prefill=False, max_num_batched_tokens=max(4096, longest))
         if self._vision is not None:  # vLLM's model of the family, taking our patches
             serving.update(vision_serving(hf_config))
+        self._expected = model_weight_shapes(config.model, adapters=lora is not None)
+        # experts vLLM reads in another layout than transformers saves: loaded through the
+        # sync's path (which converts them) after vLLM starts on dummy weights
+        self._transposed = self._vision is not None and hf_config.model_type in EXPERTS_TRANSPOSED
+        if self._transposed:
+            serving["load_format"] = "dummy"
         self._tokenizer = tokenizer_folder(config.model.model_copy(update={"path": path}))
         if self._tokenizer is not None:
             serving["tokenizer"] = self._tokenizer
@@ -273,7 +285,8 @@ class VLLMRollout(BaseRollout):
                 gpu_memory_utilization=config.gpu_memory_utilization,
                 logprobs_mode="processed_logprobs",
             )
-        self._expected = model_weight_shapes(config.model, adapters=lora is not None)
+        if self._transposed:
+            self._reload(to_vllm_layout(folder_tensors(path), self._expected))
         # prompt ids are checked against it: vLLM's CPU engine crashes on an id outside
         self._vocab_size = int(self._layout.get_input_embeddings().weight.shape[0])
         self.stale = False
@@ -427,7 +440,10 @@ class VLLMRollout(BaseRollout):
         def for_vllm(stream: Iterable[SentBucket]) -> Iterator[tuple[str, torch.Tensor]]:
             for handed in confirmed(stream):
                 base = handed if self._adapters is None else split_peft_tensors(handed, adapters)
-                yield from checkpoint_tensors(self._layout, base)
+                converted = checkpoint_tensors(self._layout, base)
+                yield from (
+                    to_vllm_layout(converted, self._expected) if self._transposed else converted
+                )
 
         self.stale = True  # until the whole load has gone through and been verified
         first = next(checked, None)
@@ -442,15 +458,7 @@ class VLLMRollout(BaseRollout):
                         "alone."
                     )
         else:
-            self.llm.collective_rpc(
-                "reload_weights",
-                kwargs={
-                    "weights_iterator": for_vllm(itertools.chain([first], checked)),
-                    "is_checkpoint_format": True,
-                },
-            )
-            if not torch.cuda.is_available():
-                self.llm.collective_rpc(_prepack_cpu_experts)
+            self._reload(for_vllm(itertools.chain([first], checked)))
         if self._adapters is not None:
             self._serve(adapters)
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
@@ -458,6 +466,15 @@ class VLLMRollout(BaseRollout):
             self.llm.llm_engine.reset_encoder_cache()
         self.stale = False
         return done
+
+    def _reload(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Load checkpoint-named ``tensors`` into vLLM's model in place."""
+        self.llm.collective_rpc(
+            "reload_weights",
+            kwargs={"weights_iterator": tensors, "is_checkpoint_format": True},
+        )
+        if not torch.cuda.is_available():
+            self.llm.collective_rpc(_prepack_cpu_experts)
 
     def _serve(self, adapters: dict[str, torch.Tensor]) -> None:
         """Register ``adapters`` with vLLM under a new LoRA id and drop the previous version."""

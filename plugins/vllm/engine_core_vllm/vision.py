@@ -24,10 +24,22 @@ processor takes the patches themselves:
   processor, and where that module cannot be imported it is provided from the identical
   function of the PIL-backed one (:func:`_importable_without_torchvision`).
 
-Served: Qwen2-VL, Qwen2.5-VL and Qwen3-VL (images of one frame, as image processors make them;
-vLLM's models take an image's grid with ``t = 1`` only). Qwen3-VL-MoE is not: vLLM 0.32's model
-reads ``norm_topk_prob`` from its text config, which transformers 5.19's config does not have;
-it and every other family are refused when the rollout starts, naming the ones served.
+Served: Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE (images of one frame, as image
+processors make them; vLLM's models take an image's grid with ``t = 1`` only); every other family
+is refused when the rollout starts, naming the ones served. Qwen3-VL-MoE needs two bridges
+between transformers 5.19 and vLLM 0.32:
+
+- vLLM's model reads ``norm_topk_prob`` from the text config, which transformers' config of the
+  family lacks (its model always scales the chosen experts' weights to sum to 1): the rollout
+  fills it in, true (:data:`TEXT_CONFIG_FILL`);
+- transformers holds each layer's experts stacked as ``gate_up_proj`` ``[E, 2I, H]`` and
+  ``down_proj`` ``[E, H, I]`` and saves them so, while vLLM's loader reads the family's
+  published checkpoint layout, each transposed (``[E, H, 2I]``, ``[E, I, H]``). A tensor in
+  transformers' layout (the shape the model holds it in) is transposed on its way into vLLM,
+  in every sync and when the rollout starts from a folder (:func:`to_vllm_layout`); vLLM then
+  starts with dummy weights and loads the folder's through the same path
+  (:data:`EXPERTS_TRANSPOSED`). Where the two layouts have the same shape (``I == H``) a tensor
+  is taken as transformers' own, as transformers' own loader takes it.
 """
 
 from __future__ import annotations
@@ -36,7 +48,8 @@ import functools
 import importlib
 import sys
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,7 +65,11 @@ from engine_core.backend import (
 )
 
 __all__ = [
+    "EXPERTS_TRANSPOSED",
+    "TEXT_CONFIG_FILL",
     "VISION_FAMILIES",
+    "folder_tensors",
+    "to_vllm_layout",
     "vision_serving",
     "fold_image_tokens",
     "image_request",
@@ -63,7 +80,43 @@ VISION_FAMILIES: dict[str, tuple[str, str]] = {
     "qwen2_vl": ("vllm.model_executor.models.qwen2_vl", "Qwen2VLForConditionalGeneration"),
     "qwen2_5_vl": ("vllm.model_executor.models.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
     "qwen3_vl": ("vllm.model_executor.models.qwen3_vl", "Qwen3VLForConditionalGeneration"),
+    "qwen3_vl_moe": (
+        "vllm.model_executor.models.qwen3_vl_moe",
+        "Qwen3VLMoeForConditionalGeneration",
+    ),
 }
+#: config fields vLLM's model of a family reads that transformers' config of it lacks, with the
+#: value that computes what transformers' model does (Qwen3-VL-MoE: transformers always scales
+#: the chosen experts' weights to sum to 1; vLLM reads that choice from its text config)
+TEXT_CONFIG_FILL: dict[str, dict[str, Any]] = {"qwen3_vl_moe": {"norm_topk_prob": True}}
+#: families whose stacked experts vLLM reads transposed from how transformers holds them
+EXPERTS_TRANSPOSED = frozenset({"qwen3_vl_moe"})
+_STACKED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def to_vllm_layout(
+    tensors: Iterable[tuple[str, torch.Tensor]], held: Mapping[str, Sequence[int]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``tensors`` as vLLM's loader of an :data:`EXPERTS_TRANSPOSED` family reads them: each
+    stacked expert tensor in the shape transformers holds it in (``held``: name -> shape)
+    transposed to the published checkpoint layout, the rest as they are."""
+    for name, tensor in tensors:
+        if name.endswith(_STACKED) and tuple(tensor.shape) == tuple(held.get(name, ())):
+            tensor = tensor.transpose(1, 2).contiguous()
+        yield name, tensor
+
+
+def folder_tensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a model folder's safetensors files, one at a time."""
+    from safetensors import safe_open
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder} holds no .safetensors file to load the model from.")
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            for name in f.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
+                yield name, f.get_tensor(name)
 
 
 def vision_serving(hf_config: Any) -> dict[str, Any]:
@@ -76,8 +129,11 @@ def vision_serving(hf_config: Any) -> dict[str, Any]:
             f"{sorted(VISION_FAMILIES)}; the model is {family!r}. Use rollout.backend=hf, which "
             f"generates with transformers' own model for every family the engines train."
         )
+    overrides: dict[str, Any] = {"architectures": [_registered(family)]}
+    if family in TEXT_CONFIG_FILL:  # a nested dict: vLLM updates the text config with it
+        overrides["text_config"] = dict(TEXT_CONFIG_FILL[family])
     return {
-        "hf_overrides": {"architectures": [_registered(family)]},
+        "hf_overrides": overrides,
         # the patches come normalized by the image processor that made them; left on, vLLM
         # (reading the folder's preprocessor_config.json) normalizes them again in the model
         "mm_device_do_normalize": False,
