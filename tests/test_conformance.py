@@ -3,10 +3,10 @@ the contract tests of the clause it breaks, with a message naming the fix. (The 
 runs over every engine in the repository are part of ``make test``:
 ``--engine-core-backend=reference,fsdp,fsdp2,megatron,example``.)
 
-The broken engines run in a few pytest subprocesses, grouped by the clauses they break, each
-group on the contract tests around its clauses (``-k``), with only the kit checks its run's
-groups need (``--engine-core-kit-only``); the JUnit report gives each test's outcome and failure
-message.
+The broken engines run in one pytest subprocess, grouped by the clauses they break, each
+group on the contract tests around its clauses (``-k``), each engine with only the kit checks
+its group needs (``--engine-core-kit-only=ENGINE:CHECK``); the JUnit report gives each test's
+outcome and failure message.
 """
 
 from __future__ import annotations
@@ -73,16 +73,10 @@ GROUPS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
     ),
     "process": (frozenset({NO_GROUP, MODES}), ("lifecycle", "modes")),
 }
-# The groups in three pytest subprocesses: each costs an interpreter and the kit's worker
-# start-up, ~10 s of a two-core machine. A run selects each group's tests on that group's
-# engines only, and the kit checks of all its groups: the process group's one engine runs the
-# lifecycle checks too (a second or two) and no lifecycle engine runs the plain layout; numerics
-# and checkpoints stay apart, as each would run the other's heaviest checks on every engine.
-RUNS = {
-    "numerics": ("numerics",),
-    "checkpoints": ("checkpoints",),
-    "lifecycle": ("lifecycle", "process"),
-}
+# The groups in one pytest subprocess (an interpreter, the kit's collection, baseline and
+# worker fork server each cost ~10 s of a two-core machine): each group's tests run on that
+# group's engines only (-k), and each engine runs only its group's kit checks
+# (--engine-core-kit-only=ENGINE:CHECK), so no engine runs another group's heaviest checks.
 
 
 @dataclass(frozen=True)
@@ -164,24 +158,23 @@ BROKEN = {
     ),
 }
 
-_REPORTS: dict[str, dict[tuple[str, str], str | None]] = {}
+_REPORT: dict[tuple[str, str], str | None] = {}
 
 
 def _engines(group: str) -> list[str]:
     return sorted(b for b, broken in BROKEN.items() if broken.group == group)
 
 
-def run_group(group: str, report: Path) -> dict[tuple[str, str], str | None]:
-    """Run the subprocess of the group's run (``RUNS``): each of its groups' contract tests on
-    that group's broken engines. {(backend, test): failure or None}."""
-    (run,) = [name for name, groups in RUNS.items() if group in groups]
-    if run in _REPORTS:
-        return _REPORTS[run]
-    groups = RUNS[run]
-    checks = tuple(dict.fromkeys(c for g in groups for c in GROUPS[g][1]))
-    backends = [b for g in groups for b in _engines(g)]
+def run_groups(report: Path) -> dict[tuple[str, str], str | None]:
+    """Run the one subprocess of every group: each group's contract tests on that group's
+    broken engines, each engine with its group's kit checks. {(backend, test): failure or
+    None}."""
+    if _REPORT:
+        return _REPORT
+    backends = [b for g in GROUPS for b in _engines(g)]
+    checks = [f"{b}:{c}" for g in GROUPS for b in _engines(g) for c in GROUPS[g][1]]
     selected = " or ".join(
-        f"(({' or '.join(sorted(GROUPS[g][0]))}) and ({' or '.join(_engines(g))}))" for g in groups
+        f"(({' or '.join(sorted(GROUPS[g][0]))}) and ({' or '.join(_engines(g))}))" for g in GROUPS
     )
     proc = subprocess.run(
         [
@@ -216,7 +209,7 @@ def run_group(group: str, report: Path) -> dict[tuple[str, str], str | None]:
         outcomes[(backend.rstrip("]"), name)] = (
             None if failure is None else failure.attrib.get("message", "") + (failure.text or "")
         )
-    _REPORTS[run] = outcomes
+    _REPORT.update(outcomes)
     return outcomes
 
 
@@ -224,7 +217,7 @@ def run_group(group: str, report: Path) -> dict[tuple[str, str], str | None]:
 def test_broken_engine_fails_the_kit_for_the_right_reason(backend: str, tmp_path: Path) -> None:
     broken = BROKEN[backend]
     tests, _ = GROUPS[broken.group]
-    outcomes = run_group(broken.group, tmp_path / "report.xml")
+    outcomes = run_groups(tmp_path / "report.xml")
     results = {test: message for (b, test), message in outcomes.items() if b == backend}
     assert set(results) == tests, f"ran {sorted(results)}, want {sorted(tests)}"
     failed = {name for name, message in results.items() if message is not None}
@@ -268,3 +261,12 @@ def test_the_registry_refuses_two_checks_of_one_name_in_a_layout() -> None:
     Registry([Check("a", Layout.SINGLE, len), Check("a", Layout.TWO, len)])  # one per layout
     with pytest.raises(ValueError, match="give each its own name"):
         Registry([Check("a", Layout.SINGLE, len), Check("a", Layout.SINGLE, len)])
+
+
+def test_a_kit_only_prefix_naming_an_engine_limits_that_engine_alone() -> None:
+    from engine_core.testing.contract import _only
+
+    given = ["step_", "a:checkpoint", "b:outputs", "a:modes"]
+    assert _only(given, "a") == ["step_", "checkpoint", "modes"]
+    assert _only(given, "c") == ["step_"]
+    assert _only(["b:outputs"], "a") == []  # none limits a: it runs every check

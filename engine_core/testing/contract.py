@@ -212,8 +212,22 @@ def _paths(
         "policy_dir": baseline.policy_dir,
         "critic_dir": baseline.critic_dir,
         "checkpoint_root": str(root),
-        "only": ",".join(request.config.getoption("engine_core_kit_only")),
+        "only": ",".join(_only(request.config.getoption("engine_core_kit_only"), backend)),
     }
+
+
+def _only(prefixes: list[str], backend: str) -> list[str]:
+    """The ``--engine-core-kit-only`` prefixes that limit ``backend``'s checks: each plain
+    ``CHECK``, and each ``NAME:CHECK`` whose NAME is ``backend`` (another engine's are not
+    its). A run that names none for ``backend`` runs every check that applies to it."""
+    kept = []
+    for prefix in prefixes:
+        name, colon, check = prefix.rpartition(":")
+        if not colon:
+            kept.append(prefix)
+        elif name == backend:
+            kept.append(check)
+    return kept
 
 
 @pytest.fixture(scope="module")

@@ -64,8 +64,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=[],
         metavar="CHECK",
         help="Run only the kit's checks whose name starts with CHECK (repeatable; e.g. "
-        "checkpoint, inputs, lifecycle, step_, outputs). Select the matching contract tests with "
-        "-k; a test whose check did not run fails with 'did not run'.",
+        "checkpoint, inputs, lifecycle, step_, outputs); NAME:CHECK limits only the engine NAME's "
+        "checks. Select the matching contract tests with -k; a test whose check did not run "
+        "fails with 'did not run'.",
     )
 
 
