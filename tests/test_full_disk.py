@@ -318,6 +318,9 @@ FILL_SETUP = (
 import os, sys
 from engine_core.cli import main
 import engine_core_roles.jobs.rl.run  # noqa: F401
+# the megatron runs' engine, and megatron-core, which it imports only as it builds: seconds of
+# each of those runs, paid once here
+import engine_core_megatron.engine, megatron.core  # noqa: F401
 
 def _fill(path):
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
