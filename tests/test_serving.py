@@ -742,6 +742,54 @@ def test_a_non_loopback_bind_without_a_key_is_refused_at_start(
     )
     raw, name = serve_rollout_config(str(tmp_path), "vllm")
     assert raw == {"backend": "vllm", "model": {"path": str(tmp_path)}} and name == str(tmp_path)
+    assert main(["serve", recipe, "--port", "0", "--replicas", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--replicas 0; serve with 1 or more" in err[0]
+
+
+def test_served_from_replicas_in_an_interpreter_of_their_own_as_from_one_rollout(
+    served: ServedRollout,
+) -> None:
+    """``engine-core serve RECIPE --replicas 2 --rollout-python PYTHON`` (here this interpreter,
+    started by path as another environment's would be): seeded samples of two prompts, spread
+    over the two replicas, equal the in-process rollout's; SIGTERM ends the server and its
+    replicas."""
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    recipe = str(RECIPES / "agent_tiny.yaml")
+    argv = [sys.executable, "-m", "engine_core_roles.jobs.cli", "serve", recipe, "--port", "0"]
+    argv += ["--served-model-name", NAME, "--replicas", "2", "--rollout-python", sys.executable]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        found = re.search(r"at (http://\S+/v1)", line)
+        assert found, line
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) >= 2  # the two replicas
+        prompts = [rendered(served, USER), rendered(served, [{"role": "user", "content": "kz"}])]
+        client = openai.OpenAI(base_url=found.group(1), api_key="unused", max_retries=0)
+        reply = client.completions.create(
+            model=NAME, prompt=prompts, n=2, seed=3, max_tokens=5, temperature=1.0
+        )
+        got = [list(c.token_ids) for c in reply.choices]  # type: ignore[attr-defined]
+        out = served.rollout.generate(
+            prompt_batch(prompts),
+            SamplingParams(n=2, seed=3, max_new_tokens=5, stop_token_ids=served.stop_token_ids),
+        )
+        mask = out[RESPONSE_MASK].bool()
+        assert got == [out[RESPONSE_IDS][k][mask[k]].tolist() for k in range(4)]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    assert proc.returncode == 0  # stopped, its rollout's processes with it
+    alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, [(c.cmdline(), proc.returncode) for c in alive]
 
 
 # -- fuzz ---------------------------------------------------------------------------------------

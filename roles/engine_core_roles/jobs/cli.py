@@ -262,6 +262,20 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rollout", default=None, help="rollout backend (default: the recipe's, else hf)"
     )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="rollout replicas in processes of their own, each request spread over them "
+        "(default: the rollout in this process)",
+    )
+    parser.add_argument(
+        "--rollout-python",
+        default=None,
+        help="the interpreter the replicas run in, an environment of their own with "
+        "engine-core and the rollout's plugin (e.g. .venv-sglang/bin/python; one replica "
+        "unless --replicas says more)",
+    )
 
 
 def serve_rollout_config(model: str, rollout: str | None) -> tuple[dict[str, Any], str]:
@@ -297,7 +311,11 @@ def run_serve(args: argparse.Namespace, settings: Settings) -> int:
         api_key=args.api_key,
         model_name=args.served_model_name or name,
     )  # refused here, before any model is built, when the bind is unsafe
-    serve(config, served_rollout(raw, load_plugins(settings)))
+    manager = load_plugins(settings)
+    serve(
+        config,
+        served_rollout(raw, manager, replicas=args.replicas, python=args.rollout_python),
+    )
     return 0
 
 

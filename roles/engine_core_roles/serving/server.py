@@ -4,6 +4,7 @@ the foreground (:func:`serve`, what ``engine-core serve`` runs) or on a thread o
 
 from __future__ import annotations
 
+import signal
 import socket
 import threading
 import time
@@ -13,6 +14,7 @@ from typing import Any
 
 from engine_core.errors import ConfigError
 from engine_core.plugins import PluginManager
+from engine_core.remote_rollout import ProcessRollout
 from engine_core.resolve import resolve_rollout_config
 from engine_core.rollout import BaseRollout, RolloutConfig
 from engine_core_roles.data.datasets.tokenizer import load_tokenizer
@@ -23,9 +25,20 @@ from engine_core_roles.serving.sampler import ServedRollout
 __all__ = ["served_rollout", "serve", "BackgroundServer"]
 
 
-def served_rollout(raw: Mapping[str, Any], manager: PluginManager) -> ServedRollout:
+def served_rollout(
+    raw: Mapping[str, Any],
+    manager: PluginManager,
+    *,
+    replicas: int | None = None,
+    python: str | None = None,
+) -> ServedRollout:
     """The rollout ``raw`` configures (``{"backend": ..., "model": {...}, ...}``, as a recipe's
-    ``rollout`` section with its model), built, with the model's tokenizer."""
+    ``rollout`` section with its model), built, with the model's tokenizer: in this process, or
+    with ``replicas`` (or ``python``: one replica unless told) as replicas in processes of their
+    own, started by ``python`` (an interpreter with its own environment, e.g. SGLang's) where
+    given, this one otherwise; the endpoint feeds them as it feeds one rollout."""
+    if replicas is not None and replicas < 1:
+        raise ConfigError(f"--replicas {replicas}; serve with 1 or more, or leave it out.")
     spec, cfg = resolve_rollout_config(raw, manager, path=("rollout",))
     if not isinstance(cfg, RolloutConfig):
         raise ConfigError(
@@ -34,18 +47,25 @@ def served_rollout(raw: Mapping[str, Any], manager: PluginManager) -> ServedRoll
         )
     vocab = cfg.model.raw_config().get("vocab_size")
     tokenizer = load_tokenizer(cfg.model, None if vocab is None else int(vocab))
-    rollout: BaseRollout = spec.load_class()(cfg)
+    rollout: BaseRollout
+    if replicas is None and python is None:
+        rollout = spec.load_class()(cfg)
+    else:  # the interpreter is checked (engine-core, the backend's plugin) before any starts
+        rollout = ProcessRollout(cfg, replicas=replicas or 1, python=python)
     return ServedRollout(rollout, tokenizer)
 
 
 def _bound_socket(config: ServeConfig) -> socket.socket:
-    """A socket bound to the config's address (port 0: a free one), before uvicorn starts, so
-    the port is known and a taken one is refused in one sentence."""
+    """A socket bound to the config's address (port 0: a free one) and listening, before
+    uvicorn starts, so the port is known and a taken one is refused in one sentence."""
     family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((config.host.strip("[]"), config.port))
+        # listening from now: a client that connects as soon as the address is printed waits
+        # in the backlog for the server to start, instead of being refused
+        sock.listen(2048)
     except OSError as e:
         sock.close()
         raise ConfigError(
@@ -69,14 +89,29 @@ def _server(endpoint: Endpoint) -> Any:
     )
 
 
+class _Stopped(Exception):
+    """SIGTERM, once uvicorn has shut down gracefully and raised it again."""
+
+
+def _stopped(signum: int, frame: Any) -> None:
+    raise _Stopped
+
+
 def serve(config: ServeConfig, served: ServedRollout) -> None:
-    """Serve until interrupted (SIGINT or SIGTERM), in this thread."""
+    """Serve until interrupted (SIGINT or SIGTERM), in this thread; then stop the rollout and
+    the processes it started (an engine's, replicas). uvicorn handles either signal with a
+    graceful shutdown and then raises it again under the handler it found: for SIGTERM that is
+    this function's, so the process is not ended by the signal before its rollout is stopped."""
     sock = _bound_socket(config)
     host, port = sock.getsockname()[:2]
+    previous = signal.signal(signal.SIGTERM, _stopped)
     print(f"engine-core serve: {config.model_name!r} at http://{host}:{port}/v1", flush=True)
     try:
         _server(Endpoint(config, served)).run(sockets=[sock])
+    except _Stopped:
+        pass
     finally:
+        signal.signal(signal.SIGTERM, previous)
         sock.close()
         served.close()
         served.rollout.shutdown()  # an engine's own processes (vllm, sglang, replicas)
