@@ -135,6 +135,10 @@ class BackendSpec:
     distribution: str
     version: str
     description: str = ""
+    # modules the class imports only as it builds (a heavy library, kept out of a plugin
+    # listing): a process about to build it may import them ahead, as the conformance kit's
+    # fork server does for the processes it forks
+    imports: tuple[str, ...] = ()
 
     def load_class(self) -> type[Any]:
         """Import the backend class (a ``BaseEngine`` / ``BaseRollout`` subclass)."""
@@ -269,10 +273,12 @@ class BackendRegistry:
         capabilities: Iterable[Capability | str],
         description: str = "",
         override: bool = False,
+        imports: Iterable[str] = (),
     ) -> BackendSpec:
-        """Register engine ``name`` implemented by ``target`` ("package.module:Class")."""
+        """Register engine ``name`` implemented by ``target`` ("package.module:Class");
+        ``imports``: modules it imports only as it builds (:attr:`BackendSpec.imports`)."""
         return self._add(
-            BackendKind.ENGINE, name, target, config, capabilities, description, override
+            BackendKind.ENGINE, name, target, config, capabilities, description, override, imports
         )
 
     def register_rollout(
@@ -368,6 +374,7 @@ class BackendRegistry:
         capabilities: Iterable[Capability | str],
         description: str,
         override: bool,
+        imports: Iterable[str] = (),
     ) -> BackendSpec:
         self._check_registration(
             kind, name, {"target": target, "config": config}, "fsdp2", "my_plugin.engine:MyEngine"
@@ -384,6 +391,7 @@ class BackendRegistry:
             distribution=self._origin.distribution,
             version=self._origin.version,
             description=description,
+            imports=tuple(imports),
         )
         self._specs[kind][name] = spec
         return spec

@@ -193,7 +193,10 @@ def run_parity(
     manager = load_plugins()
     # an unknown name fails here, listing the known ones; the ranks start from a fork server
     # that imported each engine's module and the model's class once, not once per rank
-    preload = [manager.get_engine(name).target.partition(":")[0] for name in backends]
+    preload: list[str] = []
+    for name in backends:
+        spec = manager.get_engine(name)
+        preload += [spec.target.partition(":")[0], *spec.imports]
     preload.append("transformers.models.qwen2.modeling_qwen2")
     from transformers import AutoConfig, AutoModelForCausalLM
 

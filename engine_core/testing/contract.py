@@ -191,16 +191,18 @@ def caps(engine_core_backend: str) -> frozenset[Capability]:
 
 def _preload(config: pytest.Config) -> tuple[str, ...]:
     """Modules the kit's processes start with imported: the engine class of every backend this
-    run checks (so the fork server they start from is started once for the whole kit, not
-    again for each backend) and the transformers model of the kit's tiny Qwen2. A backend
-    that is not registered adds nothing here; its own tests report it."""
+    run checks and what it imports only as it builds (so the fork server they start from is
+    started once for the whole kit, not again for each backend, and no process imports them
+    again) and the transformers model of the kit's tiny Qwen2. A backend that is not
+    registered adds nothing here; its own tests report it."""
     registry = load_plugins()
     modules = []
     for backend in dict.fromkeys(config.getoption("engine_core_backend")):
         try:
-            modules.append(registry.get_engine(backend).target.partition(":")[0])
+            spec = registry.get_engine(backend)
         except PluginError:  # reported by the backend's own tests
             continue
+        modules += [spec.target.partition(":")[0], *spec.imports]
     return (*modules, "transformers.models.qwen2.modeling_qwen2")
 
 

@@ -18,6 +18,7 @@ def engine_core_register(registry: BackendRegistry) -> None:
         "engine_core_megatron.engine:MegatronEngine",
         config="engine_core_megatron.config:MegatronEngineConfig",
         capabilities=MEGATRON_CAPABILITIES,
+        imports=("megatron.core",),  # imported by the engine only as it builds: seconds
         description=(
             "megatron-core GPTModel (Llama/Qwen2/Qwen3 families): tensor, sequence, pipeline (1F1B, "
             "interleaved) and data parallel, distributed optimizer, vocabulary-parallel "
