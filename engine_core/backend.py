@@ -164,6 +164,8 @@ _EXPORTS: dict[str, str] = {
     "RESPONSE_IDS": "engine_core.rollout",
     "RESPONSE_MASK": "engine_core.rollout",
     "ROLLOUT_LOG_PROBS": "engine_core.rollout",
+    "ROLLOUT_TOP_IDS": "engine_core.rollout",
+    "ROLLOUT_TOP_LOG_PROBS": "engine_core.rollout",
     # the environment a backend's library reads when it is imported
     "set_for_process": "engine_core.launch",
     "set_default_for_process": "engine_core.launch",
@@ -271,6 +273,8 @@ if TYPE_CHECKING:
         RESPONSE_IDS,
         RESPONSE_MASK,
         ROLLOUT_LOG_PROBS,
+        ROLLOUT_TOP_IDS,
+        ROLLOUT_TOP_LOG_PROBS,
         TRUNCATED,
         BaseRollout,
         CutBuckets,

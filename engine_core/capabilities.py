@@ -64,6 +64,9 @@ class Capability(StrEnum):
     # of every call not finished, so a call joins a batch already running (a server's clients
     # each sending one prompt keep the batch full, as a batching engine's own server does)
     CONTINUOUS_BATCHING = "continuous_batching"
+    # SamplingParams.top_logprobs: each response position's most likely tokens and their
+    # log-probs beside the sampled one's (rollout_top_ids, rollout_top_log_probs)
+    TOP_LOGPROBS = "top_logprobs"
 
 
 def check_capabilities(

@@ -67,6 +67,8 @@ from engine_core.rollout import (
     RESPONSE_MASK,
     ROLLOUT_LOG_PROBS,
     ROLLOUT_REPLICA,
+    ROLLOUT_TOP_IDS,
+    ROLLOUT_TOP_LOG_PROBS,
     BaseRollout,
     RolloutConfig,
     SamplingParams,
@@ -281,6 +283,8 @@ def _merge_replica_outputs(parts: list[tuple[int, TensorDict]], pad_token_id: in
         RESPONSE_MASK: 0,
         RESPONSE_LOSS_MASK: 0,
         ROLLOUT_LOG_PROBS: 0.0,
+        ROLLOUT_TOP_IDS: 0,
+        ROLLOUT_TOP_LOG_PROBS: 0.0,
     }
     fields: dict[str, Any] = {}
     listed: dict[str, list[Any]] = {}

@@ -69,6 +69,8 @@ __all__ = [
     "RESPONSE_MASK",
     "RESPONSE_LOSS_MASK",
     "ROLLOUT_LOG_PROBS",
+    "ROLLOUT_TOP_IDS",
+    "ROLLOUT_TOP_LOG_PROBS",
     "TRUNCATED",
     "ROUTED_EXPERTS",
     "ROLLOUT_REPLICA",
@@ -83,6 +85,11 @@ RESPONSE_MASK = "response_mask"
 # environment's turns in an episode); the core names it because merging replicas pads it
 RESPONSE_LOSS_MASK = "response_loss_mask"
 ROLLOUT_LOG_PROBS = "rollout_log_probs"
+#: with ``SamplingParams.top_logprobs = k``: each response position's ``k`` most likely token ids
+#: ``[B*n, R, k]`` (most likely first) and their log-probs, in the distribution
+#: ``rollout_log_probs`` are taken in; 0 at padding
+ROLLOUT_TOP_IDS = "rollout_top_ids"
+ROLLOUT_TOP_LOG_PROBS = "rollout_top_log_probs"
 # bool [N]: True where a sample ended at its token limit, False where it ended on a stop token
 TRUNCATED = "truncated"
 ROLLOUT_REPLICA = "rollout_replica"  # which replica of a multi-process rollout generated a row
@@ -138,6 +145,15 @@ class SamplingParams(SamplingSettings):
         description="Prompt i's samples draw from streams of derive_seed(seed, i), whatever "
         "else is in the batch: the same prompts give the same samples however they are "
         "batched or split between replicas. None: unseeded.",
+    )
+    top_logprobs: int = Field(
+        0,
+        ge=0,
+        le=20,
+        description="Also return, at each response position, the top_logprobs most likely "
+        "tokens of the distribution rollout_log_probs are taken in, and their log-probs: "
+        "rollout_top_ids and rollout_top_log_probs [B*n, R, top_logprobs], most likely first, "
+        "0 at padding (rollouts that declare top_logprobs; others refuse). 0: none.",
     )
     return_routes: bool = Field(
         False,
@@ -660,6 +676,13 @@ class BaseRollout(abc.ABC):
                 f"SamplingParams(return_routes=True): {type(self).__name__} does not return "
                 f"the experts it routed tokens to (it does not declare routing_replay); turn "
                 f"routing replay off or use a rollout that declares it (hf)."
+            )
+        if params.top_logprobs and Capability.TOP_LOGPROBS not in self.capabilities:
+            raise CapabilityError(
+                f"SamplingParams(top_logprobs={params.top_logprobs}): {type(self).__name__} "
+                f"returns the sampled tokens' log-probs only (it does not declare "
+                f"top_logprobs); leave top_logprobs at 0 or use a rollout that declares it (hf, "
+                f"vllm)."
             )
         if params.stop_strings and Capability.STOP_STRINGS not in self.capabilities:
             raise CapabilityError(

@@ -91,7 +91,8 @@ BACKEND_SURFACE = {
     "model_weight_shapes", "prompt_tensors", "response_batch", "place_routes", "meta_model", "saved_model_folder",
     "tensor_checksum", "verified_buckets", "sent_buckets", "checked_buckets", "SentBucket",
     "BUCKET_BYTES", "TRUNCATED", "PROMPT_IDS", "PROMPT_MASK", "PROMPT_SEED",
-    "RESPONSE_IDS", "RESPONSE_MASK", "ROLLOUT_LOG_PROBS", "prompt_seeds", "sample_seeds",
+    "RESPONSE_IDS", "RESPONSE_MASK", "ROLLOUT_LOG_PROBS", "ROLLOUT_TOP_IDS", "ROLLOUT_TOP_LOG_PROBS",
+    "prompt_seeds", "sample_seeds",
     "derive_seed",
     # images (vision-language models)
     "PIXEL_VALUES", "IMAGE_GRID_THW", "ROPE_POSITIONS", "VisionInputs", "check_vision_batch",

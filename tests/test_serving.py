@@ -34,6 +34,8 @@ from engine_core.rollout import (  # noqa: E402
     RESPONSE_IDS,
     RESPONSE_MASK,
     ROLLOUT_LOG_PROBS,
+    ROLLOUT_TOP_IDS,
+    ROLLOUT_TOP_LOG_PROBS,
     BaseRollout,
     SamplingParams,
     sent_buckets,
@@ -123,17 +125,32 @@ def test_models_and_a_chat_completion_equal_to_the_rollouts_own_samples(
 ) -> None:
     assert [m.id for m in client.models.list().data] == [NAME]
     reply = client.chat.completions.create(
-        model=NAME, messages=USER, n=2, seed=7, max_tokens=6, logprobs=True
+        model=NAME, messages=USER, n=2, seed=7, max_tokens=6, logprobs=True, top_logprobs=3
     )
     ids = rendered(served, USER)
     assert reply.prompt_token_ids == ids and reply.weight_version == served.weight_version
     samples = rollout_samples(served, ids, n=2, seed=7, max_new_tokens=6)
     assert_same(reply.choices, samples)
-    for choice, (sampled, logps) in zip(reply.choices, samples, strict=True):
+    # the rollout's own three most likely tokens at each position, as texts
+    own = served.rollout.generate(
+        prompt_batch([ids]),
+        SamplingParams(
+            n=2, seed=7, max_new_tokens=6, stop_token_ids=served.stop_token_ids, top_logprobs=3
+        ),
+    )
+    for k, (choice, (sampled, logps)) in enumerate(zip(reply.choices, samples, strict=True)):
         text = served.tokenizer.decode(sampled, skip_special_tokens=True)
         assert choice.message.content == text
         assert [t.logprob for t in choice.logprobs.content] == pytest.approx(logps, abs=1e-6)
         assert choice.finish_reason == ("stop" if sampled[-1] == 61 else "length")
+        for pos, token in enumerate(choice.logprobs.content):
+            top = own[ROLLOUT_TOP_IDS][k][pos].tolist()
+            assert [t.token for t in token.top_logprobs] == [
+                served.tokenizer.decode([i]) for i in top
+            ]
+            values = [t.logprob for t in token.top_logprobs]
+            assert values == pytest.approx(own[ROLLOUT_TOP_LOG_PROBS][k][pos].tolist(), abs=1e-6)
+            assert values == sorted(values, reverse=True) and values[0] >= token.logprob - 1e-6
     assert reply.usage.prompt_tokens == len(ids)
     assert reply.usage.completion_tokens == sum(len(s) for s, _ in samples)
 
@@ -144,11 +161,16 @@ def test_token_in_and_completions_give_the_same_ids(client: Any, served: ServedR
         model=NAME, messages=[], seed=3, max_tokens=5, extra_body={"prompt_token_ids": ids}
     )
     by_messages = client.chat.completions.create(model=NAME, messages=USER, seed=3, max_tokens=5)
-    completion = client.completions.create(model=NAME, prompt=ids, seed=3, max_tokens=5)
+    completion = client.completions.create(model=NAME, prompt=ids, seed=3, max_tokens=5, logprobs=2)
     samples = rollout_samples(served, ids, seed=3, max_new_tokens=5)
     assert_same(by_ids.choices, samples)
     assert_same(by_messages.choices, samples)
     assert_same(completion.choices, samples)
+    # the legacy form: each position's two most likely tokens' texts and log-probs
+    legacy = completion.choices[0].logprobs
+    assert len(legacy.top_logprobs) == len(samples[0][0])
+    for top, sampled in zip(legacy.top_logprobs, legacy.token_logprobs, strict=True):
+        assert 1 <= len(top) <= 2 and max(top.values()) >= sampled - 1e-6
     # a stop string ends the sample where the rollout ends it; the text is cut before it
     stopped = client.chat.completions.create(
         model=NAME, messages=USER, seed=3, max_tokens=12, stop=["g", "o"]
@@ -532,8 +554,8 @@ BAD = [  # (what is wrong, the body or raw bytes, status, param, code)
         "unsupported_parameter",
     ),
     (
-        "top_logprobs",
-        {"model": NAME, "messages": USER, "logprobs": True, "top_logprobs": 2},
+        "top_logprobs without logprobs",
+        {"model": NAME, "messages": USER, "top_logprobs": 2},
         400,
         "top_logprobs",
         None,
@@ -747,9 +769,7 @@ def test_a_non_loopback_bind_without_a_key_is_refused_at_start(
     assert len(err) == 1 and "--replicas 0; serve with 1 or more" in err[0]
 
 
-def test_served_from_replicas_in_an_interpreter_of_their_own_as_from_one_rollout(
-    served: ServedRollout,
-) -> None:
+def test_served_from_replicas_in_an_interpreter_of_their_own_as_from_one_rollout() -> None:
     """``engine-core serve RECIPE --replicas 2 --rollout-python PYTHON`` (here this interpreter,
     started by path as another environment's would be): seeded samples of two prompts, spread
     over the two replicas, equal the in-process rollout's; SIGTERM ends the server and its
@@ -761,6 +781,8 @@ def test_served_from_replicas_in_an_interpreter_of_their_own_as_from_one_rollout
 
     import psutil
 
+    # the recipe's model as built (the module's served rollout has had other weights synced)
+    served = served_rollout({"backend": "hf", "model": MODEL, "seed": 0}, load_plugins())
     recipe = str(RECIPES / "agent_tiny.yaml")
     argv = [sys.executable, "-m", "engine_core_roles.jobs.cli", "serve", recipe, "--port", "0"]
     argv += ["--served-model-name", NAME, "--replicas", "2", "--rollout-python", sys.executable]
@@ -785,6 +807,7 @@ def test_served_from_replicas_in_an_interpreter_of_their_own_as_from_one_rollout
         mask = out[RESPONSE_MASK].bool()
         assert got == [out[RESPONSE_IDS][k][mask[k]].tolist() for k in range(4)]
     finally:
+        served.close()
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
     assert proc.returncode == 0  # stopped, its rollout's processes with it

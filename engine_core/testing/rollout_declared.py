@@ -1,5 +1,6 @@
 """The rollout kit's checks of what a rollout declares beyond the base contract: stop strings
-(``stop_strings``), ``generate_async`` (``async_generation``), calls that join a running
+(``stop_strings``), each position's most likely tokens (``top_logprobs``), ``generate_async``
+(``async_generation``), calls that join a running
 batch (``continuous_batching``), adapters-only LoRA syncs
 (``lora``), returned routes (``routing_replay``) and weights streamed to the rollout's own
 processes over a group (``weight_sync_group``). A check of a capability the rollout does not
@@ -21,6 +22,9 @@ from engine_core.rollout import (
     PROMPT_MASK,
     RESPONSE_IDS,
     RESPONSE_MASK,
+    ROLLOUT_LOG_PROBS,
+    ROLLOUT_TOP_IDS,
+    ROLLOUT_TOP_LOG_PROBS,
     TRUNCATED,
     SamplingParams,
     sent_buckets,
@@ -47,8 +51,11 @@ __all__ = [
     "check_lora",
     "check_routes",
     "check_stop_strings",
+    "check_top_logprobs",
     "check_weight_sync_group",
 ]
+
+TOP_ATOL = 2e-4  # float32 on both sides, as the base log-prob check allows
 
 
 def _string_ending_inside(s: Subject, prompt: list[int], start: int) -> str:
@@ -115,6 +122,69 @@ def check_stop_strings(s: Subject) -> None:
             not holds[0] and holds[1] != bool(out[TRUNCATED][r]),
             "stop strings",
             f"sample {r} ({state}) is {s.oracle.decode(resp)!r} with stop_strings={sampled!r}.",
+            fix,
+        )
+
+
+def check_top_logprobs(s: Subject) -> None:
+    """Where ``top_logprobs`` is declared: at each response position, the ``k`` tokens returned
+    are the oracle's ``k`` most likely at the sampling temperature, most likely first, each
+    with its log-prob there; the sampled token, where it is among them, with the log-prob
+    ``rollout_log_probs`` gives it; 0 at padding."""
+    from engine_core.testing.rollout_subject import prompt_of
+
+    if Capability.TOP_LOGPROBS not in s.capabilities:
+        raise NotDeclared("top_logprobs")
+    k, temperature = 3, 0.7
+    p = prompt_batch()
+    params = SamplingParams(temperature=temperature, max_new_tokens=5, n=2, seed=SEED)
+    out = generate(s, p, params.model_copy(update={"top_logprobs": k}))
+    fix = (
+        "with params.top_logprobs = k, return rollout_top_ids and rollout_top_log_probs "
+        "[B*n, R, k]: at each response position the k largest of log_softmax(logits / "
+        "temperature) over the whole vocabulary, most likely first, 0 at padding."
+    )
+    for key in (ROLLOUT_TOP_IDS, ROLLOUT_TOP_LOG_PROBS):
+        shape = tuple(out[key].shape) if key in out.keys() else None
+        want = (*out[RESPONSE_IDS].shape, k)
+        expect(shape == want, "top log-probs", f"{key} has shape {shape}, want {want}.", fix)
+    mask = out[RESPONSE_MASK].bool()
+    for r, resp in enumerate(responses(out)):
+        every = torch.log_softmax(
+            s.oracle.next_log_probs(prompt_of(p, r // 2), resp) / temperature, -1
+        )
+        ids, values = out[ROLLOUT_TOP_IDS][r], out[ROLLOUT_TOP_LOG_PROBS][r].float()
+        for pos, token in enumerate(resp):
+            best = every[pos].topk(k).values
+            theirs = every[pos][ids[pos]]  # the oracle's log-probs of the ids returned
+            err = max(
+                float((values[pos] - best).abs().max()), float((theirs - values[pos]).abs().max())
+            )
+            expect(
+                err <= TOP_ATOL,
+                "top log-probs",
+                f"sample {r}, position {pos}: returned ids {ids[pos].tolist()} with log-probs "
+                f"{[round(x, 4) for x in values[pos].tolist()]}; the oracle's top {k} are "
+                f"{[round(x, 4) for x in best.tolist()]} (off by up to {err:.3g}).",
+                fix,
+            )
+            if token in ids[pos].tolist():
+                at = ids[pos].tolist().index(token)
+                sampled = float(out[ROLLOUT_LOG_PROBS][r][pos])
+                expect(
+                    abs(float(values[pos][at]) - sampled) <= TOP_ATOL,
+                    "top log-probs",
+                    f"sample {r}, position {pos}: the sampled token {token} has log-prob "
+                    f"{sampled:.4g} in rollout_log_probs but {float(values[pos][at]):.4g} among "
+                    f"the top ones.",
+                    "take both from one distribution: log_softmax(logits / temperature).",
+                )
+        padded = ~mask[r]
+        expect(
+            not out[ROLLOUT_TOP_IDS][r][padded].any()
+            and not out[ROLLOUT_TOP_LOG_PROBS][r][padded].any(),
+            "top log-probs",
+            f"sample {r}: non-zero top ids or log-probs at padding.",
             fix,
         )
 

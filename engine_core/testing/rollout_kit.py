@@ -58,6 +58,7 @@ from engine_core.testing.rollout_declared import (
     check_lora,
     check_routes,
     check_stop_strings,
+    check_top_logprobs,
     check_weight_sync_group,
 )
 from engine_core.testing.rollout_subject import (
@@ -500,6 +501,14 @@ def check_refusals(s: Subject) -> None:
                 good.model_copy(update={"stop_strings": ["ab"]}),
             )
         )
+    if Capability.TOP_LOGPROBS not in s.capabilities:
+        cases.append(
+            (
+                "top_logprobs without top_logprobs declared",
+                prompt_batch(),
+                good.model_copy(update={"top_logprobs": 2}),
+            )
+        )
     cases.append(
         (
             "an empty stop string (params built without validation)",
@@ -578,6 +587,7 @@ CHECKS: dict[str, Callable[[Subject], None]] = {
     "sample_order": check_sample_order,
     "stop": check_stop,
     "stop_strings": check_stop_strings,
+    "top_logprobs": check_top_logprobs,
     "weights": check_weights,
     "checksums": check_checksum_of_loaded,
     "release_resume": check_release_resume,

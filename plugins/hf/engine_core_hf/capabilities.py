@@ -20,5 +20,6 @@ HF_CAPABILITIES = frozenset(
         Capability.ROUTING_REPLAY,  # returns routed_experts (SamplingParams.return_routes)
         Capability.STOP_STRINGS,  # decodes with the model's tokenizer as it generates
         Capability.VISION,  # prompts with images (engine_core.vision) on a vision-language model
+        Capability.TOP_LOGPROBS,  # each position's most likely tokens (SamplingParams.top_logprobs)
     }
 )

@@ -56,6 +56,8 @@ from engine_core.backend import (
     RESPONSE_IDS,
     RESPONSE_MASK,
     ROLLOUT_LOG_PROBS,
+    ROLLOUT_TOP_IDS,
+    ROLLOUT_TOP_LOG_PROBS,
     ROUTED_EXPERTS,
     TRUNCATED,
     BaseRollout,
@@ -152,6 +154,9 @@ class HFRollout(BaseRollout):
         )
         if routed is not None:
             out[ROUTED_EXPERTS] = routed
+        if params.top_logprobs:  # [rows, R, k], padded on R
+            for key, at in ((ROLLOUT_TOP_IDS, 0), (ROLLOUT_TOP_LOG_PROBS, 1)):
+                out[key] = torch.cat([_pad_right(p[5][at], width, 0) for p in parts])
         if pictured is not None:  # each sample keeps its prompt's images, for the trainer
             for key in (PIXEL_VALUES, IMAGE_GRID_THW):
                 out[key] = pictured[key].repeat_interleave(params.n, dim=0)
@@ -196,7 +201,7 @@ class HFRollout(BaseRollout):
         params: SamplingParams,
         row_seeds: torch.Tensor | None,
         images: TensorDict | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any, Any]:
         sample = not params.greedy and row_seeds is None
         kwargs: dict[str, Any] = {"generation_config": self._generation_config(params, sample)}
         if images is not None:  # the chunk's prompts' images, each once per sample row
@@ -215,7 +220,12 @@ class HFRollout(BaseRollout):
         stop = list(params.stop_token_ids)
         resp = out.sequences[:, ids.shape[1] :].cpu()
         logits = torch.stack(out.logits, dim=1).float().cpu() / params.log_prob_temperature
-        logps = torch.log_softmax(logits, -1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)
+        every = torch.log_softmax(logits, -1)
+        logps = every.gather(-1, resp.unsqueeze(-1)).squeeze(-1)
+        top = None
+        if params.top_logprobs:  # the most likely tokens of the same distribution
+            k = min(params.top_logprobs, every.shape[-1])
+            top = every.topk(k, -1)
         # valid up to and including the first stop token
         is_stop = torch.zeros_like(resp, dtype=torch.bool)
         for s in stop:
@@ -238,7 +248,11 @@ class HFRollout(BaseRollout):
         if isinstance(recorder, RouteRecorder):
             routes = _generation_routes(recorder.forwards(), ids.shape, resp.shape[1])
             routes[1][after_stop] = torch.arange(routes[1].shape[-1])
-        return resp, resp_mask, logps, truncated, routes
+        tops = None
+        if top is not None:
+            gone = after_stop.unsqueeze(-1)
+            tops = (top.indices.masked_fill(gone, 0), top.values.masked_fill(gone, 0.0))
+        return resp, resp_mask, logps, truncated, routes, tops
 
     # -- weights --------------------------------------------------------------------------
     def expected_weights(self) -> dict[str, tuple[int, ...]]:

@@ -21,6 +21,7 @@ VLLM_CAPABILITIES = frozenset(
         Capability.LORA,  # the base once, then each adapter version as a LoRARequest
         Capability.VISION,  # prompts with images as pixel patches (engine_core_vllm.vision)
         Capability.CONTINUOUS_BATCHING,  # submitted calls join the engine's running batch
+        Capability.TOP_LOGPROBS,  # each position's most likely tokens (vLLM's logprobs=k)
     }
 )
 

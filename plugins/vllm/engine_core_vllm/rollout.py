@@ -55,6 +55,9 @@ from tensordict import TensorDict
 from engine_core.backend import (
     IMAGE_GRID_THW,
     PIXEL_VALUES,
+    RESPONSE_IDS,
+    ROLLOUT_TOP_IDS,
+    ROLLOUT_TOP_LOG_PROBS,
     ROUTED_EXPERTS,
     AdapterFolders,
     BaseRollout,
@@ -168,6 +171,13 @@ def _routes_refused(return_routes: bool) -> Iterator[None]:
         ) from e
 
 
+def _ranked(position: Any, k: int) -> list[tuple[int, float]]:
+    """A position's ``k`` most likely tokens and their log-probs, most likely first, from vLLM's
+    log-prob entries (the top ``k``, and the sampled token where it is not among them)."""
+    entries = sorted((e.rank, t, e.logprob) for t, e in position.items() if e.rank <= k)
+    return [(t, lp) for _, t, lp in entries[:k]]
+
+
 def to_vllm_sampling_params(
     params: SamplingParams, seed: int | None = None, cut: Iterable[int] = ()
 ) -> Any:
@@ -188,7 +198,8 @@ def to_vllm_sampling_params(
         stop=list(params.stop_strings) or None,
         include_stop_str_in_output=True,
         seed=seed,
-        logprobs=0,  # the sampled token's log-prob only
+        # the sampled token's log-prob, and the top_logprobs most likely tokens' where asked
+        logprobs=params.top_logprobs,
         detokenize=bool(params.stop_strings),  # vLLM looks for stop strings in its text
     )
 
@@ -380,7 +391,7 @@ class VLLMRollout(BaseRollout):
                 f"VLLMRollout.generate: vLLM ran prompt(s) {ran[:8]} on other ids than given; "
                 f"their image tokens do not match their grids as vLLM's model counts them."
             )
-        samples, routes = [], []
+        samples, routes, tops = [], [], []
         for out in outputs:  # a prompt's n samples, adjacent
             for c in out.outputs:
                 toks = list(c.token_ids)
@@ -390,11 +401,22 @@ class VLLMRollout(BaseRollout):
                     samples.append((toks[:end], lps[:end], True))
                 else:
                     samples.append((toks, lps, c.finish_reason != "stop"))
+                if params.top_logprobs:  # each position's entries ranked 1 .. k, in rank order
+                    kept = len(samples[-1][0])
+                    tops.append([_ranked(lp, params.top_logprobs) for lp in c.logprobs[:kept]])
                 if params.return_routes:  # [prompt + response - 1, layers, top_k] (numpy)
                     routes.append(torch.from_numpy(c.routed_experts))
         result = response_batch(call.ids, call.mask, params.n, samples, self.pad_token_id)
         if params.return_routes:
             result[ROUTED_EXPERTS] = place_routes(result, routes)
+        if params.top_logprobs:
+            rows, width, k = len(tops), result[RESPONSE_IDS].shape[1], params.top_logprobs
+            ids, values = torch.zeros(rows, width, k, dtype=torch.long), torch.zeros(rows, width, k)
+            for r, positions in enumerate(tops):
+                for j, ranked in enumerate(positions):
+                    ids[r, j, : len(ranked)] = torch.tensor([t for t, _ in ranked])
+                    values[r, j, : len(ranked)] = torch.tensor([v for _, v in ranked])
+            result[ROLLOUT_TOP_IDS], result[ROLLOUT_TOP_LOG_PROBS] = ids, values
         if pictured is not None:  # each sample keeps its prompt's images, for the trainer
             for key in (PIXEL_VALUES, IMAGE_GRID_THW):
                 result[key] = pictured[key].repeat_interleave(params.n, dim=0)

@@ -190,6 +190,15 @@ class Endpoint:
     def _texts(self, ids: list[int]) -> list[str]:
         return [str(self.served.tokenizer.decode([t])) for t in ids]
 
+    def _tops(self, sampled: Sampled, i: int, j: int) -> list[list[tuple[str, float]]] | None:
+        """Choice ``j`` of prompt ``i``'s most likely tokens at each position, as texts."""
+        if sampled.tops is None:
+            return None
+        return [
+            [(str(self.served.tokenizer.decode([t])), lp) for t, lp in top]
+            for top in sampled.tops[i][j]
+        ]
+
     # -- routes ----------------------------------------------------------------------------------
     async def models(self, request: Request) -> Answer:
         del request
@@ -206,13 +215,14 @@ class Endpoint:
         req: ChatRequest = parse_request(await self._body(request), ChatRequest)
         stop = req.stop_strings()
         params = self._params(req, req.token_limit(), stop, session)
-        if req.top_logprobs:
+        if req.top_logprobs and not req.logprobs:
             raise ApiError(
                 400,
-                f"top_logprobs={req.top_logprobs}: the rollouts behind this server report the "
-                f"log-prob of the sampled token only; ask logprobs=true with top_logprobs 0.",
+                f"top_logprobs={req.top_logprobs} needs logprobs=true; send both.",
                 param="top_logprobs",
             )
+        if req.top_logprobs:  # a rollout that does not declare top_logprobs refuses: 400
+            params = params.validated_copy(top_logprobs=req.top_logprobs)
         if req.tool_choice not in (None, "auto", "none"):
             raise ApiError(
                 400,
@@ -241,7 +251,9 @@ class Endpoint:
             )
             finish = "tool_calls" if called else choice.finish_reason
             texts = self._texts(choice.token_ids) if req.logprobs else None
-            replies.append(Reply(j, choice, text, message, finish, texts))
+            replies.append(
+                Reply(j, choice, text, message, finish, texts, self._tops(sampled, 0, j))
+            )
         extra = self._extra(ids, sampled, session, calls)
         name = self.config.model_name
         if req.stream:
@@ -254,13 +266,8 @@ class Endpoint:
         req: CompletionRequest = parse_request(await self._body(request), CompletionRequest)
         stop = req.stop_strings()
         params = self._params(req, req.token_limit(), stop, session)
-        if req.logprobs:
-            raise ApiError(
-                400,
-                f"logprobs={req.logprobs}: the rollouts behind this server report the log-prob "
-                f"of the sampled token only; ask logprobs=0.",
-                param="logprobs",
-            )
+        if req.logprobs:  # OpenAI's legacy field: how many most likely tokens per position
+            params = params.validated_copy(top_logprobs=req.logprobs)
         prompts = self._completion_prompts(req.prompt, req.n)
         for ids in prompts:
             self._check_prompt(ids, params.max_new_tokens, "prompt")
@@ -275,8 +282,9 @@ class Endpoint:
             for j, choice in enumerate(choices):
                 text, _ = reply_text(self.served.tokenizer, choice.token_ids, stop)
                 texts = self._texts(choice.token_ids) if req.logprobs is not None else None
+                top = self._tops(sampled, i, j)
                 replies.append(
-                    Reply(i * req.n + j, choice, text, None, choice.finish_reason, texts)
+                    Reply(i * req.n + j, choice, text, None, choice.finish_reason, texts, top)
                 )
         prompt_ids: Any = prompts[0] if len(prompts) == 1 else prompts
         extra = self._extra(prompt_ids, sampled, session, calls)

@@ -36,6 +36,8 @@ class Reply:
     message: dict[str, Any] | None  # chat only
     finish_reason: str
     token_texts: list[str] | None  # each sampled token's text, where logprobs were asked for
+    #: each position's most likely tokens, (text, log-prob), where top log-probs were asked for
+    top: list[list[tuple[str, float]]] | None = None
 
 
 def _head(kind: str, model: str, extra: dict[str, Any]) -> dict[str, Any]:
@@ -65,10 +67,18 @@ def _tokens_out(r: Reply) -> dict[str, Any]:
 def _chat_logprobs(r: Reply) -> dict[str, Any] | None:
     if r.token_texts is None:
         return None
+    tops = r.top or [[] for _ in r.token_texts]
     return {
         "content": [
-            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-            for t, lp in zip(r.token_texts, r.choice.logprobs, strict=True)
+            {
+                "token": t,
+                "logprob": lp,
+                "bytes": list(t.encode()),
+                "top_logprobs": [
+                    {"token": text, "logprob": v, "bytes": list(text.encode())} for text, v in top
+                ],
+            }
+            for t, lp, top in zip(r.token_texts, r.choice.logprobs, tops, strict=True)
         ],
         "refusal": None,
     }
@@ -136,7 +146,8 @@ def _completion_logprobs(r: Reply) -> dict[str, Any] | None:
     return {
         "tokens": r.token_texts,
         "token_logprobs": r.choice.logprobs,
-        "top_logprobs": None,
+        # OpenAI's legacy form: a token's text to its log-prob, per position
+        "top_logprobs": None if r.top is None else [dict(top) for top in r.top],
         "text_offset": offsets,
     }
 

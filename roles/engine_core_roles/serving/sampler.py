@@ -52,6 +52,8 @@ from engine_core.rollout import (
     RESPONSE_IDS,
     RESPONSE_MASK,
     ROLLOUT_LOG_PROBS,
+    ROLLOUT_TOP_IDS,
+    ROLLOUT_TOP_LOG_PROBS,
     TRUNCATED,
     BaseRollout,
     SamplingParams,
@@ -78,6 +80,9 @@ class Sampled:
     choices: list[list[Choice]]
     weight_version: int
     routes: list[list[torch.Tensor]] | None = None
+    #: with ``top_logprobs`` asked: ``tops[i][j][pos]``, choice ``j`` of prompt ``i``'s most
+    #: likely tokens at response position ``pos``, (id, log-prob), most likely first
+    tops: list[list[list[list[tuple[int, float]]]]] | None = None
 
 
 @dataclass
@@ -283,10 +288,19 @@ class ServedRollout:
         assert params is not None
         ids, mask = out[RESPONSE_IDS].tolist(), out[RESPONSE_MASK].tolist()
         logps, cut = out[ROLLOUT_LOG_PROBS].tolist(), out[TRUNCATED].tolist()
-        choices, routes = [], []
+        choices, routes, tops = [], [], []
         for k in range(len(ids)):
             size = int(sum(mask[k]))
             choices.append(Choice(ids[k][:size], logps[k][:size], "length" if cut[k] else "stop"))
+        if params.top_logprobs:
+            top_ids, top_lps = out[ROLLOUT_TOP_IDS].tolist(), out[ROLLOUT_TOP_LOG_PROBS].tolist()
+            for k, choice in enumerate(choices):
+                tops.append(
+                    [
+                        list(zip(top_ids[k][pos], top_lps[k][pos], strict=True))
+                        for pos in range(len(choice.token_ids))
+                    ]
+                )
         if params.return_routes:  # each sample's rows, under its prompt and sampled tokens
             placed, width = out[ROUTED_EXPERTS], out[PROMPT_MASK].shape[1]
             heads = out[PROMPT_MASK].sum(1).tolist()
@@ -299,7 +313,8 @@ class ServedRollout:
             spans = [range((start + i) * n, (start + i + 1) * n) for i in range(len(job.prompts))]
             rows = [[choices[k] for k in span] for span in spans]
             taken = [[routes[k] for k in span] for span in spans] if routes else None
-            results.append(Sampled(rows, self.weight_version, taken))
+            top = [[tops[k] for k in span] for span in spans] if tops else None
+            results.append(Sampled(rows, self.weight_version, taken, top))
             start += len(job.prompts)
         return results
 
