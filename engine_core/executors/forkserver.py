@@ -5,8 +5,9 @@ seconds of CPU per worker. ``multiprocessing``'s ``forkserver`` start method sta
 interpreter (the server), which imports the modules named here once and runs nothing else; each
 worker is then forked from it with those imports done. The server is started with this
 process's environment, working folder and ``sys.path``, and a new one is started when any of
-them changed since (modules may read them on import) or when a module to import is new; the old
-one ends with its last worker. A worker gets the caller's environment as a spawned one would
+them changed since (modules may read them on import) or when a module to import is new (not
+when only the workers' own module is: a child imports that one itself); the old one ends with
+its last worker. A worker gets the caller's environment as a spawned one would
 (:func:`engine_core.launch.adopt_environment`).
 
 The local executor spawns its workers unless ``ENGINE_CORE_WORKER_START=forkserver``
@@ -39,21 +40,27 @@ _modules: frozenset[str] = frozenset()
 _VOLATILE = ("PYTEST_CURRENT_TEST",)
 
 
-def fork_server(modules: Sequence[str]) -> Any:
+def fork_server(modules: Sequence[str], target: str = "") -> Any:
     """The ``forkserver`` context, its server (re)started as the module docstring says, having
-    imported ``modules`` (and those it imported before, while nothing else changed)."""
+    imported ``modules`` (and those it imported before, while nothing else changed).
+
+    ``target``: the module of what the children run (a worker's class, a function). A new
+    server imports it too, but it alone starts no new one: a child of a running server that
+    lacks it imports it as it unpickles its target, once the heavy ``modules`` are there a
+    fraction of what a new server's imports cost."""
     global _key, _modules
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("forkserver")
     wanted = frozenset(m for m in modules if m and m != "__main__")
+    own = frozenset(m for m in [target] if m and m != "__main__")
     env = current_environment(exclude=_VOLATILE)
     key = (tuple(sorted(env.items())), os.getcwd(), tuple(sys.path))
     with _LOCK:
         server = forkserver._forkserver
         if key != _key or not wanted <= _modules:
             _leave(server)
-            _modules = wanted | (_modules if key == _key else frozenset())
+            _modules = wanted | own | (_modules if key == _key else frozenset())
             _key = key
             ctx.set_forkserver_preload(sorted(_modules))
             # the server imports with this process's sys.path (a test module's folder, say)
@@ -87,14 +94,15 @@ def _leave(server: Any) -> None:
             _left.remove(pid)
 
 
-def worker_context(modules: Sequence[str]) -> Any:
+def worker_context(modules: Sequence[str], target: str = "") -> Any:
     """The multiprocessing context the local executor starts workers with, as
     ``ENGINE_CORE_WORKER_START`` says (:class:`~engine_core.settings.Settings`; unset: spawn);
-    a fork server imports ``modules``."""
+    a fork server imports ``modules`` (and ``target``, the workers' class's module, as
+    :func:`fork_server` says)."""
     from engine_core.settings import Settings
 
     if Settings.from_env().worker_start == "forkserver":
-        return fork_server(modules)
+        return fork_server(modules, target)
     import torch.multiprocessing as mp  # tensors then pass through shared memory
 
     return mp.get_context("spawn")

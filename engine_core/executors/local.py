@@ -150,7 +150,7 @@ class LocalWorkerGroup(WorkerGroup):
         """One process per worker, each with a pipe (``self._conns``) it answers on: spawned,
         or forked from a fork server (``ENGINE_CORE_WORKER_START=forkserver``)."""
         num_workers = self.num_workers
-        ctx = worker_context([worker_cls.__module__, *_preloaded()])
+        ctx = worker_context(_preloaded(), worker_cls.__module__)
         caller_env = None if ctx.get_start_method() == "spawn" else caller_environment()
         self._store, port = host_rendezvous(num_workers)
         for rank in range(num_workers):

@@ -22,7 +22,9 @@ imported ``fn``'s module and the modules named in ``preload`` once (and run noth
 child then starts with those imports done instead of importing torch, transformers and the
 engine again. The child gets this process's environment and ``sys.path`` as a spawned one
 would. The server is started again when the environment, the working folder or ``sys.path``
-changed since it started (modules may read them on import), or when a module to preload is new.
+changed since it started (modules may read them on import), or when a module to preload is new
+(``fn``'s module alone starts none: a child of a running server imports it as it unpickles
+``fn``, a fraction of a new server's imports).
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ def run_distributed(
     ctx: Any = (
         multiprocessing.get_context("spawn")
         if pg_backend == "nccl"
-        else fork_server([fn.__module__, *preload])
+        else fork_server(preload, fn.__module__)
     )
     queue = ctx.Queue()
     # this process hosts the rendezvous on a port it keeps: no other process can take the port
