@@ -598,6 +598,26 @@ def test_a_rerendering_client_drifts_and_a_raising_agent_is_counted(tmp_path: Pa
         assert "reward/agent" in r
 
 
+def test_dynamic_sampling_keeps_or_redraws_an_agents_prompt_with_all_its_row_slots(
+    tmp_path: Path,
+) -> None:
+    """``filter_groups`` over agents whose client drifts (several row slots a session): a
+    prompt whose sessions all scored alike is replaced by a redrawn one, all its slots with it;
+    the step trains on whole prompts, and the log-probs still agree."""
+    importlib.import_module("tests.test_agent_job").STARTED = itertools.count()
+    out = tmp_path / "run"
+    agent = ["agent=tests.test_agent_job:rerendering_agent", "reward=null"]
+    run_rl_job(_job(out, *agent, "trainer.filter_groups=true"), load_plugins())
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert sum(r["filter/extra_draws"] for r in rows) > 0  # some prompt was redrawn
+    for r in rows:
+        assert r["rollout/logprob_diff_max"] < 1e-5
+        assert 0.0 <= r["filter/groups_that_differ"] <= 1.0
+        # a session is one row, plus one for each call that drifted, after the filter too
+        assert r["agent/rows"] == pytest.approx(1.0 + r["agent/drift_calls"])
+
+
 def test_a_mixture_of_experts_replays_the_routes_its_agents_calls_were_sampled_with(
     tmp_path: Path,
 ) -> None:
@@ -621,7 +641,6 @@ def test_a_mixture_of_experts_replays_the_routes_its_agents_calls_were_sampled_w
     [
         (["env={cls: tools}"], "agent='tests.test_agent_job:token_agent' and env are both set"),
         (["trainer.max_staleness=1"], "needs the rollout in a process of its own"),
-        (["trainer.filter_groups=true"], "dynamic sampling is not built for agents"),
         (["agent=tests.test_agent_job:_not_async"], "not an async function"),
         (["agent=tests.test_agent_job:no_such"], "has no 'no_such'"),
         (["agent=null"], "agent_concurrency set, but no agent runs"),

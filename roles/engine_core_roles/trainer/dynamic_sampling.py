@@ -2,6 +2,11 @@
 samples all scored the same (under GRPO they carry no gradient) with groups that differ, drawn
 from more prompts, up to ``max_extra_draws`` more generations; still short, the step is topped up
 with dropped groups.
+
+A prompt is kept or dropped whole. Most draws hold ``n`` rows a prompt, one group; agents'
+sessions may hold ``k`` row slots each (a client that drifted: ``k`` groups a prompt, each the
+``r``-th rows of its ``n`` sessions, all scored with their sessions' rewards), so a draw's rows
+a prompt are counted from the draw itself, and a prompt's groups go together.
 """
 
 from __future__ import annotations
@@ -49,10 +54,12 @@ class FilteredGroups:
         kept_p: list[TensorDict] = []
         kept_g: list[TensorDict] = []
         kept_r: list[Rewards] = []
+        kept_rows: list[int] = []  # rows of each kept prompt, in order
         # dropped groups: the top-up when still short
         flat_p: list[TensorDict] = []
         flat_g: list[TensorDict] = []
         flat_r: list[Rewards] = []
+        flat_rows: list[int] = []
         first_spread: dict[str, float] = {}
         draw, have = 0, 0
         while True:
@@ -62,18 +69,20 @@ class FilteredGroups:
                 return Drawn(prompts, gen, version), rewards, {}
             if draw == 0:
                 first_spread = group_spread(rewards.scores, n)
-            groups = rewards.scores.view(-1, n)
-            differs = (groups.max(-1).values - groups.min(-1).values) != 0
-            for keep, into in (
-                (differs, (kept_p, kept_g, kept_r)),
-                (~differs, (flat_p, flat_g, flat_r)),
+            each = gen.batch_size[0] // prompts.batch_size[0]  # rows a prompt: k groups of n
+            groups = rewards.scores.view(prompts.batch_size[0], each // n, n)
+            differs = ((groups.max(-1).values - groups.min(-1).values) != 0).any(-1)
+            for keep, into, counts in (
+                (differs, (kept_p, kept_g, kept_r), kept_rows),
+                (~differs, (flat_p, flat_g, flat_r), flat_rows),
             ):
                 idx = keep.nonzero().flatten()
                 if idx.numel():
-                    rows = (idx.unsqueeze(1) * n + torch.arange(n)).flatten()
+                    rows = (idx.unsqueeze(1) * each + torch.arange(each)).flatten()
                     into[0].append(prompts[idx])
                     into[1].append(gen[rows])
                     into[2].append(_take(rewards, rows))
+                    counts.extend([each] * int(idx.numel()))
             have += int(differs.sum())
             if have >= want or draw >= self.max_extra_draws:
                 break
@@ -86,9 +95,10 @@ class FilteredGroups:
             "filter/extra_draws": float(draw),
             "filter/groups_that_differ": min(have, want) / want,
         }
+        rows = sum((kept_rows + flat_rows)[:want])  # the first ``want`` prompts' rows
         return (
-            Drawn(_cat_left_padded(p_all)[:want], _cat_left_padded(g_all)[: want * n], version),
-            _cat_rewards(r_all, want * n),
+            Drawn(_cat_left_padded(p_all)[:want], _cat_left_padded(g_all)[:rows], version),
+            _cat_rewards(r_all, rows),
             figures,
         )
 

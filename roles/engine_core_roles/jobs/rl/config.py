@@ -313,11 +313,6 @@ class RLJobConfig(JobConfig):
                 self.data is None,
                 f"{agent} starts from dataset rows, but no data is set; add data.train_files",
             ),
-            (
-                self.trainer.filter_groups,
-                f"{agent} with trainer.filter_groups=true: dynamic sampling is not built for "
-                f"agents yet; set trainer.filter_groups=false",
-            ),
         ]
         for bad, message in refused:
             if bad:
