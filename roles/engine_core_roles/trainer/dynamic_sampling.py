@@ -95,10 +95,10 @@ class FilteredGroups:
             "filter/extra_draws": float(draw),
             "filter/groups_that_differ": min(have, want) / want,
         }
-        rows = sum((kept_rows + flat_rows)[:want])  # the first ``want`` prompts' rows
+        taken = sum((kept_rows + flat_rows)[:want])  # the first ``want`` prompts' rows
         return (
-            Drawn(_cat_left_padded(p_all)[:want], _cat_left_padded(g_all)[:rows], version),
-            _cat_rewards(r_all, rows),
+            Drawn(_cat_left_padded(p_all)[:want], _cat_left_padded(g_all)[:taken], version),
+            _cat_rewards(r_all, taken),
             figures,
         )
 
