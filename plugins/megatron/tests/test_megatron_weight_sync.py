@@ -42,6 +42,7 @@ PRELOAD = (
     "engine_core_megatron.engine",
     "megatron.core",  # imported by the engine only as it builds: seconds of each process
     "transformers.models.qwen2.modeling_qwen2",
+    "vllm",  # imported by this module (importorskip above), which each process unpickles from
 )
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=3)
 
