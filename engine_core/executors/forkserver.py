@@ -36,8 +36,10 @@ __all__ = ["fork_server", "worker_context"]
 _LOCK = threading.Lock()
 _key: tuple[Any, ...] | None = None
 _modules: frozenset[str] = frozenset()
-# set by pytest for each test; not read on import, and each child gets the caller's value
-_VOLATILE = ("PYTEST_CURRENT_TEST",)
+# set as a process runs, by pytest for each test and by tensorboardX as a job's tracker imports
+# it (for the crc32c package, which nothing the server imports reads); each child gets the
+# caller's value, and a server is not started anew for them
+_VOLATILE = ("PYTEST_CURRENT_TEST", "CRC32C_SW_MODE")
 
 
 def fork_server(modules: Sequence[str], target: str = "") -> Any:
