@@ -66,7 +66,7 @@ named = RayWorkerGroup(MeshWorker, 1, resources={"second": 1})
 out["named"] = named.nodes[0][0]
 named.shutdown()
 try:
-    RayWorkerGroup(MeshWorker, 3, strategy="STRICT_SPREAD", call_timeout_s=5)
+    RayWorkerGroup(MeshWorker, 3, strategy="STRICT_SPREAD", call_timeout_s=1)  # never placed
 except DispatchError as e:
     out["refused"] = str(e)
 print(json.dumps(out))
