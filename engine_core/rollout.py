@@ -682,7 +682,7 @@ class BaseRollout(abc.ABC):
                 f"SamplingParams(top_logprobs={params.top_logprobs}): {type(self).__name__} "
                 f"returns the sampled tokens' log-probs only (it does not declare "
                 f"top_logprobs); leave top_logprobs at 0 or use a rollout that declares it (hf, "
-                f"vllm)."
+                f"vllm, sglang)."
             )
         if params.stop_strings and Capability.STOP_STRINGS not in self.capabilities:
             raise CapabilityError(

@@ -25,6 +25,7 @@ SGLANG_CAPABILITIES = frozenset(
         Capability.LORA,
         Capability.STOP_STRINGS,
         Capability.VISION,  # prompts with images as pixel patches (engine_core_sglang.vision)
+        Capability.TOP_LOGPROBS,  # each position's most likely tokens (top_logprobs_num)
     }
 )
 

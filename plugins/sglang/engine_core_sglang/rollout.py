@@ -72,6 +72,8 @@ from engine_core.backend import (
     PROMPT_IDS,
     PROMPT_MASK,
     RESPONSE_MASK,
+    ROLLOUT_TOP_IDS,
+    ROLLOUT_TOP_LOG_PROBS,
     ROUTED_EXPERTS,
     AdapterFolders,
     BaseRollout,
@@ -411,6 +413,31 @@ def _parse_one(
     return toks, lps, truncated
 
 
+def sglang_top_logprobs(
+    outputs: Sequence[Mapping[str, Any]], kept: Sequence[int], k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rollout_top_ids`` and ``rollout_top_log_probs`` ``[N, R, k]`` from SGLang's
+    ``meta_info["output_top_logprobs"]`` (per position, ``(logprob, token_id, text)`` most likely
+    first), each output's first ``kept[j]`` positions (what its response keeps); 0 elsewhere."""
+    width = max([int(x) for x in kept] + [0])
+    ids, values = (
+        torch.zeros(len(outputs), width, k, dtype=torch.long),
+        torch.zeros(len(outputs), width, k),
+    )
+    for j, out in enumerate(outputs):
+        positions = out["meta_info"].get("output_top_logprobs")
+        if positions is None or len(positions) < int(kept[j]):
+            raise BatchError(
+                f"SGLang output {j} has no 'output_top_logprobs' for its {kept[j]} tokens: "
+                f"generate() must be called with top_logprobs_num."
+            )
+        for pos in range(int(kept[j])):
+            ranked = positions[pos][:k]
+            ids[j, pos, : len(ranked)] = torch.tensor([int(e[1]) for e in ranked])
+            values[j, pos, : len(ranked)] = torch.tensor([float(e[0]) for e in ranked])
+    return ids, values
+
+
 def _truncated(k: int, reason: Any) -> bool:
     """Whether SGLang's ``finish_reason`` says the sample hit its token limit ("length"), not a
     stop token ("stop")."""
@@ -586,6 +613,7 @@ class SGLangRollout(BaseRollout):
             return_logprob=True,
             lora_path=None if self._lora is None else [self._lora] * len(requests.input_ids),
             **({"return_routed_experts": True} if params.return_routes else {}),
+            **({"top_logprobs_num": params.top_logprobs} if params.top_logprobs else {}),
         )
         stop_at: Callable[[list[int]], int | None] | None = None
         if params.stop_strings:
@@ -603,6 +631,10 @@ class SGLangRollout(BaseRollout):
                 for k, out in enumerate(outputs)
             ]
             result[ROUTED_EXPERTS] = place_routes(result, routes)
+        if params.top_logprobs:
+            result[ROLLOUT_TOP_IDS], result[ROLLOUT_TOP_LOG_PROBS] = sglang_top_logprobs(
+                outputs, result[RESPONSE_MASK].sum(-1).tolist(), params.top_logprobs
+            )
         if requests.images is not None:  # each sample keeps its prompt's images, for the trainer
             for key in (PIXEL_VALUES, IMAGE_GRID_THW):
                 result[key] = requests.images[key].repeat_interleave(params.n, dim=0)

@@ -386,6 +386,7 @@ def test_registered_with_its_capabilities() -> None:
             Capability.LORA,
             Capability.STOP_STRINGS,
             Capability.VISION,
+            Capability.TOP_LOGPROBS,
         }
     )
     assert Capability.CPU not in spec.capabilities
