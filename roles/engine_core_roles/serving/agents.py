@@ -34,9 +34,8 @@ served until :meth:`AgentRollout.shutdown`; every generation goes through it. Ea
 pinned to the temperature ``generate`` was asked (a call that names another is refused): the
 trainer's, which it computes its log-probs at, or evaluation's (greedy, 0); a request outside a
 session samples at the temperature the rollout was built with. At most ``max_tokens`` a call;
-a call that names no
-seed draws from its session's own (sample ``j`` of prompt ``i``'s, as ``generate`` derives
-them), so a step's sessions do not depend on what else the endpoint serves. Weights go to the
+a call that names no seed draws from its session's own (sample ``j`` of prompt ``i``'s, as
+``generate`` derives them), so a step's sessions do not depend on what else the endpoint serves. Weights go to the
 rollout behind it between two generations, and each load bumps the weight version the
 endpoint reports: the first load is version 0 (the initial policy), the next 1, and so on
 (:attr:`AgentRollout.next_version`; a resumed job sets it to its step). Each row carries the
@@ -163,8 +162,12 @@ class AgentRollout(BaseRollout):
         # the inner rollout's: in processes of its own, it keeps async_generation (the agents
         # run while the trainer trains) and its weight-sync group (its processes receive the
         # weights, between two generations); routes where it returns them (the endpoint
-        # records each call's)
-        self.capabilities = frozenset(inner.capabilities)  # type: ignore[misc]
+        # records each call's). Not what the endpoint uses for itself and this class does not
+        # offer its callers: submitted calls, and top log-probs in its result
+        self.capabilities = frozenset(inner.capabilities) - {  # type: ignore[misc]
+            Capability.CONTINUOUS_BATCHING,
+            Capability.TOP_LOGPROBS,
+        }
         self.routes_from_start = inner.routes_from_start  # type: ignore[misc]
         self.pad_token_id = inner.pad_token_id
         self.temperature, self.max_concurrency, self.timeout_s = (
