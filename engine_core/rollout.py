@@ -431,6 +431,20 @@ def place_routes(out: TensorDict, routes: Sequence[torch.Tensor]) -> torch.Tenso
     return placed
 
 
+def unplace_routes(
+    out: TensorDict, prompts: Sequence[int], responses: Sequence[int]
+) -> list[torch.Tensor]:
+    """Each sample's rows of ``out``'s ``routed_experts``, placed as :func:`place_routes` places
+    them: sample ``k``'s ``prompts[k]`` rows before the prompt's right edge, then its first
+    ``responses[k]`` response rows (``[prompts[k] + responses[k], layers, top_k]``). Each is a
+    copy, which keeps none of the batch's other rows alive."""
+    placed, width = out[ROUTED_EXPERTS], out[PROMPT_MASK].shape[1]
+    return [
+        placed[k, width - int(prompt) : width + int(response)].clone()
+        for k, (prompt, response) in enumerate(zip(prompts, responses, strict=True))
+    ]
+
+
 SentBucket = tuple[list[tuple[str, torch.Tensor]], str]
 """One bucket of (HF name, tensor) pairs and the checksum its sender computed of it."""
 

@@ -361,11 +361,11 @@ def test_rollouts_that_do_not_return_routes_refuse_to() -> None:
 def test_a_rollouts_routes_are_placed_under_their_tokens() -> None:
     """``place_routes``: per-sample routes (real prompt tokens, then response tokens, the last
     sampled token's row absent or present) land under their tokens of a left-padded prompt and
-    a right-padded response; anything else is refused."""
+    a right-padded response; anything else is refused. ``unplace_routes`` takes them back."""
     from tensordict import TensorDict
 
     from engine_core.errors import BatchError
-    from engine_core.rollout import PROMPT_MASK, RESPONSE_MASK, place_routes
+    from engine_core.rollout import PROMPT_MASK, RESPONSE_MASK, place_routes, unplace_routes
 
     out = TensorDict(
         {
@@ -380,6 +380,13 @@ def test_a_rollouts_routes_are_placed_under_their_tokens() -> None:
     assert placed.shape == (2, 7, 3, 2) and placed.dtype == torch.int64
     assert torch.equal(placed[0, 1:6], first) and not placed[0, [0, 6]].any()
     assert torch.equal(placed[1, :3], second) and not placed[1, 3:].any()
+    out[ROUTED_EXPERTS] = placed
+    back = unplace_routes(out, [2, 3], [3, 0])
+    assert torch.equal(back[0], first) and torch.equal(back[1], second)
+    assert back[0].untyped_storage().data_ptr() != placed.untyped_storage().data_ptr()
+    fed = unplace_routes(out, [2, 3], [2, 1])  # the response's first rows; an absent one is 0
+    assert torch.equal(fed[0], first[:4]) and torch.equal(fed[1][:3], second)
+    assert not fed[1][3].any()
     with pytest.raises(BatchError, match="sample 1: routes of shape \\(2, 3, 2\\)"):
         place_routes(out, [first, second[:2]])
 

@@ -44,7 +44,6 @@ from engine_core.errors import ConfigError
 from engine_core.models import build_hf_config
 from engine_core.remote_rollout import RolloutWorker
 from engine_core.rollout import (
-    PROMPT_IDS,
     PROMPT_SEED,
     RESPONSE_IDS,
     RESPONSE_MASK,
@@ -54,6 +53,7 @@ from engine_core.rollout import (
     derive_seed,
     place_routes,
     sample_seeds,
+    unplace_routes,
 )
 from engine_core.vision import vision_fields
 from engine_core_roles.batch.build import dataset_rows, prompt_batch, turns_batch
@@ -390,12 +390,10 @@ def _take_routes(episodes: list[_Running], out: TensorDict, sampled: torch.Tenso
             f"the episode rollout asked its inner rollout for routes "
             f"(SamplingParams.return_routes) and got none; it returned {sorted(out.keys())}."
         )
-    routes = out[ROUTED_EXPERTS]
-    width = out[PROMPT_IDS].shape[1]
-    for j, r in enumerate(episodes):
-        h, m = r.length, int(sampled[j].sum())
-        rows = torch.cat([routes[j, width - h : width], routes[j, width : width + m]])
-        r.add_routes(rows, h + max(m - 1, 0))
+    heads, tails = [r.length for r in episodes], [int(m) for m in sampled.sum(1).tolist()]
+    rows = unplace_routes(out, heads, tails)
+    for r, h, m, mine in zip(episodes, heads, tails, rows, strict=True):
+        r.add_routes(mine, h + max(m - 1, 0))
 
 
 def _record(ep: Episode, env_wait_s: float) -> dict[str, Any]:

@@ -44,7 +44,6 @@ from typing import Any, TypeVar
 
 import torch
 
-from engine_core.batch import ROUTED_EXPERTS
 from engine_core.capabilities import Capability
 from engine_core.rollout import (
     PROMPT_MASK,
@@ -60,6 +59,7 @@ from engine_core.rollout import (
     SentBucket,
     WeightBucket,
     derive_seed,
+    unplace_routes,
 )
 from engine_core_roles.batch.build import prompt_batch
 from engine_core_roles.serving.sessions import Choice
@@ -301,13 +301,9 @@ class ServedRollout:
                         for pos in range(len(choice.token_ids))
                     ]
                 )
-        if params.return_routes:  # each sample's rows, under its prompt and sampled tokens
-            placed, width = out[ROUTED_EXPERTS], out[PROMPT_MASK].shape[1]
+        if params.return_routes:  # each sample's rows of the tokens fed: all but the last
             heads = out[PROMPT_MASK].sum(1).tolist()
-            for k, choice in enumerate(choices):
-                first = width - int(heads[k])  # the prompt's first token
-                fed = int(heads[k]) + len(choice.token_ids) - 1
-                routes.append(placed[k, first : first + fed].clone())
+            routes = unplace_routes(out, heads, [len(c.token_ids) - 1 for c in choices])
         n, start, results = params.n, 0, []
         for job in group:
             spans = [range((start + i) * n, (start + i + 1) * n) for i in range(len(job.prompts))]
