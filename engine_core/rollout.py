@@ -445,6 +445,18 @@ def unplace_routes(
     ]
 
 
+def stitch_routes(held: torch.Tensor | None, rows: torch.Tensor, fed: int) -> torch.Tensor:
+    """The routes of a sequence that grows from one forward to the next, each token's from the
+    forward that first fed it: ``held``, those of its first ``len(held)`` tokens (None: none
+    yet), then the rows past them of a later forward's ``rows`` (its routes of the sequence from
+    the start, of which the first ``fed`` rows belong to tokens it fed)."""
+    if held is None:
+        return rows[:fed]
+    if fed <= held.shape[0]:
+        return held
+    return torch.cat([held, rows[held.shape[0] : fed]])
+
+
 SentBucket = tuple[list[tuple[str, torch.Tensor]], str]
 """One bucket of (HF name, tensor) pairs and the checksum its sender computed of it."""
 

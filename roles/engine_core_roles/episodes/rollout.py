@@ -53,6 +53,7 @@ from engine_core.rollout import (
     derive_seed,
     place_routes,
     sample_seeds,
+    stitch_routes,
     unplace_routes,
 )
 from engine_core.vision import vision_fields
@@ -85,8 +86,7 @@ class _Running:
     # with routes asked for: the experts of positions 0 .. routed - 1 of prompt + tokens, each
     # from the forward that first fed that token to the model; and those a turn gave its last
     # sampled token, which that turn did not feed back (its rollout's filler)
-    routes: list[torch.Tensor] = field(default_factory=list)
-    routed: int = 0
+    routes: torch.Tensor | None = None
     last_route: torch.Tensor | None = None
     # the episode's images in the order their tokens stand: pixel patches [p, D], grids [n, 3]
     pixels: list[torch.Tensor] = field(default_factory=list)
@@ -105,14 +105,19 @@ class _Running:
     def add_routes(self, rows: torch.Tensor, fed: int) -> None:
         """``rows``: a ``generate`` call's routes of this episode's input and sampled tokens, of
         which the first ``fed`` were fed to the model."""
-        if fed > self.routed:
-            self.routes.append(rows[self.routed : fed])
-            self.routed = fed
+        self.routes = stitch_routes(self.routes, rows, fed)
         self.last_route = rows[fed] if fed < rows.shape[0] else None
+
+    @property
+    def routed(self) -> int:
+        """How many of the episode's first tokens have routes from a forward that fed them."""
+        return 0 if self.routes is None else self.routes.shape[0]
 
     def all_routes(self) -> torch.Tensor:
         """``[length, layers, top_k]``."""
-        parts = self.routes if self.last_route is None else [*self.routes, self.last_route[None]]
+        parts = [] if self.routes is None else [self.routes]
+        if self.last_route is not None:
+            parts.append(self.last_route[None])
         return torch.cat(parts)[: self.length]
 
     @property

@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from engine_core.rollout import stitch_routes
+
 __all__ = ["SessionRow", "session_rows"]
 
 
@@ -67,14 +69,12 @@ class SessionRow:
     def add_routes(self, call_routes: torch.Tensor, where: str) -> None:
         """The rows of ``call_routes`` (a choice's, over its prompt, which is this row so far,
         and its sampled ids, now added) for the tokens no earlier call of the row fed."""
-        fed = 0 if self.routes is None else self.routes.shape[0]
         if call_routes.shape[0] != self.length - 1:
             raise ValueError(
                 f"{where}: routes for {call_routes.shape[0]} tokens, want {self.length - 1} "
                 f"(its prompt and sampled ids but the last)."
             )
-        part = call_routes[fed:]
-        self.routes = part if self.routes is None else torch.cat([self.routes, part])
+        self.routes = stitch_routes(self.routes, call_routes, call_routes.shape[0])
 
 
 def session_rows(
