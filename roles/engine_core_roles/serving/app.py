@@ -195,7 +195,7 @@ class Endpoint:
         if sampled.tops is None:
             return None
         return [
-            [(str(self.served.tokenizer.decode([t])), lp) for t, lp in top]
+            list(zip(self._texts([t for t, _ in top]), [lp for _, lp in top], strict=True))
             for top in sampled.tops[i][j]
         ]
 
