@@ -149,6 +149,7 @@ _EXPORTS: dict[str, str] = {
     "derive_seed": "engine_core.rollout",
     "response_batch": "engine_core.rollout",
     "place_routes": "engine_core.rollout",
+    "top_log_prob_tensors": "engine_core.rollout",
     "meta_model": "engine_core.rollout",
     "saved_model_folder": "engine_core.rollout",
     "tensor_checksum": "engine_core.rollout",
@@ -296,6 +297,7 @@ if TYPE_CHECKING:
         saved_model_folder,
         sent_buckets,
         tensor_checksum,
+        top_log_prob_tensors,
         verified_buckets,
     )
     from engine_core.routing_replay import RoutingInputs, balance_of, routing_request

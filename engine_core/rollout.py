@@ -457,6 +457,21 @@ def stitch_routes(held: torch.Tensor | None, rows: torch.Tensor, fed: int) -> to
     return torch.cat([held, rows[held.shape[0] : fed]])
 
 
+def top_log_prob_tensors(
+    ranked: Sequence[Sequence[Sequence[tuple[int, float]]]], k: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:data:`ROLLOUT_TOP_IDS` and :data:`ROLLOUT_TOP_LOG_PROBS` ``[len(ranked), width, k]``
+    from ``ranked[j][pos]``, sample ``j``'s most likely tokens at response position ``pos`` as
+    (id, log-prob) pairs, most likely first, at most ``k``; 0 wherever none is given."""
+    ids = torch.zeros(len(ranked), width, k, dtype=torch.long)
+    values = torch.zeros(len(ranked), width, k)
+    for j, positions in enumerate(ranked):
+        for pos, top in enumerate(positions):
+            ids[j, pos, : len(top)] = torch.tensor([t for t, _ in top])
+            values[j, pos, : len(top)] = torch.tensor([v for _, v in top])
+    return ids, values
+
+
 SentBucket = tuple[list[tuple[str, torch.Tensor]], str]
 """One bucket of (HF name, tensor) pairs and the checksum its sender computed of it."""
 

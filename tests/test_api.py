@@ -89,6 +89,7 @@ BACKEND_SURFACE = {
     # rollouts and weight sync
     "BaseRollout", "RolloutConfig", "SamplingParams", "WeightBucket", "confirm_bucket",
     "model_weight_shapes", "prompt_tensors", "response_batch", "place_routes", "meta_model", "saved_model_folder",
+    "top_log_prob_tensors",
     "tensor_checksum", "verified_buckets", "sent_buckets", "checked_buckets", "SentBucket",
     "BUCKET_BYTES", "TRUNCATED", "PROMPT_IDS", "PROMPT_MASK", "PROMPT_SEED",
     "RESPONSE_IDS", "RESPONSE_MASK", "ROLLOUT_LOG_PROBS", "ROLLOUT_TOP_IDS", "ROLLOUT_TOP_LOG_PROBS",

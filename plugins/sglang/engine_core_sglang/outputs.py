@@ -18,6 +18,7 @@ from engine_core.backend import (
     BatchError,
     ConfigError,
     response_batch,
+    top_log_prob_tensors,
 )
 
 __all__ = ["moe_layers", "parse_outputs", "sglang_routes", "sglang_top_logprobs"]
@@ -163,11 +164,7 @@ def sglang_top_logprobs(
     """``rollout_top_ids`` and ``rollout_top_log_probs`` ``[N, R, k]`` from SGLang's
     ``meta_info["output_top_logprobs"]`` (per position, ``(logprob, token_id, text)`` most likely
     first), each output's first ``kept[j]`` positions (what its response keeps); 0 elsewhere."""
-    width = max([int(x) for x in kept] + [0])
-    ids, values = (
-        torch.zeros(len(outputs), width, k, dtype=torch.long),
-        torch.zeros(len(outputs), width, k),
-    )
+    ranked = []
     for j, out in enumerate(outputs):
         positions = out["meta_info"].get("output_top_logprobs")
         if positions is None or len(positions) < int(kept[j]):
@@ -175,11 +172,10 @@ def sglang_top_logprobs(
                 f"SGLang output {j} has no 'output_top_logprobs' for its {kept[j]} tokens: "
                 f"generate() must be called with top_logprobs_num."
             )
-        for pos in range(int(kept[j])):
-            ranked = positions[pos][:k]
-            ids[j, pos, : len(ranked)] = torch.tensor([int(e[1]) for e in ranked])
-            values[j, pos, : len(ranked)] = torch.tensor([float(e[0]) for e in ranked])
-    return ids, values
+        ranked.append(
+            [[(int(e[1]), float(e[0])) for e in positions[pos][:k]] for pos in range(int(kept[j]))]
+        )
+    return top_log_prob_tensors(ranked, k, max([int(x) for x in kept] + [0]))
 
 
 def _truncated(k: int, reason: Any) -> bool:

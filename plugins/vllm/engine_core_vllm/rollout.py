@@ -87,6 +87,7 @@ from engine_core.backend import (
     set_for_process,
     split_peft_tensors,
     tokenizer_folder,
+    top_log_prob_tensors,
     vision_token_ids,
 )
 from engine_core_vllm.plugin import VLLM_CAPABILITIES
@@ -410,13 +411,10 @@ class VLLMRollout(BaseRollout):
         if params.return_routes:
             result[ROUTED_EXPERTS] = place_routes(result, routes)
         if params.top_logprobs:
-            rows, width, k = len(tops), result[RESPONSE_IDS].shape[1], params.top_logprobs
-            ids, values = torch.zeros(rows, width, k, dtype=torch.long), torch.zeros(rows, width, k)
-            for r, positions in enumerate(tops):
-                for j, ranked in enumerate(positions):
-                    ids[r, j, : len(ranked)] = torch.tensor([t for t, _ in ranked])
-                    values[r, j, : len(ranked)] = torch.tensor([v for _, v in ranked])
-            result[ROLLOUT_TOP_IDS], result[ROLLOUT_TOP_LOG_PROBS] = ids, values
+            width = result[RESPONSE_IDS].shape[1]
+            result[ROLLOUT_TOP_IDS], result[ROLLOUT_TOP_LOG_PROBS] = top_log_prob_tensors(
+                tops, params.top_logprobs, width
+            )
         if pictured is not None:  # each sample keeps its prompt's images, for the trainer
             for key in (PIXEL_VALUES, IMAGE_GRID_THW):
                 result[key] = pictured[key].repeat_interleave(params.n, dim=0)
