@@ -39,9 +39,11 @@ from engine_core.rollout import (  # noqa: E402
     RESPONSE_LOSS_MASK,
     RESPONSE_MASK,
     ROLLOUT_LOG_PROBS,
+    ROUTED_EXPERTS,
     SamplingParams,
 )
 from engine_core.testing.moe import AS_QWEN3_MOE  # noqa: E402
+from engine_core_roles.batch.build import prompt_batch  # noqa: E402
 from engine_core_roles.batch.keys import EPISODE, WEIGHT_VERSION  # noqa: E402
 from engine_core_roles.data.datasets.prompts import DataConfig, PromptData  # noqa: E402
 from engine_core_roles.data.datasets.tokenizer import load_tokenizer  # noqa: E402
@@ -50,7 +52,7 @@ from engine_core_roles.jobs.cli import RECIPES, load_recipe  # noqa: E402
 from engine_core_roles.jobs.rl.run import run_rl_job  # noqa: E402
 from engine_core_roles.serving.agent_function import AgentReward, load_agent  # noqa: E402
 from engine_core_roles.serving.agents import AgentRollout  # noqa: E402
-from engine_core_roles.serving.rows import session_rows  # noqa: E402
+from engine_core_roles.serving.rows import SessionRow, session_rows  # noqa: E402
 from engine_core_roles.serving.server import served_rollout  # noqa: E402
 from engine_core_roles.trainer.generation import sampled_version  # noqa: E402
 from engine_core_roles.trainer.state import batch_of  # noqa: E402
@@ -616,6 +618,32 @@ def test_dynamic_sampling_keeps_or_redraws_an_agents_prompt_with_all_its_row_slo
         assert 0.0 <= r["filter/groups_that_differ"] <= 1.0
         # a session is one row, plus one for each call that drifted, after the filter too
         assert r["agent/rows"] == pytest.approx(1.0 + r["agent/drift_calls"])
+
+
+def test_a_row_without_routes_gets_the_inner_rollouts_route_shape_from_one_probe() -> None:
+    """Before any call returned routes, a row with none (an empty slot) is filled to the shape
+    one sampled token's routes have past their sample and token axes: [layers, top_k]."""
+    config = {**MODEL["config"], **AS_QWEN3_MOE, "num_experts_per_tok": 3}  # layers 2, top-3
+    raw = {"backend": "hf", "model": {**MODEL, "config": config}, "seed": 0, "return_routes": True}
+    inner = served_rollout(raw, load_plugins()).rollout
+    rollout = AgentRollout(
+        inner,
+        load_agent("tests.test_agent_job:token_agent"),
+        TOKENIZER,
+        temperature=1.0,
+        max_tokens=8,
+        stop_token_ids=[TOKENIZER.eos_token_id],
+    )
+    try:
+        want = (config["num_hidden_layers"], 3)
+        params = SamplingParams(max_new_tokens=2, return_routes=True)
+        sampled = inner.generate(prompt_batch([[1, 2]]), params)
+        assert tuple(sampled[ROUTED_EXPERTS].shape[2:]) == want
+        assert rollout._probe_route_shape() == want
+        empty = SessionRow([int(rollout.pad_token_id)])
+        assert [tuple(r.shape) for r in rollout._routes([empty])] == [(1, *want)]
+    finally:
+        rollout.shutdown()
 
 
 def test_a_mixture_of_experts_replays_the_routes_its_agents_calls_were_sampled_with(
