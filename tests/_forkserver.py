@@ -49,7 +49,7 @@ import engine_core.reference_engine, engine_core_fsdp.fsdp2, engine_core_hf.roll
 JOB_RUNNER = (
     JOB_MODULES
     + r"""
-import os
+import os, signal
 from engine_core.cli import main  # imported once, before any fork
 import engine_core.parity, engine_core_roles.jobs.rl.run, engine_core_roles.jobs.sft  # noqa: F401
 
@@ -64,6 +64,10 @@ def run(request):
             exec(compile(source, name, "exec"), namespace)
         return 0
     if "pid_file" in request:
+        # SIGINT as a shell gives a foreground job, whatever the test process had when it
+        # started this server
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
         os.setsid()
         with open(request["pid_file"] + ".tmp", "w") as f:
             f.write(str(os.getpid()))
