@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from subprocess import CompletedProcess
 from typing import Any
 
 import pytest
@@ -13,7 +15,13 @@ import pytest
 from engine_core.cli import COMMANDS, Command, build_parser
 from engine_core.settings import Settings
 from engine_core_roles.jobs.cli import RECIPES, main
-from tests.fixtures.plugins._install import install_test_plugins, run_python
+from tests._forkserver import ForkServer
+from tests.fixtures.plugins._install import (
+    cli_server,
+    install_test_plugins,
+    run_cli,
+    run_python,
+)
 
 SCRIPT = Path(sys.executable).parent / "engine-core"
 
@@ -23,11 +31,32 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return install_test_plugins(tmp_path_factory)
 
 
+Cli = Callable[..., CompletedProcess[str]]
+
+
+@pytest.fixture(scope="module")
+def cli_forks(site: Path) -> Iterator[ForkServer]:
+    server = cli_server(site)
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def cli(cli_forks: ForkServer, tmp_path: Path) -> Cli:
+    """``cli(args, env=None)``: ``python -m engine_core.cli ARGS`` with the test plugins
+    installed, in a process of its own (forked: its imports are paid once per module)."""
+
+    def run(args: list[str], env: dict[str, str] | None = None) -> CompletedProcess[str]:
+        return run_cli(cli_forks, args, tmp_path, env)
+
+    return run
+
+
 def _json_plugins(stdout: str) -> dict[str, dict[str, Any]]:
     return {p["name"]: p for p in json.loads(stdout)["plugins"]}
 
 
-# -- with the installed test plugins (subprocesses) -----------------------------------------------
+# -- with the installed test plugins (the script in its own interpreter, the rest forked) ---------
 
 
 def test_plugins_table_shows_good_and_broken(site: Path) -> None:
@@ -43,8 +72,8 @@ def test_plugins_table_shows_good_and_broken(site: Path) -> None:
     assert "1 failed to load" in out
 
 
-def test_plugins_json_is_machine_readable(site: Path) -> None:
-    proc = run_python(["-m", "engine_core.cli", "plugins", "--json"], site)
+def test_plugins_json_is_machine_readable(cli: Cli) -> None:
+    proc = cli(["plugins", "--json"])
     assert proc.returncode == 0, proc.stderr
     plugins = _json_plugins(proc.stdout)
     # other plugins of this project may be installed too
@@ -65,16 +94,14 @@ def test_plugins_json_is_machine_readable(site: Path) -> None:
         ({"ENGINE_CORE_PLUGINS": "testbroken"}, {"builtin", "testbroken"}),
     ],
 )
-def test_env_settings_control_discovery(
-    site: Path, env: dict[str, str], expected: set[str]
-) -> None:
-    proc = run_python(["-m", "engine_core.cli", "plugins", "--json"], site, env)
+def test_env_settings_control_discovery(cli: Cli, env: dict[str, str], expected: set[str]) -> None:
+    proc = cli(["plugins", "--json"], env)
     assert proc.returncode == 0, proc.stderr
     assert set(_json_plugins(proc.stdout)) == expected
 
 
-def test_doctor_fails_on_broken_plugin(site: Path) -> None:
-    proc = run_python(["-m", "engine_core.cli", "doctor"], site)
+def test_doctor_fails_on_broken_plugin(cli: Cli) -> None:
+    proc = cli(["doctor"])
     assert proc.returncode == 1
     assert "plugin testbroken" in proc.stdout and "FAILED" in proc.stdout
     assert "testgood environment" in proc.stdout  # a plugin's own check ran
@@ -243,18 +270,18 @@ def test_the_core_command_line_knows_no_command_above_it() -> None:
     assert {c.name for c in COMMANDS} == {"plugins", "doctor", "parity"}
 
 
-def test_installed_distributions_add_commands_and_a_broken_one_is_named(site: Path) -> None:
+def test_installed_distributions_add_commands_and_a_broken_one_is_named(cli: Cli) -> None:
     """The core's script takes subcommands from ``engine_core.commands`` entry points: the
     jobs' (``engine-core-roles``) and a test plugin's ``hello``; one whose module is missing is
     named in one warning line and the other commands still run."""
-    listing = run_python(["-m", "engine_core.cli", "--help"], site)
+    listing = cli(["--help"])
     assert listing.returncode == 0, listing.stderr
     for name in ("plugins", "doctor", "parity", "run", "train", "hello"):
         assert f"    {name} " in listing.stdout, (name, listing.stdout)
     warnings = [line for line in listing.stderr.splitlines() if line.strip()]
     assert len(warnings) == 1 and warnings[0].startswith("engine-core: warning: "), warnings
     assert "'testbroken'" in warnings[0] and "no_such_module" in warnings[0]
-    hello = run_python(["-m", "engine_core.cli", "hello", "world"], site)
+    hello = cli(["hello", "world"])
     assert (hello.returncode, hello.stdout) == (0, "hello world\n"), hello.stderr
 
 
