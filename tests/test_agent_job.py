@@ -245,18 +245,23 @@ def test_a_rows_reward_is_its_agents_number_else_the_functions_and_0_on_failure(
     assert out.metrics == {"reward/agent": 2.5} and out.samples == [{"reward": 2.5}]
 
 
-@pytest.fixture(scope="module")
-def agents() -> Iterator[AgentRollout]:
-    inner = served_rollout({"backend": "hf", "model": MODEL, "seed": 0}, load_plugins()).rollout
-    rollout = AgentRollout(
-        inner,
+def _token_agents(raw: dict[str, Any], **options: Any) -> AgentRollout:
+    """``token_agent`` sessions in front of the hf rollout ``raw`` describes."""
+    return AgentRollout(
+        served_rollout(raw, load_plugins()).rollout,
         load_agent("tests.test_agent_job:token_agent"),
         TOKENIZER,
         temperature=1.0,
         max_tokens=8,
         stop_token_ids=[TOKENIZER.eos_token_id],
-        max_concurrency=3,
-        scored_by_fn=True,
+        **options,
+    )
+
+
+@pytest.fixture(scope="module")
+def agents() -> Iterator[AgentRollout]:
+    rollout = _token_agents(
+        {"backend": "hf", "model": MODEL, "seed": 0}, max_concurrency=3, scored_by_fn=True
     )
     yield rollout
     rollout.shutdown()
@@ -625,15 +630,8 @@ def test_a_row_without_routes_gets_the_inner_rollouts_route_shape_from_one_probe
     one sampled token's routes have past their sample and token axes: [layers, top_k]."""
     config = {**MODEL["config"], **AS_QWEN3_MOE, "num_experts_per_tok": 3}  # layers 2, top-3
     raw = {"backend": "hf", "model": {**MODEL, "config": config}, "seed": 0, "return_routes": True}
-    inner = served_rollout(raw, load_plugins()).rollout
-    rollout = AgentRollout(
-        inner,
-        load_agent("tests.test_agent_job:token_agent"),
-        TOKENIZER,
-        temperature=1.0,
-        max_tokens=8,
-        stop_token_ids=[TOKENIZER.eos_token_id],
-    )
+    rollout = _token_agents(raw)
+    inner = rollout.inner
     try:
         want = (config["num_hidden_layers"], 3)
         params = SamplingParams(max_new_tokens=2, return_routes=True)
