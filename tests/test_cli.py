@@ -318,6 +318,9 @@ def test_a_sigint_python_drops_in_a_finalizer_still_ends_the_run_before_its_step
     from engine_core_roles.jobs.stopping import StopRequests
 
     steps: list[int] = []
+    # SIGINT handled as in a terminal, even where pytest was started with it ignored (a
+    # non-interactive shell's background job), which the command rightly leaves ignored
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
 
     class Interrupted:
         def __del__(self) -> None:
@@ -330,7 +333,10 @@ def test_a_sigint_python_drops_in_a_finalizer_still_ends_the_run_before_its_step
             steps.append(1)
         return 0
 
-    code = main(["start"], commands=[Command("start", "start a run", run)])
+    try:
+        code = main(["start"], commands=[Command("start", "start a run", run)])
+    finally:
+        signal.signal(signal.SIGINT, previous)
     err = capsys.readouterr().err
     assert code == EXIT_INTERRUPTED and not steps, err
     assert err.strip().splitlines()[-1].startswith("engine-core start: interrupted (SIGINT)")
