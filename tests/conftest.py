@@ -14,9 +14,7 @@ PYTHONPATH=tests/fixtures/example_engine pytest --engine-core-backend=example``.
 from __future__ import annotations
 
 import os
-import signal
 import sys
-import warnings
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -158,27 +156,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return work_unit(nodeid, backends)
 
     return Units(config, log)
-
-
-@pytest.fixture(autouse=True)
-def sigint_as_found(request: pytest.FixtureRequest) -> Iterator[None]:
-    """SIGINT as this pytest process had it, for every test: a library run in process may leave
-    it ignored or blocked, and then a later test's SIGINT (a run's Ctrl-C, or one sent to the
-    runs forked from the job server started after it, which inherit both) is lost. Restored, and
-    named in a warning, after any test that changed it."""
-    handler = signal.getsignal(signal.SIGINT)
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
-    yield
-    changed = []
-    if signal.getsignal(signal.SIGINT) is not handler and handler is not None:
-        signal.signal(signal.SIGINT, handler)
-        changed.append("its handler")
-    if signal.pthread_sigmask(signal.SIG_BLOCK, []) != mask:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        changed.append("the blocked signals")
-    if changed:
-        said = f"{request.node.nodeid} changed SIGINT ({', '.join(changed)}); restored"
-        warnings.warn(said, stacklevel=2)
 
 
 @pytest.fixture(scope="session")
