@@ -10,8 +10,9 @@ what a rollout can do from its declared capabilities; the rollout kit
 promise made here against a plain transformers oracle.
 
 Over 700 lines on purpose: it is the whole generation contract a backend author reads in one
-place (the fields of a result, the sampling settings, seeds, the verified weight stream, and
-the base class whose defaults call them); each part is short, and a plugin imports them all
+place (the fields of a result, the sampling settings, seeds, routes and top log-probs laid
+into a result and taken back out, the verified weight stream, and the base class whose
+defaults call them); each part is short, and a plugin imports them all
 through :mod:`engine_core.backend`.
 """
 
