@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -172,6 +173,29 @@ def _routes_refused(return_routes: bool) -> Iterator[None]:
         ) from e
 
 
+# vLLM's layer-wise reload counts a layer's buffers among what a sync should load; a rotary
+# layer's only tensor is its cos/sin cache, computed from the config and in no checkpoint, so
+# every sync warned "RotaryEmbedding: Failed to load weights" (and MRotaryEmbedding's, a line
+# per layer kind per step) while vLLM put the cache back as it was. Those lines are dropped;
+# the same warning for any other layer is kept.
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class _RotaryCacheNotLoaded(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (
+            record.msg == "%s: Failed to load weights"
+            and isinstance(record.args, tuple)
+            and str(record.args[0]).endswith("RotaryEmbedding")
+        )
+
+
+def _quiet_rotary_reload() -> None:
+    reload_log = logging.getLogger(RELOAD_LOGGER)
+    if not any(isinstance(f, _RotaryCacheNotLoaded) for f in reload_log.filters):
+        reload_log.addFilter(_RotaryCacheNotLoaded())
+
+
 def _ranked(position: Any, k: int) -> list[tuple[int, float]]:
     """A position's ``k`` most likely tokens and their log-probs, most likely first, from vLLM's
     log-prob entries (the top ``k``, and the sampled token where it is not among them)."""
@@ -242,6 +266,7 @@ class VLLMRollout(BaseRollout):
                 "host (then pip uninstall torchvision torchaudio torchcodec), or "
                 "'engine-core-vllm[gpu]' on a GPU host."
             ) from e
+        _quiet_rotary_reload()
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         path = config.model.path
         if path is None:  # vLLM loads from a folder
