@@ -37,10 +37,11 @@ session samples at the temperature the rollout was built with. At most ``max_tok
 a call that names no seed draws from its session's own (sample ``j`` of prompt ``i``'s, as
 ``generate`` derives them), so a step's sessions do not depend on what else the endpoint
 serves. Weights go to the rollout behind it between two generations, and each load bumps the
-weight version the endpoint reports: the first load is version 0 (the initial policy), the next 1, and so on
-(:attr:`AgentRollout.next_version`; a resumed job sets it to its step). Each row carries the
-oldest version among its sampled tokens (:data:`~engine_core_roles.batch.keys.WEIGHT_VERSION`,
-from the calls it holds): the trainer counts a step's staleness from it.
+weight version the endpoint reports: the first load is version 0 (the initial policy), the
+next 1, and so on (:attr:`AgentRollout.next_version`; a resumed job sets it to its step).
+Each row carries the oldest version among its sampled tokens
+(:data:`~engine_core_roles.batch.keys.WEIGHT_VERSION`, from the calls it holds): the trainer
+counts a step's staleness from it.
 
 Routes. Asked for routes (``SamplingParams.return_routes``: routing replay of a mixture of
 experts, over an inner rollout that declares ``routing_replay``), the endpoint asks the rollout
