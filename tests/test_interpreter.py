@@ -152,7 +152,21 @@ def test_interpreters_that_cannot_host_the_rollout_are_refused_in_one_sentence(
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         with pytest.raises(ConfigError, match=match):
             check_interpreter(path, "hf")
-    assert check_interpreter(_fake_python(tmp_path / "d", ok), "hf")["torch"] == "2.13.0"
+    passed = Path(_fake_python(tmp_path / "d", ok))
+    assert check_interpreter(str(passed), "hf")["torch"] == "2.13.0"
+    # one that passed is not probed again (its probe now would refuse it)...
+    was = passed.stat()
+    passed.write_text(passed.read_text().replace('"hf"', '"vllm"'))
+    os.utime(passed, ns=(was.st_atime_ns, was.st_mtime_ns))  # its file's time as it was
+    assert check_interpreter(str(passed), "hf")["rollouts"] == ["hf"]
+    # ...unless it was replaced at its path (another file there, or the same one changed)
+    os.utime(passed, ns=(passed.stat().st_atime_ns, passed.stat().st_mtime_ns + 1_000_000))
+    with pytest.raises(ConfigError, match="no plugin for rollout"):
+        check_interpreter(str(passed), "hf")
+    # one refused is probed again: what was missing, once installed, is seen at once
+    fixed = Path(cases[-1][0])
+    fixed.write_text(fixed.read_text().replace('"vllm"', '"hf"'))
+    assert check_interpreter(str(fixed), "hf")["rollouts"] == ["hf"]
     # a real interpreter (this one) asked for the module the replicas' workers come from
     with pytest.raises(ConfigError, match=r"cannot import no_such_roles\.episodes.*install"):
         check_interpreter(sys.executable, "hf", worker_module="no_such_roles.episodes")

@@ -96,16 +96,37 @@ def probe(python: str, timeout_s: float = 120.0, modules: Sequence[str] = ()) ->
     )
 
 
+# the interpreters this process has checked and found able to host a backend's replicas:
+# (path, its file's inode and mtime, backend, worker module) -> what the probe said
+_PASSED: dict[tuple[str, int, int, str, str | None], dict[str, Any]] = {}
+
+
+def _passed_key(python: str, backend: str, worker_module: str | None) -> Any:
+    try:
+        found = os.stat(python)
+    except OSError:
+        return None
+    return (os.path.abspath(python), found.st_ino, found.st_mtime_ns, backend, worker_module)
+
+
 def check_interpreter(
     python: str, backend: str, worker_module: str | None = None
 ) -> dict[str, Any]:
     """:func:`probe` ``python`` and refuse, in one sentence, an interpreter without
     engine-core, with another engine-core version than this one, with a torch outside the
     range engine-core supports, without a plugin for rollout ``backend``, or that cannot import
-    ``worker_module`` (where the replicas' worker class is defined)."""
+    ``worker_module`` (where the replicas' worker class is defined).
+
+    An interpreter that passed is not probed again by this process for the same backend and
+    module (a probe starts that interpreter and imports torch there: seconds); one replaced at
+    its path is. One that was refused is probed again each time, so that installing what was
+    missing is seen at once."""
     from engine_core import __version__
     from engine_core.doctor import supported_range
 
+    key = _passed_key(python, backend, worker_module)
+    if key in _PASSED:
+        return dict(_PASSED[key])
     info = probe(python, modules=[worker_module] if worker_module else [])
     where = f"rollout_python={python!r}"
     if "error" in info and "engine_core" not in info:
@@ -139,6 +160,8 @@ def check_interpreter(
             f"{where} cannot import {module}, which the replicas run ({error}); install "
             f"{package} there (the same version as here)."
         )
+    if key is not None:
+        _PASSED[key] = dict(info)
     return info
 
 
