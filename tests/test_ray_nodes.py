@@ -50,66 +50,32 @@ def cluster() -> Iterator[Any]:
         nodes.shutdown()
 
 
-SCRIPT = r"""
-import json, sys, ray
-from engine_core.errors import DispatchError
-from engine_core.executors.ray import RayWorkerGroup
-from tests._workers import MeshWorker
-
-ray.init(address=sys.argv[1], log_to_driver=False)
-out = {}
-spread = RayWorkerGroup(MeshWorker, 2, resources={"CPU": 1}, strategy="SPREAD")
-out["spread"] = [ip_id[0] for ip_id in spread.nodes]
-out["echo"] = spread.call_all("echo", 1)
-spread.shutdown()
-named = RayWorkerGroup(MeshWorker, 1, resources={"second": 1})
-out["named"] = named.nodes[0][0]
-named.shutdown()
-try:
-    RayWorkerGroup(MeshWorker, 3, strategy="STRICT_SPREAD", call_timeout_s=1)  # never placed
-except DispatchError as e:
-    out["refused"] = str(e)
-print(json.dumps(out))
-"""
-
-
-def test_groups_are_placed_where_they_fit_and_refused_where_nothing_fits(
-    cluster: Any, tmp_path: Path
-) -> None:
-    second = cluster.add_node(num_cpus=1, resources={"second": 1})
-    try:
-        cluster.wait_for_nodes()
-        done = subprocess.run(
-            [sys.executable, "-c", SCRIPT, cluster.address],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=ENV,
-            cwd=Path(__file__).parents[1],
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        out = json.loads(done.stdout.strip().splitlines()[-1])
-        head = cluster.head_node.node_id
-        assert sorted(out["spread"]) == sorted([head, second.node_id])  # one worker each
-        assert sorted(out["echo"]) == [10, 11]  # both answer, each with its rank
-        assert out["named"] == second.node_id  # the node with the resource asked for
-        assert "no room for 3 workers" in out["refused"] and "STRICT_SPREAD" in out["refused"]
-        assert out["refused"].count("CPU") >= 2  # each node's resources are named
-    finally:
-        cluster.remove_node(second)
-
-
+# One script and one second node serve both tests below: first the placements (a group spread
+# over both nodes, one on the node a resource names, one that fits nowhere), then one group of
+# two workers for each way the other worker behaves, all three spanning both nodes and called at
+# once, so that one node's leaving serves the three (each test of its own would start its own
+# node and interpreter and connect again: ~20 s of a loaded two-core host)
 OTHERS = ("silent", "answered", "raised_there")
-
-# one group of two workers for each way the other worker behaves, all three spanning both nodes
-# and called at once, so that one node's leaving serves the three
-SILENT = r"""
+SCRIPT = r"""
 import json, sys, threading, ray
 from engine_core.errors import DispatchError
 from engine_core.executors.ray import RayWorkerGroup
 from tests._workers import MeshWorker
 
 ray.init(address=sys.argv[1], log_to_driver=False)
+placed = {}
+spread = RayWorkerGroup(MeshWorker, 2, resources={"CPU": 1}, strategy="SPREAD")
+placed["spread"] = [ip_id[0] for ip_id in spread.nodes]
+placed["echo"] = spread.call_all("echo", 1)
+spread.shutdown()
+named = RayWorkerGroup(MeshWorker, 1, resources={"second": 1})
+placed["named"] = named.nodes[0][0]
+named.shutdown()
+try:
+    RayWorkerGroup(MeshWorker, 3, strategy="STRICT_SPREAD", call_timeout_s=1)  # never placed
+except DispatchError as e:
+    placed["refused"] = str(e)
+
 raisers, calls, said = {}, {}, {}
 for other in sys.argv[3].split(","):
     group = RayWorkerGroup(
@@ -120,7 +86,7 @@ for other in sys.argv[3].split(","):
     answered = other != "silent"  # the other answers at once; the raiser lost a peer
     raisers[other] = raiser
     calls[other] = group.call_all_async("raise_or_nap", raiser, 0 if answered else 600, answered)
-print(json.dumps({"raisers": raisers}), flush=True)
+print(json.dumps({"placed": placed, "raisers": raisers}), flush=True)
 
 def result(other):
     try:
@@ -137,18 +103,15 @@ print(json.dumps({"said": said}), flush=True)
 """
 
 
-def test_a_worker_cut_off_with_its_node_is_named_though_it_said_nothing(
-    cluster: Any, tmp_path: Path
-) -> None:
-    """In each group one worker raises at once; the other is on a node that leaves the cluster
-    only after the grace period for the others' answers. ``silent``: it never answers;
-    ``answered``: it answered at once, and the raiser's error is a collective's lost peer (the
-    peer may be another group's, on that node); ``raised_there``: the raiser is the one on the
-    leaving node. The worker on the node that left is named first, with its node."""
-    second = cluster.add_node(num_cpus=1)
+@pytest.fixture(scope="module")
+def second_node_left(cluster: Any) -> dict[str, Any]:
+    """The script above on the cluster with a second node (one CPU and a resource naming it),
+    which leaves the cluster once the raised errors have waited out their grace period: what
+    the script printed, with the nodes' ids and its stderr."""
+    second = cluster.add_node(num_cpus=1, resources={"second": 1})
     cluster.wait_for_nodes()
     script = subprocess.Popen(
-        [sys.executable, "-c", SILENT, cluster.address, second.node_id, ",".join(OTHERS)],
+        [sys.executable, "-c", SCRIPT, cluster.address, second.node_id, ",".join(OTHERS)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -156,14 +119,45 @@ def test_a_worker_cut_off_with_its_node_is_named_though_it_said_nothing(
         cwd=Path(__file__).parents[1],
     )
     assert script.stdout is not None
-    first = next((line for line in script.stdout if line.startswith('{"raisers"')), "{}")
-    raisers = json.loads(first).get("raisers")
-    assert raisers is not None, script.communicate(timeout=60)[1][-3000:]
+    first = next((line for line in script.stdout if line.startswith('{"placed"')), "{}")
+    started = json.loads(first)
+    if "raisers" not in started:
+        cluster.remove_node(second)
+        pytest.fail(script.communicate(timeout=60)[1][-3000:])
     time.sleep(FAILURE_GRACE_S + 2)  # the raised errors have waited out their grace period
     cluster.remove_node(second, allow_graceful=False)
     out, err = script.communicate(timeout=180)
     said = next((json.loads(s)["said"] for s in out.splitlines() if s.startswith('{"said"')), {})
-    assert set(said) == set(OTHERS), (said, err[-3000:])
+    return {
+        **started,
+        "said": said,
+        "err": err,
+        "head": cluster.head_node.node_id,
+        "second": second.node_id,
+    }
+
+
+def test_groups_are_placed_where_they_fit_and_refused_where_nothing_fits(
+    second_node_left: dict[str, Any],
+) -> None:
+    out, second = second_node_left["placed"], second_node_left["second"]
+    assert sorted(out["spread"]) == sorted([second_node_left["head"], second])  # one each
+    assert sorted(out["echo"]) == [10, 11]  # both answer, each with its rank
+    assert out["named"] == second  # the node with the resource asked for
+    assert "no room for 3 workers" in out["refused"] and "STRICT_SPREAD" in out["refused"]
+    assert out["refused"].count("CPU") >= 2  # each node's resources are named
+
+
+def test_a_worker_cut_off_with_its_node_is_named_though_it_said_nothing(
+    second_node_left: dict[str, Any],
+) -> None:
+    """In each group one worker raises at once; the other is on a node that leaves the cluster
+    only after the grace period for the others' answers. ``silent``: it never answers;
+    ``answered``: it answered at once, and the raiser's error is a collective's lost peer (the
+    peer may be another group's, on that node); ``raised_there``: the raiser is the one on the
+    leaving node. The worker on the node that left is named first, with its node."""
+    said, raisers = second_node_left["said"], second_node_left["raisers"]
+    assert set(said) == set(OTHERS), (said, second_node_left["err"][-3000:])
     for other in OTHERS:
         raiser, lines = raisers[other], said[other].splitlines()
         lost = raiser if other == "raised_there" else 1 - raiser
